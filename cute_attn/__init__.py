@@ -1,0 +1,10 @@
+"""cute_attn: attention kernels for LLM serving in the CuTe DSL (Hopper sm_90a, Blackwell sm_100a).
+
+Importing the package needs neither a GPU nor the CuTe DSL: the DSL is only needed to compile
+kernels (see ``python -m cute_attn compile``); running them needs the CUDA runtime.
+"""
+__version__ = "0.1.0"
+
+from .merge import merge_state, merge_state_in_place, merge_states  # noqa: E402,F401
+
+__all__ = ["merge_state", "merge_state_in_place", "merge_states", "__version__"]

@@ -1,0 +1,36 @@
+"""Side-by-side benchmarks for ``python -m cute_attn bench`` (GPU machines; not part of the tests)."""
+from __future__ import annotations
+
+import sys
+
+from .common import Results
+
+GROUPS = ("copy", "merge", "launch")
+
+
+def run_benchmarks(only=None, json_path=None, quick=False) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    groups = only or list(GROUPS)
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        print(f"unknown benchmark group(s) {sorted(unknown)}; known: {GROUPS}", file=sys.stderr)
+        return 2
+    res = Results()
+    print(f"device: {res.device}  commit: {res.commit}  date: {res.date}")
+    from . import launch, merge
+
+    ceiling = None
+    if "copy" in groups or "merge" in groups:
+        ceiling = merge.copy_bandwidth(res)
+    if "merge" in groups:
+        merge.bench_merge(res, ceiling, quick)
+    if "launch" in groups:
+        launch.bench_launch(res, quick)
+    if json_path:
+        res.merge_into(json_path)
+        print(f"records merged into {json_path}")
+    return 0

@@ -1,0 +1,56 @@
+"""Timing and result records shared by the benchmarks (GPU machines only)."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+
+
+def do_bench(fn, warmup_ms: float = 25, rep_ms: float = 200) -> float:
+    """Median time of ``fn`` in microseconds, CUDA events via triton.testing.do_bench."""
+    from triton.testing import do_bench as tdb
+
+    return tdb(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
+
+
+def commit() -> str:
+    try:
+        here = Path(__file__).resolve().parent
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True,
+                             text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True).stdout.strip()
+        return (sha + ("+dirty" if dirty else "")) if sha else os.environ.get("CUTE_ATTN_COMMIT", "unknown")
+    except OSError:
+        return os.environ.get("CUTE_ATTN_COMMIT", "unknown")
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+class Results:
+    """Collects {"case","impl","metric","value","device","commit","date"} records (DESIGN §9)."""
+
+    def __init__(self):
+        self.records: list = []
+        self.device, self.commit = device_name(), commit()
+        self.date = datetime.date.today().isoformat()
+
+    def add(self, case: str, impl: str, metric: str, value: float) -> None:
+        self.records.append({"case": case, "impl": impl, "metric": metric, "value": round(float(value), 4),
+                             "device": self.device, "commit": self.commit, "date": self.date})
+
+    def merge_into(self, path: str) -> None:
+        """The latest run of a (case, impl, metric) replaces the older record."""
+        p = Path(path)
+        old = json.loads(p.read_text()) if p.exists() else []
+        key = lambda r: (r["case"], r["impl"], r["metric"])  # noqa: E731
+        new_keys = {key(r) for r in self.records}
+        merged = [r for r in old if key(r) not in new_keys] + self.records
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(sorted(merged, key=key), indent=1) + "\n")

@@ -1,0 +1,162 @@
+"""The ⊕ operator on attention states, as CuTe DSL kernels (DESIGN §2).
+
+A state is (v, s): v the normalized output of attention over some key set, s its
+log-sum-exp in base 2.  Two states merge as
+
+    m = max(s_a, s_b);  w_a = 2^(s_a - m);  w_b = 2^(s_b - m)
+    v = (w_a v_a + w_b v_b) / (w_a + w_b);  s = m + log2(w_a + w_b)
+
+and a row whose every state is empty (s = -inf) merges to v = 0, s = -inf rather than NaN.
+
+Both kernels are memory-bound: each thread owns one 16-byte vector of a row's head_dim and
+walks the states; a CTA covers ``rows_per_cta`` (seq, head) rows per step of a grid-stride
+loop.  Plain SIMT loads (LDG.128): there is nothing for TMA or the tensor cores to do, so the
+same code serves sm_90a and sm_100a.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+VEC_BYTES = 16
+TARGET_THREADS = 128
+
+
+def row_geometry(dtype_bytes: int, head_dim: int) -> tuple[int, int, int]:
+    """(elements per vector, threads per row, rows per CTA) for a row of ``head_dim`` elements."""
+    vec = VEC_BYTES // dtype_bytes
+    assert head_dim % vec == 0, "head_dim must be a multiple of one 16-byte vector"
+    tpr = head_dim // vec
+    assert tpr <= 1024, "head_dim too large for one CTA row"
+    return vec, tpr, max(1, TARGET_THREADS // tpr)
+
+
+@cute.jit
+def _load_vec(row: cute.Tensor, lane: Int32, vec: cutlass.Constexpr):
+    """This thread's ``vec`` contiguous elements of a row, converted to fp32."""
+    src = cute.local_tile(row, (vec,), (lane,))
+    frag = cute.make_rmem_tensor((vec,), row.element_type)
+    cute.autovec_copy(src, frag)
+    return frag.load().to(Float32)
+
+
+@cute.jit
+def _store_vec(row: cute.Tensor, lane: Int32, vec: cutlass.Constexpr, value):
+    frag = cute.make_rmem_tensor((vec,), row.element_type)
+    frag.store(value.to(row.element_type))
+    cute.autovec_copy(frag, cute.local_tile(row, (vec,), (lane,)))
+
+
+class MergeStates:
+    """merge_states: v [seq, n, heads, dim], s [seq, n, heads] -> o [seq, heads, dim], lse [seq, heads]."""
+
+    def __init__(self, dtype_bytes: int, head_dim: int):
+        self.vec, self.tpr, self.rows_per_cta = row_geometry(dtype_bytes, head_dim)
+
+    @cute.kernel
+    def kernel(self, mV: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        seq, nstates, heads = mS.shape
+        lane = tidx % self.tpr
+        nrows = seq * heads
+        for row0 in cutlass.range(bidx * self.rows_per_cta, nrows, gdim * self.rows_per_cta):
+            row = row0 + tidx // self.tpr
+            if row < nrows:
+                si = row // heads
+                h = row - si * heads
+                m = -Float32.inf
+                for i in cutlass.range(nstates, unroll=8):
+                    m = cute.arch.fmax(m, mS[si, i, h])
+                acc = cute.zeros_like(cute.make_rmem_tensor((self.vec,), Float32).load())
+                d = Float32(0.0)
+                lse = -Float32.inf
+                if m != -Float32.inf:
+                    # 2^(-inf - m) = 0: empty states drop out without special cases.
+                    for i in cutlass.range(nstates, unroll=4):
+                        w = cute.math.exp2(mS[si, i, h] - m, fastmath=True)
+                        acc = acc + _load_vec(mV[si, i, h, None], lane, self.vec) * w
+                        d = d + w
+                    acc = acc * cute.arch.rcp_approx(d)
+                    lse = m + cute.math.log2(d, fastmath=True)
+                _store_vec(mO[si, h, None], lane, self.vec, acc)
+                if lane == 0:
+                    mLse[si, h] = lse
+
+    @cute.jit
+    def __call__(self, mV: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, stream: cuda.CUstream):
+        nrows = mS.shape[0] * mS.shape[2]
+        grid = (nrows + self.rows_per_cta - 1) // self.rows_per_cta
+        self.kernel(mV, mS, mO, mLse).launch(
+            grid=[grid, 1, 1], block=[self.tpr * self.rows_per_cta, 1, 1], stream=stream)
+
+
+class MergePair:
+    """merge_state / merge_state_in_place: (v_a, s_a) ⊕ (v_b, s_b) -> (o, lse), rows [seq, heads].
+
+    ``o``/``lse`` may alias ``v_a``/``s_a`` (in place): each thread reads its elements before
+    writing them.  With ``masked``, rows whose ``mask[seq]`` byte is 0 are left untouched.
+    """
+
+    def __init__(self, dtype_bytes: int, head_dim: int, masked: bool):
+        self.vec, self.tpr, self.rows_per_cta = row_geometry(dtype_bytes, head_dim)
+        self.masked = masked
+
+    @cute.kernel
+    def kernel(self, mVa: cute.Tensor, mSa: cute.Tensor, mVb: cute.Tensor, mSb: cute.Tensor,
+               mO: cute.Tensor, mLse: cute.Tensor, mMask: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        seq, heads = mSa.shape
+        lane = tidx % self.tpr
+        nrows = seq * heads
+        for row0 in cutlass.range(bidx * self.rows_per_cta, nrows, gdim * self.rows_per_cta):
+            row = row0 + tidx // self.tpr
+            if row < nrows:
+                si = row // heads
+                h = row - si * heads
+                keep = True
+                if const_expr(self.masked):
+                    keep = mMask[si] != 0
+                if keep:
+                    sa = mSa[si, h]
+                    sb = mSb[si, h]
+                    va = _load_vec(mVa[si, h, None], lane, self.vec)
+                    vb = _load_vec(mVb[si, h, None], lane, self.vec)
+                    m = cute.arch.fmax(sa, sb)
+                    out = cute.zeros_like(va)
+                    lse = -Float32.inf
+                    if m != -Float32.inf:
+                        wa = cute.math.exp2(sa - m, fastmath=True)
+                        wb = cute.math.exp2(sb - m, fastmath=True)
+                        d = wa + wb
+                        out = (va * wa + vb * wb) * cute.arch.rcp_approx(d)
+                        lse = m + cute.math.log2(d, fastmath=True)
+                    _store_vec(mO[si, h, None], lane, self.vec, out)
+                    if lane == 0:
+                        mLse[si, h] = lse
+
+    @cute.jit
+    def __call__(self, mVa: cute.Tensor, mSa: cute.Tensor, mVb: cute.Tensor, mSb: cute.Tensor,
+                 mO: cute.Tensor, mLse: cute.Tensor, mMask: cute.Tensor, stream: cuda.CUstream):
+        nrows = mSa.shape[0] * mSa.shape[1]
+        grid = (nrows + self.rows_per_cta - 1) // self.rows_per_cta
+        self.kernel(mVa, mSa, mVb, mSb, mO, mLse, mMask).launch(
+            grid=[grid, 1, 1], block=[self.tpr * self.rows_per_cta, 1, 1], stream=stream)
+
+
+_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+
+
+def build_merge_states(spec):
+    p = spec.pdict
+    return MergeStates(_BYTES[p["dtype"]], p["head_dim"])
+
+
+def build_merge_pair(spec):
+    p = spec.pdict
+    return MergePair(_BYTES[p["dtype"]], p["head_dim"], p["masked"])

@@ -1,0 +1,31 @@
+"""Which compile target a CUDA device needs."""
+from __future__ import annotations
+
+import functools
+
+_ARCH_BY_MAJOR = {9: "sm_90a", 10: "sm_100a"}
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_of_index(index: int) -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(index)
+    arch = _ARCH_BY_MAJOR.get(major) if minor == 0 else None
+    if arch is None:
+        name = torch.cuda.get_device_name(index)
+        raise RuntimeError(
+            f"cute_attn runs on Hopper (sm_90) and Blackwell (sm_100) GPUs; cuda:{index} ({name}) is "
+            f"sm_{major}{minor}")
+    return arch
+
+
+def device_arch(device) -> str:
+    """``sm_90a`` for compute capability 9.0, ``sm_100a`` for 10.0; anything else is an error."""
+    import torch
+
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"cute_attn kernels run on CUDA tensors, got a tensor on {device}")
+    return _arch_of_index(device.index if device.index is not None else torch.cuda.current_device())

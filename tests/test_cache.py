@@ -1,0 +1,166 @@
+"""Module cache: key stability, atomic publish, corrupt entries, concurrent builds (CPU only)."""
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from cute_attn.runtime import cache
+from cute_attn.runtime.spec import Spec
+
+
+def _spec(**kw):
+    params = dict(dtype="bf16", head_dim=128)
+    params.update(kw)
+    return Spec.make("merge_states", "sm_90a", **params)
+
+
+def test_key_is_stable_and_order_independent():
+    a = Spec.make("merge_states", "sm_90a", dtype="bf16", head_dim=128)
+    b = Spec.make("merge_states", "sm_90a", head_dim=128, dtype="bf16")
+    assert a.key == b.key
+    # Same key in a fresh interpreter (no dependence on hash seeds or import order).
+    code = "from cute_attn.runtime.spec import Spec; print(Spec.make('merge_states','sm_90a',head_dim=128,dtype='bf16').key)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONHASHSEED="123")).stdout.strip()
+    assert out == a.key
+
+
+@pytest.mark.parametrize("change", [dict(dtype="f16"), dict(head_dim=64), dict(extra=1)])
+def test_key_changes_with_params(change):
+    assert _spec(**change).key != _spec().key
+
+
+def test_key_changes_with_arch_and_family():
+    s = _spec()
+    assert Spec.make("merge_states", "sm_100a", **s.pdict).key != s.key
+    assert Spec.make("merge_pair", "sm_90a", masked=False, **s.pdict).key != s.key
+
+
+def test_spec_cli_roundtrip():
+    s = Spec.make("merge_pair", "sm_90a", dtype="bf16", head_dim=128, masked=True)
+    assert Spec.parse(s.cli(), "sm_90a") == s
+
+
+def test_bad_arch_and_params():
+    with pytest.raises(ValueError, match="unsupported arch"):
+        Spec.make("merge_states", "sm_80", dtype="bf16")
+    with pytest.raises(TypeError, match="not allowed"):
+        Spec.make("merge_states", "sm_90a", dtype=object())
+
+
+def _fake_build(payload: bytes):
+    def build(tmp: Path):
+        (tmp / "module.so").write_bytes(payload)
+        (tmp / "kernel.ptx").write_text("ptx")
+        return {"build_id": uuid.uuid4().hex, "dsl_version": cache.installed_dsl_version()}
+    return build
+
+
+def test_publish_and_lookup(tmp_cache):
+    s = _spec()
+    assert cache.lookup(s).problem == "missing"
+    with cache.key_lock(s):
+        found = cache.publish(s, _fake_build(b"\x7fELF" + os.urandom(1000)))
+    assert found.meta is not None and found.path == cache.entry_dir(s)
+    assert cache.lookup(s).meta["build_id"] == found.meta["build_id"]
+    assert found.path.parent == tmp_cache / "sm_90a"
+
+
+def test_failed_build_leaves_nothing(tmp_cache):
+    s = _spec()
+
+    def broken(tmp):
+        (tmp / "module.so").write_bytes(b"partial")
+        raise RuntimeError("compiler crashed")
+
+    with pytest.raises(RuntimeError, match="compiler crashed"):
+        cache.publish(s, broken)
+    assert cache.lookup(s).problem == "missing"
+    assert [p.name for p in (tmp_cache / "sm_90a").iterdir() if p.name != ".locks"] == []
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "meta"])
+def test_corrupt_entry_is_detected_and_replaced(tmp_cache, damage):
+    s = _spec()
+    first = cache.publish(s, _fake_build(os.urandom(4096)))
+    so = first.path / "module.so"
+    if damage == "truncate":
+        so.write_bytes(so.read_bytes()[:100])
+    elif damage == "flip":
+        b = bytearray(so.read_bytes())
+        b[2000] ^= 1
+        so.write_bytes(bytes(b))
+    elif damage == "delete":
+        so.unlink()
+    else:
+        (first.path / cache.META).write_text("{not json")
+    found = cache.lookup(s)
+    assert found.meta is None and found.problem.startswith("corrupt"), found.problem
+    again = cache.publish(s, _fake_build(os.urandom(4096)))
+    assert again.meta is not None and again.meta["build_id"] != first.meta["build_id"]
+    assert cache.lookup(s).meta["build_id"] == again.meta["build_id"]
+
+
+def test_stale_dsl_version_is_rebuilt_only_with_dsl(tmp_cache, monkeypatch):
+    s = _spec()
+    def old_build(tmp):
+        (tmp / "module.so").write_bytes(b"x")
+        return {"dsl_version": "0.0.1"}
+
+    cache.publish(s, old_build)
+    monkeypatch.setattr(cache, "installed_dsl_version", lambda: "9.9.9")
+    assert cache.lookup(s).problem.startswith("stale")
+    monkeypatch.setattr(cache, "installed_dsl_version", lambda: None)  # run-only machine
+    assert cache.lookup(s).meta is not None
+
+
+def _race_worker(root, barrier, q):
+    os.environ["CUTE_ATTN_CACHE_DIR"] = root
+    s = _spec()
+    barrier.wait()
+    with cache.key_lock(s):
+        found = cache.lookup(s)
+        built = found.meta is None
+        if built:
+            time.sleep(0.2)  # widen the window a racing process would hit
+            found = cache.publish(s, _fake_build(os.urandom(2048)))
+    q.put((built, found.meta["build_id"]))
+
+
+def test_concurrent_publish_builds_once(tmp_cache):
+    ctx = mp.get_context("spawn")
+    barrier, q = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_race_worker, args=(str(tmp_cache), barrier, q)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert sum(b for b, _ in results) == 1
+    assert len({bid for _, bid in results}) == 1
+
+
+@pytest.mark.compile
+def test_concurrent_compile_from_two_processes(tmp_cache):
+    """Two processes compile the same spec at once: one compiles, both load one valid entry."""
+    spec_text = "merge_states:dtype=f16,head_dim=64"
+    code = ("import json,sys; from cute_attn.runtime.build import build; from cute_attn.runtime.spec import Spec;"
+            f"e=build(Spec.parse('{spec_text}','sm_90a')); print(json.dumps([e.meta['created'], e.meta['files']]))")
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (o, e) in zip(procs, outs):
+        assert p.returncode == 0, e
+    metas = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    assert metas[0] == metas[1]
+    entries = [d for d in (tmp_cache / "sm_90a").iterdir() if not d.name.startswith(".")]
+    assert len(entries) == 1
+    assert cache.lookup(Spec.parse(spec_text, "sm_90a")).meta is not None
