@@ -25,7 +25,8 @@ from .cache import cache_root, lookup
 from .spec import Spec
 
 _CUDART = None
-_LOCK = threading.Lock()
+_CUDART_LOCK = threading.Lock()
+_LOCK = threading.Lock()  # guards _MODULES
 
 
 class KernelNotAvailable(RuntimeError):
@@ -64,7 +65,7 @@ def cudart() -> ctypes.CDLL:
     """The CUDA runtime, opened RTLD_GLOBAL once per process."""
     global _CUDART
     if _CUDART is None:
-        with _LOCK:
+        with _CUDART_LOCK:
             if _CUDART is None:
                 errors = []
                 for c in _cudart_candidates():
@@ -95,7 +96,7 @@ class Module:
         self._lib = ctypes.CDLL(str(path / "module.so"), mode=ctypes.RTLD_LOCAL)
         sym = meta["symbols"]
         self._launch = getattr(self._lib, sym["launch"])
-        self._launch.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        self._launch.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32]
         self._launch.restype = None
         self._nargs = sym["num_args"]
         fmt, offsets = abi_mod.args_format(self.args)
