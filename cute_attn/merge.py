@@ -144,9 +144,10 @@ def _merge_pair(va, sa, vb, sb, out, lse, mask):
         if mask.shape != (seq,) or mask.dtype not in (torch.bool, torch.uint8):
             raise ValueError(f"mask must be a bool tensor of shape ({seq},), got {mask.dtype}{tuple(mask.shape)}")
         mask = mask.contiguous().view(torch.uint8)
-    else:
-        mask = sa  # unused by the unmasked kernel; any valid pointer
-    _module("merge_pair", arch, dtype=dt, head_dim=d, masked=mask is not sa)(va, sa, vb, sb, out, lse, mask)
+    masked = mask is not None
+    if not masked:
+        mask = sa.as_strided((1,), (1,))  # never read by the unmasked kernel; any valid pointer
+    _module("merge_pair", arch, dtype=dt, head_dim=d, masked=masked)(va, sa, vb, sb, out, lse, mask)
 
 
 def merge_state(v_a, s_a, v_b, s_b, *, out=None, lse=None) -> Tuple["torch.Tensor", "torch.Tensor"]:

@@ -117,7 +117,10 @@ def _fake_args(cute, args):
             fakes.append(cutlass.Int32(0) if a.dtype == "i32" else cutlass.Float32(0.0))
             continue
         shape = tuple(cute.sym_int() if s is None else s for s in a.shape)
-        stride = tuple(cute.sym_int(divisibility=a.stride_divisibility) if s is None else s for s in a.stride)
+        # 64-bit strides: the exported header always declares int64_t strides, and the host
+        # code copies the struct as the fake tensor's stride width says — the two must agree
+        # (32-bit sym_int strides are silently read as int32 pairs).  KV caches need 64 bits anyway.
+        stride = tuple(cute.sym_int(64, divisibility=a.stride_divisibility) if s is None else s for s in a.stride)
         fakes.append(make_fake_tensor(dtypes[a.dtype], shape, stride, assumed_align=a.align))
     return fakes
 
