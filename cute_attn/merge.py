@@ -11,12 +11,14 @@ from __future__ import annotations
 import functools
 from typing import Optional, Tuple
 
-from .runtime.abi import TensorArg
+from .runtime.abi import ScalarArg, TensorArg
 from .runtime.family import KernelFamily, register
 from .runtime.spec import Spec
 
 _DTYPE_NAMES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32"}
 _VEC = {"f16": 8, "bf16": 8, "f32": 4}  # elements per 16-byte vector
+LOAD_BATCH = 4  # merge_states: states whose loads each thread issues together
+CTAS_PER_SM = 16  # merge grids: 16 CTAs of 128 threads fill an SM; the kernels loop over the rest
 
 # PTX/SASS that the merge kernels must contain: 16-byte vector loads, on both arches.
 _MERGE_EXPECT = {arch: {"16B ld.global (PTX)": r"ptx:ld\.global(\.\w+)*\.(v4\.[bfu]32|v2\.[bfu]64)",
@@ -38,7 +40,7 @@ MERGE_STATES = register(KernelFamily(
     name="merge_states",
     builder="cute_attn.kernels.merge:build_merge_states",
     abi=lambda p: [_vtensor("mV", p["dtype"], 4, p["head_dim"]), _stensor("mS", 3),
-                   _vtensor("mO", p["dtype"], 3, p["head_dim"]), _stensor("mLse", 2)],
+                   _vtensor("mO", p["dtype"], 3, p["head_dim"]), _stensor("mLse", 2), ScalarArg("max_ctas", "i32")],
     expect=_MERGE_EXPECT,
 ))
 
@@ -48,7 +50,8 @@ MERGE_PAIR = register(KernelFamily(
     abi=lambda p: [_vtensor("mVa", p["dtype"], 3, p["head_dim"]), _stensor("mSa", 2),
                    _vtensor("mVb", p["dtype"], 3, p["head_dim"]), _stensor("mSb", 2),
                    _vtensor("mO", p["dtype"], 3, p["head_dim"]), _stensor("mLse", 2),
-                   TensorArg("mMask", "u8", (None,) if p["masked"] else (1,), (1,), 1, 1)],
+                   TensorArg("mMask", "u8", (None,) if p["masked"] else (1,), (1,), 1, 1),
+                   ScalarArg("max_ctas", "i32")],
     expect=_MERGE_EXPECT,
 ))
 
@@ -58,6 +61,12 @@ def _module(family: str, arch: str, **params):
     from .runtime.loader import get_module
 
     return get_module(Spec.make(family, arch, **params))
+
+
+def _max_ctas(device) -> int:
+    from .runtime.arch import sm_count
+
+    return sm_count(device) * CTAS_PER_SM
 
 
 def _value_dtype(v) -> str:
@@ -124,7 +133,8 @@ def merge_states(v, s, *, out=None, lse=None) -> Tuple["torch.Tensor", "torch.Te
     lse = _out_tensor(lse, "lse", (seq, h), torch.float32, v.device)
     arch = _same_device(v, s, out, lse)
     if seq * h:
-        _module("merge_states", arch, dtype=dt, head_dim=d)(v, s, out, lse)
+        _module("merge_states", arch, dtype=dt, head_dim=d, load_batch=LOAD_BATCH)(
+            v, s, out, lse, _max_ctas(v.device))
     return out, lse
 
 
@@ -147,7 +157,8 @@ def _merge_pair(va, sa, vb, sb, out, lse, mask):
     masked = mask is not None
     if not masked:
         mask = sa.as_strided((1,), (1,))  # never read by the unmasked kernel; any valid pointer
-    _module("merge_pair", arch, dtype=dt, head_dim=d, masked=masked)(va, sa, vb, sb, out, lse, mask)
+    _module("merge_pair", arch, dtype=dt, head_dim=d, masked=masked)(
+        va, sa, vb, sb, out, lse, mask, _max_ctas(va.device))
 
 
 def merge_state(v_a, s_a, v_b, s_b, *, out=None, lse=None) -> Tuple["torch.Tensor", "torch.Tensor"]:

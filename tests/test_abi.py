@@ -37,6 +37,8 @@ for spec in preset_specs("default", "sm_90a"):
     stub.stub_set_param_sizes(len(sizes), (ctypes.c_int * len(sizes))(*sizes))
     tensors = []
     for a in mod.args:
+        if not isinstance(a, TensorArg):
+            tensors.append(rng.randint(1, 2)); continue
         shape = [rng.randint(2, 9) if s is None else s for s in a.shape]
         # strides: a padded row-major layout, so every stride differs from the compact one
         strides, acc = [], 1
@@ -47,7 +49,7 @@ for spec in preset_specs("default", "sm_90a"):
             st -= st % a.stride_divisibility
             strides.insert(0, st); acc = st * shape[i]
         tensors.append(torch.empty_strided(shape, strides, dtype=TORCH[a.dtype]))
-    flat = sum((tensor_fields(a, t) for a, t in zip(mod.args, tensors)), [])
+    flat = sum(([t] if not isinstance(a, TensorArg) else tensor_fields(a, t) for a, t in zip(mod.args, tensors)), [])
     before = stub.stub_launches()
     mod.launch(flat, 0xABC0)
     assert stub.stub_launches() == before + 1, spec.describe()
@@ -55,9 +57,13 @@ for spec in preset_specs("default", "sm_90a"):
     stub.stub_launch_config(grid, block, ctypes.byref(stream))
     assert stream.value == 0xABC0, spec.describe()
     assert list(block)[0] > 0 and list(grid)[0] > 0
+    scalars = [t for a, t in zip(mod.args, tensors) if not isinstance(a, TensorArg)]
+    if scalars:  # every family's int32 scalar is its max_ctas: the grid must respect it
+        assert grid[0] <= scalars[0], (spec.describe(), list(grid), scalars)
     # Kernel params: the tensor params come first, in ABI order:
     # {void* data; int32 extents[k]; (pad to 8); int64 strides[m]}
-    for i, (a, t) in enumerate(zip(mod.args, tensors)):
+    tensor_args = [(a, t) for a, t in zip(mod.args, tensors) if isinstance(a, TensorArg)]
+    for i, (a, t) in enumerate(tensor_args):
         raw = bytes(stub.stub_param(i).contents)[:sizes[i]]
         k, m = len(a.dyn_shape_modes), len(a.dyn_stride_modes)
         got_ptr = int.from_bytes(raw[:8], "little")

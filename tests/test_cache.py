@@ -150,7 +150,7 @@ def test_concurrent_publish_builds_once(tmp_cache):
 @pytest.mark.compile
 def test_concurrent_compile_from_two_processes(tmp_cache):
     """Two processes compile the same spec at once: one compiles, both load one valid entry."""
-    spec_text = "merge_states:dtype=f16,head_dim=64"
+    spec_text = "merge_states:dtype=f16,head_dim=64,load_batch=4"
     code = ("import json,sys; from cute_attn.runtime.build import build; from cute_attn.runtime.spec import Spec;"
             f"e=build(Spec.parse('{spec_text}','sm_90a')); print(json.dumps([e.meta['created'], e.meta['files']]))")
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")

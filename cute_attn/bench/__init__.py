@@ -5,7 +5,7 @@ import sys
 
 from .common import Results
 
-GROUPS = ("copy", "merge", "launch")
+GROUPS = ("copy", "merge", "launch", "merge_sweep")
 
 
 def run_benchmarks(only=None, json_path=None, quick=False) -> int:
@@ -14,7 +14,7 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU", file=sys.stderr)
         return 2
-    groups = only or list(GROUPS)
+    groups = only or [g for g in GROUPS if g != "merge_sweep"]
     unknown = set(groups) - set(GROUPS)
     if unknown:
         print(f"unknown benchmark group(s) {sorted(unknown)}; known: {GROUPS}", file=sys.stderr)
@@ -28,6 +28,8 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         ceiling = merge.copy_bandwidth(res)
     if "merge" in groups:
         merge.bench_merge(res, ceiling, quick)
+    if "merge_sweep" in groups:
+        merge.sweep_merge(res)
     if "launch" in groups:
         launch.bench_launch(res, quick)
     if json_path:

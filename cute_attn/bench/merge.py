@@ -93,3 +93,24 @@ def bench_merge(res, ceiling: float, quick: bool) -> None:
             print(f"torch.compile failed: {type(e).__name__}: {e}")
     _row(f"merge_state s{seq} h{h} d{d}", f"merge_state/n{seq}/h{h}/d{d}", t_ours, t_torch, t_comp, nbytes,
          ceiling, res)
+
+
+def sweep_merge(res) -> None:
+    """merge_states 8 x 4096 x 32 x 128 bf16 over load_batch (spec) x grid cap (launch)."""
+    from ..merge import _module
+    from ..runtime.arch import device_arch, sm_count
+
+    n, seq, h, d = 8, 4096, 32, 128
+    v = torch.randn(seq, n, h, d, device="cuda", dtype=torch.bfloat16)
+    s = torch.randn(seq, n, h, device="cuda") * 3
+    out = torch.empty(seq, h, d, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(seq, h, device="cuda")
+    nbytes = v.numel() * 2 + s.numel() * 4 + out.numel() * 2 + lse.numel() * 4
+    arch, sms = device_arch(v.device), sm_count(v.device)
+    print(f"{'load_batch':>10} {'ctas/SM':>8} {'us':>8} {'TB/s':>7}")
+    for batch in (1, 2, 4, 8):
+        mod = _module("merge_states", arch, dtype="bf16", head_dim=d, load_batch=batch)
+        for per_sm in (8, 16, 32, 1 << 20):
+            t = do_bench(lambda: mod(v, s, out, lse, sms * per_sm))
+            label = "all" if per_sm > 1000 else str(per_sm)
+            print(f"{batch:>10} {label:>8} {t:8.1f} {nbytes / t / 1e6:7.3f}")

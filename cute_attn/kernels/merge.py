@@ -49,11 +49,20 @@ def _store_vec(row: cute.Tensor, lane: Int32, vec: cutlass.Constexpr, value):
     cute.autovec_copy(frag, cute.local_tile(row, (vec,), (lane,)))
 
 
+@cute.jit
+def _grid(nrows: Int32, rows_per_cta: cutlass.Constexpr, max_ctas: Int32) -> Int32:
+    """One CTA per row group, at most ``max_ctas`` (SM count x CTAs per SM, passed in at launch:
+    nothing is asked of the GPU at trace time); the grid-stride loop covers the rest."""
+    needed = (nrows + rows_per_cta - 1) // rows_per_cta
+    return needed if needed < max_ctas else max_ctas
+
+
 class MergeStates:
     """merge_states: v [seq, n, heads, dim], s [seq, n, heads] -> o [seq, heads, dim], lse [seq, heads]."""
 
-    def __init__(self, dtype_bytes: int, head_dim: int):
+    def __init__(self, dtype_bytes: int, head_dim: int, load_batch: int):
         self.vec, self.tpr, self.rows_per_cta = row_geometry(dtype_bytes, head_dim)
+        self.load_batch = load_batch  # states whose loads are issued together
 
     @cute.kernel
     def kernel(self, mV: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor):
@@ -68,18 +77,30 @@ class MergeStates:
             if row < nrows:
                 si = row // heads
                 h = row - si * heads
+                # One pass of online ⊕ over batches of load_batch states: a batch's loads are
+                # issued before any of its math (past-the-end slots re-read the last state and
+                # get weight 0), so each thread keeps several 16-byte loads in flight.  m_safe
+                # keeps exp2 finite while every state so far is empty (-inf): weights are then 0.
                 m = -Float32.inf
-                for i in cutlass.range(nstates, unroll=8):
-                    m = cute.arch.fmax(m, mS[si, i, h])
-                acc = cute.zeros_like(cute.make_rmem_tensor((self.vec,), Float32).load())
                 d = Float32(0.0)
+                acc = cute.zeros_like(cute.make_rmem_tensor((self.vec,), Float32).load())
+                for i0 in cutlass.range(0, nstates, self.load_batch):
+                    s_batch, v_batch = [], []
+                    for j in cutlass.range_constexpr(self.load_batch):
+                        idx = i0 + j if i0 + j < nstates else nstates - 1
+                        s_j = mS[si, idx, h]
+                        s_batch.append(s_j if i0 + j < nstates else -Float32.inf)
+                        v_batch.append(_load_vec(mV[si, idx, h, None], lane, self.vec))
+                    for j in cutlass.range_constexpr(self.load_batch):
+                        m_new = cute.arch.fmax(m, s_batch[j])
+                        m_safe = m_new if m_new != -Float32.inf else Float32(0.0)
+                        scale = cute.math.exp2(m - m_safe, fastmath=True)
+                        w = cute.math.exp2(s_batch[j] - m_safe, fastmath=True)
+                        acc = acc * scale + v_batch[j] * w
+                        d = d * scale + w
+                        m = m_new
                 lse = -Float32.inf
-                if m != -Float32.inf:
-                    # 2^(-inf - m) = 0: empty states drop out without special cases.
-                    for i in cutlass.range(nstates, unroll=4):
-                        w = cute.math.exp2(mS[si, i, h] - m, fastmath=True)
-                        acc = acc + _load_vec(mV[si, i, h, None], lane, self.vec) * w
-                        d = d + w
+                if d > Float32(0.0):
                     acc = acc * cute.arch.rcp_approx(d)
                     lse = m + cute.math.log2(d, fastmath=True)
                 _store_vec(mO[si, h, None], lane, self.vec, acc)
@@ -87,9 +108,9 @@ class MergeStates:
                     mLse[si, h] = lse
 
     @cute.jit
-    def __call__(self, mV: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, stream: cuda.CUstream):
-        nrows = mS.shape[0] * mS.shape[2]
-        grid = (nrows + self.rows_per_cta - 1) // self.rows_per_cta
+    def __call__(self, mV: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, max_ctas: Int32,
+                 stream: cuda.CUstream):
+        grid = _grid(mS.shape[0] * mS.shape[2], self.rows_per_cta, max_ctas)
         self.kernel(mV, mS, mO, mLse).launch(
             grid=[grid, 1, 1], block=[self.tpr * self.rows_per_cta, 1, 1], stream=stream)
 
@@ -142,9 +163,8 @@ class MergePair:
 
     @cute.jit
     def __call__(self, mVa: cute.Tensor, mSa: cute.Tensor, mVb: cute.Tensor, mSb: cute.Tensor,
-                 mO: cute.Tensor, mLse: cute.Tensor, mMask: cute.Tensor, stream: cuda.CUstream):
-        nrows = mSa.shape[0] * mSa.shape[1]
-        grid = (nrows + self.rows_per_cta - 1) // self.rows_per_cta
+                 mO: cute.Tensor, mLse: cute.Tensor, mMask: cute.Tensor, max_ctas: Int32, stream: cuda.CUstream):
+        grid = _grid(mSa.shape[0] * mSa.shape[1], self.rows_per_cta, max_ctas)
         self.kernel(mVa, mSa, mVb, mSb, mO, mLse, mMask).launch(
             grid=[grid, 1, 1], block=[self.tpr * self.rows_per_cta, 1, 1], stream=stream)
 
@@ -154,7 +174,7 @@ _BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 
 def build_merge_states(spec):
     p = spec.pdict
-    return MergeStates(_BYTES[p["dtype"]], p["head_dim"])
+    return MergeStates(_BYTES[p["dtype"]], p["head_dim"], p["load_batch"])
 
 
 def build_merge_pair(spec):

@@ -29,3 +29,17 @@ def device_arch(device) -> str:
     if device.type != "cuda":
         raise ValueError(f"cute_attn kernels run on CUDA tensors, got a tensor on {device}")
     return _arch_of_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of_index(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    """Multiprocessors of a CUDA device (a launch parameter of the persistent kernels)."""
+    import torch
+
+    return _sm_count_of_index(device.index if device.index is not None else torch.cuda.current_device())
