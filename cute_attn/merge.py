@@ -8,17 +8,23 @@ The last dim (head_dim) must be contiguous; other strides are free as long as th
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
+import torch
+
 from .runtime.abi import ScalarArg, TensorArg
+from .runtime.arch import arch_of_index
+from .runtime.loader import LaunchError
 from .runtime.family import KernelFamily, register
 from .runtime.spec import Spec
 
-_DTYPE_NAMES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32"}
+_DTYPE_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 _VEC = {"f16": 8, "bf16": 8, "f32": 4}  # elements per 16-byte vector
 LOAD_BATCH = 4  # merge_states: states whose loads each thread issues together
-CTAS_PER_SM = 16  # merge grids: 16 CTAs of 128 threads fill an SM; the kernels loop over the rest
+# The kernels take a grid cap (max_ctas) at launch and loop over the rows beyond it.  Measured
+# on the H200 (merge_states 8x4096x32x128 bf16): capping at 8/16/32 CTAs per SM gave 3.6/3.2/3.7
+# TB/s, one CTA per row group 3.8 TB/s, so the merge ops launch uncapped.
+GRID_CAP = 2**31 - 1
 
 # PTX/SASS that the merge kernels must contain: 16-byte vector loads, on both arches.
 _MERGE_EXPECT = {arch: {"16B ld.global (PTX)": r"ptx:ld\.global(\.\w+)*\.(v4\.[bfu]32|v2\.[bfu]64)",
@@ -56,125 +62,126 @@ MERGE_PAIR = register(KernelFamily(
 ))
 
 
-@functools.lru_cache(maxsize=None)
+_MODULES: dict = {}
+
+
 def _module(family: str, arch: str, **params):
-    from .runtime.loader import get_module
+    """Loaded module for a specialization; a dict lookup after the first call."""
+    key = (family, arch, *params.values())  # each call site passes the params in one order
+    mod = _MODULES.get(key)
+    if mod is None:
+        from .runtime.loader import get_module
 
-    return get_module(Spec.make(family, arch, **params))
-
-
-def _max_ctas(device) -> int:
-    from .runtime.arch import sm_count
-
-    return sm_count(device) * CTAS_PER_SM
-
-
-def _value_dtype(v) -> str:
-    name = _DTYPE_NAMES.get(str(v.dtype))
-    if name is None:
-        raise TypeError(f"merge ops take float16/bfloat16/float32 values, got {v.dtype}")
-    return name
+        mod = _MODULES[key] = get_module(Spec.make(family, arch, **params))
+    return mod
 
 
-def _prep_v(v, name: str, rank: int):
-    if v.dim() != rank:
-        raise ValueError(f"{name} must have {rank} dims, got shape {tuple(v.shape)}")
-    dt = _value_dtype(v)
-    vec = _VEC[dt]
-    if v.shape[-1] % vec:
-        raise ValueError(f"{name}: head_dim {v.shape[-1]} must be a multiple of {vec} for {v.dtype}")
-    if v.stride(-1) != 1 or any(s % vec for s in v.stride()[:-1]) or v.data_ptr() % 16:
-        v = v.contiguous()
-    return v, dt
+_UNUSED_MASKS: dict = {}
 
 
-def _prep_s(s, name: str, shape):
-    import torch
-
-    if s.dtype != torch.float32:
-        raise TypeError(f"{name} (LSE) must be float32, got {s.dtype}")
-    if tuple(s.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(s.shape)}")
-    return s
-
-
-def _out_tensor(t, name, shape, dtype, device):
-    import torch
-
+def _unused_mask(device: int) -> torch.Tensor:
+    """The mask argument of the unmasked kernel: never read, any valid pointer (one per device)."""
+    t = _UNUSED_MASKS.get(device)
     if t is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)}, got {t.dtype}{tuple(t.shape)}")
-    if t.stride(-1) != 1 and t.shape[-1] != 1 and len(shape) == 3:
-        raise ValueError(f"{name} must have a contiguous last dim")
+        t = _UNUSED_MASKS[device] = torch.zeros(1, dtype=torch.uint8, device=f"cuda:{device}")
     return t
 
 
-def _same_device(*ts):
-    dev = ts[0].device
+def _device_of(*ts) -> int:
+    """The one CUDA device index of ``ts`` (checked), and its arch is supported."""
+    idx = ts[0].get_device()
     for t in ts[1:]:
-        if t.device != dev:
-            raise ValueError(f"all tensors must be on one device, got {dev} and {t.device}")
-    from .runtime.arch import device_arch
+        if t is not None and t.get_device() != idx:
+            raise ValueError(f"all tensors must be on one device, got {ts[0].device} and {t.device}")
+    if idx < 0:
+        raise ValueError(f"cute_attn kernels run on CUDA tensors, got a tensor on {ts[0].device}")
+    return idx
 
-    return device_arch(dev)
+
+def _value_dtype(v, name: str, rank: int) -> str:
+    dt = _DTYPE_NAMES.get(v.dtype)
+    if dt is None:
+        raise TypeError(f"merge ops take float16/bfloat16/float32 values, got {name} of {v.dtype}")
+    if v.dim() != rank:
+        raise ValueError(f"{name} must have {rank} dims, got shape {tuple(v.shape)}")
+    if v.shape[-1] % _VEC[dt]:
+        raise ValueError(f"{name}: head_dim {v.shape[-1]} must be a multiple of {_VEC[dt]} for {v.dtype}")
+    return dt
 
 
-def merge_states(v, s, *, out=None, lse=None) -> Tuple["torch.Tensor", "torch.Tensor"]:
+def _check_lse(s, name: str, shape) -> None:
+    if s.dtype != torch.float32:
+        raise TypeError(f"{name} (LSE) must be float32, got {s.dtype}")
+    if s.shape != shape:
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(s.shape)}")
+
+
+def _output(t, name: str, shape, dtype, device):
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if t.shape != shape or t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)}, got {t.dtype}{tuple(t.shape)}")
+    return t
+
+
+def _launch(mod, inputs: tuple, outputs: tuple, extra: tuple) -> None:
+    """Launch; an input whose layout the kernel cannot take (last dim not contiguous, strides
+    or pointer not 16-byte aligned) is retried once as a contiguous copy.  Outputs are never
+    copied: a bad output layout is an error."""
+    try:
+        mod(*inputs, *outputs, *extra)
+    except LaunchError as e:
+        if all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in inputs):
+            raise ValueError(f"output tensor layout not supported: {e}") from None
+        mod(*(t.contiguous() for t in inputs), *outputs, *extra)
+
+
+def merge_states(v, s, *, out=None, lse=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Merge ``num_states`` states per row: v [seq, num_states, heads, dim], s [seq, num_states, heads]
     -> (v_merged [seq, heads, dim], s_merged [seq, heads]).  ``out``/``lse`` (an extension to
     FlashInfer's signature) receive the result when given."""
-    import torch
-
-    v, dt = _prep_v(v, "v", 4)
+    dt = _value_dtype(v, "v", 4)
     seq, n, h, d = v.shape
-    s = _prep_s(s, "s", (seq, n, h))
-    out = _out_tensor(out, "out", (seq, h, d), v.dtype, v.device)
-    lse = _out_tensor(lse, "lse", (seq, h), torch.float32, v.device)
-    arch = _same_device(v, s, out, lse)
+    _check_lse(s, "s", (seq, n, h))
+    out = _output(out, "out", (seq, h, d), v.dtype, v.device)
+    lse = _output(lse, "lse", (seq, h), torch.float32, v.device)
+    dev = _device_of(v, s, out, lse)
     if seq * h:
-        _module("merge_states", arch, dtype=dt, head_dim=d, load_batch=LOAD_BATCH)(
-            v, s, out, lse, _max_ctas(v.device))
+        mod = _module("merge_states", arch_of_index(dev), dtype=dt, head_dim=d, load_batch=LOAD_BATCH)
+        _launch(mod, (v, s), (out, lse), (GRID_CAP,))
     return out, lse
 
 
-def _merge_pair(va, sa, vb, sb, out, lse, mask):
-    va, dt = _prep_v(va, "v_a", 3)
-    vb, dtb = _prep_v(vb, "v_b", 3)
-    if dtb != dt or vb.shape != va.shape:
+def _merge_pair(va, sa, vb, sb, out, lse, mask) -> None:
+    dt = _value_dtype(va, "v_a", 3)
+    if vb.dtype != va.dtype or vb.shape != va.shape:
         raise ValueError(f"v_a and v_b must match: {va.dtype}{tuple(va.shape)} vs {vb.dtype}{tuple(vb.shape)}")
     seq, h, d = va.shape
-    sa, sb = _prep_s(sa, "s_a", (seq, h)), _prep_s(sb, "s_b", (seq, h))
-    arch = _same_device(va, sa, vb, sb, out, lse, *([] if mask is None else [mask]))
-    if seq * h == 0:
-        return
+    _check_lse(sa, "s_a", (seq, h))
+    _check_lse(sb, "s_b", (seq, h))
+    dev = _device_of(va, sa, vb, sb, out, lse, mask)
     if mask is not None:
-        import torch
-
         if mask.shape != (seq,) or mask.dtype not in (torch.bool, torch.uint8):
             raise ValueError(f"mask must be a bool tensor of shape ({seq},), got {mask.dtype}{tuple(mask.shape)}")
         mask = mask.contiguous().view(torch.uint8)
-    masked = mask is not None
-    if not masked:
-        mask = sa.as_strided((1,), (1,))  # never read by the unmasked kernel; any valid pointer
-    _module("merge_pair", arch, dtype=dt, head_dim=d, masked=masked)(
-        va, sa, vb, sb, out, lse, mask, _max_ctas(va.device))
+    if seq * h == 0:
+        return
+    mod = _module("merge_pair", arch_of_index(dev), dtype=dt, head_dim=d, masked=mask is not None)
+    if mask is None:
+        mask = _unused_mask(dev)
+    _launch(mod, (va, sa, vb, sb), (out, lse), (mask, GRID_CAP))
 
 
-def merge_state(v_a, s_a, v_b, s_b, *, out=None, lse=None) -> Tuple["torch.Tensor", "torch.Tensor"]:
+def merge_state(v_a, s_a, v_b, s_b, *, out=None, lse=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(v_a, s_a) ⊕ (v_b, s_b): v [seq, heads, dim], s [seq, heads] fp32 base-2 LSE.
     ``out``/``lse`` (an extension to FlashInfer's signature) receive the result when given."""
-    import torch
-
-    out = _out_tensor(out, "out", tuple(v_a.shape), v_a.dtype, v_a.device)
-    lse = _out_tensor(lse, "lse", tuple(v_a.shape[:-1]), torch.float32, v_a.device)
+    out = _output(out, "out", v_a.shape, v_a.dtype, v_a.device)
+    lse = _output(lse, "lse", v_a.shape[:-1], torch.float32, v_a.device)
     _merge_pair(v_a, s_a, v_b, s_b, out, lse, None)
     return out, lse
 
 
-def merge_state_in_place(v, s, v_other, s_other, mask: Optional["torch.Tensor"] = None) -> None:
-    """v, s ← (v, s) ⊕ (v_other, s_other); rows with ``mask[i] == False`` are left unchanged."""
-    vv, _ = _prep_v(v, "v", 3)
-    if vv.data_ptr() != v.data_ptr():
-        raise ValueError("merge_state_in_place: v must have a contiguous last dim and 16-byte aligned strides")
+def merge_state_in_place(v, s, v_other, s_other, mask: Optional[torch.Tensor] = None) -> None:
+    """v, s ← (v, s) ⊕ (v_other, s_other); rows with ``mask[i] == False`` are left unchanged.
+    ``v`` needs a contiguous last dim and 16-byte aligned strides (it cannot be copied)."""
     _merge_pair(v, s, v_other, s_other, v, s, mask)

@@ -107,7 +107,7 @@ def test_build_without_dsl_is_a_clear_error(tmp_cache, monkeypatch):
 @pytest.mark.parametrize("cap,expect", [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((8, 0), None), ((9, 1), None),
                                         ((12, 0), None)])
 def test_arch_detection(monkeypatch, cap, expect):
-    arch._arch_of_index.cache_clear()
+    arch.arch_of_index.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: cap)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Fake GPU")
     try:
@@ -117,7 +117,7 @@ def test_arch_detection(monkeypatch, cap, expect):
             with pytest.raises(RuntimeError, match=f"sm_{cap[0]}{cap[1]}"):
                 arch.device_arch(torch.device("cuda", 0))
     finally:
-        arch._arch_of_index.cache_clear()
+        arch.arch_of_index.cache_clear()
 
 
 def test_cpu_tensor_is_rejected():

@@ -39,7 +39,7 @@ def bench_launch(res, quick: bool) -> None:
                   dtype="bf16", head_dim=128, masked=False)
     tensors = (va, sa, vb, sb, out, lse, sa.as_strided((1,), (1,)), 132 * 16)
     flat = sum((tensor_fields(a, t) for a, t in zip(mod.args, tensors[:-1])), []) + [tensors[-1]]
-    stream = current_stream(va.device)
+    stream = current_stream(va.get_device())
     rows = [
         ("raw module launch (packed args)", "launch/raw", lambda: mod.launch(flat, stream)),
         ("module call with torch tensors", "launch/module", lambda: mod(*tensors)),

@@ -7,7 +7,7 @@ _ARCH_BY_MAJOR = {9: "sm_90a", 10: "sm_100a"}
 
 
 @functools.lru_cache(maxsize=None)
-def _arch_of_index(index: int) -> str:
+def arch_of_index(index: int) -> str:
     import torch
 
     major, minor = torch.cuda.get_device_capability(index)
@@ -28,11 +28,11 @@ def device_arch(device) -> str:
         device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"cute_attn kernels run on CUDA tensors, got a tensor on {device}")
-    return _arch_of_index(device.index if device.index is not None else torch.cuda.current_device())
+    return arch_of_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count_of_index(index: int) -> int:
+def sm_count_of_index(index: int) -> int:
     import torch
 
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -42,4 +42,4 @@ def sm_count(device) -> int:
     """Multiprocessors of a CUDA device (a launch parameter of the persistent kernels)."""
     import torch
 
-    return _sm_count_of_index(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count_of_index(device.index if device.index is not None else torch.cuda.current_device())

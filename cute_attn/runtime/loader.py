@@ -12,13 +12,14 @@ once, then one ctypes call.  ``scripts/bench_launch.py`` measures it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
 import struct
 import sys
 import threading
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 from . import abi as abi_mod
 from .cache import cache_root, lookup
@@ -146,21 +147,58 @@ class Module:
     def __call__(self, *values, stream: Optional[int] = None) -> None:
         """Launch with torch tensors / Python scalars in ABI order, on the current stream of
         the first tensor's device unless ``stream`` (a raw ``cudaStream_t``) is given."""
-        flat: list = []
-        for a, v in zip(self.args, values):
-            if isinstance(a, abi_mod.TensorArg):
-                flat += tensor_fields(a, v)
-            else:
-                flat.append(v)
+        flat = self._pack(*values)
         if stream is None:
-            stream = current_stream(values[0].device)
+            stream = current_stream(values[0].get_device())
         self.launch(flat, stream)
 
+    @functools.cached_property
+    def _pack(self):
+        return make_packer(self.args)
 
-def current_stream(device) -> int:
+
+def current_stream(device_index: int) -> int:
+    """Raw ``cudaStream_t`` of torch's current stream on a device (fast path when available)."""
     import torch
 
-    return torch.cuda.current_stream(device).cuda_stream
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def make_packer(args: Sequence) -> Callable:
+    """Generate ``pack(*values) -> tuple`` that flattens tensors/scalars for ``Module.launch``.
+
+    It is specialized to the ABI (no loops, no per-mode branching at run time) because it runs
+    on every launch; the checks are the same as :func:`tensor_fields`, which is called on a
+    failed check to produce the detailed error.
+    """
+    lines, out = [], []
+    for i, a in enumerate(args):
+        v = f"v{i}"
+        if not isinstance(a, abi_mod.TensorArg):
+            out.append(v)
+            continue
+        lines.append(f"sh{i} = {v}.shape; st{i} = {v}.stride(); p{i} = {v}.data_ptr()")
+        bad = [f"len(sh{i}) != {len(a.shape)}"]
+        for k, e in enumerate(a.shape):
+            if e is not None:
+                bad.append(f"sh{i}[{k}] != {e}")
+        for k, e in enumerate(a.stride):
+            if e is not None:
+                bad.append(f"(st{i}[{k}] != {e} and sh{i}[{k}] != 1)")
+            elif a.stride_divisibility > 1:
+                bad.append(f"st{i}[{k}] % {a.stride_divisibility}")
+        if a.align > 1:
+            bad.append(f"p{i} % {a.align}")
+        lines.append(f"if {' or '.join(bad)}: _slow(args[{i}], {v})")
+        out += [f"p{i}"] + [f"sh{i}[{k}]" for k in a.dyn_shape_modes] + [f"st{i}[{k}]" for k in a.dyn_stride_modes]
+    params = ", ".join(f"v{i}" for i in range(len(args)))
+    src = f"def pack({params}):\n" + "".join(f"    {ln}\n" for ln in lines) + f"    return ({', '.join(out)},)\n"
+    scope = {"args": list(args), "_slow": tensor_fields}
+    exec(compile(src, "<cute_attn packer>", "exec"), scope)
+    return scope["pack"]
 
 
 def tensor_fields(arg: "abi_mod.TensorArg", t) -> list:
