@@ -1,0 +1,93 @@
+"""Index arrays in, int64 numpy arrays out, with errors that name the argument and index.
+
+numpy arrays, lists and CPU tensors are read in place: nothing here touches a GPU. A CUDA
+tensor is copied to the host with ``.cpu()``, which waits for the device (the one case in
+which planning synchronizes; pass host copies of the index arrays to avoid it).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def as_index_array(name: str, x, length: int | None = None) -> np.ndarray:
+    """1-D int64 numpy array from an int array / list / torch tensor."""
+    if hasattr(x, "detach") and hasattr(x, "device"):  # torch.Tensor, without importing torch
+        if x.device.type != "cpu":
+            x = x.detach().cpu()  # device -> host: synchronizes (documented above)
+        x = x.detach().numpy()
+    a = np.asarray(x)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(a.shape)}")
+    if a.dtype.kind not in "iu":
+        if a.size == 0 and a.dtype.kind == "f":
+            a = a.astype(np.int64)  # np.asarray([]) is float64
+        else:
+            raise ValueError(f"{name} must hold integers, got dtype {a.dtype}")
+    if length is not None and a.shape[0] != length:
+        raise ValueError(f"{name} must have length {length}, got {a.shape[0]}")
+    return a.astype(np.int64, copy=False)
+
+
+def check_indptr(name: str, a: np.ndarray) -> np.ndarray:
+    """Validate an indptr (length >= 1, starts at 0, non-decreasing); return its diff."""
+    if a.shape[0] < 1:
+        raise ValueError(f"{name} must have at least one element (batch_size + 1)")
+    if a[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(a[0])}")
+    d = np.diff(a)
+    if d.shape[0] and d.min() < 0:
+        i = int(np.argmax(d < 0)) + 1
+        raise ValueError(f"{name} is not non-decreasing at index {i} ({int(a[i - 1])} > {int(a[i])})")
+    return d
+
+
+def check_lengths(name: str, a: np.ndarray, upper: int, upper_name: str) -> None:
+    if a.shape[0] == 0:
+        return
+    if a.min() < 0:
+        i = int(np.argmax(a < 0))
+        raise ValueError(f"{name}[{i}] is negative ({int(a[i])})")
+    if a.max() > upper:
+        i = int(np.argmax(a > upper))
+        raise ValueError(f"{name}[{i}] = {int(a[i])} exceeds {upper_name} ({upper})")
+
+
+def kv_lens_from_ragged(kv_indptr) -> np.ndarray:
+    """kv lengths of ragged (contiguous) KV: kv_indptr[b+1] - kv_indptr[b]."""
+    return check_indptr("kv_indptr", as_index_array("kv_indptr", kv_indptr))
+
+
+def kv_lens_from_paged(kv_indptr, last_page_len, page_size: int, kv_indices=None,
+                       num_pages_total: int | None = None) -> np.ndarray:
+    """kv lengths of a paged cache, FlashInfer's convention.
+
+    kv_indptr[b] .. kv_indptr[b+1] index request b's pages in ``kv_indices``; the last page
+    holds ``last_page_len[b]`` tokens, in [1, page_size] when the request has pages (ignored
+    when it has none). kv_len = (num_pages - 1) * page_size + last_page_len, 0 for 0 pages.
+    When ``kv_indices`` is given, the pages in use (its first kv_indptr[-1] entries) must lie
+    in [0, num_pages_total) (checked only when num_pages_total is given).
+    """
+    if not isinstance(page_size, (int, np.integer)) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    indptr = as_index_array("kv_indptr", kv_indptr)
+    num_pages = check_indptr("kv_indptr", indptr)
+    last = as_index_array("last_page_len", last_page_len, num_pages.shape[0])
+    has = num_pages > 0
+    bad = has & ((last < 1) | (last > page_size))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"last_page_len[{i}] = {int(last[i])} is outside [1, page_size={page_size}] "
+                         f"(request {i} has {int(num_pages[i])} pages)")
+    if kv_indices is not None:
+        idx = as_index_array("kv_indices", kv_indices)
+        used = int(indptr[-1])
+        if idx.shape[0] < used:
+            raise ValueError(f"kv_indices has {idx.shape[0]} entries, kv_indptr[-1] needs {used}")
+        if used:
+            u = idx[:used]
+            hi = num_pages_total if num_pages_total is not None else np.iinfo(np.int64).max
+            bad = (u < 0) | (u >= hi)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(f"kv_indices[{i}] = {int(u[i])} is outside [0, num_pages_total={hi})")
+    return np.where(has, (num_pages - 1) * page_size + last, 0)
