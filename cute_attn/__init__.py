@@ -5,6 +5,8 @@ kernels (see ``python -m cute_attn compile``); running them needs the CUDA runti
 """
 __version__ = "0.1.0"
 
+from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache  # noqa: E402,F401
 from .merge import merge_state, merge_state_in_place, merge_states  # noqa: E402,F401
 
-__all__ = ["merge_state", "merge_state_in_place", "merge_states", "__version__"]
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache", "merge_state",
+           "merge_state_in_place", "merge_states", "__version__"]

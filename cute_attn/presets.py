@@ -24,8 +24,15 @@ def _merge(arch: str, dtypes: Iterable[str], head_dims: Iterable[int]) -> List[S
     return specs
 
 
+def _decode(arch: str) -> List[Spec]:
+    from .decode import decode_specs
+
+    return decode_specs(arch)
+
+
 PRESETS: Dict[str, callable] = {
-    "default": lambda arch: _merge(arch, _VALUE_DTYPES, _HEAD_DIMS),
+    "default": lambda arch: _merge(arch, _VALUE_DTYPES, _HEAD_DIMS) + _decode(arch),
+    "decode": _decode,
     "smoke": lambda arch: _merge(arch, ("bf16",), (128,)),
     # tuning sweep for `python -m cute_attn bench --only merge_sweep`
     "merge_sweep": lambda arch: [Spec.make("merge_states", arch, dtype="bf16", head_dim=128, load_batch=b)

@@ -38,7 +38,7 @@ for spec in preset_specs("default", "sm_90a"):
     tensors = []
     for a in mod.args:
         if not isinstance(a, TensorArg):
-            tensors.append(rng.randint(1, 2)); continue
+            tensors.append(rng.randint(1, 3)); continue
         shape = [rng.randint(2, 9) if s is None else s for s in a.shape]
         # strides: a padded row-major layout, so every stride differs from the compact one
         strides, acc = [], 1
@@ -57,9 +57,13 @@ for spec in preset_specs("default", "sm_90a"):
     stub.stub_launch_config(grid, block, ctypes.byref(stream))
     assert stream.value == 0xABC0, spec.describe()
     assert list(block)[0] > 0 and list(grid)[0] > 0
-    scalars = [t for a, t in zip(mod.args, tensors) if not isinstance(a, TensorArg)]
-    if scalars:  # every family's int32 scalar is its max_ctas: the grid must respect it
-        assert grid[0] <= scalars[0], (spec.describe(), list(grid), scalars)
+    scalars = {a.name: t for a, t in zip(mod.args, tensors) if not isinstance(a, TensorArg)}
+    # the grid scalars must arrive: persistent kernels launch exactly num_ctas CTAs,
+    # the merge ops at most max_ctas
+    if "num_ctas" in scalars:
+        assert grid[0] == scalars["num_ctas"], (spec.describe(), list(grid), scalars)
+    if "max_ctas" in scalars:
+        assert grid[0] <= scalars["max_ctas"], (spec.describe(), list(grid), scalars)
     # Kernel params: the tensor params come first, in ABI order:
     # {void* data; int32 extents[k]; (pad to 8); int64 strides[m]}
     tensor_args = [(a, t) for a, t in zip(mod.args, tensors) if isinstance(a, TensorArg)]

@@ -5,7 +5,7 @@ import sys
 
 from .common import Results
 
-GROUPS = ("copy", "merge", "launch", "merge_sweep")
+GROUPS = ("copy", "merge", "launch", "decode", "merge_sweep")
 
 
 def run_benchmarks(only=None, json_path=None, quick=False) -> int:
@@ -21,7 +21,7 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         return 2
     res = Results()
     print(f"device: {res.device}  commit: {res.commit}  date: {res.date}")
-    from . import launch, merge
+    from . import decode, launch, merge
 
     ceiling = None
     if "copy" in groups or "merge" in groups:
@@ -30,6 +30,8 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         merge.bench_merge(res, ceiling, quick)
     if "merge_sweep" in groups:
         merge.sweep_merge(res)
+    if "decode" in groups:
+        decode.bench_decode(res, quick)
     if "launch" in groups:
         launch.bench_launch(res, quick)
     if json_path:

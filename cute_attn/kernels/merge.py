@@ -50,6 +50,18 @@ def _store_vec(row: cute.Tensor, lane: Int32, vec: cutlass.Constexpr, value):
 
 
 @cute.jit
+def oplus_step(m: Float32, d: Float32, acc, s_i: Float32, v_i):
+    """Fold one state (v_i, LSE s_i) into a running (max m, denominator d, unnormalized acc).
+    ``m_safe`` keeps exp2 finite while every state so far is empty (-inf): weights are then 0,
+    and a row that stays empty ends with d = 0 (written as v = 0, LSE = -inf)."""
+    m_new = cute.arch.fmax(m, s_i)
+    m_safe = m_new if m_new != -Float32.inf else Float32(0.0)
+    scale = cute.math.exp2(m - m_safe, fastmath=True)
+    w = cute.math.exp2(s_i - m_safe, fastmath=True)
+    return m_new, d * scale + w, acc * scale + v_i * w
+
+
+@cute.jit
 def _grid(nrows: Int32, rows_per_cta: cutlass.Constexpr, max_ctas: Int32) -> Int32:
     """One CTA per row group, at most ``max_ctas`` (SM count x CTAs per SM, passed in at launch:
     nothing is asked of the GPU at trace time); the grid-stride loop covers the rest."""
@@ -79,8 +91,7 @@ class MergeStates:
                 h = row - si * heads
                 # One pass of online ⊕ over batches of load_batch states: a batch's loads are
                 # issued before any of its math (past-the-end slots re-read the last state and
-                # get weight 0), so each thread keeps several 16-byte loads in flight.  m_safe
-                # keeps exp2 finite while every state so far is empty (-inf): weights are then 0.
+                # get weight 0), so each thread keeps several 16-byte loads in flight.
                 m = -Float32.inf
                 d = Float32(0.0)
                 acc = cute.zeros_like(cute.make_rmem_tensor((self.vec,), Float32).load())
@@ -92,13 +103,7 @@ class MergeStates:
                         s_batch.append(s_j if i0 + j < nstates else -Float32.inf)
                         v_batch.append(_load_vec(mV[si, idx, h, None], lane, self.vec))
                     for j in cutlass.range_constexpr(self.load_batch):
-                        m_new = cute.arch.fmax(m, s_batch[j])
-                        m_safe = m_new if m_new != -Float32.inf else Float32(0.0)
-                        scale = cute.math.exp2(m - m_safe, fastmath=True)
-                        w = cute.math.exp2(s_batch[j] - m_safe, fastmath=True)
-                        acc = acc * scale + v_batch[j] * w
-                        d = d * scale + w
-                        m = m_new
+                        m, d, acc = oplus_step(m, d, acc, s_batch[j], v_batch[j])
                 lse = -Float32.inf
                 if d > Float32(0.0):
                     acc = acc * cute.arch.rcp_approx(d)
@@ -169,6 +174,57 @@ class MergePair:
             grid=[grid, 1, 1], block=[self.tpr * self.rows_per_cta, 1, 1], stream=stream)
 
 
+class MergePartials:
+    """The persistent merge after split-KV attention (contract: ``cute_attn/sched``).
+
+    CTA c takes merge tasks c, c + num_ctas, ... < meta[NUM_MERGE_TASKS]; for each row j of a
+    task it folds partial slots SLOT_START .. SLOT_START + NUM_SLOTS - 1 left to right (fixed
+    order: deterministic) and writes the final o (value dtype) / LSE of that packed row.
+    The task count is read on the device, so a captured graph replays any plan.
+    """
+
+    def __init__(self, head_dim: int, tile_q: int):
+        self.head_dim, self.tile_q = head_dim, tile_q
+        self.per_row = head_dim // 4  # fp32 partials: 4 per 16-byte vector
+
+    @cute.kernel
+    def kernel(self, mPartO: cute.Tensor, mPartLse: cute.Tensor, mTasks: cute.Tensor, mMeta: cute.Tensor,
+               mO: cute.Tensor, mLse: cute.Tensor, group: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        nctas, _, _ = cute.arch.grid_dim()
+        for t in cutlass.range(cta, mMeta[META_NUM_MERGE_TASKS], nctas):
+            kv_head, row_start, num_rows = mTasks[t, 1], mTasks[t, 2], mTasks[t, 3]
+            qo_offset, slot0, nslots = mTasks[t, 4], mTasks[t, 5], mTasks[t, 6]
+            for idx in cutlass.range(tidx, num_rows * self.per_row, TARGET_THREADS):
+                j = idx // self.per_row
+                c4 = idx - j * self.per_row
+                m = -Float32.inf
+                d = Float32(0.0)
+                acc = cute.zeros_like(cute.make_rmem_tensor((4,), Float32).load())
+                for i in cutlass.range(nslots):
+                    prow = (slot0 + i) * self.tile_q + j
+                    m, d, acc = oplus_step(m, d, acc, mPartLse[prow], _load_vec(mPartO[prow, None], c4, 4))
+                lse = -Float32.inf
+                if d > Float32(0.0):
+                    acc = acc * cute.arch.rcp_approx(d)
+                    lse = m + cute.math.log2(d, fastmath=True)
+                r = row_start + j
+                tok = qo_offset + r // group
+                head = kv_head * group + r % group
+                _store_vec(mO[tok, head, None], c4, 4, acc)
+                if c4 == 0:
+                    mLse[tok, head] = lse
+
+    @cute.jit
+    def __call__(self, mPartO: cute.Tensor, mPartLse: cute.Tensor, mTasks: cute.Tensor, mMeta: cute.Tensor,
+                 mO: cute.Tensor, mLse: cute.Tensor, group: Int32, num_ctas: Int32, stream: cuda.CUstream):
+        self.kernel(mPartO, mPartLse, mTasks, mMeta, mO, mLse, group).launch(
+            grid=[num_ctas, 1, 1], block=[TARGET_THREADS, 1, 1], stream=stream)
+
+
+META_NUM_MERGE_TASKS = 1  # cute_attn.sched.workspace.META_NUM_MERGE_TASKS (checked in cute_attn.decode)
+
 _BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 
 
@@ -180,3 +236,8 @@ def build_merge_states(spec):
 def build_merge_pair(spec):
     p = spec.pdict
     return MergePair(_BYTES[p["dtype"]], p["head_dim"], p["masked"])
+
+
+def build_merge_partials(spec):
+    p = spec.pdict
+    return MergePartials(p["head_dim"], p["tile_q"])

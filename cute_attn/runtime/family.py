@@ -49,3 +49,4 @@ def get_family(name: str) -> KernelFamily:
 def _import_all() -> None:
     # Families are declared next to the public ops that launch them.
     importlib.import_module("cute_attn.merge")
+    importlib.import_module("cute_attn.decode")

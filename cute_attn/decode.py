@@ -1,0 +1,314 @@
+"""Batch decode on a paged KV cache, FlashInfer-compatible: ``BatchDecodeWithPagedKVCacheWrapper``
+and ``single_decode_with_kv_cache``.
+
+``plan()`` runs the CPU scheduler (``cute_attn.sched``) and uploads its work lists into the
+user's ``float_workspace_buffer`` at fixed offsets; ``run()`` launches the persistent decode
+kernel (``kernels/decode.py``) and, when the plan split some KV, the persistent ⊕ merge
+kernel.  NHD and HND layouts, ``(k, v)`` tuples and single ``[pages, 2, ...]`` tensors are
+all passed to one kernel as strided ``[pages, page_size, kv_heads, head_dim]`` views.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import numpy as np
+import torch
+
+from .merge import _module
+from .runtime.abi import ScalarArg, TensorArg
+from .runtime.arch import arch_of_index, sm_count_of_index
+from .runtime.family import KernelFamily, register
+from .sched import Limits, Planner
+from .sched import workspace as ws
+
+DECODE_TILE_Q = 16  # packed rows per work item: the kernel's m16 MMA tile
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+_STAGES = {64: 4, 128: 3, 256: 2}  # KV pipeline depth that fits shared memory
+_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+_ARCHS = ("sm_90a", "sm_100a")
+
+
+def _decode_abi(p):
+    d, dt = p["head_dim"], p["dtype"]
+    row = lambda name: TensorArg(name, dt, (None, None, d), (None, None, 1), 8, 16)  # noqa: E731
+    cache = lambda name: TensorArg(name, dt, (None, None, None, d), (None, None, None, 1), 8, 16)  # noqa: E731
+    i32 = lambda name: TensorArg(name, "i32", (None,), (1,), 1, 4)  # noqa: E731
+    return [row("mQ"), cache("mK"), cache("mV"), i32("mKvIndptr"), i32("mKvIndices"), row("mO"),
+            TensorArg("mLse", "f32", (None, None), (None, None), 1, 4),
+            TensorArg("mWork", "i32", (None, ws.WORK_FIELDS), (ws.WORK_FIELDS, 1), 1, 4), i32("mWorkIndptr"),
+            TensorArg("mPartO", "f32", (None, d), (d, 1), 1, 16), TensorArg("mPartLse", "f32", (None,), (1,), 1, 4),
+            ScalarArg("group", "i32"), ScalarArg("sm_scale", "f32"), ScalarArg("soft_cap", "f32"),
+            ScalarArg("window_left", "i32"), ScalarArg("num_ctas", "i32")]
+
+
+def _merge_partials_abi(p):
+    d, dt = p["head_dim"], p["dtype"]
+    return [TensorArg("mPartO", "f32", (None, d), (d, 1), 1, 16), TensorArg("mPartLse", "f32", (None,), (1,), 1, 4),
+            TensorArg("mTasks", "i32", (None, ws.MERGE_FIELDS), (ws.MERGE_FIELDS, 1), 1, 4),
+            TensorArg("mMeta", "i32", (ws.META_FIELDS,), (1,), 1, 4),
+            TensorArg("mO", dt, (None, None, d), (None, None, 1), 4, 8),
+            TensorArg("mLse", "f32", (None, None), (None, None), 1, 4),
+            ScalarArg("group", "i32"), ScalarArg("num_ctas", "i32")]
+
+
+PAGED_DECODE = register(KernelFamily(
+    name="paged_decode",
+    builder="cute_attn.kernels.decode:build_paged_decode",
+    abi=_decode_abi,
+    expect={a: {"mma.sync m16n8k16 (PTX)": r"ptx:mma\.sync\.aligned\.m16n8k16",
+                "cp.async (PTX)": r"ptx:cp\.async\.c[ag]\.shared",
+                "HMMA.16816 (SASS)": r"sass:HMMA\.16816", "LDGSTS (SASS)": r"sass:LDGSTS"} for a in _ARCHS},
+))
+
+MERGE_PARTIALS = register(KernelFamily(
+    name="merge_partials",
+    builder="cute_attn.kernels.merge:build_merge_partials",
+    abi=_merge_partials_abi,
+    expect={a: {"16B ld.global (PTX)": r"ptx:ld\.global(\.\w+)*\.(v4\.[bfu]32|v2\.[bfu]64)"} for a in _ARCHS},
+))
+
+assert ws.META_NUM_MERGE_TASKS == 1, "kernels/merge.py reads the merge-task count at meta[1]"
+
+
+def decode_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS):
+    """Specializations run() may need (for the compile presets)."""
+    from .runtime.spec import Spec
+
+    out = []
+    for dt in dtypes:
+        for d in head_dims:
+            for cap in (False, True):
+                for win in (False, True):
+                    out.append(Spec.make("paged_decode", arch, dtype=dt, head_dim=d, stages=_STAGES[d],
+                                         soft_cap=cap, window=win))
+            out.append(Spec.make("merge_partials", arch, dtype=dt, head_dim=d, tile_q=DECODE_TILE_Q))
+    return out
+
+
+def _as_dtype(x) -> Optional[torch.dtype]:
+    if x is None or isinstance(x, torch.dtype):
+        return x
+    return getattr(torch, str(x).replace("torch.", ""))
+
+
+def _kv_views(paged_kv_cache, kv_layout: str):
+    """(K, V) as [pages, page_size, kv_heads, head_dim] views of any supported cache form."""
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2:
+            raise ValueError("paged_kv_cache tuple must be (k_cache, v_cache)")
+        k, v = paged_kv_cache
+    else:
+        if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
+            raise ValueError(f"a single paged_kv_cache tensor must be [pages, 2, ...], got {tuple(paged_kv_cache.shape)}")
+        k, v = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+    if k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"k/v caches must be 4-D and equal in shape, got {tuple(k.shape)} / {tuple(v.shape)}")
+    if kv_layout == "HND":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    elif kv_layout != "NHD":
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    return k, v
+
+
+class BatchDecodeWithPagedKVCacheWrapper:
+    """FlashInfer's batch decode wrapper.  ``plan()`` once per step (shared by all layers),
+    ``run()`` per layer.  With ``use_cuda_graph=True`` a captured ``run()`` stays valid when
+    ``plan()`` is called again with other lengths/batch composition within the buffers' sizes.
+    """
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, use_tensor_cores: bool = False,
+                 paged_kv_indptr_buffer: Optional[torch.Tensor] = None,
+                 paged_kv_indices_buffer: Optional[torch.Tensor] = None,
+                 paged_kv_last_page_len_buffer: Optional[torch.Tensor] = None,
+                 backend: str = "auto", jit_args=None, ctas_per_sm: int = 1):
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+        if not isinstance(float_workspace_buffer, torch.Tensor) or not float_workspace_buffer.is_cuda:
+            raise ValueError("float_workspace_buffer must be a CUDA tensor")
+        self._workspace = float_workspace_buffer.view(torch.uint8).reshape(-1)
+        self._kv_layout = kv_layout
+        self._use_cuda_graph = use_cuda_graph
+        self._device = float_workspace_buffer.device
+        self._dev = self._device.index if self._device.index is not None else torch.cuda.current_device()
+        self._num_ctas = sm_count_of_index(self._dev) * ctas_per_sm
+        self._ctas_per_sm = ctas_per_sm
+        if use_cuda_graph:
+            for name, buf in (("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
+                              ("paged_kv_indices_buffer", paged_kv_indices_buffer),
+                              ("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer)):
+                if buf is None or not buf.is_cuda or buf.dtype != torch.int32:
+                    raise ValueError(f"use_cuda_graph=True needs {name} (an int32 CUDA tensor sized for the "
+                                     "largest batch), as in FlashInfer")
+        self._indptr_buf = paged_kv_indptr_buffer
+        self._indices_buf = paged_kv_indices_buffer
+        self._planner: Optional[Planner] = None
+        self._plan = None
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+             page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
+             logits_soft_cap: Optional[float] = None, q_data_type="float16", kv_data_type=None,
+             data_type=None, sm_scale: Optional[float] = None, rope_scale: Optional[float] = None,
+             rope_theta: Optional[float] = None, non_blocking: bool = True, **unused) -> None:
+        if pos_encoding_mode != "NONE":
+            raise NotImplementedError(f"pos_encoding_mode={pos_encoding_mode!r} is not supported yet (only 'NONE')")
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head_dim {head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        q_dtype = _as_dtype(data_type) or _as_dtype(q_data_type)
+        kv_dtype = _as_dtype(kv_data_type) or q_dtype
+        if q_dtype not in _DTYPES or kv_dtype != q_dtype:
+            raise ValueError(f"q/kv dtypes must be one of float16/bfloat16 and equal, got {q_dtype} / {kv_dtype}")
+        if window_left is None or window_left < -1:
+            raise ValueError(f"window_left must be >= -1, got {window_left}")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("plan() must not be captured in a CUDA graph; call it before replaying")
+
+        indptr_h = np.asarray(indptr.cpu() if isinstance(indptr, torch.Tensor) else indptr, dtype=np.int64)
+        batch = indptr_h.shape[0] - 1
+        if batch < 0:
+            raise ValueError("indptr must have at least one element")
+        limits = self._limits(batch, num_qo_heads, num_kv_heads, head_dim)
+        if self._planner is None or self._planner.limits != limits:
+            self._planner = Planner(limits, sm_count_of_index(self._dev), self._ctas_per_sm)
+        need = self._planner.layout.total_bytes
+        if self._workspace.numel() < need:
+            raise ValueError(f"float_workspace_buffer has {self._workspace.numel()} bytes; this plan needs {need} "
+                             f"(batch {batch}, {num_qo_heads} qo heads, head_dim {head_dim})")
+        indices_t = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices, dtype=torch.int32)
+        plan = self._planner.plan_paged(np.arange(batch + 1), indptr_h, last_page_len, page_size,
+                                        kv_indices=indices_t.cpu() if not indices_t.is_cuda else None,
+                                        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                                        cta_tile_q=DECODE_TILE_Q, workspace=self._workspace)
+        self._kv_indptr = self._to_device(indptr, self._indptr_buf, "indptr")
+        self._kv_indices = self._to_device(indices_t, self._indices_buf, "indices")
+        self._plan = plan
+        self._page_size = int(page_size)
+        self._batch, self._hq, self._hk, self._d = batch, num_qo_heads, num_kv_heads, head_dim
+        self._dtype = q_dtype
+        self._sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+        self._soft_cap = float(logits_soft_cap) if logits_soft_cap else 0.0
+        self._window_left = int(window_left)
+        self._views = self._planner.layout.views(self._workspace)
+        arch = arch_of_index(self._dev)
+        dt = _DTYPES[q_dtype]
+        self._decode = _module("paged_decode", arch, dtype=dt, head_dim=head_dim, stages=_STAGES[head_dim],
+                               soft_cap=self._soft_cap > 0, window=self._window_left >= 0)
+        self._merge = _module("merge_partials", arch, dtype=dt, head_dim=head_dim, tile_q=DECODE_TILE_Q)
+
+    def _limits(self, batch, hq, hk, d) -> Limits:
+        max_batch = batch
+        if self._use_cuda_graph:  # fixed by the buffers, so the workspace offsets never move
+            max_batch = self._indptr_buf.numel() - 1
+            if batch > max_batch:
+                raise ValueError(f"batch {batch} exceeds paged_kv_indptr_buffer capacity {max_batch}")
+        elif self._planner is not None:
+            max_batch = max(batch, self._planner.limits.max_batch)
+        return Limits(max_batch=max(max_batch, 1), max_total_q_tokens=max(max_batch, 1), num_qo_heads=hq,
+                      num_kv_heads=hk, head_dim=d, max_qo_len=1)
+
+    def _to_device(self, t, buf, name):
+        t = t if isinstance(t, torch.Tensor) else torch.as_tensor(t)
+        if buf is not None:
+            if t.numel() > buf.numel():
+                raise ValueError(f"{name} has {t.numel()} entries, its CUDA-graph buffer only {buf.numel()}")
+            buf[:t.numel()].copy_(t.reshape(-1), non_blocking=True)
+            return buf
+        return t.to(device=self._device, dtype=torch.int32, non_blocking=True).reshape(-1)
+
+    def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
+            out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None, return_lse: bool = False,
+            enable_pdl=None, window_left: Optional[int] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        if self._plan is None:
+            raise RuntimeError("run() before plan()")
+        if torch.cuda.is_current_stream_capturing() and not self._use_cuda_graph:
+            raise RuntimeError("run() is being captured into a CUDA graph but the wrapper was created with "
+                               "use_cuda_graph=False; its buffers may move between plans. Create it with "
+                               "use_cuda_graph=True and fixed paged_kv_*_buffer tensors.")
+        if window_left is not None and window_left != self._window_left:
+            raise ValueError("run(window_left=...) differs from plan(); pass it to plan()")
+        if q_scale is not None or k_scale is not None or v_scale is not None:
+            raise NotImplementedError("q_scale/k_scale/v_scale (fp8) are not supported yet")
+        k, v = _kv_views(paged_kv_cache, self._kv_layout)
+        b, hq, hk, d = self._batch, self._hq, self._hk, self._d
+        if q.shape != (b, hq, d) or q.dtype != self._dtype or q.device != self._device:
+            raise ValueError(f"q must be {self._dtype} [{b}, {hq}, {d}] on {self._device}, got {q.dtype} "
+                             f"{tuple(q.shape)} on {q.device}")
+        if k.dtype != q.dtype or k.device != q.device:
+            raise ValueError(f"paged_kv_cache must be {q.dtype} on {q.device}, got {k.dtype} on {k.device}")
+        if k.shape[1] != self._page_size or k.shape[2] != hk or k.shape[3] != d:
+            raise ValueError(f"paged_kv_cache ({self._kv_layout}) has page_size/kv_heads/head_dim "
+                             f"{tuple(k.shape[1:])}, plan() said ({self._page_size}, {hk}, {d})")
+        if out is None:
+            out = torch.empty_like(q)
+        elif out.shape != q.shape or out.dtype != q.dtype:
+            raise ValueError(f"out must be {q.dtype} {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
+        if lse is None:
+            lse = torch.empty((b, hq), dtype=torch.float32, device=q.device)
+        elif lse.shape != (b, hq) or lse.dtype != torch.float32:
+            raise ValueError(f"lse must be float32 [{b}, {hq}], got {lse.dtype} {tuple(lse.shape)}")
+        if b:
+            vw = self._views
+            group = hq // hk
+            self._decode(q, k, v, self._kv_indptr, self._kv_indices, out, lse, vw["work_items"],
+                         vw["work_indptr"], vw["partial_o"], vw["partial_lse"], group, self._sm_scale,
+                         self._soft_cap, self._window_left, self._num_ctas)
+            if self._use_cuda_graph or self._plan.has_split:
+                self._merge(vw["partial_o"], vw["partial_lse"], vw["merge_tasks"], vw["meta"], out, lse, group,
+                            self._num_ctas)
+        return (out, lse) if return_lse else out
+
+    forward = run
+
+
+_SINGLE: dict = {}
+_ARANGE: dict = {}
+
+
+def _arange(n: int, device) -> torch.Tensor:
+    """0..n-1 as int32 on ``device``, from one cached (grown by doubling) tensor."""
+    t = _ARANGE.get(device)
+    if t is None or t.numel() < n:
+        t = _ARANGE[device] = torch.arange(max(n, 2 * (t.numel() if t is not None else 4096)),
+                                           dtype=torch.int32, device=device)
+    return t[:n]
+
+
+def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str = "NHD",
+                                pos_encoding_mode: str = "NONE", use_tensor_cores: bool = False,
+                                q_scale=None, k_scale=None, v_scale=None, window_left: int = -1,
+                                logits_soft_cap: Optional[float] = None, sm_scale: Optional[float] = None,
+                                rope_scale=None, rope_theta=None, return_lse: bool = False):
+    """Decode one request: q [num_qo_heads, head_dim], k/v [kv_len, kv_heads, head_dim] (NHD) or
+    [kv_heads, kv_len, head_dim] (HND).  The KV is read in place, as kv_len pages of one token
+    (page size 1 is a first-class path of the kernel), so a long request is still split across
+    all SMs by the planner."""
+    if q.dim() != 2 or k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"q must be [heads, dim] and k/v equal 3-D tensors, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    if kv_layout == "HND":
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    kv_len, hk = k.shape[0], k.shape[1]
+    if kv_len == 0:
+        o = torch.zeros_like(q)
+        s = torch.full((q.shape[0],), -float("inf"), device=q.device)
+        return (o, s) if return_lse else o
+    key = (q.device, q.dtype)
+    w = _SINGLE.get(key)
+    if w is None:
+        w = _SINGLE[key] = BatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(128 << 20, dtype=torch.uint8, device=q.device), kv_layout="NHD")
+    w.plan(torch.tensor([0, kv_len], dtype=torch.int32), _arange(kv_len, q.device),
+           torch.tensor([1], dtype=torch.int32), q.shape[0], hk, q.shape[1], 1,
+           pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+           q_data_type=q.dtype, sm_scale=sm_scale)
+    out, lse = w.run(q.unsqueeze(0), (k.unsqueeze(1), v.unsqueeze(1)), return_lse=True)
+    return (out[0], lse[0]) if return_lse else out[0]

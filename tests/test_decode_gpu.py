@@ -1,0 +1,206 @@
+"""Paged decode on the GPU against the fp32 reference (cute_attn.testing.paged_reference).
+
+Unused pages and the slack at the end of every last page are filled with NaN, and outputs are
+pre-filled with NaN: reading a wrong page or leaving a row unwritten fails the test.
+Tolerances: relative L2 error of the output vs the fp32 reference (inputs in the test dtype):
+bf16 2e-2, fp16 4e-3 (the kernel rounds P to the input dtype for the PV product, as FlashInfer
+and FA do); LSE (base 2) absolute 2e-3 where finite, and -inf exactly where the reference has it.
+"""
+import math
+import random
+
+import pytest
+import torch
+
+from cute_attn import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache
+from cute_attn.testing import paged_reference, single_reference
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def make_paged(kv_lens, page_size, hk, d, dtype, layout, single_tensor, gen):
+    """A paged cache with shuffled pages, NaN in every slot that no request owns."""
+    pages_per = [(n + page_size - 1) // page_size for n in kv_lens]
+    total = sum(pages_per) + 3  # a few pages nobody owns
+    perm = torch.randperm(total, generator=gen)
+    indptr = [0]
+    for p in pages_per:
+        indptr.append(indptr[-1] + p)
+    indices = perm[:indptr[-1]].to(torch.int32)
+    last = [(n - (p - 1) * page_size) if p else 0 for n, p in zip(kv_lens, pages_per)]
+    shape = (total, page_size, hk, d) if layout == "NHD" else (total, hk, page_size, d)
+    k = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    v = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    for b, n in enumerate(kv_lens):
+        for t in range(pages_per[b]):
+            fill = page_size if t < pages_per[b] - 1 else last[b]
+            pg = int(indices[indptr[b] + t])
+            kk = torch.randn(fill, hk, d, generator=gen).to(dtype).cuda()
+            vv = torch.randn(fill, hk, d, generator=gen).to(dtype).cuda()
+            if layout == "NHD":
+                k[pg, :fill], v[pg, :fill] = kk, vv
+            else:
+                k[pg, :, :fill], v[pg, :, :fill] = kk.transpose(0, 1), vv.transpose(0, 1)
+    cache = torch.stack([k, v], dim=1) if single_tensor else (k, v)
+    last_t = torch.tensor([max(x, 1) if p else 0 for x, p in zip(last, pages_per)], dtype=torch.int32)
+    return cache, torch.tensor(indptr, dtype=torch.int32), indices, last_t
+
+
+def check(out, lse, ref_o, ref_lse, dtype):
+    assert not torch.isnan(out).any(), "NaN in output (unwritten row or a wrong page read)"
+    assert not torch.isnan(lse).any(), "NaN in LSE"
+    err = ((out.float() - ref_o).norm() / ref_o.norm().clamp_min(1e-6)).item()
+    assert err < TOL[dtype], f"relative error {err:.3e} >= {TOL[dtype]}"
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    if fin.any():
+        assert (lse[fin] - ref_lse[fin]).abs().max().item() < 2e-3
+    assert (out[~fin] == 0).all()
+
+
+def run_case(batch, kv_lens, page_size, hq, hk, d, dtype, layout="NHD", single_tensor=False, soft_cap=None,
+             window_left=-1, seed=None):
+    gen = torch.Generator().manual_seed(seed if seed is not None else random.randrange(1 << 30))
+    cache, indptr, indices, last = make_paged(kv_lens, page_size, hk, d, dtype, layout, single_tensor, gen)
+    q = torch.randn(batch, hq, d, generator=gen).to(dtype).cuda()
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
+                                           kv_layout=layout)
+    w.plan(indptr, indices, last, hq, hk, d, page_size, q_data_type=dtype, logits_soft_cap=soft_cap,
+           window_left=window_left)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, hq), float("nan"), device="cuda")
+    w.run(q, cache, out=out, lse=lse)
+    ref_o, ref_lse = paged_reference(q, cache, None, indptr, indices, last, kv_layout=layout,
+                                     logits_soft_cap=soft_cap, window_left=window_left)
+    check(out, lse, ref_o, ref_lse, dtype)
+    return w, q, cache, out, lse
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hk", [(8, 8), (32, 8), (16, 2)])
+def test_decode_head_dims_gqa(d, dtype, hq, hk):
+    kv = [1, 17, 300, 64, 1000, 129, 5]
+    run_case(len(kv), kv, 16, hq, hk, d, dtype)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 128])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("single_tensor", [False, True])
+def test_decode_pages_layouts(page_size, layout, single_tensor):
+    rng = random.Random()
+    kv = [rng.choice([1, 2, 63, 64, 65, 777, 2048 + rng.randrange(100)]) for _ in range(12)]
+    run_case(len(kv), kv, page_size, 32, 8, 128, torch.bfloat16, layout, single_tensor)
+
+
+@pytest.mark.parametrize("group", [1, 4, 5, 7, 8, 16])
+def test_decode_group_sizes(group):
+    kv = [33, 250, 1, 1024]
+    run_case(len(kv), kv, 16, 2 * group, 2, 128, torch.float16)
+
+
+@pytest.mark.parametrize("soft_cap,window", [(30.0, -1), (None, 100), (50.0, 7), (None, 0)])
+def test_decode_softcap_window(soft_cap, window):
+    kv = [1, 99, 500, 3000, 16]
+    run_case(len(kv), kv, 16, 32, 8, 128, torch.bfloat16, soft_cap=soft_cap, window_left=window)
+
+
+def test_decode_empty_and_long_and_skewed():
+    # kv_len 0 (no pages), a 32k+ request beside short ones: the long one is split across CTAs
+    kv = [0, 33000, 3, 1, 0, 4096]
+    run_case(len(kv), kv, 16, 32, 8, 128, torch.bfloat16)
+
+
+def test_decode_batch_256():
+    rng = random.Random()
+    kv = [rng.randrange(1, 1500) for _ in range(256)]
+    run_case(256, kv, 16, 32, 8, 128, torch.bfloat16)
+
+
+def test_decode_deterministic():
+    kv = [5000, 17, 40000, 800]
+    w, q, cache, out, lse = run_case(len(kv), kv, 16, 32, 8, 128, torch.bfloat16)
+    out2, lse2 = w.run(q, cache, return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+def test_cuda_graph_replay_with_new_plans():
+    hq, hk, d, ps, max_b = 32, 8, 128, 16, 8
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    max_pages = 4096
+    indptr_buf = torch.zeros(max_b + 1, dtype=torch.int32, device="cuda")
+    indices_buf = torch.zeros(max_pages, dtype=torch.int32, device="cuda")
+    last_buf = torch.zeros(max_b, dtype=torch.int32, device="cuda")
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
+                                           use_cuda_graph=True, paged_kv_indptr_buffer=indptr_buf,
+                                           paged_kv_indices_buffer=indices_buf,
+                                           paged_kv_last_page_len_buffer=last_buf)
+    k = torch.randn(max_pages, ps, hk, d, generator=gen).to(torch.bfloat16).cuda()
+    v = torch.randn(max_pages, ps, hk, d, generator=gen).to(torch.bfloat16).cuda()
+    q = torch.randn(max_b, hq, d, generator=gen).to(torch.bfloat16).cuda()
+    out = torch.empty_like(q)
+
+    def plan(kv_lens):
+        pages = [(n + ps - 1) // ps for n in kv_lens]
+        indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0)), dtype=torch.int32)
+        indices = torch.randperm(max_pages, generator=gen)[:int(indptr[-1])].to(torch.int32)
+        last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv_lens, pages)], dtype=torch.int32)
+        w.plan(indptr, indices, last, hq, hk, d, ps, q_data_type=torch.bfloat16)
+        return indptr, indices, last
+
+    plan([100] * max_b)
+    w.run(q, (k, v), out=out)  # warm-up: loads the modules outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(q, (k, v), out=out)
+    for kv_lens in ([3000, 1, 17, 20000, 64, 5, 900, 2], [1] * max_b, [8000] * max_b, [100] * max_b):
+        indptr, indices, last = plan(kv_lens)
+        out.fill_(float("nan"))
+        g.replay()
+        ref_o, ref_lse = paged_reference(q, (k, v), None, indptr, indices, last)
+        err = ((out.float() - ref_o).norm() / ref_o.norm()).item()
+        assert not torch.isnan(out).any() and err < TOL[torch.bfloat16], (kv_lens, err)
+
+
+def test_capture_without_cuda_graph_flag_is_an_error():
+    kv = [10, 20]
+    w, q, cache, out, lse = run_case(2, kv, 16, 8, 8, 64, torch.float16)
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="use_cuda_graph"):
+        with torch.cuda.graph(g):
+            w.run(q, cache)
+
+
+def test_validation_errors():
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+    ind = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="head_dim 96"):
+        w.plan(ind, ind[:1], ind[1:], 8, 8, 96, 16)
+    with pytest.raises(ValueError, match="bytes"):  # 1 MiB is too small for batch 1000 x 64 heads
+        big = torch.arange(1001, dtype=torch.int32)
+        w.plan(big, torch.arange(1000, dtype=torch.int32), torch.ones(1000, dtype=torch.int32), 64, 8, 128, 16)
+    w2 = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+    w2.plan(ind, ind[:1], ind[1:], 8, 8, 128, 16, q_data_type=torch.bfloat16)
+    cache = torch.randn(2, 2, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="q must be"):
+        w2.run(torch.randn(1, 8, 128, dtype=torch.float16, device="cuda"), cache)
+    with pytest.raises(ValueError, match="page_size"):
+        w2.run(torch.randn(1, 8, 128, dtype=torch.bfloat16, device="cuda"), cache[:, :, :8])
+    with pytest.raises(ValueError, match="multiple"):
+        w2.plan(ind, ind[:1], ind[1:], 6, 4, 128, 16)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv_len", [1, 77, 5000])
+def test_single_decode(layout, kv_len):
+    hq, hk, d = 32, 4, 128
+    q = torch.randn(hq, d, dtype=torch.bfloat16, device="cuda")
+    shape = (kv_len, hk, d) if layout == "NHD" else (hk, kv_len, d)
+    k = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    out, lse = single_decode_with_kv_cache(q, k, v, kv_layout=layout, return_lse=True)
+    ref_o, ref_lse = single_reference(q, k, v, kv_layout=layout)
+    check(out.unsqueeze(0), lse.unsqueeze(0), ref_o.unsqueeze(0), ref_lse.unsqueeze(0), torch.bfloat16)
