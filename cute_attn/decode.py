@@ -25,6 +25,7 @@ from .sched import workspace as ws
 DECODE_TILE_Q = 16  # packed rows per work item: the kernel's m16 MMA tile
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _STAGES = {64: 4, 128: 3, 256: 2}  # KV pipeline depth that fits shared memory
+_CTAS_PER_SM = {64: 2, 128: 2, 256: 1}  # what shared memory (and 248 registers/thread) allow
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _ARCHS = ("sm_90a", "sm_100a")
 
@@ -122,7 +123,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                  paged_kv_indptr_buffer: Optional[torch.Tensor] = None,
                  paged_kv_indices_buffer: Optional[torch.Tensor] = None,
                  paged_kv_last_page_len_buffer: Optional[torch.Tensor] = None,
-                 backend: str = "auto", jit_args=None, ctas_per_sm: int = 1):
+                 backend: str = "auto", jit_args=None, ctas_per_sm: Optional[int] = None):
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
         if not isinstance(float_workspace_buffer, torch.Tensor) or not float_workspace_buffer.is_cuda:
@@ -132,8 +133,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._use_cuda_graph = use_cuda_graph
         self._device = float_workspace_buffer.device
         self._dev = self._device.index if self._device.index is not None else torch.cuda.current_device()
-        self._num_ctas = sm_count_of_index(self._dev) * ctas_per_sm
-        self._ctas_per_sm = ctas_per_sm
+        self._ctas_per_sm = ctas_per_sm  # None: the most that fit for the head dim
         if use_cuda_graph:
             for name, buf in (("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
                               ("paged_kv_indices_buffer", paged_kv_indices_buffer),
@@ -175,8 +175,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if batch < 0:
             raise ValueError("indptr must have at least one element")
         limits = self._limits(batch, num_qo_heads, num_kv_heads, head_dim)
-        if self._planner is None or self._planner.limits != limits:
-            self._planner = Planner(limits, sm_count_of_index(self._dev), self._ctas_per_sm)
+        per_sm = self._ctas_per_sm or _CTAS_PER_SM[head_dim]
+        if self._planner is None or self._planner.limits != limits or self._planner.num_ctas != \
+                sm_count_of_index(self._dev) * per_sm:
+            self._planner = Planner(limits, sm_count_of_index(self._dev), per_sm)
+        self._num_ctas = self._planner.num_ctas
         need = self._planner.layout.total_bytes
         if self._workspace.numel() < need:
             raise ValueError(f"float_workspace_buffer has {self._workspace.numel()} bytes; this plan needs {need} "

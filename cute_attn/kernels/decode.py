@@ -49,6 +49,10 @@ class PagedDecode:
         self.soft_cap = soft_cap
         self.window = window
         self.chunks = head_dim // 8  # 16-byte chunks per row
+        self.rows_per_thread = BLOCK_N * self.chunks // THREADS  # KV rows each thread gathers per block
+        kv_bytes = 2 * BLOCK_N * head_dim * stages * 2
+        o_bytes = NUM_WARPS * TILE_Q * (head_dim + 4) * 4
+        assert o_bytes <= kv_bytes, "epilogue buffer must fit in the KV stages it reuses"
 
     # ---- variant hook points -------------------------------------------------------------
     @cute.jit
@@ -86,9 +90,9 @@ class PagedDecode:
         @cute.struct
         class Smem:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sO_layout)], 16]
+            # K stages then V stages; the epilogue's fp32 sO reuses this region once the KV
+            # loop is done (it fits: checked in __init__), so two CTAs fit an SM at head_dim <= 128
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, 2 * cute.cosize(sKV_layout)], 1024]
             sM: cute.struct.MemRange[Float32, NUM_WARPS * TILE_Q]
             sL: cute.struct.MemRange[Float32, NUM_WARPS * TILE_Q]
 
@@ -118,9 +122,10 @@ class PagedDecode:
         smem = cutlass.utils.SmemAllocator()
         st = smem.allocate(Smem)
         sQ = st.sQ.get_tensor(sQ_layout)
-        sK = st.sK.get_tensor(sKV_layout)
-        sV = st.sV.get_tensor(sKV_layout)
-        sO = st.sO.get_tensor(sO_layout)
+        kv_ptr = st.sKV.data_ptr()
+        sK = cute.make_tensor(kv_ptr, sKV_layout)
+        sV = cute.make_tensor(kv_ptr + cute.cosize(sKV_layout), sKV_layout)
+        sO = cute.make_tensor(cute.recast_ptr(kv_ptr, dtype=Float32), sO_layout)
         sM = st.sM.get_tensor(cute.make_layout((TILE_Q, NUM_WARPS), stride=(1, TILE_Q)))
         sL = st.sL.get_tensor(cute.make_layout((TILE_Q, NUM_WARPS), stride=(1, TILE_Q)))
 
@@ -164,12 +169,18 @@ class PagedDecode:
                     cute.copy(g2s, cute.local_tile(mQ[tok, head, None], (8,), (c,)),
                               cute.local_tile(sQ[j, None], (8,), (c,)))
 
-            # --- KV blocks: prologue fills STAGES-1 stages (Q rides in the first group)
+            # --- KV blocks: prologue fills STAGES-1 stages (Q rides in the first group); the
+            # page lookups of the next block to issue are always one iteration ahead, so the
+            # loop never waits on kv_indices before issuing its copies.
+            rows = cute.make_rmem_tensor((self.rows_per_thread,), Int32)
             for s in cutlass.range_constexpr(self.stages - 1):
                 if s < n_blocks:
-                    self._load_kv(mK, mV, mKvIndices, sK, sV, g2s, tidx, page_base, page_size, kv_head,
-                                  kv_start + s * BLOCK_N, kv_end, s)
+                    self._lookup(mKvIndices, rows, tidx, page_base, page_size, kv_start + s * BLOCK_N, kv_end)
+                    self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, kv_head, s)
                 cute.arch.cp_async_commit_group()
+            if self.stages - 1 < n_blocks:
+                self._lookup(mKvIndices, rows, tidx, page_base, page_size,
+                             kv_start + (self.stages - 1) * BLOCK_N, kv_end)
 
             acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, D)), Float32)
             acc_O.fill(0.0)
@@ -186,8 +197,10 @@ class PagedDecode:
                     cute.copy(s2r_q, s2r_q.partition_S(sQ), s2r_q.retile(tSrQ))
                 nxt = nb + self.stages - 1
                 if nxt < n_blocks:
-                    self._load_kv(mK, mV, mKvIndices, sK, sV, g2s, tidx, page_base, page_size, kv_head,
-                                  kv_start + nxt * BLOCK_N, kv_end, nxt % self.stages)
+                    self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, kv_head, nxt % self.stages)
+                    if nxt + 1 < n_blocks:
+                        self._lookup(mKvIndices, rows, tidx, page_base, page_size, kv_start + (nxt + 1) * BLOCK_N,
+                                     kv_end)
                 cute.arch.cp_async_commit_group()
 
                 stage = nb % self.stages
@@ -272,19 +285,28 @@ class PagedDecode:
             cute.arch.sync_threads()  # smem is reused by the next item
 
     @cute.jit
-    def _load_kv(self, mK: cute.Tensor, mV: cute.Tensor, mKvIndices: cute.Tensor, sK: cute.Tensor,
-                 sV: cute.Tensor, g2s: cute.CopyAtom, tidx: Int32, page_base: Int32, page_size: Int32,
-                 kv_head: Int32, blk_start: Int32, kv_end: Int32, stage: Int32):
-        """Gather BLOCK_N tokens of K and V (token p lives in page kv_indices[page_base + p // page_size]).
-        Tokens past kv_end re-read the last valid token (finite data; masked to -inf later)."""
+    def _lookup(self, mKvIndices: cute.Tensor, rows: cute.Tensor, tidx: Int32, page_base: Int32,
+                page_size: Int32, blk_start: Int32, kv_end: Int32):
+        """Global token offset (page * page_size + slot) of each KV row this thread gathers in a
+        block: token p lives in page kv_indices[page_base + p // page_size].  Tokens past kv_end
+        re-read the last valid token (finite data; masked to -inf later)."""
+        rows_per_pass = THREADS // self.chunks
+        for i in cutlass.range_constexpr(self.rows_per_thread):
+            p = blk_start + tidx // self.chunks + i * rows_per_pass
+            p = p if p < kv_end else kv_end - 1
+            rows[i] = mKvIndices[page_base + p // page_size] * page_size + p % page_size
+
+    @cute.jit
+    def _issue_kv(self, mK: cute.Tensor, mV: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                  g2s: cute.CopyAtom, rows: cute.Tensor, tidx: Int32, page_size: Int32, kv_head: Int32,
+                  stage: Int32):
+        """cp.async this thread's 16-byte chunks of the looked-up K and V rows into a stage."""
         rows_per_pass = THREADS // self.chunks
         c = tidx % self.chunks
-        for i in cutlass.range_constexpr(BLOCK_N // rows_per_pass):
+        for i in cutlass.range_constexpr(self.rows_per_thread):
             r = tidx // self.chunks + i * rows_per_pass
-            p = blk_start + r
-            p = p if p < kv_end else kv_end - 1
-            page = mKvIndices[page_base + p // page_size]
-            off = p % page_size
+            page = rows[i] // page_size
+            off = rows[i] - page * page_size
             cute.copy(g2s, cute.local_tile(mK[page, off, kv_head, None], (8,), (c,)),
                       cute.local_tile(sK[r, None, stage], (8,), (c,)))
             cute.copy(g2s, cute.local_tile(mV[page, off, kv_head, None], (8,), (c,)),
