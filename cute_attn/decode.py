@@ -174,11 +174,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         batch = indptr_h.shape[0] - 1
         if batch < 0:
             raise ValueError("indptr must have at least one element")
-        limits = self._limits(batch, num_qo_heads, num_kv_heads, head_dim)
         per_sm = self._ctas_per_sm or _CTAS_PER_SM[head_dim]
-        if self._planner is None or self._planner.limits != limits or self._planner.num_ctas != \
-                sm_count_of_index(self._dev) * per_sm:
-            self._planner = Planner(limits, sm_count_of_index(self._dev), per_sm)
+        num_ctas = sm_count_of_index(self._dev) * per_sm
+        limits = self._limits(batch, num_qo_heads, num_kv_heads, head_dim, num_ctas)
+        if self._planner is None or self._planner.limits != limits or self._planner.num_ctas != num_ctas:
+            # balance_tol: decode is bandwidth-bound, so even a few % of imbalance is worth a split
+            self._planner = Planner(limits, sm_count_of_index(self._dev), per_sm, balance_tol=0.01)
         self._num_ctas = self._planner.num_ctas
         need = self._planner.layout.total_bytes
         if self._workspace.numel() < need:
@@ -205,7 +206,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                soft_cap=self._soft_cap > 0, window=self._window_left >= 0)
         self._merge = _module("merge_partials", arch, dtype=dt, head_dim=head_dim, tile_q=DECODE_TILE_Q)
 
-    def _limits(self, batch, hq, hk, d) -> Limits:
+    def _limits(self, batch, hq, hk, d, num_ctas) -> Limits:
         max_batch = batch
         if self._use_cuda_graph:  # fixed by the buffers, so the workspace offsets never move
             max_batch = self._indptr_buf.numel() - 1
@@ -213,8 +214,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(f"batch {batch} exceeds paged_kv_indptr_buffer capacity {max_batch}")
         elif self._planner is not None:
             max_batch = max(batch, self._planner.limits.max_batch)
+        # Partial slots: DECODE_TILE_Q rows each, 8 per CTA is ample for split-KV decode (the
+        # default sizing is for 128-row prefill tiles and would need 4x the workspace).
         return Limits(max_batch=max(max_batch, 1), max_total_q_tokens=max(max_batch, 1), num_qo_heads=hq,
-                      num_kv_heads=hk, head_dim=d, max_qo_len=1)
+                      num_kv_heads=hk, head_dim=d, max_qo_len=1, max_partial_rows=8 * num_ctas * DECODE_TILE_Q)
 
     def _to_device(self, t, buf, name):
         t = t if isinstance(t, torch.Tensor) else torch.as_tensor(t)
