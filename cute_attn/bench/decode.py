@@ -88,20 +88,31 @@ def bench_decode(res, quick: bool) -> None:
     if quick:
         cases = cases[:3]
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    print(f"{'decode case (bf16, 32/8 heads, d128)':<40} {'ours us':>8} {'TB/s':>6} {'cudnn':>14} {'flash':>14} {'flex':>12}")
+    print(f"{'decode case (bf16, 32/8 heads, d128)':<40} {'graph us':>8} {'TB/s':>6} {'eager us':>8} {'cudnn':>14} "
+          f"{'flash':>14} {'flex':>12}")
     for name, kv_lens, ps in cases:
         cache, indptr, indices, last = _paged(kv_lens, ps, gen)
         b = len(kv_lens)
         q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
-        w = BatchDecodeWithPagedKVCacheWrapper(ws)
+        # as a serving engine runs decode: a CUDA-graph-enabled wrapper, run() captured once and
+        # replayed (the eager run() time is recorded too)
+        dev_bufs = dict(paged_kv_indptr_buffer=indptr.cuda(), paged_kv_indices_buffer=indices.cuda(),
+                        paged_kv_last_page_len_buffer=last.cuda())
+        w = BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True, **dev_bufs)
         w.plan(indptr, indices, last, HQ, HK, D, ps, q_data_type=torch.bfloat16)
         out = torch.empty_like(q)
-        w.run(q, cache, out=out)
-        t = do_bench(lambda: w.run(q, cache, out=out))
+        lse = torch.empty(b, HQ, device="cuda")
+        w.run(q, cache, out=out, lse=lse)
+        t_eager = do_bench(lambda: w.run(q, cache, out=out, lse=lse))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            w.run(q, cache, out=out, lse=lse)
+        t = do_bench(g.replay)
         kv_bytes = sum(kv_lens) * HK * D * 2 * 2
         case = f"decode/hd128/gqa4/{name}"
         res.add(case, "cute_attn", "us", t)
         res.add(case, "cute_attn", "TB/s", kv_bytes / t / 1e6)
+        res.add(case + "/eager", "cute_attn", "us", t_eager)
         del cache
         qd, kd, vd = _dense(kv_lens)
         cols = []
@@ -120,4 +131,4 @@ def bench_decode(res, quick: bool) -> None:
             res.add(case, "flex", "ratio", tf / t)
         del qd, kd, vd
         flex = f"{tf:9.1f}us" if tf else "n/a"
-        print(f"{name:<40} {t:8.1f} {kv_bytes / t / 1e6:6.3f} {cols[0]:>14} {cols[1]:>14} {flex:>12}")
+        print(f"{name:<40} {t:8.1f} {kv_bytes / t / 1e6:6.3f} {t_eager:8.1f} {cols[0]:>14} {cols[1]:>14} {flex:>12}")
