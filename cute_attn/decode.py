@@ -15,9 +15,10 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import torch
 
-from .merge import _module
+from .merge import MERGE_EXPECT
 from .runtime.abi import ScalarArg, TensorArg
 from .runtime.arch import arch_of_index, sm_count_of_index
+from .runtime.loader import kernel
 from .runtime.family import KernelFamily, register
 from .sched import Limits, Planner
 from .sched import workspace as ws
@@ -66,7 +67,7 @@ MERGE_PARTIALS = register(KernelFamily(
     name="merge_partials",
     builder="cute_attn.kernels.merge:build_merge_partials",
     abi=_merge_partials_abi,
-    expect={a: {"16B ld.global (PTX)": r"ptx:ld\.global(\.\w+)*\.(v4\.[bfu]32|v2\.[bfu]64)"} for a in _ARCHS},
+    expect=MERGE_EXPECT,
 ))
 
 assert ws.META_NUM_MERGE_TASKS == 1, "kernels/merge.py reads the merge-task count at meta[1]"
@@ -202,9 +203,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._views = self._planner.layout.views(self._workspace)
         arch = arch_of_index(self._dev)
         dt = _DTYPES[q_dtype]
-        self._decode = _module("paged_decode", arch, dtype=dt, head_dim=head_dim, stages=_STAGES[head_dim],
+        self._decode = kernel("paged_decode", arch, dtype=dt, head_dim=head_dim, stages=_STAGES[head_dim],
                                soft_cap=self._soft_cap > 0, window=self._window_left >= 0)
-        self._merge = _module("merge_partials", arch, dtype=dt, head_dim=head_dim, tile_q=DECODE_TILE_Q)
+        self._merge = kernel("merge_partials", arch, dtype=dt, head_dim=head_dim, tile_q=DECODE_TILE_Q)
 
     def _limits(self, batch, hq, hk, d, num_ctas) -> Limits:
         max_batch = batch

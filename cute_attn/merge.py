@@ -14,7 +14,7 @@ import torch
 
 from .runtime.abi import ScalarArg, TensorArg
 from .runtime.arch import arch_of_index
-from .runtime.loader import LaunchError
+from .runtime.loader import LaunchError, kernel
 from .runtime.family import KernelFamily, register
 from .runtime.spec import Spec
 
@@ -27,7 +27,7 @@ LOAD_BATCH = 4  # merge_states: states whose loads each thread issues together
 GRID_CAP = 2**31 - 1
 
 # PTX/SASS that the merge kernels must contain: 16-byte vector loads, on both arches.
-_MERGE_EXPECT = {arch: {"16B ld.global (PTX)": r"ptx:ld\.global(\.\w+)*\.(v4\.[bfu]32|v2\.[bfu]64)",
+MERGE_EXPECT = {arch: {"16B ld.global (PTX)": r"ptx:ld\.global(\.\w+)*\.(v4\.[bfu]32|v2\.[bfu]64)",
                         "LDG.E.128 (SASS)": r"sass:LDG\.E\.128"}
                  for arch in ("sm_90a", "sm_100a")}
 
@@ -47,7 +47,7 @@ MERGE_STATES = register(KernelFamily(
     builder="cute_attn.kernels.merge:build_merge_states",
     abi=lambda p: [_vtensor("mV", p["dtype"], 4, p["head_dim"]), _stensor("mS", 3),
                    _vtensor("mO", p["dtype"], 3, p["head_dim"]), _stensor("mLse", 2), ScalarArg("max_ctas", "i32")],
-    expect=_MERGE_EXPECT,
+    expect=MERGE_EXPECT,
 ))
 
 MERGE_PAIR = register(KernelFamily(
@@ -58,22 +58,8 @@ MERGE_PAIR = register(KernelFamily(
                    _vtensor("mO", p["dtype"], 3, p["head_dim"]), _stensor("mLse", 2),
                    TensorArg("mMask", "u8", (None,) if p["masked"] else (1,), (1,), 1, 1),
                    ScalarArg("max_ctas", "i32")],
-    expect=_MERGE_EXPECT,
+    expect=MERGE_EXPECT,
 ))
-
-
-_MODULES: dict = {}
-
-
-def _module(family: str, arch: str, **params):
-    """Loaded module for a specialization; a dict lookup after the first call."""
-    key = (family, arch, *params.values())  # each call site passes the params in one order
-    mod = _MODULES.get(key)
-    if mod is None:
-        from .runtime.loader import get_module
-
-        mod = _MODULES[key] = get_module(Spec.make(family, arch, **params))
-    return mod
 
 
 _UNUSED_MASKS: dict = {}
@@ -147,7 +133,7 @@ def merge_states(v, s, *, out=None, lse=None) -> Tuple[torch.Tensor, torch.Tenso
     lse = _output(lse, "lse", (seq, h), torch.float32, v.device)
     dev = _device_of(v, s, out, lse)
     if seq * h:
-        mod = _module("merge_states", arch_of_index(dev), dtype=dt, head_dim=d, load_batch=LOAD_BATCH)
+        mod = kernel("merge_states", arch_of_index(dev), dtype=dt, head_dim=d, load_batch=LOAD_BATCH)
         _launch(mod, (v, s), (out, lse), (GRID_CAP,))
     return out, lse
 
@@ -166,7 +152,7 @@ def _merge_pair(va, sa, vb, sb, out, lse, mask) -> None:
         mask = mask.contiguous().view(torch.uint8)
     if seq * h == 0:
         return
-    mod = _module("merge_pair", arch_of_index(dev), dtype=dt, head_dim=d, masked=mask is not None)
+    mod = kernel("merge_pair", arch_of_index(dev), dtype=dt, head_dim=d, masked=mask is not None)
     if mask is None:
         mask = _unused_mask(dev)
     _launch(mod, (va, sa, vb, sb), (out, lse), (mask, GRID_CAP))

@@ -29,13 +29,13 @@ def _host_us(fn, calls: int = 200, reps: int = 30) -> float:
 
 def bench_launch(res, quick: bool) -> None:
     import cute_attn
-    from cute_attn.merge import _module
+    from cute_attn.runtime.loader import kernel
     from cute_attn.runtime.loader import current_stream, tensor_fields
 
     va, vb = (torch.randn(1, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     sa, sb = (torch.randn(1, 1, device="cuda") for _ in range(2))
     out, lse = torch.empty_like(va), torch.empty_like(sa)
-    mod = _module("merge_pair", "sm_90a" if torch.cuda.get_device_capability()[0] == 9 else "sm_100a",
+    mod = kernel("merge_pair", "sm_90a" if torch.cuda.get_device_capability()[0] == 9 else "sm_100a",
                   dtype="bf16", head_dim=128, masked=False)
     tensors = (va, sa, vb, sb, out, lse, sa.as_strided((1,), (1,)), 132 * 16)
     flat = sum((tensor_fields(a, t) for a, t in zip(mod.args, tensors[:-1])), []) + [tensors[-1]]

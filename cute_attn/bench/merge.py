@@ -97,7 +97,7 @@ def bench_merge(res, ceiling: float, quick: bool) -> None:
 
 def sweep_merge(res) -> None:
     """merge_states 8 x 4096 x 32 x 128 bf16 over load_batch (spec) x grid cap (launch)."""
-    from ..merge import _module
+    from ..runtime.loader import kernel
     from ..runtime.arch import device_arch, sm_count
 
     n, seq, h, d = 8, 4096, 32, 128
@@ -109,7 +109,7 @@ def sweep_merge(res) -> None:
     arch, sms = device_arch(v.device), sm_count(v.device)
     print(f"{'load_batch':>10} {'ctas/SM':>8} {'us':>8} {'TB/s':>7}")
     for batch in (1, 2, 4, 8):
-        mod = _module("merge_states", arch, dtype="bf16", head_dim=d, load_batch=batch)
+        mod = kernel("merge_states", arch, dtype="bf16", head_dim=d, load_batch=batch)
         for per_sm in (8, 16, 32, 1 << 20):
             t = do_bench(lambda: mod(v, s, out, lse, sms * per_sm))
             label = "all" if per_sm > 1000 else str(per_sm)

@@ -256,3 +256,16 @@ def get_module(spec: Spec, root: Optional[Path] = None) -> Module:
         mod = Module(spec, found.path, found.meta)
         _MODULES[spec.key] = mod
         return mod
+
+
+_BY_PARAMS: Dict[tuple, Module] = {}
+
+
+def kernel(family: str, arch: str, **params) -> Module:
+    """``get_module(Spec.make(family, arch, **params))``, a dict lookup after the first call
+    (the ops call this on every launch; each call site passes its params in one order)."""
+    key = (family, arch, *params.values())
+    mod = _BY_PARAMS.get(key)
+    if mod is None:
+        mod = _BY_PARAMS[key] = get_module(Spec.make(family, arch, **params))
+    return mod
