@@ -78,12 +78,16 @@ the merge kernel).
 
 Scheduling (see ``cost`` and ``assign``)
 ----------------------------------------
-cost = alpha * cta_tile_q + beta * kv tokens (2, 1). Tiles longer than one CTA's fair share
-are pre-cut into page-aligned chunks (>= min_kv_chunk); chunks x kv heads are sorted by cost
-and dealt LPT-style to the least-loaded CTA; CTAs left above the mean then hand the kv tail
-of their largest item to under-loaded CTAs (split-to-fit). Deterministic: same input, same
-bytes. Batch-invariant mode (``kv_split_size=S``): every tile is cut at multiples of S
-and nothing else, with a tile size that does not depend on the batch, so a request's items
+cost = alpha * cta_tile_q + beta * kv tokens (2, 1). Items are (tile, kv head) pairs,
+sorted by cost. If whole items can be balanced within ``balance_tol`` -- dealt in a snake
+(round-robin, alternating direction), else LPT-style to the least-loaded CTA -- nothing is
+split. Otherwise (a tile longer than a CTA's share, or too few items) the items are laid on
+a line and cut at the CTA boundaries (McNaughton's wrap-around rule), page-aligned, no
+piece shorter than a minimum that scales with a CTA's fair share (floor max(page, 64)
+tokens, ``cost.min_chunk_len``); kept only where it beats whole items. The busiest CTA is
+within the largest item of the mean (tested). Deterministic: same input, same bytes.
+Batch-invariant mode (``kv_split_size=S``): every tile is cut at multiples of S and
+nothing else, with a tile size that does not depend on the batch, so a request's items
 and merge order are the same whatever else is batched with it.
 """
 from .check import verify_plan

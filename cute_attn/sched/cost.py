@@ -16,12 +16,42 @@ Tile size rule (``choose_cta_tile_q``): from the mean packed query length over t
 requests with queries, p = sum(qo_len * group) / #requests: 16 if p <= 16 (decode-like:
 group heads of one or a few tokens), 64 if p <= 64, else 128. The caller may force any
 multiple of 16 up to 256.
+
+Shortest chunk rule (``min_chunk_len``): a cut never leaves a kv chunk shorter than
+
+    m = round_up_to_page(clamp(share // MIN_CHUNK_SHARE_DIV, lo, hi)),
+    hi = Planner(min_kv_chunk=...) (default 256), lo = min(hi, max(page_size, MIN_CHUNK_FLOOR = 64))
+
+where ``share`` is one CTA's fair share of the batch in kv tokens. Why: the wrap-around
+split (``assign.wrap_fill``) moves a CTA boundary off a cut that would leave a piece
+shorter than m, to the item's edge; that can overload a CTA by about m / 2 tokens, and
+m <= share / 32 keeps it within ~2 % of a CTA's load (more for shares under ~2 k tokens,
+where the floor rules). The former fixed 256 tokens was 10-25 % of the share of a small
+batch (16 decode requests x a few k tokens over 132 CTAs), and such batches were left
+7-15 % out of balance. The floor keeps chunks from getting tiny: a chunk still pays the
+whole per-item cost (loading the query tile, writing and merging a partial), and short kv
+loops run the kernel's pipeline badly. ``hi`` keeps batches with a large share from being
+cut finer than before. An explicit ``min_kv_chunk`` below the floor is honoured (then m =
+min_kv_chunk rounded up to a page).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .assign import lpt_assign
+from .assign import ids, lpt_assign, zeros
+
+MIN_CHUNK_SHARE_DIV = 32  # m <= share / 32 (see the module doc)
+MIN_CHUNK_FLOOR = 64      # ... but never below max(page_size, 64) tokens (unless min_kv_chunk is)
+
+
+def min_chunk_len(share: int, page_size: int, min_kv_chunk: int) -> int:
+    """Shortest kv chunk a cut may leave, for a fair share of ``share`` kv tokens per CTA
+    (module doc). Always >= min(min_kv_chunk, max(page_size, MIN_CHUNK_FLOOR)) and a page
+    multiple; <= min_kv_chunk rounded up to a page."""
+    hi = max(int(min_kv_chunk), 1)
+    lo = min(hi, max(page_size, MIN_CHUNK_FLOOR))
+    m = min(max(int(share) // MIN_CHUNK_SHARE_DIV, lo), hi)
+    return -(-m // page_size) * page_size
 
 
 def choose_cta_tile_q(total_packed_rows: int, num_requests_with_q: int) -> int:
@@ -31,26 +61,28 @@ def choose_cta_tile_q(total_packed_rows: int, num_requests_with_q: int) -> int:
     return 16 if p <= 16 else 64 if p <= 64 else 128
 
 
-def build_tiles(qo_len, kv_len, group: int, tile: int, causal: bool):
+def build_tiles(qo_len, kv_len, group: int, tile: int, causal: bool, qo_min=None, qo_max=None):
     """Query tiles of every request: (request, first packed row, rows, kv extent, whether
-    it is exactly one tile per request in request order).
+    it is exactly one tile per request in request order). ``qo_min`` / ``qo_max``: min and
+    max of qo_len when the caller has them already.
 
     Packed row r of a request is query token r // group of qo head kv_head * group +
     r % group. A causal row of token i sees kv [0, kv_len - qo_len + i]; a tile loads up to
     its last row's limit.
     """
-    packed = qo_len * group
     b = qo_len.shape[0]
-    if b and packed.max() <= tile and qo_len.min() >= 1:  # one tile per request (decode-like)
-        rows = packed
-        # (causal or not: the tile's last row is the request's last token, it sees all kv)
-        return np.arange(b), np.zeros(b, np.int64), rows, kv_len, True
-    else:
-        ntiles = (packed + tile - 1) // tile
-        req = np.repeat(np.arange(b), ntiles)
-        first = np.cumsum(ntiles) - ntiles
-        row0 = (np.arange(req.shape[0]) - first[req]) * tile
-        rows = np.minimum(packed[req] - row0, tile)
+    if b:
+        if qo_min is None:
+            qo_min, qo_max = int(qo_len.min()), int(qo_len.max())
+        if qo_min >= 1 and qo_max * group <= tile:  # one tile per request (decode-like)
+            # (causal or not: the tile's last row is the request's last token, it sees all kv)
+            return ids(b), zeros(b), qo_len * group, kv_len, True
+    packed = qo_len * group
+    ntiles = (packed + tile - 1) // tile
+    req = np.repeat(np.arange(b), ntiles)
+    first = np.cumsum(ntiles) - ntiles
+    row0 = (np.arange(req.shape[0]) - first[req]) * tile
+    rows = np.minimum(packed[req] - row0, tile)
     kl = kv_len[req]
     if causal:
         last_tok = (row0 + rows - 1) // group
@@ -60,23 +92,13 @@ def build_tiles(qo_len, kv_len, group: int, tile: int, causal: bool):
     return req, row0, rows, ext, False
 
 
-def chunk_counts(ext, chunk: int, absorb_below: int):
-    """Chunks per tile when cutting at multiples of ``chunk`` (0: no cut). A last piece
-    shorter than ``absorb_below`` joins the one before it, so no chunk is tiny."""
-    if chunk == 0:
-        return np.ones(ext.shape[0], np.int64)
-    q, r = np.divmod(ext, chunk)
-    n = q + (r > 0)
-    if absorb_below:
-        n -= (r > 0) & (r < absorb_below) & (q >= 1)
-    return np.maximum(n, 1)
+def chunk_counts(ext, chunk: int):
+    """Chunks per tile when cutting at multiples of ``chunk`` (at least one per tile)."""
+    return np.maximum(-(-ext // chunk), 1)
 
 
 def pieces(ext, n, chunk: int):
     """(tile index, chunk index, kv start, kv end) of every chunk, tile-major."""
-    if chunk == 0:
-        t = np.arange(ext.shape[0])
-        return t, np.zeros_like(t), np.zeros_like(t), ext
     t = np.repeat(np.arange(ext.shape[0]), n)
     first = np.cumsum(n) - n
     c = np.arange(t.shape[0]) - first[t]
@@ -85,47 +107,14 @@ def pieces(ext, n, chunk: int):
     return t, c, start, end
 
 
-def fair_chunk(ext, *, per_item: int, beta: int, heads: int, num_ctas: int, page_size: int,
-               min_chunk: int) -> int:
-    """Max kv chunk length: the kv tokens whose chunk costs one CTA's fair share of the
-    unsplit total, ``(total / num_ctas - per_item) / beta``, rounded down to a page
-    multiple and never below ``min_chunk`` rounded up to a page; 0 (no cut) when no tile is
-    longer. Finer balance is left to split-to-fit, which cuts only where it pays."""
-    if ext.shape[0] == 0:
-        return 0
-    total = heads * (ext.shape[0] * per_item + beta * int(ext.sum()))
-    share = (total / num_ctas - per_item) / beta
-    floor = -(-max(min_chunk, 1) // page_size) * page_size
-    chunk = max(floor, int(share) // page_size * page_size)
-    return chunk if chunk < int(ext.max()) else 0
-
-
-def schedule(ext, chunk, absorb_below, per_item, beta, heads, num_ctas):
-    """Cut, sort by cost (largest first, stable), LPT-assign. Returns a dict of arrays."""
-    if chunk == 0:  # no cut: one chunk per tile (the common decode case, kept lean)
-        cost = beta * ext + per_item
-        order = np.argsort(-cost, kind="stable")
-        item_cost = np.repeat(cost[order], heads)
-        cta, loads = lpt_assign(item_cost, num_ctas)
-        nt = ext.shape[0]
-        return dict(chunk=0, n=None, t=None, c=None, start=None, end=ext, order=order, cta=cta,
-                    loads=loads, cost=item_cost, nt=nt)
-    n = chunk_counts(ext, chunk, absorb_below)
+def cut_schedule(ext, chunk, per_item, beta, heads, num_ctas):
+    """Batch-invariant mode: cut every tile at multiples of ``chunk``, sort the chunks by
+    cost (largest first, stable), LPT-assign chunks x heads (item i is chunk order[i //
+    heads] for head i % heads). Returns (n, t, c, start, end, order, cta, loads)."""
+    n = chunk_counts(ext, chunk)
     t, c, start, end = pieces(ext, n, chunk)
     cost = per_item + beta * (end - start)
     order = np.argsort(-cost, kind="stable")
     item_cost = np.repeat(cost[order], heads)  # the heads of a chunk cost the same
     cta, loads = lpt_assign(item_cost, num_ctas)
-    return dict(chunk=chunk, n=n, t=t, c=c, start=start, end=end, order=order, cta=cta,
-                loads=loads, cost=item_cost, nt=ext.shape[0])
-
-
-def full(s):
-    """The chunk arrays of a schedule made without a cut (filled in lazily)."""
-    if s["n"] is None:
-        nt = s["nt"]
-        s["n"] = np.ones(nt, np.int64)
-        s["t"] = np.arange(nt)
-        s["c"] = np.zeros(nt, np.int64)
-        s["start"] = np.zeros(nt, np.int64)
-    return s
+    return n, t, c, start, end, order, cta, loads

@@ -30,15 +30,23 @@ def as_index_array(name: str, x, length: int | None = None) -> np.ndarray:
 
 def check_indptr(name: str, a: np.ndarray) -> np.ndarray:
     """Validate an indptr (length >= 1, starts at 0, non-decreasing); return its diff."""
+    return indptr_lengths(name, a)[0]
+
+
+def indptr_lengths(name: str, a: np.ndarray):
+    """``check_indptr``, returning (diff, min of diff or None when empty)."""
     if a.shape[0] < 1:
         raise ValueError(f"{name} must have at least one element (batch_size + 1)")
     if a[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {int(a[0])}")
-    d = np.diff(a)
-    if d.shape[0] and d.min() < 0:
+    d = a[1:] - a[:-1]
+    if d.shape[0] == 0:
+        return d, None
+    dmin = int(d.min())
+    if dmin < 0:
         i = int(np.argmax(d < 0)) + 1
         raise ValueError(f"{name} is not non-decreasing at index {i} ({int(a[i - 1])} > {int(a[i])})")
-    return d
+    return d, dmin
 
 
 def check_lengths(name: str, a: np.ndarray, upper: int, upper_name: str) -> None:

@@ -7,9 +7,9 @@ from typing import Optional
 import numpy as np
 
 from . import workspace as ws
-from .assign import split_to_fit
-from .cost import build_tiles, choose_cta_tile_q, fair_chunk, full, schedule
-from .inputs import as_index_array, check_indptr, check_lengths, kv_lens_from_paged, kv_lens_from_ragged
+from .assign import Snake, ids, lpt_assign, refine_pairs, wrap_fill
+from .cost import build_tiles, choose_cta_tile_q, cut_schedule, min_chunk_len
+from .inputs import as_index_array, check_lengths, indptr_lengths, kv_lens_from_paged, kv_lens_from_ragged
 from .workspace import Limits, WorkspaceLayout
 
 
@@ -31,6 +31,7 @@ class Plan:
     num_ctas: int
     kv_chunk: int            # kv length tiles were pre-cut at (0: none), see META_KV_CHUNK
     causal: bool
+    min_kv_chunk: int = 0    # shortest piece a wrap-around cut could leave (0: no cut tried)
 
     @property
     def num_work_items(self) -> int:
@@ -60,12 +61,19 @@ class Planner:
 
     ``num_ctas = num_sms * ctas_per_sm`` is the persistent grid; it is passed in, never
     queried. ``alpha``/``beta``: the cost model (see ``cost``). ``min_kv_chunk``: the
-    shortest kv chunk a split may produce (rounded up to a page). ``balance_tol``: how far
-    above the mean the busiest CTA may be before split-to-fit is tried (it costs planning
-    time and extra partials, so it runs only where LPT alone falls short). ``num_staging``: staging
+    upper end of the shortest kv chunk a cut may leave; the minimum itself scales with a
+    CTA's fair share, with a floor (``cost.min_chunk_len``). ``balance_tol``: how far
+    above the mean the busiest CTA may be with whole (unsplit) items before the
+    wrap-around split is tried (it costs planning time and extra partials + a merge, so it
+    runs only where whole items fall short). ``num_staging``: staging
     buffers used in turn, so that a plan never overwrites bytes an earlier upload may still
     be reading (with CUDA, an event per buffer; a wait happens only if the CPU is that many
     plans ahead of the copies).
+
+    Per plan (``_plan_balanced``): whole items by the snake if that is within
+    ``balance_tol``, else by LPT (+ pairwise refinement where CTAs hold few items) if that
+    is, else the wrap-around split if it lowers the makespan below whole items' and keeps
+    the LPT bound, else whole items (``assign`` module doc).
     """
 
     def __init__(self, limits: Limits, num_sms: int, ctas_per_sm: int = 1, *, alpha: int = 2,
@@ -94,12 +102,15 @@ class Planner:
         self._views = [self._section_views(t.numpy()) for t in self._staging]
         self._turn = 0
         self._staged = None  # (buffer index, bytes to copy) of the last plan
-        self._unsplit_template = self._template(limits.max_batch)
+        self._tmpl = self._template(limits.max_batch)
+        self._snake = Snake(self.num_ctas)
 
     @staticmethod
     def _template(rows: int) -> np.ndarray:
-        """Constant fields of unsplit records: KV_START 0, DEST -1, CHUNK 0, NUM_CHUNKS 1."""
+        """Fields of unsplit tile records that do not depend on the batch when tile i is
+        request i's only one: REQ i, ROW_START 0, KV_START 0, DEST -1, CHUNK 0, NUM_CHUNKS 1."""
         t = np.zeros((rows, ws.WORK_FIELDS), np.int32)
+        t[:, ws.W_REQ] = np.arange(rows)
         t[:, ws.W_DEST] = -1
         t[:, ws.W_NUM_CHUNKS] = 1
         return t
@@ -152,7 +163,7 @@ class Planner:
         group = hq // hk
 
         qo_indptr = as_index_array("qo_indptr", qo_indptr)
-        qo_len = check_indptr("qo_indptr", qo_indptr)
+        qo_len, qmin = indptr_lengths("qo_indptr", qo_indptr)
         b = qo_len.shape[0]
         if b > lim.max_batch:
             raise ValueError(f"batch size {b} (len(qo_indptr) - 1) exceeds max_batch ({lim.max_batch})")
@@ -160,7 +171,9 @@ class Planner:
         if total_q > lim.max_total_q_tokens:
             raise ValueError(f"qo_indptr[-1] = {total_q} query tokens exceeds max_total_q_tokens "
                              f"({lim.max_total_q_tokens})")
-        if lim.max_qo_len is not None:
+        # qo_len >= 0 summing to b with min >= 1: all ones (decode), max known for free.
+        qmax = None if qmin is None else 1 if (qmin == 1 and total_q == b) else int(qo_len.max())
+        if lim.max_qo_len is not None and qmax is not None and qmax > lim.max_qo_len:
             check_lengths("qo_len (qo_indptr diff)", qo_len, lim.max_qo_len, "max_qo_len")
         kv_len = as_index_array("kv_lens", kv_lens, b)
         check_lengths("kv_lens", kv_len, lim.max_kv_len, "max_kv_len")
@@ -173,7 +186,8 @@ class Planner:
                 max_q = lim.max_qo_len if lim.max_qo_len is not None else lim.max_total_q_tokens
                 tile = choose_cta_tile_q(max_q * group, 1)
             else:
-                tile = choose_cta_tile_q(total_q * group, int(np.count_nonzero(qo_len)))
+                with_q = b if (qmin or 0) >= 1 else int(np.count_nonzero(qo_len))
+                tile = choose_cta_tile_q(total_q * group, with_q)
         else:
             if (not isinstance(cta_tile_q, (int, np.integer)) or cta_tile_q % ws.MIN_CTA_TILE_Q
                     or not ws.MIN_CTA_TILE_Q <= cta_tile_q <= ws.MAX_CTA_TILE_Q):
@@ -181,189 +195,189 @@ class Planner:
                                  f"[{ws.MIN_CTA_TILE_Q}, {ws.MAX_CTA_TILE_Q}], got {cta_tile_q!r}")
             tile = int(cta_tile_q)
 
-        req, row0, rows, ext, one_each = build_tiles(qo_len, kv_len, group, tile, causal)
-        s, reb = self._schedule(ext, tile, hk, int(page_size), kv_split_size)
-        if reb is None and s["chunk"] == 0:
-            p = self._records_unsplit(s, req, row0, rows, one_each, qo_indptr, qo_len, kv_len, hk,
-                                      tile, group, causal)
+        req, row0, rows, ext, one_each = build_tiles(qo_len, kv_len, group, tile, causal, qmin, qmax)
+        rec_args = (req, row0, rows, ext, one_each, qo_indptr, qo_len, kv_len, tile, group, causal)
+        if kv_split_size is None:
+            p = self._plan_balanced(ext, hk, tile, int(page_size), rec_args)
         else:
-            p = self._records(s, reb, req, row0, rows, qo_indptr, qo_len, kv_len, hk, tile, group,
-                              causal)
+            p = self._plan_invariant(ext, hk, tile, int(kv_split_size), rec_args)
         self._stage(p, b, total_q, hq, hk)
         if workspace is not None:
             self.upload(workspace)
         return p
 
-    # -- scheduling ---------------------------------------------------------------------
-    def _schedule(self, ext, tile, hk, page, kv_split_size):
-        nc, beta, per_item = self.num_ctas, self.beta, self.alpha * tile
-        max_slots = self.layout.max_partial_rows // tile
-        if kv_split_size is not None:
-            # Batch-invariant: cuts depend on the tile alone; no split-to-fit (it would
-            # make a request's chunks depend on the other requests).
-            s = full(schedule(ext, int(kv_split_size), 0, per_item, beta, hk, nc))
-            need = hk * int(s["n"][s["n"] > 1].sum())
-            if need > max_slots:
-                raise ValueError(f"kv_split_size={kv_split_size} needs {need} partial slots; the "
-                                 f"workspace holds {max_slots} at cta_tile_q={tile}")
-            return s, None
-        min_chunk = -(-max(self.min_kv_chunk, 1) // page) * page
-        chunk = fair_chunk(ext, per_item=per_item, beta=beta, heads=hk, num_ctas=nc,
-                           page_size=page, min_chunk=min_chunk)
-        while True:
-            s = schedule(ext, chunk, min_chunk, per_item, beta, hk, nc)
-            if chunk == 0:
-                base = 0
-                break
-            base = hk * int(s["n"][s["n"] > 1].sum())
-            if base <= max_slots:
-                break
-            chunk *= 2  # the workspace cannot hold this many partials: cut coarser
-            if chunk >= int(ext.max()):
-                chunk = 0
-        m = min(s["cta"].shape[0], nc)
-        loads = s["loads"]
-        if m == 0 or int(loads.max()) * nc <= (1 + self.balance_tol) * int(loads.sum()):
-            return s, None  # LPT alone is within tolerance: no extra splits
-        s = full(s)
-        first = s["order"][np.arange(m) // hk]  # item c < C is the largest one of CTA c
-        loads = s["loads"].copy()
-        reb = split_to_fit(loads, s["cost"], s["start"][first], s["end"][first], per_item=per_item,
-                           beta=beta, min_chunk=min_chunk, page=page)
-        if reb[0].shape[0] == 0:
-            return s, None
-        # Worst case, each donor's pair turns split (+1 slot) and every piece owns a slot.
-        if base + reb[0].shape[0] + reb[2].shape[0] > max_slots:
-            return s, None
-        s["loads"] = loads
-        return s, reb
-
-    # -- records ------------------------------------------------------------------------
-    def _records(self, s, reb, req, row0, rows, qo_indptr, qo_len, kv_len, hk, tile, group, causal):
-        nc = self.num_ctas
-        s = full(s)
-        n, t, order = s["n"], s["t"], s["order"]
-        npc = t.shape[0]
-        # The chunk table: one record per (tile, kv range); kv head and destination are
-        # filled per item. Split-to-fit appends rows for trimmed items and moved pieces.
-        k1 = 0 if reb is None else reb[0].shape[0]
-        k2 = 0 if reb is None else reb[2].shape[0]
-        rec = np.empty((npc + k1 + k2, ws.WORK_FIELDS), np.int32)
-        r = req[t]
-        rec[:npc, ws.W_REQ] = r
-        rec[:npc, ws.W_ROW_START] = row0[t]
-        rec[:npc, ws.W_NUM_ROWS] = rows[t]
-        rec[:npc, ws.W_KV_START] = s["start"]
-        rec[:npc, ws.W_KV_END] = s["end"]
-        rec[:npc, ws.W_QO_OFFSET] = qo_indptr[r]
-        rec[:npc, ws.W_QO_LEN] = qo_len[r]
-        rec[:npc, ws.W_KV_LEN] = kv_len[r]
-        rec[:npc, ws.W_CHUNK] = s["c"]
-        rec_t = t
-        # Item i of the cost order is chunk order[i // hk] for head i % hk.
-        item_rec = np.repeat(order, hk)
-        item_head = np.tile(np.arange(hk), npc)
-        cta = s["cta"]
-        count = np.repeat(n, hk)  # chunks per (tile, head) pair, pair id = tile * hk + head
-        if reb is not None:
-            donors, cut, src, start, end, dst = reb
-            drec = item_rec[donors]  # donors are CTA ids = item ids (item c is CTA c's first)
-            rec[npc:npc + k1] = rec[drec]
-            rec[npc:npc + k1, ws.W_KV_END] = cut
-            prec = drec[src]
-            rec[npc + k1:] = rec[prec]
-            rec[npc + k1:, ws.W_KV_START] = start
-            rec[npc + k1:, ws.W_KV_END] = end
-            ph = item_head[donors][src]
-            pair = t[prec] * hk + ph
-            # Moved pieces merge after the pair's original chunks, in line order.
-            o = np.argsort(pair, kind="stable")
-            sp = pair[o]
-            grp_start = np.flatnonzero(np.r_[True, sp[1:] != sp[:-1]])
-            rank = np.empty_like(o)
-            rank[o] = np.arange(o.shape[0]) - np.repeat(grp_start, np.diff(np.r_[grp_start, o.shape[0]]))
-            rec[npc + k1:, ws.W_CHUNK] = n[t[prec]] + rank
-            count = count + np.bincount(pair, minlength=count.shape[0])
-            item_rec[donors] = npc + np.arange(k1)
-            item_rec = np.concatenate((item_rec, npc + k1 + np.arange(k2)))
-            item_head = np.concatenate((item_head, ph))
-            cta = np.concatenate((cta, dst))
-            rec_t = np.concatenate((t, t[drec], t[prec]))
-        # Partial slots: pairs that are split, in pair order, chunks in merge order inside:
-        # a merge task's slots are contiguous.
-        nsl = np.where(count > 1, count, 0)
-        slot0 = np.cumsum(nsl) - nsl
-        # Group items by CTA, keeping the cost order inside a CTA (radix sort on small ids).
-        by_cta = np.argsort(cta.astype(np.int16 if nc < 2**15 else np.int32), kind="stable")
-        ir = item_rec[by_cta]
-        ih = item_head[by_cta]
-        items = rec.take(ir, axis=0)
-        items[:, ws.W_KV_HEAD] = ih
-        ip = rec_t[ir] * hk + ih
-        cnt = count[ip]
-        items[:, ws.W_NUM_CHUNKS] = cnt
-        items[:, ws.W_DEST] = np.where(cnt > 1, slot0[ip] + items[:, ws.W_CHUNK], -1)
-        indptr = np.zeros(nc + 1, np.int32)
-        indptr[1:] = np.bincount(cta, minlength=nc).cumsum()
-        # Merge tasks: one per split (tile, head) pair, in pair order.
-        sp = np.flatnonzero(count > 1)
-        mt, mh = sp // hk, sp % hk
-        mr = req[mt]
-        merge = np.empty((sp.shape[0], ws.MERGE_FIELDS), np.int32)
-        merge[:, ws.M_REQ] = mr
-        merge[:, ws.M_KV_HEAD] = mh
-        merge[:, ws.M_ROW_START] = row0[mt]
-        merge[:, ws.M_NUM_ROWS] = rows[mt]
-        merge[:, ws.M_QO_OFFSET] = qo_indptr[mr]
-        merge[:, ws.M_SLOT_START] = slot0[sp]
-        merge[:, ws.M_NUM_SLOTS] = count[sp]
-        merge[:, ws.M_RESERVED] = 0
-        nslots = int(nsl.sum())
-        loads = s["loads"]
-        meta = np.zeros(ws.META_FIELDS, np.int32)
-        meta[ws.META_NUM_WORK_ITEMS] = items.shape[0]
-        meta[ws.META_NUM_MERGE_TASKS] = merge.shape[0]
-        meta[ws.META_CTA_TILE_Q] = tile
-        meta[ws.META_NUM_CTAS] = nc
-        meta[ws.META_NUM_PARTIAL_SLOTS] = nslots
-        meta[ws.META_GROUP_SIZE] = group
-        meta[ws.META_KV_CHUNK] = s["chunk"]
-        meta[ws.META_CAUSAL] = int(causal)
-        return Plan(work_items=items, work_indptr=indptr, merge_tasks=merge, meta=meta,
-                    cta_cost=loads, cta_tile_q=tile, group_size=group, num_ctas=nc,
-                    kv_chunk=int(meta[ws.META_KV_CHUNK]), causal=bool(causal))
-
-    def _records_unsplit(self, s, req, row0, rows, one_each, qo_indptr, qo_len, kv_len, hk, tile,
-                         group, causal):
-        """The common decode case, nothing split: one item per (tile, head), all direct."""
-        nc, cta = self.num_ctas, s["cta"]
-        nt = req.shape[0]
-        if nt > self._unsplit_template.shape[0]:
-            self._unsplit_template = self._template(2 * nt)
-        rec = self._unsplit_template[:nt].copy()
-        rec[:, ws.W_REQ] = req
-        rec[:, ws.W_ROW_START] = row0
+    # -- scheduling and records ----------------------------------------------------------
+    def _tile_records(self, nt, req, row0, rows, ext, one_each, qo_indptr, qo_len, kv_len):
+        """One record per tile, unsplit (KV_HEAD 0): what every item of the tile starts from."""
+        if nt > self._tmpl.shape[0]:
+            self._tmpl = self._template(2 * nt)
+        rec = self._tmpl[:nt].copy()  # REQ = arange, KV_START 0, DEST -1, CHUNK 0, NUM_CHUNKS 1
         rec[:, ws.W_NUM_ROWS] = rows
-        rec[:, ws.W_KV_END] = s["end"]
-        if one_each:  # req is arange(b): no gathers
+        rec[:, ws.W_KV_END] = ext
+        if one_each:  # req is arange(b), row 0: no gathers
             rec[:, ws.W_QO_OFFSET] = qo_indptr[:-1]
             rec[:, ws.W_QO_LEN] = qo_len
             rec[:, ws.W_KV_LEN] = kv_len
         else:
+            rec[:, ws.W_REQ] = req
+            rec[:, ws.W_ROW_START] = row0
             rec[:, ws.W_QO_OFFSET] = qo_indptr[req]
             rec[:, ws.W_QO_LEN] = qo_len[req]
             rec[:, ws.W_KV_LEN] = kv_len[req]
+        return rec
+
+    def _plan_balanced(self, ext, hk, tile, page, rec_args):
+        """Snake, else LPT (+ pairwise refinement), else the wrap-around split, else whole
+        items (``assign`` module doc). The split is kept only if it fits the partial-slot
+        section, keeps the LPT bound and lowers the makespan below whole items'."""
+        nc, beta, per_item = self.num_ctas, self.beta, self.alpha * tile
+        nt = ext.shape[0]
+        n = nt * hk
+        if n == 0:
+            return self._unsplit(ids(0), np.zeros(nc + 1, np.int64), np.zeros(nc, np.int64), None,
+                                 hk, nt, rec_args)
+        cost = beta * ext + per_item
+        order = np.argsort(-cost, kind="stable")
+        cs = cost[order]
+        total = hk * int(cs.sum())
+        limit = (1.0 + self.balance_tol) * total  # max load * C may be up to this
+        lpt = None
+        if int(cs[0]) * nc <= limit:  # whole items may do
+            item_cost = cs.repeat(hk)
+            loads = np.bincount(self._snake.cta(n), item_cost, nc)
+            if loads.max() * nc <= limit:
+                items, indptr = self._snake.cta_major(n)
+                return self._unsplit(items, indptr, loads.astype(np.int64), order, hk, nt, rec_args)
+            lpt = lpt_assign(item_cost, nc)
+            if int(lpt[1].max()) * nc <= limit:
+                return self._unsplit_lpt(lpt, order, hk, nt, rec_args)
+            lpt = refine_pairs(item_cost, lpt[0], nc) or lpt  # few items per CTA: LPT's weak spot
+            if int(lpt[1].max()) * nc <= limit:
+                return self._unsplit_lpt(lpt, order, hk, nt, rec_args)
+        # Whole items cannot be balanced: cut with the wrap-around rule.
+        share = (total / nc - per_item) / beta if beta else 0
+        m = min_chunk_len(int(share), page, self.min_kv_chunk)
+        wf = wrap_fill(ext[order].repeat(hk), per_item=per_item, beta=beta, page=page,
+                       min_chunk=m, num_ctas=nc, tol=self.balance_tol)
+        if wf is not None:
+            item, start, stop, chunk, cta, loads, ncut = wf
+            split = ncut > 0
+            nslots = int(ncut[split].sum()) + int(np.count_nonzero(split))
+            pc = per_item + beta * (stop - start)
+            if int(loads.max()) * nc > (1.0 + self.balance_tol) * int(loads.sum()):
+                r = refine_pairs(pc, cta, nc)  # trade whole pieces between CTAs
+                if r is not None:
+                    cta, loads = r
+                    by = np.argsort(cta, kind="stable")  # CTA-major again
+                    item, start, stop, chunk, cta, pc = (item[by], start[by], stop[by], chunk[by],
+                                                         cta[by], pc[by])
+            top = int(loads.max())
+            ok = (nslots <= self.layout.max_partial_rows // tile
+                  and top * nc <= int(loads.sum()) + nc * int(pc.max()))  # the LPT bound
+            if ok and top >= int(cs[0]):  # not better than whole items for sure: ask LPT
+                if lpt is None:
+                    lpt = lpt_assign(cs.repeat(hk), nc)
+                ok = top < int(lpt[1].max())
+            if ok:
+                t = order[item // hk]
+                h = item % hk
+                nch = np.empty(n, np.int64)
+                nch[order.repeat(hk) * hk + ids(n) % hk] = ncut + 1  # per (tile, head) pair
+                return self._split(t, h, start, stop, chunk, nch, cta, loads, hk, nt, 0, m,
+                                   rec_args)
+        if lpt is None:
+            lpt = lpt_assign(cs.repeat(hk), nc)
+        return self._unsplit_lpt(lpt, order, hk, nt, rec_args)
+
+    def _plan_invariant(self, ext, hk, tile, split, rec_args):
+        """Batch-invariant mode: cut at multiples of ``split``, LPT over the chunks."""
+        nc, nt = self.num_ctas, ext.shape[0]
+        n, t, c, start, end, order, cta, loads = cut_schedule(ext, split, self.alpha * tile,
+                                                               self.beta, hk, nc)
+        need = hk * int(n[n > 1].sum())
+        max_slots = self.layout.max_partial_rows // tile
+        if need > max_slots:
+            raise ValueError(f"kv_split_size={split} needs {need} partial slots; the "
+                             f"workspace holds {max_slots} at cta_tile_q={tile}")
         by_cta = np.argsort(cta.astype(np.int16 if nc < 2**15 else np.int32), kind="stable")
-        q = by_cta // hk
-        items = rec.take(s["order"][q], axis=0)  # (take: ~5x faster than rec[idx])
-        items[:, ws.W_KV_HEAD] = by_cta & (hk - 1) if hk & (hk - 1) == 0 else by_cta - q * hk
+        q = order[by_cta // hk]
+        nch = n.repeat(hk)  # pair id = tile * hk + head
+        return self._split(t[q], by_cta % hk, start[q], end[q], c[q], nch, cta[by_cta], loads, hk,
+                           nt, split, 0, rec_args)
+
+    def _unsplit_lpt(self, lpt, order, hk, nt, rec_args):
+        cta, loads = lpt
+        nc = self.num_ctas
+        by_cta = np.argsort(cta.astype(np.int16 if nc < 2**15 else np.int32), kind="stable")
+        indptr = np.zeros(nc + 1, np.int64)
+        np.cumsum(np.bincount(cta, minlength=nc), out=indptr[1:])
+        return self._unsplit(by_cta, indptr, loads, order, hk, nt, rec_args)
+
+    def _unsplit(self, items, indptr, loads, order, hk, nt, rec_args):
+        """Nothing split: one item per (tile, head), all direct. ``items``: ids of the
+        cost-ordered items (item i = tile order[i // hk], head i % hk), CTA-major."""
+        tile, group, causal = rec_args[8:]
+        rec = self._tile_records(nt, *rec_args[:8])
+        if hk & (hk - 1) == 0:
+            sh = hk.bit_length() - 1
+            t, h = items >> sh, items & (hk - 1)
+        else:
+            t, h = np.divmod(items, hk)
+        w = rec.take(order.take(t) if order is not None else t, axis=0)
+        w[:, ws.W_KV_HEAD] = h
+        nc = self.num_ctas
+        meta = np.array((w.shape[0], 0, tile, nc, 0, group, 0, 0, 0, int(causal), 0, 0, 0, 0, 0, 0),
+                        np.int32)  # field order: META_* in workspace.py
+        return Plan(work_items=w, work_indptr=indptr.astype(np.int32), merge_tasks=_NO_MERGE,
+                    meta=meta, cta_cost=loads, cta_tile_q=tile, group_size=group, num_ctas=nc,
+                    kv_chunk=0, causal=bool(causal))
+
+    def _split(self, t, h, start, stop, chunk, nch_pair, cta, loads, hk, nt, kv_chunk, min_chunk,
+               rec_args):
+        """Records of pieces given CTA-major: tile t, head h, kv [start, stop), index chunk
+        in the (tile, head) pair's merge order; ``nch_pair[tile * hk + head]``: chunks of
+        each pair. Partial slots go to split pairs in pair order, chunks in merge order
+        inside (a merge task's slots are contiguous)."""
+        tile, group, causal = rec_args[8:]
+        nc = self.num_ctas
+        rec = self._tile_records(nt, *rec_args[:8])
+        pid = t * hk + h
+        nch = nch_pair[pid]
+        nsl = np.where(nch_pair > 1, nch_pair, 0)
+        slot0 = np.cumsum(nsl) - nsl
+        w = rec.take(t, axis=0)
+        w[:, ws.W_KV_HEAD] = h
+        w[:, ws.W_KV_START] = start
+        w[:, ws.W_KV_END] = stop
+        w[:, ws.W_CHUNK] = chunk
+        w[:, ws.W_NUM_CHUNKS] = nch
+        w[:, ws.W_DEST] = np.where(nch > 1, slot0[pid] + chunk, -1)
         indptr = np.zeros(nc + 1, np.int32)
         indptr[1:] = np.bincount(cta, minlength=nc).cumsum()
-        meta = np.array((items.shape[0], 0, tile, nc, 0, group, 0, 0, 0, int(causal), 0, 0, 0, 0,
-                         0, 0), np.int32)  # field order: META_* in workspace.py
-        return Plan(work_items=items, work_indptr=indptr, merge_tasks=_NO_MERGE, meta=meta,
-                    cta_cost=s["loads"], cta_tile_q=tile, group_size=group, num_ctas=nc,
-                    kv_chunk=0, causal=bool(causal))
+        # Merge tasks: one per split (tile, head) pair, in pair order.
+        sp = np.flatnonzero(nch_pair > 1)
+        mt = rec.take(sp // hk, axis=0)
+        merge = np.empty((sp.shape[0], ws.MERGE_FIELDS), np.int32)
+        merge[:, ws.M_REQ] = mt[:, ws.W_REQ]
+        merge[:, ws.M_KV_HEAD] = sp % hk
+        merge[:, ws.M_ROW_START] = mt[:, ws.W_ROW_START]
+        merge[:, ws.M_NUM_ROWS] = mt[:, ws.W_NUM_ROWS]
+        merge[:, ws.M_QO_OFFSET] = mt[:, ws.W_QO_OFFSET]
+        merge[:, ws.M_SLOT_START] = slot0[sp]
+        merge[:, ws.M_NUM_SLOTS] = nch_pair[sp]
+        merge[:, ws.M_RESERVED] = 0
+        meta = np.zeros(ws.META_FIELDS, np.int32)
+        meta[ws.META_NUM_WORK_ITEMS] = w.shape[0]
+        meta[ws.META_NUM_MERGE_TASKS] = merge.shape[0]
+        meta[ws.META_CTA_TILE_Q] = tile
+        meta[ws.META_NUM_CTAS] = nc
+        meta[ws.META_NUM_PARTIAL_SLOTS] = int(nsl.sum())
+        meta[ws.META_GROUP_SIZE] = group
+        meta[ws.META_KV_CHUNK] = kv_chunk
+        meta[ws.META_CAUSAL] = int(causal)
+        return Plan(work_items=w, work_indptr=indptr, merge_tasks=merge, meta=meta,
+                    cta_cost=loads, cta_tile_q=tile, group_size=group, num_ctas=nc,
+                    kv_chunk=int(kv_chunk), causal=bool(causal), min_kv_chunk=int(min_chunk))
 
     # -- staging and upload -------------------------------------------------------------
     def _stage(self, p: Plan, b: int, total_q: int, hq: int, hk: int) -> None:
