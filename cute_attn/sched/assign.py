@@ -40,6 +40,14 @@ the j-th busiest CTA with the j-th least busy and, in all pairs at once, move on
 across or swap two, whichever evens the pair best; a few passes. Both new loads of a pair
 stay below its busier one's, so the maximum never rises (the LPT bound holds).
 
+**Pre-cut + LPT** (``Planner._precut``, ``cost.cut_schedule``), tried before the
+wrap-around split where whole items cannot balance: tiles longer than a CTA's fair share
+are cut at multiples of it (a last piece shorter than the minimum chunk joins the one
+before), and the pieces x heads go through LPT. Few cuts, and the short items are spread
+over all CTAs as fillers. Taken if within ``balance_tol``; else the planner keeps
+whichever of it and the wrap-around split has the lower modelled makespan (ties: fewer
+merges, then fewer items). The LPT bound holds over the pieces.
+
 **Wrap-around split** (``wrap_fill``), for batches whole items cannot balance (a tile
 longer than a CTA's share, or too few items per CTA). McNaughton's rule, the optimal
 schedule of divisible work: lay the items on a line in cost order, each as its per-item

@@ -92,9 +92,15 @@ def build_tiles(qo_len, kv_len, group: int, tile: int, causal: bool, qo_min=None
     return req, row0, rows, ext, False
 
 
-def chunk_counts(ext, chunk: int):
-    """Chunks per tile when cutting at multiples of ``chunk`` (at least one per tile)."""
-    return np.maximum(-(-ext // chunk), 1)
+def chunk_counts(ext, chunk: int, absorb_below: int = 0):
+    """Chunks per tile when cutting at multiples of ``chunk`` (at least one per tile). A
+    last piece shorter than ``absorb_below`` joins the one before it (no tiny chunk)."""
+    if not absorb_below:
+        return np.maximum(-(-ext // chunk), 1)
+    q, r = np.divmod(ext, chunk)
+    n = q + (r > 0)
+    n -= (r > 0) & (r < absorb_below) & (q >= 1)
+    return np.maximum(n, 1)
 
 
 def pieces(ext, n, chunk: int):
@@ -107,14 +113,16 @@ def pieces(ext, n, chunk: int):
     return t, c, start, end
 
 
-def cut_schedule(ext, chunk, per_item, beta, heads, num_ctas):
-    """Batch-invariant mode: cut every tile at multiples of ``chunk``, sort the chunks by
-    cost (largest first, stable), LPT-assign chunks x heads (item i is chunk order[i //
-    heads] for head i % heads). Returns (n, t, c, start, end, order, cta, loads)."""
-    n = chunk_counts(ext, chunk)
+def cut_schedule(ext, chunk, per_item, beta, heads, num_ctas, absorb_below: int = 0):
+    """Cut every tile at multiples of ``chunk`` (a last piece shorter than
+    ``absorb_below`` joins the one before it), sort the chunks by cost (largest first,
+    stable), LPT-assign chunks x heads (item i is chunk order[i // heads] for head i %
+    heads). Returns (n, t, c, start, end, order, cta, loads, item_cost). Batch-invariant
+    mode (no absorbing) and the pre-cut candidate of the split path."""
+    n = chunk_counts(ext, chunk, absorb_below)
     t, c, start, end = pieces(ext, n, chunk)
     cost = per_item + beta * (end - start)
     order = np.argsort(-cost, kind="stable")
     item_cost = np.repeat(cost[order], heads)  # the heads of a chunk cost the same
     cta, loads = lpt_assign(item_cost, num_ctas)
-    return n, t, c, start, end, order, cta, loads
+    return n, t, c, start, end, order, cta, loads, item_cost

@@ -8,7 +8,7 @@ import numpy as np
 
 from . import workspace as ws
 from .assign import Snake, ids, lpt_assign, refine_pairs, wrap_fill
-from .cost import build_tiles, choose_cta_tile_q, cut_schedule, min_chunk_len
+from .cost import build_tiles, choose_cta_tile_q, chunk_counts, cut_schedule, min_chunk_len
 from .inputs import as_index_array, check_lengths, indptr_lengths, kv_lens_from_paged, kv_lens_from_ragged
 from .workspace import Limits, WorkspaceLayout
 
@@ -50,6 +50,11 @@ class Plan:
         return self.merge_tasks.shape[0] > 0
 
 
+def limit_of(loads, tol: float) -> float:
+    """``C * max load`` may be up to this for ``loads`` to count as balanced within tol."""
+    return (1.0 + tol) * int(loads.sum())
+
+
 def _host_buffer(nbytes: int, pin: bool):
     import torch
 
@@ -72,8 +77,14 @@ class Planner:
 
     Per plan (``_plan_balanced``): whole items by the snake if that is within
     ``balance_tol``, else by LPT (+ pairwise refinement where CTAs hold few items) if that
-    is, else the wrap-around split if it lowers the makespan below whole items' and keeps
-    the LPT bound, else whole items (``assign`` module doc).
+    is, else the pre-cut candidate (tiles longer than a CTA's share cut at multiples of it,
+    LPT over the pieces) if that is, else the lower modelled makespan (``_score``: busiest
+    CTA + merge rounds; ties: fewer merges, then fewer items) of the pre-cut candidate (or
+    whole items by LPT) and the wrap-around split (kept only if it fits the partial slots
+    and keeps the LPT bound) (``assign`` module doc). The pre-cut candidate comes first
+    because the kernel pays for every item and every split more than the model says:
+    the wrap-around rule packs runs of short items onto a few CTAs and cuts an item at
+    almost every CTA boundary (BENCH_NOTES.md, "H200 decode regression").
     """
 
     def __init__(self, limits: Limits, num_sms: int, ctas_per_sm: int = 1, *, alpha: int = 2,
@@ -254,46 +265,124 @@ class Planner:
             lpt = refine_pairs(item_cost, lpt[0], nc) or lpt  # few items per CTA: LPT's weak spot
             if int(lpt[1].max()) * nc <= limit:
                 return self._unsplit_lpt(lpt, order, hk, nt, rec_args)
-        # Whole items cannot be balanced: cut with the wrap-around rule.
+        # Whole items cannot be balanced: cut. Two candidates (``assign`` module doc):
+        # pre-cut + LPT -- few cuts, short items spread over the CTAs as fillers -- taken at
+        # once if within tolerance; else the wrap-around split too, and the lower modelled
+        # makespan (``_score``) wins, ties going to fewer merges, then fewer items.
         share = (total / nc - per_item) / beta if beta else 0
         m = min_chunk_len(int(share), page, self.min_kv_chunk)
+        max_slots = self.layout.max_partial_rows // tile
+        pre = self._precut(ext, hk, per_item, page, m, share, max_slots) if beta else None
+        if pre is not None and int(pre["loads"].max()) * nc <= limit_of(pre["loads"], self.balance_tol):
+            return self._precut_plan(pre, hk, nt, m, rec_args)
+        wrap = self._wrap(ext, order, hk, per_item, page, m, max_slots)
+        if pre is None:  # nothing to cut: whole items by LPT are the other candidate
+            if wrap is not None and wrap["key"][0] < int(cs[0]):  # LPT's max >= largest item
+                return self._wrap_plan(wrap, order, hk, nt, n, m, rec_args)
+            if lpt is None:
+                lpt = lpt_assign(cs.repeat(hk), nc)
+            if wrap is None or (self._score(lpt[1], 0, per_item), 0, n) <= wrap["key"]:
+                return self._unsplit_lpt(lpt, order, hk, nt, rec_args)
+            return self._wrap_plan(wrap, order, hk, nt, n, m, rec_args)
+        key_b = (self._score(pre["loads"], pre["merges"], per_item), pre["merges"], pre["items"])
+        if wrap is not None and wrap["key"] < key_b:
+            # Pairwise refinement may still bring the pre-cut plan level: worth its time
+            # only where that plan is within tolerance of the wrap-around one.
+            if key_b[0] > (1.0 + self.balance_tol) * wrap["key"][0] or not self._refine_precut(pre):
+                return self._wrap_plan(wrap, order, hk, nt, n, m, rec_args)
+            key_b = (self._score(pre["loads"], pre["merges"], per_item), pre["merges"], pre["items"])
+            if wrap["key"] < key_b:
+                return self._wrap_plan(wrap, order, hk, nt, n, m, rec_args)
+        elif wrap is None:
+            self._refine_precut(pre)
+        return self._precut_plan(pre, hk, nt, m, rec_args)
+
+    def _wrap(self, ext, order, hk, per_item, page, m, max_slots):
+        """The wrap-around candidate (``assign.wrap_fill``, then pairwise refinement of its
+        pieces if still out of tolerance), or None where it does not apply, does not fit
+        the partial slots or breaks the LPT bound. ``key``: (score, merges, items)."""
+        nc, beta = self.num_ctas, self.beta
         wf = wrap_fill(ext[order].repeat(hk), per_item=per_item, beta=beta, page=page,
                        min_chunk=m, num_ctas=nc, tol=self.balance_tol)
-        if wf is not None:
-            item, start, stop, chunk, cta, loads, ncut = wf
-            split = ncut > 0
-            nslots = int(ncut[split].sum()) + int(np.count_nonzero(split))
-            pc = per_item + beta * (stop - start)
-            if int(loads.max()) * nc > (1.0 + self.balance_tol) * int(loads.sum()):
-                r = refine_pairs(pc, cta, nc)  # trade whole pieces between CTAs
-                if r is not None:
-                    cta, loads = r
-                    by = np.argsort(cta, kind="stable")  # CTA-major again
-                    item, start, stop, chunk, cta, pc = (item[by], start[by], stop[by], chunk[by],
-                                                         cta[by], pc[by])
-            top = int(loads.max())
-            ok = (nslots <= self.layout.max_partial_rows // tile
-                  and top * nc <= int(loads.sum()) + nc * int(pc.max()))  # the LPT bound
-            if ok and top >= int(cs[0]):  # not better than whole items for sure: ask LPT
-                if lpt is None:
-                    lpt = lpt_assign(cs.repeat(hk), nc)
-                ok = top < int(lpt[1].max())
-            if ok:
-                t = order[item // hk]
-                h = item % hk
-                nch = np.empty(n, np.int64)
-                nch[order.repeat(hk) * hk + ids(n) % hk] = ncut + 1  # per (tile, head) pair
-                return self._split(t, h, start, stop, chunk, nch, cta, loads, hk, nt, 0, m,
-                                   rec_args)
-        if lpt is None:
-            lpt = lpt_assign(cs.repeat(hk), nc)
-        return self._unsplit_lpt(lpt, order, hk, nt, rec_args)
+        if wf is None:
+            return None
+        item, start, stop, chunk, cta, loads, ncut = wf
+        split = ncut > 0
+        merges = int(np.count_nonzero(split))
+        if int(ncut[split].sum()) + merges > max_slots:
+            return None
+        pc = per_item + beta * (stop - start)
+        if int(loads.max()) * nc > limit_of(loads, self.balance_tol):
+            r = refine_pairs(pc, cta, nc)  # trade whole pieces between CTAs
+            if r is not None:
+                cta, loads = r
+                by = np.argsort(cta, kind="stable")  # CTA-major again
+                item, start, stop, chunk, cta, pc = (item[by], start[by], stop[by], chunk[by],
+                                                     cta[by], pc[by])
+        if int(loads.max()) * nc > int(loads.sum()) + nc * int(pc.max()):  # the LPT bound
+            return None
+        return dict(item=item, start=start, stop=stop, chunk=chunk, cta=cta, loads=loads,
+                    ncut=ncut, key=(self._score(loads, merges, per_item), merges, item.shape[0]))
+
+    def _wrap_plan(self, wp, order, hk, nt, n, m, rec_args):
+        item = wp["item"]
+        nch = np.empty(n, np.int64)
+        nch[order.repeat(hk) * hk + ids(n) % hk] = wp["ncut"] + 1  # per (tile, head) pair
+        return self._split(order[item // hk], item % hk, wp["start"], wp["stop"], wp["chunk"],
+                           nch, wp["cta"], wp["loads"], hk, nt, 0, m, rec_args)
+
+    def _score(self, loads, merges: int, per_item: int) -> int:
+        """Modelled makespan used to compare candidate plans: the busiest CTA, plus the
+        merge pass (``ceil(merges / C)`` rounds of one per-item cost each -- a merge task
+        reads its partial tiles and writes one output tile)."""
+        return int(loads.max()) + per_item * (-(-merges // self.num_ctas))
+
+    def _precut(self, ext, hk, per_item, page, m, share, max_slots):
+        """The pre-cut candidate: tiles longer than a CTA's fair share are cut at multiples
+        of it (page-aligned; a last piece shorter than ``m`` joins the one before), then all
+        pieces x heads are assigned by LPT. Few cuts (a piece is about a CTA's share), and
+        the short items end up spread over the CTAs as fillers, so no CTA gets a long run
+        of them. The chunk doubles while the partial slots would not fit. Returns None when
+        no tile is longer than the chunk, else a dict of the schedule."""
+        chunk = max(m, int(share) // page * page)
+        emax = int(ext.max())
+        while True:
+            if chunk >= emax:
+                return None
+            n = chunk_counts(ext, chunk, m)
+            split = n > 1
+            if not split.any():
+                return None
+            if hk * int(n[split].sum()) <= max_slots:
+                break
+            chunk *= 2
+        n, tp, c, start, end, order, cta, loads, item_cost = cut_schedule(
+            ext, chunk, per_item, self.beta, hk, self.num_ctas, m)
+        return dict(chunk=chunk, n=n, t=tp, c=c, start=start, end=end, order=order, cta=cta,
+                    loads=loads, cost=item_cost, merges=hk * int(np.count_nonzero(split)),
+                    items=item_cost.shape[0])
+
+    def _refine_precut(self, pre) -> bool:
+        """Pairwise refinement of the pre-cut candidate (in place); whether it improved."""
+        r = refine_pairs(pre["cost"], pre["cta"], self.num_ctas)
+        if r is None:
+            return False
+        pre["cta"], pre["loads"] = r
+        return True
+
+    def _precut_plan(self, pre, hk, nt, m, rec_args):
+        nc, cta = self.num_ctas, pre["cta"]
+        by_cta = np.argsort(cta.astype(np.int16 if nc < 2**15 else np.int32), kind="stable")
+        q = pre["order"][by_cta // hk]
+        return self._split(pre["t"][q], by_cta % hk, pre["start"][q], pre["end"][q], pre["c"][q],
+                           pre["n"].repeat(hk), cta[by_cta], pre["loads"], hk, nt, pre["chunk"], m,
+                           rec_args)
 
     def _plan_invariant(self, ext, hk, tile, split, rec_args):
         """Batch-invariant mode: cut at multiples of ``split``, LPT over the chunks."""
         nc, nt = self.num_ctas, ext.shape[0]
-        n, t, c, start, end, order, cta, loads = cut_schedule(ext, split, self.alpha * tile,
-                                                               self.beta, hk, nc)
+        n, t, c, start, end, order, cta, loads, _ = cut_schedule(ext, split, self.alpha * tile,
+                                                                  self.beta, hk, nc)
         need = hk * int(n[n > 1].sum())
         max_slots = self.layout.max_partial_rows // tile
         if need > max_slots:
