@@ -126,6 +126,7 @@ class Module:
             raise LaunchError(f"{self.spec.describe()}: {what} failed: CUDA error {code} ({cuda_error_string(code)})")
 
     def _buffers(self):
+        """This thread's argument buffer, pointer array and return slot (made once per thread)."""
         tls = self._tls
         buf = getattr(tls, "buf", None)
         if buf is None:
@@ -133,24 +134,28 @@ class Module:
             base = ctypes.addressof(buf)
             tls.ptrs = (ctypes.c_void_p * self._nargs)(*[base + o for o in self._offsets])
             tls.ret = ctypes.c_int32.from_buffer(buf, self._offsets[-1])
-        return buf, tls.ptrs
+        return buf, tls.ptrs, tls.ret
 
     def launch(self, values: Sequence, stream: int) -> None:
         """``values``: the flattened struct fields of every argument, in ABI order."""
-        buf, ptrs = self._buffers()
+        buf, ptrs, ret = self._buffers()
         self._struct.pack_into(buf, 0, *values, stream, 0)
         self._launch(ptrs, self._nargs)
-        ret = self._tls.ret.value
-        if ret != 0:
-            self._check(ret, "launch")
+        if ret.value:
+            self._check(ret.value, "launch")
 
     def __call__(self, *values, stream: Optional[int] = None) -> None:
         """Launch with torch tensors / Python scalars in ABI order, on the current stream of
-        the first tensor's device unless ``stream`` (a raw ``cudaStream_t``) is given."""
+        the first tensor's device unless ``stream`` (a raw ``cudaStream_t``) is given.
+        (``launch`` inlined: this is the per-launch hot path.)"""
         flat = self._pack(*values)
         if stream is None:
             stream = current_stream(values[0].get_device())
-        self.launch(flat, stream)
+        buf, ptrs, ret = self._buffers()
+        self._struct.pack_into(buf, 0, *flat, stream, 0)
+        self._launch(ptrs, self._nargs)
+        if ret.value:
+            self._check(ret.value, "launch")
 
     @functools.cached_property
     def _pack(self):
@@ -158,13 +163,16 @@ class Module:
 
 
 def current_stream(device_index: int) -> int:
-    """Raw ``cudaStream_t`` of torch's current stream on a device (fast path when available)."""
+    """Raw ``cudaStream_t`` of torch's current stream on a device."""
+    return _raw_stream()(device_index)
+
+
+@functools.lru_cache(maxsize=1)
+def _raw_stream() -> Callable[[int], int]:
     import torch
 
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(device_index)
-    return torch.cuda.current_stream(device_index).cuda_stream
+    fast = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch
+    return fast if fast is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
 
 
 def make_packer(args: Sequence) -> Callable:
