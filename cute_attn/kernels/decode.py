@@ -160,17 +160,27 @@ class PagedDecode:
         for it in cutlass.range(item_lo, item_hi):
             total = total + _num_blocks(mWork[it, W_KV_START], mWork[it, W_KV_END])
 
+        # Cursor fields live in registers and are re-read from the work list only when a cursor
+        # crosses into the next item (a global read per block on the critical path cost ~7 %).
         rows = cute.make_rmem_tensor((self.rows_per_thread,), Int32)
         i_item = item_lo
         i_blk = Int32(0)
-        if total > 0:
-            self._lookup_at(mWork, mKvIndptr, mKvIndices, rows, tidx, page_size, i_item, i_blk)
+        i_kv_start, i_kv_end, i_kv_head, i_page_base, i_nblk = _item_fields(mWork, mKvIndptr, item_lo, item_hi)
+        if total > 0 and i_kv_end > i_kv_start:
+            self._lookup(mKvIndices, rows, tidx, i_page_base, page_size, i_kv_start, i_kv_end)
         for s in cutlass.range_constexpr(S - 1):
             if s < total:
-                self._issue(mQ, mK, mV, mWork, sQ, sK, sV, g2s, rows, tidx, page_size, group, i_item, i_blk, s)
-                i_item, i_blk = _advance(mWork, i_item, i_blk)
-                if i_item < item_hi:
-                    self._lookup_at(mWork, mKvIndptr, mKvIndices, rows, tidx, page_size, i_item, i_blk)
+                self._issue(mQ, mK, mV, mWork, sQ, sK, sV, g2s, rows, tidx, page_size, group, i_item, i_blk,
+                            i_kv_head, i_kv_end > i_kv_start, s)
+                i_blk = i_blk + 1
+                if i_blk == i_nblk:
+                    i_item = i_item + 1
+                    i_blk = Int32(0)
+                    i_kv_start, i_kv_end, i_kv_head, i_page_base, i_nblk = _item_fields(mWork, mKvIndptr, i_item,
+                                                                                        item_hi)
+                if i_item < item_hi and i_kv_end > i_kv_start:
+                    self._lookup(mKvIndices, rows, tidx, i_page_base, page_size, i_kv_start + i_blk * BLOCK_N,
+                                 i_kv_end)
             cute.arch.cp_async_commit_group()
 
         acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, D)), Float32)
@@ -179,6 +189,7 @@ class PagedDecode:
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ[None, None, 0]))
         c_item = item_lo
         c_blk = Int32(0)
+        c_kv_start, c_kv_end, c_row_start, c_qpos_base, c_nblk = _compute_fields(mWork, item_lo, item_hi)
         for t in cutlass.range(total):
             stage = t % S
             cute.arch.cp_async_wait_group(S - 2)
@@ -191,16 +202,19 @@ class PagedDecode:
                 row_l.fill(0.0)
             if t + S - 1 < total:
                 self._issue(mQ, mK, mV, mWork, sQ, sK, sV, g2s, rows, tidx, page_size, group, i_item, i_blk,
-                            (t + S - 1) % S)
-                i_item, i_blk = _advance(mWork, i_item, i_blk)
-                if i_item < item_hi:
-                    self._lookup_at(mWork, mKvIndptr, mKvIndices, rows, tidx, page_size, i_item, i_blk)
+                            i_kv_head, i_kv_end > i_kv_start, (t + S - 1) % S)
+                i_blk = i_blk + 1
+                if i_blk == i_nblk:
+                    i_item = i_item + 1
+                    i_blk = Int32(0)
+                    i_kv_start, i_kv_end, i_kv_head, i_page_base, i_nblk = _item_fields(mWork, mKvIndptr, i_item,
+                                                                                        item_hi)
+                if i_item < item_hi and i_kv_end > i_kv_start:
+                    self._lookup(mKvIndices, rows, tidx, i_page_base, page_size, i_kv_start + i_blk * BLOCK_N,
+                                 i_kv_end)
             cute.arch.cp_async_commit_group()
 
-            kv_start = mWork[c_item, W_KV_START]
-            kv_end = mWork[c_item, W_KV_END]
-            row_start = mWork[c_item, W_ROW_START]
-            qpos_base = mWork[c_item, W_KV_LEN] - mWork[c_item, W_QO_LEN]
+            kv_start, kv_end, row_start, qpos_base = c_kv_start, c_kv_end, c_row_start, c_qpos_base
             sK_w = cute.local_tile(sK[None, None, stage], (16, D), (wid, 0))
             sV_w = cute.local_tile(sV[None, None, stage], (16, D), (wid, 0))
             # S = Q K_wᵀ  (16 rows x 16 keys)
@@ -249,7 +263,7 @@ class PagedDecode:
                 cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
 
             c_blk = c_blk + 1
-            if c_blk == _num_blocks(kv_start, kv_end):
+            if c_blk == c_nblk:
                 # --- epilogue: ⊕ of the four warp states through smem (the fp32 buffer is this
                 # block's K and V stage, free now: the next item's blocks are in other stages)
                 for r in cutlass.range_constexpr(n_rows_thr):
@@ -284,23 +298,13 @@ class PagedDecode:
                 cute.arch.sync_threads()  # the stage is refilled next iteration
                 c_item = c_item + 1
                 c_blk = Int32(0)
-
-    @cute.jit
-    def _lookup_at(self, mWork: cute.Tensor, mKvIndptr: cute.Tensor, mKvIndices: cute.Tensor,
-                   rows: cute.Tensor, tidx: Int32, page_size: Int32, item: Int32, blk: Int32):
-        """Page lookups for block ``blk`` of ``item`` (skipped for an empty item: it is zero-filled)."""
-        kv_start = mWork[item, W_KV_START]
-        kv_end = mWork[item, W_KV_END]
-        if kv_end > kv_start:
-            self._lookup(mKvIndices, rows, tidx, mKvIndptr[mWork[item, W_REQ]], page_size,
-                         kv_start + blk * BLOCK_N, kv_end)
+                c_kv_start, c_kv_end, c_row_start, c_qpos_base, c_nblk = _compute_fields(mWork, c_item, item_hi)
 
     @cute.jit
     def _issue(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mWork: cute.Tensor, sQ: cute.Tensor,
                sK: cute.Tensor, sV: cute.Tensor, g2s: cute.CopyAtom, rows: cute.Tensor, tidx: Int32,
-               page_size: Int32, group: Int32, item: Int32, blk: Int32, stage: Int32):
+               page_size: Int32, group: Int32, item: Int32, blk: Int32, kv_head: Int32, has_kv, stage: Int32):
         """cp.async block ``blk`` of ``item`` (and, for its first block, its Q tile) into a stage."""
-        kv_head = mWork[item, W_KV_HEAD]
         if blk == 0:  # Q tile (rows past num_rows re-read row 0 and are never written out)
             row_start = mWork[item, W_ROW_START]
             num_rows = mWork[item, W_NUM_ROWS]
@@ -315,7 +319,7 @@ class PagedDecode:
                     head = kv_head * group + r % group
                     cute.copy(g2s, cute.local_tile(mQ[tok, head, None], (8,), (c,)),
                               cute.local_tile(sQ[j, None, stage], (8,), (c,)))
-        if mWork[item, W_KV_END] > mWork[item, W_KV_START]:
+        if has_kv:
             self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, kv_head, stage)
         else:  # an empty item: finite zeros, every key masked
             self._zero_kv(sK, sV, tidx, stage)
@@ -402,14 +406,29 @@ def _num_blocks(kv_start: Int32, kv_end: Int32) -> Int32:
 
 
 @cute.jit
-def _advance(mWork: cute.Tensor, item: Int32, blk: Int32):
-    """The stream position after (item, blk)."""
-    nxt_blk = blk + 1
-    nxt_item = item
-    if nxt_blk == _num_blocks(mWork[item, W_KV_START], mWork[item, W_KV_END]):
-        nxt_item = item + 1
-        nxt_blk = Int32(0)
-    return nxt_item, nxt_blk
+def _item_fields(mWork: cute.Tensor, mKvIndptr: cute.Tensor, item: Int32, item_hi: Int32):
+    """What the issue cursor needs of an item: kv range, kv head, first page slot, blocks."""
+    kv_start, kv_end, kv_head, page_base, nblk = Int32(0), Int32(0), Int32(0), Int32(0), Int32(1)
+    if item < item_hi:
+        kv_start = mWork[item, W_KV_START]
+        kv_end = mWork[item, W_KV_END]
+        kv_head = mWork[item, W_KV_HEAD]
+        page_base = mKvIndptr[mWork[item, W_REQ]]
+        nblk = _num_blocks(kv_start, kv_end)
+    return kv_start, kv_end, kv_head, page_base, nblk
+
+
+@cute.jit
+def _compute_fields(mWork: cute.Tensor, item: Int32, item_hi: Int32):
+    """What the compute cursor needs of an item: kv range, first packed row, causal offset, blocks."""
+    kv_start, kv_end, row_start, qpos_base, nblk = Int32(0), Int32(0), Int32(0), Int32(0), Int32(1)
+    if item < item_hi:
+        kv_start = mWork[item, W_KV_START]
+        kv_end = mWork[item, W_KV_END]
+        row_start = mWork[item, W_ROW_START]
+        qpos_base = mWork[item, W_KV_LEN] - mWork[item, W_QO_LEN]
+        nblk = _num_blocks(kv_start, kv_end)
+    return kv_start, kv_end, row_start, qpos_base, nblk
 
 
 @cute.jit
