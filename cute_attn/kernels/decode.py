@@ -14,9 +14,7 @@ Per KV block of BLOCK_N tokens:
   (``mma.sync`` m16n8k16, fragments via ``ldmatrix``), with its own online-softmax state;
 - the four warp states are ⊕-merged through shared memory at the end of the item, and the
   result goes to the final output (bf16/fp16 + LSE) or to a partial slot (fp32) for the merge
-  kernel;
-- the pipeline runs across work items: a CTA's items form one stream of blocks, so the next
-  item's Q tile and first blocks load while the current item finishes.
+  kernel.
 
 Scores are kept in base 2 (scaled by sm_scale·log2 e), so LSE comes out in base 2 as
 FlashInfer returns it.  Variant hook points (logits transform, logits mask) are the
@@ -52,8 +50,9 @@ class PagedDecode:
         self.window = window
         self.chunks = head_dim // 8  # 16-byte chunks per row
         self.rows_per_thread = BLOCK_N * self.chunks // THREADS  # KV rows each thread gathers per block
-        assert NUM_WARPS * TILE_Q * 4 == BLOCK_N * 2 * 2, "epilogue buffer = one K stage + one V stage"
-        assert stages >= 2
+        kv_bytes = 2 * BLOCK_N * head_dim * stages * 2
+        o_bytes = NUM_WARPS * TILE_Q * (head_dim + 4) * 4
+        assert o_bytes <= kv_bytes, "epilogue buffer must fit in the KV stages it reuses"
 
     # ---- variant hook points -------------------------------------------------------------
     @cute.jit
@@ -84,12 +83,9 @@ class PagedDecode:
         atom_cols = 64 if D % 64 == 0 else 32
         swz = cute.make_composed_layout(cute.make_swizzle(3 if atom_cols == 64 else 2, 3, 3), 0,
                                         cute.make_layout((8, atom_cols), stride=(atom_cols, 1)))
-        sQ_layout = cute.tile_to_shape(swz, (TILE_Q, D, self.stages), (0, 1, 2))
+        sQ_layout = cute.tile_to_shape(swz, (TILE_Q, D), (0, 1))
         sKV_layout = cute.tile_to_shape(swz, (BLOCK_N, D, self.stages), (0, 1, 2))
-        # fp32 epilogue buffer = one K stage (warps 0, 1) + the same V stage (warps 2, 3): exactly
-        # 4 warps x 16 rows x D x 4 B = BLOCK_N x D x 2 B x 2
-        v_off = self.stages * BLOCK_N * D // 2  # K stage -> V stage, in fp32 elements
-        sO_layout = cute.make_layout((TILE_Q, D, (2, 2)), stride=(D, 1, (TILE_Q * D, v_off)))
+        sO_layout = cute.make_layout((TILE_Q, D + 4, NUM_WARPS), stride=(D + 4, 1, TILE_Q * (D + 4)))
 
         @cute.struct
         class Smem:
@@ -122,14 +118,14 @@ class PagedDecode:
         wid = tidx // 32
         lane = tidx % 32
         D = self.head_dim
-        S = self.stages
 
         smem = cutlass.utils.SmemAllocator()
         st = smem.allocate(Smem)
-        sQ = st.sQ.get_tensor(sQ_layout)  # one Q tile per stage: (TILE_Q, D, S)
+        sQ = st.sQ.get_tensor(sQ_layout)
         kv_ptr = st.sKV.data_ptr()
         sK = cute.make_tensor(kv_ptr, sKV_layout)
         sV = cute.make_tensor(kv_ptr + cute.cosize(sKV_layout), sKV_layout)
+        sO = cute.make_tensor(cute.recast_ptr(kv_ptr, dtype=Float32), sO_layout)
         sM = st.sM.get_tensor(cute.make_layout((TILE_Q, NUM_WARPS), stride=(1, TILE_Q)))
         sL = st.sL.get_tensor(cute.make_layout((TILE_Q, NUM_WARPS), stride=(1, TILE_Q)))
 
@@ -147,168 +143,21 @@ class PagedDecode:
         tOcO = _mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_Q, D))))
         n_rows_thr = cute.size(tScS, mode=[0])
 
-        # The CTA's work items form one stream of 64-token blocks (an empty item is one
-        # all-masked, zero-filled block), pipelined STAGES deep *across* items: while the last
-        # blocks of an item are computed, the next item's Q tile and first blocks are in flight.
-        # Two cursors walk the stream: the issue cursor (i_item, i_blk) S-1 blocks ahead of the
-        # compute cursor (c_item, c_blk).  Block t lives in stage t % S, with its item's Q tile
-        # in sQ[:, :, t % S] when it is the item's first block.
-        item_lo = mWorkIndptr[cta]
-        item_hi = mWorkIndptr[cta + 1]
-        page_size = mK.shape[1]
-        total = Int32(0)
-        for it in cutlass.range(item_lo, item_hi):
-            total = total + _num_blocks(mWork[it, W_KV_START], mWork[it, W_KV_END])
-
-        # Cursor fields live in registers and are re-read from the work list only when a cursor
-        # crosses into the next item (a global read per block on the critical path cost ~7 %).
-        rows = cute.make_rmem_tensor((self.rows_per_thread,), Int32)
-        i_item = item_lo
-        i_blk = Int32(0)
-        i_kv_start, i_kv_end, i_kv_head, i_page_base, i_nblk = _item_fields(mWork, mKvIndptr, item_lo, item_hi)
-        if total > 0 and i_kv_end > i_kv_start:
-            self._lookup(mKvIndices, rows, tidx, i_page_base, page_size, i_kv_start, i_kv_end)
-        for s in cutlass.range_constexpr(S - 1):
-            if s < total:
-                self._issue(mQ, mK, mV, mWork, sQ, sK, sV, g2s, rows, tidx, page_size, group, i_item, i_blk,
-                            i_kv_head, i_kv_end > i_kv_start, s)
-                i_blk = i_blk + 1
-                if i_blk == i_nblk:
-                    i_item = i_item + 1
-                    i_blk = Int32(0)
-                    i_kv_start, i_kv_end, i_kv_head, i_page_base, i_nblk = _item_fields(mWork, mKvIndptr, i_item,
-                                                                                        item_hi)
-                if i_item < item_hi and i_kv_end > i_kv_start:
-                    self._lookup(mKvIndices, rows, tidx, i_page_base, page_size, i_kv_start + i_blk * BLOCK_N,
-                                 i_kv_end)
-            cute.arch.cp_async_commit_group()
-
-        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, D)), Float32)
-        row_m = cute.make_rmem_tensor((n_rows_thr,), Float32)
-        row_l = cute.make_rmem_tensor((n_rows_thr,), Float32)
-        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ[None, None, 0]))
-        c_item = item_lo
-        c_blk = Int32(0)
-        c_kv_start, c_kv_end, c_row_start, c_qpos_base, c_nblk = _compute_fields(mWork, item_lo, item_hi)
-        for t in cutlass.range(total):
-            stage = t % S
-            cute.arch.cp_async_wait_group(S - 2)
-            cute.arch.sync_threads()
-            if c_blk == 0:  # first block of an item: its Q tile, fresh softmax state
-                sQ_t = sQ[None, None, stage]
-                cute.copy(s2r_q, s2r_q.partition_S(sQ_t), s2r_q.retile(tSrQ))
-                acc_O.fill(0.0)
-                row_m.fill(-Float32.inf)
-                row_l.fill(0.0)
-            if t + S - 1 < total:
-                self._issue(mQ, mK, mV, mWork, sQ, sK, sV, g2s, rows, tidx, page_size, group, i_item, i_blk,
-                            i_kv_head, i_kv_end > i_kv_start, (t + S - 1) % S)
-                i_blk = i_blk + 1
-                if i_blk == i_nblk:
-                    i_item = i_item + 1
-                    i_blk = Int32(0)
-                    i_kv_start, i_kv_end, i_kv_head, i_page_base, i_nblk = _item_fields(mWork, mKvIndptr, i_item,
-                                                                                        item_hi)
-                if i_item < item_hi and i_kv_end > i_kv_start:
-                    self._lookup(mKvIndices, rows, tidx, i_page_base, page_size, i_kv_start + i_blk * BLOCK_N,
-                                 i_kv_end)
-            cute.arch.cp_async_commit_group()
-
-            kv_start, kv_end, row_start, qpos_base = c_kv_start, c_kv_end, c_row_start, c_qpos_base
-            sK_w = cute.local_tile(sK[None, None, stage], (16, D), (wid, 0))
-            sV_w = cute.local_tile(sV[None, None, stage], (16, D), (wid, 0))
-            # S = Q K_wᵀ  (16 rows x 16 keys)
-            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_w))
-            cute.copy(s2r_k, s2r_k.partition_S(sK_w), s2r_k.retile(tSrK))
-            acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, 16)), Float32)
-            acc_S.fill(0.0)
-            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
-
-            # logits, mask, online softmax over this warp's 16 keys
-            key0 = kv_start + c_blk * BLOCK_N + wid * 16
-            acc_S_mn = _mn_view(acc_S)
-            acc_O_mn = _mn_view(acc_O)
-            for r in cutlass.range_constexpr(n_rows_thr):
-                row = row_start + tScS[r, 0][0]
-                q_pos = qpos_base + row // group
-                m_blk = -Float32.inf
-                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                    v = self._logits(acc_S_mn[r, c], scale_log2, cap_log2, inv_cap_scaled)
-                    v = v if self._visible(key0 + tScS[0, c][1], kv_end, q_pos, window_left) else -Float32.inf
-                    acc_S_mn[r, c] = v
-                    m_blk = cute.arch.fmax(m_blk, v)
-                m_blk = _quad_max(m_blk)
-                m_new = cute.arch.fmax(row_m[r], m_blk)
-                m_use = m_new if m_new != -Float32.inf else Float32(0.0)
-                corr = cute.math.exp2(row_m[r] - m_use, fastmath=True)
-                l_blk = Float32(0.0)
-                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                    p = cute.math.exp2(acc_S_mn[r, c] - m_use, fastmath=True)
-                    acc_S_mn[r, c] = p
-                    l_blk = l_blk + p
-                row_l[r] = row_l[r] * corr + l_blk  # per-thread partial sum; quad-reduced at the end
-                row_m[r] = m_new
-                for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                    acc_O_mn[r, c] = acc_O_mn[r, c] * corr
-
-            # O += P V_w
-            rP = cute.make_fragment_like(acc_S, self.dtype)
-            rP.store(acc_S.load().to(self.dtype))
-            tOrP = _acc_as_A(rP)
-            sVt_w = cute.composition(sV_w, cute.make_layout((D, 16), stride=(16, 1)))
-            tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_w))
-            cute.copy(s2r_v, s2r_v.partition_S(sVt_w), s2r_v.retile(tOrV))
-            for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
-
-            c_blk = c_blk + 1
-            if c_blk == c_nblk:
-                # --- epilogue: ⊕ of the four warp states through smem (the fp32 buffer is this
-                # block's K and V stage, free now: the next item's blocks are in other stages)
-                for r in cutlass.range_constexpr(n_rows_thr):
-                    row_l[r] = _quad_sum(row_l[r])
-                    if lane % 4 == 0:
-                        sM[tScS[r, 0][0], wid] = row_m[r]
-                        sL[tScS[r, 0][0], wid] = row_l[r]
-                cute.arch.sync_threads()
-                sO = cute.make_tensor(cute.recast_ptr(kv_ptr, dtype=Float32) + stage * (BLOCK_N * D // 2), sO_layout)
-                for r in cutlass.range_constexpr(n_rows_thr):
-                    j = tScS[r, 0][0]
-                    m_all = -Float32.inf
-                    for w in cutlass.range_constexpr(NUM_WARPS):
-                        m_all = cute.arch.fmax(m_all, sM[j, w])
-                    m_use = m_all if m_all != -Float32.inf else Float32(0.0)
-                    l_all = Float32(0.0)
-                    for w in cutlass.range_constexpr(NUM_WARPS):
-                        l_all = l_all + sL[j, w] * cute.math.exp2(sM[j, w] - m_use, fastmath=True)
-                    f = Float32(0.0)
-                    if l_all > Float32(0.0):
-                        f = cute.math.exp2(row_m[r] - m_use, fastmath=True) * cute.arch.rcp_approx(l_all)
-                    for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                        sO[j, tOcO[0, c][1], wid] = acc_O_mn[r, c] * f
-                    if wid == 0 and lane % 4 == 0:
-                        lse = -Float32.inf
-                        if l_all > Float32(0.0):
-                            lse = m_all + cute.math.log2(l_all, fastmath=True)
-                        sM[j, 0] = lse  # reuse: this row's final LSE, read below
-                cute.arch.sync_threads()
-                self._store(mO, mLse, mPartO, mPartLse, sO, sM, tidx, row_start, mWork[c_item, W_NUM_ROWS],
-                            mWork[c_item, W_DEST], mWork[c_item, W_QO_OFFSET], mWork[c_item, W_KV_HEAD], group)
-                cute.arch.sync_threads()  # the stage is refilled next iteration
-                c_item = c_item + 1
-                c_blk = Int32(0)
-                c_kv_start, c_kv_end, c_row_start, c_qpos_base, c_nblk = _compute_fields(mWork, c_item, item_hi)
-
-    @cute.jit
-    def _issue(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mWork: cute.Tensor, sQ: cute.Tensor,
-               sK: cute.Tensor, sV: cute.Tensor, g2s: cute.CopyAtom, rows: cute.Tensor, tidx: Int32,
-               page_size: Int32, group: Int32, item: Int32, blk: Int32, kv_head: Int32, has_kv, stage: Int32):
-        """cp.async block ``blk`` of ``item`` (and, for its first block, its Q tile) into a stage."""
-        if blk == 0:  # Q tile (rows past num_rows re-read row 0 and are never written out)
+        for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1]):
+            req = mWork[item, W_REQ]
+            kv_head = mWork[item, W_KV_HEAD]
             row_start = mWork[item, W_ROW_START]
             num_rows = mWork[item, W_NUM_ROWS]
+            kv_start = mWork[item, W_KV_START]
+            kv_end = mWork[item, W_KV_END]
+            dest = mWork[item, W_DEST]
             qo_offset = mWork[item, W_QO_OFFSET]
+            qpos_base = mWork[item, W_KV_LEN] - mWork[item, W_QO_LEN]
+            page_base = mKvIndptr[req]
+            page_size = mK.shape[1]
+            n_blocks = (kv_end - kv_start + BLOCK_N - 1) // BLOCK_N
+
+            # --- Q tile -> smem (rows past num_rows re-read row 0 and are never written out)
             for i in cutlass.range_constexpr((TILE_Q * self.chunks + THREADS - 1) // THREADS):
                 idx = tidx + i * THREADS
                 if idx < TILE_Q * self.chunks:
@@ -318,22 +167,122 @@ class PagedDecode:
                     tok = qo_offset + r // group
                     head = kv_head * group + r % group
                     cute.copy(g2s, cute.local_tile(mQ[tok, head, None], (8,), (c,)),
-                              cute.local_tile(sQ[j, None, stage], (8,), (c,)))
-        if has_kv:
-            self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, kv_head, stage)
-        else:  # an empty item: finite zeros, every key masked
-            self._zero_kv(sK, sV, tidx, stage)
+                              cute.local_tile(sQ[j, None], (8,), (c,)))
 
-    @cute.jit
-    def _zero_kv(self, sK: cute.Tensor, sV: cute.Tensor, tidx: Int32, stage: Int32):
-        rows_per_pass = THREADS // self.chunks
-        c = tidx % self.chunks
-        z = cute.make_rmem_tensor((8,), self.dtype)
-        z.fill(0.0)
-        for i in cutlass.range_constexpr(self.rows_per_thread):
-            r = tidx // self.chunks + i * rows_per_pass
-            cute.autovec_copy(z, cute.local_tile(sK[r, None, stage], (8,), (c,)))
-            cute.autovec_copy(z, cute.local_tile(sV[r, None, stage], (8,), (c,)))
+            # --- KV blocks: prologue fills STAGES-1 stages (Q rides in the first group); the
+            # page lookups of the next block to issue are always one iteration ahead, so the
+            # loop never waits on kv_indices before issuing its copies.
+            rows = cute.make_rmem_tensor((self.rows_per_thread,), Int32)
+            for s in cutlass.range_constexpr(self.stages - 1):
+                if s < n_blocks:
+                    self._lookup(mKvIndices, rows, tidx, page_base, page_size, kv_start + s * BLOCK_N, kv_end)
+                    self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, kv_head, s)
+                cute.arch.cp_async_commit_group()
+            if self.stages - 1 < n_blocks:
+                self._lookup(mKvIndices, rows, tidx, page_base, page_size,
+                             kv_start + (self.stages - 1) * BLOCK_N, kv_end)
+
+            acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, D)), Float32)
+            acc_O.fill(0.0)
+            row_m = cute.make_rmem_tensor((n_rows_thr,), Float32)
+            row_l = cute.make_rmem_tensor((n_rows_thr,), Float32)
+            row_m.fill(-Float32.inf)
+            row_l.fill(0.0)
+            tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+
+            for nb in cutlass.range(n_blocks):
+                cute.arch.cp_async_wait_group(self.stages - 2)
+                cute.arch.sync_threads()
+                if nb == 0:
+                    cute.copy(s2r_q, s2r_q.partition_S(sQ), s2r_q.retile(tSrQ))
+                nxt = nb + self.stages - 1
+                if nxt < n_blocks:
+                    self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, kv_head, nxt % self.stages)
+                    if nxt + 1 < n_blocks:
+                        self._lookup(mKvIndices, rows, tidx, page_base, page_size, kv_start + (nxt + 1) * BLOCK_N,
+                                     kv_end)
+                cute.arch.cp_async_commit_group()
+
+                stage = nb % self.stages
+                sK_w = cute.local_tile(sK[None, None, stage], (16, D), (wid, 0))
+                sV_w = cute.local_tile(sV[None, None, stage], (16, D), (wid, 0))
+                # S = Q K_wᵀ  (16 rows x 16 keys)
+                tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_w))
+                cute.copy(s2r_k, s2r_k.partition_S(sK_w), s2r_k.retile(tSrK))
+                acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, 16)), Float32)
+                acc_S.fill(0.0)
+                for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                    cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+
+                # logits, mask, online softmax over this warp's 16 keys
+                key0 = kv_start + nb * BLOCK_N + wid * 16
+                acc_S_mn = _mn_view(acc_S)
+                acc_O_mn = _mn_view(acc_O)
+                for r in cutlass.range_constexpr(n_rows_thr):
+                    row = row_start + tScS[r, 0][0]
+                    q_pos = qpos_base + row // group
+                    m_blk = -Float32.inf
+                    for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                        v = self._logits(acc_S_mn[r, c], scale_log2, cap_log2, inv_cap_scaled)
+                        v = v if self._visible(key0 + tScS[0, c][1], kv_end, q_pos, window_left) else -Float32.inf
+                        acc_S_mn[r, c] = v
+                        m_blk = cute.arch.fmax(m_blk, v)
+                    m_blk = _quad_max(m_blk)
+                    m_new = cute.arch.fmax(row_m[r], m_blk)
+                    m_use = m_new if m_new != -Float32.inf else Float32(0.0)
+                    corr = cute.math.exp2(row_m[r] - m_use, fastmath=True)
+                    l_blk = Float32(0.0)
+                    for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                        p = cute.math.exp2(acc_S_mn[r, c] - m_use, fastmath=True)
+                        acc_S_mn[r, c] = p
+                        l_blk = l_blk + p
+                    row_l[r] = row_l[r] * corr + l_blk  # per-thread partial sum; quad-reduced at the end
+                    row_m[r] = m_new
+                    for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                        acc_O_mn[r, c] = acc_O_mn[r, c] * corr
+
+                # O += P V_w
+                rP = cute.make_fragment_like(acc_S, self.dtype)
+                rP.store(acc_S.load().to(self.dtype))
+                tOrP = _acc_as_A(rP)
+                sVt_w = cute.composition(sV_w, cute.make_layout((D, 16), stride=(16, 1)))
+                tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_w))
+                cute.copy(s2r_v, s2r_v.partition_S(sVt_w), s2r_v.retile(tOrV))
+                for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                    cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
+
+            # --- epilogue: ⊕ of the four warp states through smem, then store
+            cute.arch.cp_async_wait_group(0)
+            acc_O_mn = _mn_view(acc_O)
+            for r in cutlass.range_constexpr(n_rows_thr):
+                row_l[r] = _quad_sum(row_l[r])
+                if lane % 4 == 0:
+                    sM[tScS[r, 0][0], wid] = row_m[r]
+                    sL[tScS[r, 0][0], wid] = row_l[r]
+            cute.arch.sync_threads()
+            for r in cutlass.range_constexpr(n_rows_thr):
+                j = tScS[r, 0][0]
+                m_all = -Float32.inf
+                for w in cutlass.range_constexpr(NUM_WARPS):
+                    m_all = cute.arch.fmax(m_all, sM[j, w])
+                m_use = m_all if m_all != -Float32.inf else Float32(0.0)
+                l_all = Float32(0.0)
+                for w in cutlass.range_constexpr(NUM_WARPS):
+                    l_all = l_all + sL[j, w] * cute.math.exp2(sM[j, w] - m_use, fastmath=True)
+                f = Float32(0.0)
+                if l_all > Float32(0.0):
+                    f = cute.math.exp2(row_m[r] - m_use, fastmath=True) * cute.arch.rcp_approx(l_all)
+                for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                    sO[j, tOcO[0, c][1], wid] = acc_O_mn[r, c] * f
+                if wid == 0 and lane % 4 == 0:
+                    lse = -Float32.inf
+                    if l_all > Float32(0.0):
+                        lse = m_all + cute.math.log2(l_all, fastmath=True)
+                    sM[j, 0] = lse  # reuse: this row's final LSE, read below
+            cute.arch.sync_threads()
+            self._store(mO, mLse, mPartO, mPartLse, sO, sM, tidx, row_start, num_rows, dest, qo_offset,
+                        kv_head, group)
+            cute.arch.sync_threads()  # smem is reused by the next item
 
     @cute.jit
     def _lookup(self, mKvIndices: cute.Tensor, rows: cute.Tensor, tidx: Int32, page_base: Int32,
@@ -396,39 +345,6 @@ class PagedDecode:
                     cute.autovec_copy(out, cute.local_tile(mPartO[slot_row, None], (4,), (c4,)))
                     if c4 == 0:
                         mPartLse[slot_row] = sLse[j, 0]
-
-
-@cute.jit
-def _num_blocks(kv_start: Int32, kv_end: Int32) -> Int32:
-    """Blocks of a work item; an empty item still takes one (all-masked) block."""
-    n = (kv_end - kv_start + BLOCK_N - 1) // BLOCK_N
-    return n if n > 0 else Int32(1)
-
-
-@cute.jit
-def _item_fields(mWork: cute.Tensor, mKvIndptr: cute.Tensor, item: Int32, item_hi: Int32):
-    """What the issue cursor needs of an item: kv range, kv head, first page slot, blocks."""
-    kv_start, kv_end, kv_head, page_base, nblk = Int32(0), Int32(0), Int32(0), Int32(0), Int32(1)
-    if item < item_hi:
-        kv_start = mWork[item, W_KV_START]
-        kv_end = mWork[item, W_KV_END]
-        kv_head = mWork[item, W_KV_HEAD]
-        page_base = mKvIndptr[mWork[item, W_REQ]]
-        nblk = _num_blocks(kv_start, kv_end)
-    return kv_start, kv_end, kv_head, page_base, nblk
-
-
-@cute.jit
-def _compute_fields(mWork: cute.Tensor, item: Int32, item_hi: Int32):
-    """What the compute cursor needs of an item: kv range, first packed row, causal offset, blocks."""
-    kv_start, kv_end, row_start, qpos_base, nblk = Int32(0), Int32(0), Int32(0), Int32(0), Int32(1)
-    if item < item_hi:
-        kv_start = mWork[item, W_KV_START]
-        kv_end = mWork[item, W_KV_END]
-        row_start = mWork[item, W_ROW_START]
-        qpos_base = mWork[item, W_KV_LEN] - mWork[item, W_QO_LEN]
-        nblk = _num_blocks(kv_start, kv_end)
-    return kv_start, kv_end, row_start, qpos_base, nblk
 
 
 @cute.jit
