@@ -145,6 +145,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._indptr_buf = paged_kv_indptr_buffer
         self._indices_buf = paged_kv_indices_buffer
         self._planner: Optional[Planner] = None
+        self._views = None
         self._plan = None
 
     @property
@@ -184,11 +185,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
             # plans of many short items that ran 17 % slower on the H200 (lognormal batch of 128).
             # balance_tol: decode is bandwidth-bound, so even a few % of imbalance is worth a split.
             self._planner = Planner(limits, sm_count_of_index(self._dev), per_sm, alpha=8, balance_tol=0.01)
+            self._views = None
         self._num_ctas = self._planner.num_ctas
         need = self._planner.layout.total_bytes
         if self._workspace.numel() < need:
             raise ValueError(f"float_workspace_buffer has {self._workspace.numel()} bytes; this plan needs {need} "
                              f"(batch {batch}, {num_qo_heads} qo heads, head_dim {head_dim})")
+        if self._views is None:  # section offsets are fixed per planner: views made once
+            self._views = self._planner.layout.views(self._workspace)
         indices_t = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices, dtype=torch.int32)
         plan = self._planner.plan_paged(np.arange(batch + 1), indptr_h, last_page_len, page_size,
                                         kv_indices=indices_t.cpu() if not indices_t.is_cuda else None,
@@ -203,7 +207,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
         self._soft_cap = float(logits_soft_cap) if logits_soft_cap else 0.0
         self._window_left = int(window_left)
-        self._views = self._planner.layout.views(self._workspace)
         arch = arch_of_index(self._dev)
         dt = _DTYPES[q_dtype]
         self._decode = kernel("paged_decode", arch, dtype=dt, head_dim=head_dim, stages=_STAGES[head_dim],
