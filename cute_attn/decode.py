@@ -156,7 +156,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
              page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
              logits_soft_cap: Optional[float] = None, q_data_type="float16", kv_data_type=None,
              data_type=None, sm_scale: Optional[float] = None, rope_scale: Optional[float] = None,
-             rope_theta: Optional[float] = None, non_blocking: bool = True, **unused) -> None:
+             rope_theta: Optional[float] = None, non_blocking: bool = True, o_data_type=None,
+             block_tables: Optional[torch.Tensor] = None, seq_lens: Optional[torch.Tensor] = None,
+             fixed_split_size: Optional[int] = None, disable_split_kv: bool = False) -> None:
+        """FlashInfer's arguments.  ``fixed_split_size`` (in pages, as FlashInfer): every request's
+        KV is cut at multiples of it and nothing else, so a request's output is bitwise the same
+        whatever else is in the batch.  ``disable_split_kv``: no request is split (one work item
+        per request and kv head)."""
         if pos_encoding_mode != "NONE":
             raise NotImplementedError(f"pos_encoding_mode={pos_encoding_mode!r} is not supported yet (only 'NONE')")
         if head_dim not in SUPPORTED_HEAD_DIMS:
@@ -167,6 +173,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
         kv_dtype = _as_dtype(kv_data_type) or q_dtype
         if q_dtype not in _DTYPES or kv_dtype != q_dtype:
             raise ValueError(f"q/kv dtypes must be one of float16/bfloat16 and equal, got {q_dtype} / {kv_dtype}")
+        if _as_dtype(o_data_type) not in (None, q_dtype):
+            raise NotImplementedError(f"o_data_type must equal the q dtype ({q_dtype}), got {o_data_type}")
+        if block_tables is not None or seq_lens is not None:
+            raise NotImplementedError("block_tables / seq_lens (the trtllm-gen backend's inputs) are not supported; "
+                                      "pass indptr / indices / last_page_len")
+        if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or fixed_split_size < 1):
+            raise ValueError(f"fixed_split_size must be a positive number of pages, got {fixed_split_size!r}")
         if window_left is None or window_left < -1:
             raise ValueError(f"window_left must be >= -1, got {window_left}")
         if torch.cuda.is_current_stream_capturing():
@@ -197,7 +210,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan = self._planner.plan_paged(np.arange(batch + 1), indptr_h, last_page_len, page_size,
                                         kv_indices=indices_t.cpu() if not indices_t.is_cuda else None,
                                         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                                        cta_tile_q=DECODE_TILE_Q, workspace=self._workspace)
+                                        cta_tile_q=DECODE_TILE_Q, kv_split_size=self._split_tokens(
+                                            fixed_split_size, disable_split_kv, page_size),
+                                        workspace=self._workspace)
         self._kv_indptr = self._to_device(indptr, self._indptr_buf, "indptr")
         self._kv_indices = self._to_device(indices_t, self._indices_buf, "indices")
         self._plan = plan
@@ -212,6 +227,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._decode = kernel("paged_decode", arch, dtype=dt, head_dim=head_dim, stages=_STAGES[head_dim],
                                soft_cap=self._soft_cap > 0, window=self._window_left >= 0)
         self._merge = kernel("merge_partials", arch, dtype=dt, head_dim=head_dim, tile_q=DECODE_TILE_Q)
+
+    @staticmethod
+    def _split_tokens(fixed_split_size, disable_split_kv, page_size) -> Optional[int]:
+        """The planner's batch-invariant cut length in tokens (None: let it balance)."""
+        if disable_split_kv:
+            return 1 << 30  # longer than any request: nothing is cut
+        return None if fixed_split_size is None else fixed_split_size * int(page_size)
 
     def _limits(self, batch, hq, hk, d, num_ctas) -> Limits:
         max_batch = batch

@@ -204,3 +204,32 @@ def test_single_decode(layout, kv_len):
     out, lse = single_decode_with_kv_cache(q, k, v, kv_layout=layout, return_lse=True)
     ref_o, ref_lse = single_reference(q, k, v, kv_layout=layout)
     check(out.unsqueeze(0), lse.unsqueeze(0), ref_o.unsqueeze(0), ref_lse.unsqueeze(0), torch.bfloat16)
+
+
+def test_fixed_split_size_is_batch_invariant_and_disable_split_kv():
+    """fixed_split_size (pages, as FlashInfer): a request's output is bitwise the same whatever
+    else is in the batch; disable_split_kv: still correct, one item per request and kv head."""
+    hq, hk, d, ps = 32, 8, 128, 16
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    k = torch.randn(4096, ps, hk, d, generator=gen).to(torch.bfloat16).cuda()
+    v = torch.randn(4096, ps, hk, d, generator=gen).to(torch.bfloat16).cuda()
+    q_r = torch.randn(1, hq, d, generator=gen).to(torch.bfloat16).cuda()
+    r_pages = torch.arange(0, 313, dtype=torch.int32)  # the request under test: 5000 tokens
+    outs = []
+    for others in ([17, 800], [40000, 3, 1, 64, 9000]):
+        kv = [5000] + others
+        pages = [(n + ps - 1) // ps for n in kv]
+        indices = [r_pages] + [torch.randint(400, 4096, (p,), generator=gen, dtype=torch.int32) for p in pages[1:]]
+        indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+        last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv, pages)], dtype=torch.int32)
+        q = torch.cat([q_r, torch.randn(len(others), hq, d, generator=gen).to(torch.bfloat16).cuda()])
+        w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+        w.plan(indptr, torch.cat(indices), last, hq, hk, d, ps, q_data_type=torch.bfloat16, fixed_split_size=64)
+        out, lse = w.run(q, (k, v), return_lse=True)
+        ref_o, ref_lse = paged_reference(q, (k, v), None, indptr, torch.cat(indices), last)
+        check(out, lse, ref_o, ref_lse, torch.bfloat16)
+        outs.append((out[0].clone(), lse[0].clone()))
+        w.plan(indptr, torch.cat(indices), last, hq, hk, d, ps, q_data_type=torch.bfloat16, disable_split_kv=True)
+        out2, lse2 = w.run(q, (k, v), return_lse=True)
+        check(out2, lse2, ref_o, ref_lse, torch.bfloat16)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
