@@ -213,6 +213,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                         cta_tile_q=DECODE_TILE_Q, kv_split_size=self._split_tokens(
                                             fixed_split_size, disable_split_kv, page_size),
                                         workspace=self._workspace)
+        # the largest page id, checked against the cache in run() (the cache is not known here);
+        # unknown (-1) when the indices already live on the GPU (reading them back would sync)
+        self._max_page = int(indices_t.max()) if not indices_t.is_cuda and indices_t.numel() else -1
         self._kv_indptr = self._to_device(indptr, self._indptr_buf, "indptr")
         self._kv_indices = self._to_device(indices_t, self._indices_buf, "indices")
         self._plan = plan
@@ -280,6 +283,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if k.shape[1] != self._page_size or k.shape[2] != hk or k.shape[3] != d:
             raise ValueError(f"paged_kv_cache ({self._kv_layout}) has page_size/kv_heads/head_dim "
                              f"{tuple(k.shape[1:])}, plan() said ({self._page_size}, {hk}, {d})")
+        if self._max_page >= k.shape[0]:
+            raise ValueError(f"kv indices reference page {self._max_page}, the cache has {k.shape[0]} pages")
         if out is None:
             out = torch.empty_like(q)
         elif out.shape != q.shape or out.dtype != q.dtype:

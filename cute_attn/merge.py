@@ -74,7 +74,7 @@ def _unused_mask(device: int) -> torch.Tensor:
 
 
 def _device_of(*ts) -> int:
-    """The one CUDA device index of ``ts`` (checked), and its arch is supported."""
+    """The one CUDA device index of ``ts`` (``None`` entries skipped); CPU tensors are an error."""
     idx = ts[0].get_device()
     for t in ts[1:]:
         if t is not None and t.get_device() != idx:

@@ -191,6 +191,9 @@ def test_validation_errors():
         w2.run(torch.randn(1, 8, 128, dtype=torch.bfloat16, device="cuda"), cache[:, :, :8])
     with pytest.raises(ValueError, match="multiple"):
         w2.plan(ind, ind[:1], ind[1:], 6, 4, 128, 16)
+    w2.plan(ind, torch.tensor([5], dtype=torch.int32), ind[1:], 8, 8, 128, 16, q_data_type=torch.bfloat16)
+    with pytest.raises(ValueError, match="page 5"):  # the cache has 2 pages
+        w2.run(torch.randn(1, 8, 128, dtype=torch.bfloat16, device="cuda"), cache)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
