@@ -1,0 +1,531 @@
+"""Persistent prefill / append attention for Hopper (sm_90a): warp-specialized, wgmma + TMA.
+
+One CTA per SM; the grid is the plan's ``num_ctas``; CTA c runs work items ``work_indptr[c] ..
+work_indptr[c+1]`` (contract: ``cute_attn/sched/__init__.py``).  An item is one tile of
+TILE_Q packed query rows (GQA packing: packed row r of kv head h is query token r // group of
+qo head h*group + r % group, so one KV read serves the whole group) against a token range of
+one request's KV.
+
+Roles (warpgroups of 128 threads):
+- WG 0, the producer, fills a ring of K and V stages (separate pipelines, so K of the next
+  block can land while V of the current one is still read).  Contiguous (ragged) KV: one TMA
+  box per block, issued by warp 0.  Paged KV: all 128 threads gather 16-byte chunks of each
+  token's row with ``cp.async`` into the very same swizzled tile (any page size, 1 included),
+  page lookups in registers, shared by the K and V copies of a block.
+- WG 1 (and 2), the consumers, own 64 query rows each: they load their Q rows (cp.async,
+  GQA addressing), then per KV block S = Q·Kᵀ (wgmma, both operands in shared memory),
+  mask + online softmax in registers, O += P·V (wgmma, P from registers).  Blocks are walked
+  from the last to the first, so the blocks that need a mask come first; blocks that need
+  none take the mask-free path.  Ping-pong: a WG issues its GEMMs only after the other WG has
+  issued its own, so one WG's softmax runs under the other's tensor-core work.
+- ``setmaxnreg`` moves registers from the producer to the consumers.
+
+Scores are in base 2 (sm_scale·log2 e folded into one multiply), LSE is base 2 as FlashInfer
+returns it.  Final rows go out through shared memory as 16-byte stores (each row has its own
+(token, head) address); split items write normalized fp32 partial rows for the ⊕ merge
+kernel.  Variant hook points: ``_logits`` (logits transform) and ``_visible`` (logits mask).
+"""
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from .decode import W_DEST, W_KV_END, W_KV_HEAD, W_KV_LEN, W_KV_START, W_NUM_ROWS, W_QO_LEN, W_QO_OFFSET, \
+    W_REQ, W_ROW_START, _quad_max, _quad_sum
+
+LOG2E = math.log2(math.e)
+WG = 128  # threads per warpgroup
+
+# (tile_n, stages) per head dim: what fits 227 KB of shared memory next to the Q tile
+# (the epilogue's output tile reuses the Q tile's space).
+KV_TILES = {64: (128, 4), 128: (128, 2), 256: (64, 2)}
+# registers per thread after setmaxnreg: producer (TMA / cp.async gather) and consumers
+REGS = {False: (40, 232), True: (56, 224)}
+
+# named barriers (0 is __syncthreads): per consumer WG, and the two ping-pong barriers
+BAR_WG0, BAR_PINGPONG0 = 1, 3
+
+
+class BatchPrefillSm90:
+    def __init__(self, dtype, head_dim: int, tile_q: int, paged: bool, causal: bool, soft_cap: bool,
+                 window: bool, tile_n: int = 0, stages: int = 0):
+        assert tile_q in (64, 128) and head_dim in KV_TILES
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.tile_q = tile_q
+        self.num_mma_wg = tile_q // 64
+        self.paged = paged
+        self.causal = causal
+        self.soft_cap = soft_cap
+        self.window = window
+        dn, ds = KV_TILES[head_dim]
+        self.tile_n = tile_n or dn
+        self.stages = stages or ds
+        self.threads = WG * (1 + self.num_mma_wg)
+        self.chunks = head_dim // 8  # 16-byte chunks per row
+        self.producer_regs, self.mma_regs = REGS[paged]
+
+    # ---- variant hook points -------------------------------------------------------------
+    @cute.jit
+    def _logits(self, s: Float32, scale_log2: Float32, cap_log2: Float32, inv_cap_scaled: Float32) -> Float32:
+        """Raw q·k -> logit in base 2.  Soft-cap: cap * tanh(q·k * sm_scale / cap)."""
+        out = s * scale_log2
+        if const_expr(self.soft_cap):
+            out = cap_log2 * cute.math.tanh(s * inv_cap_scaled, fastmath=True)
+        return out
+
+    @cute.jit
+    def _visible(self, kv_pos: Int32, kv_end: Int32, q_pos: Int32, window_left: Int32):
+        """Logits mask: inside the item's range, causal (bottom-right aligned) and the window."""
+        ok = kv_pos < kv_end
+        if const_expr(self.causal):
+            ok = ok & (kv_pos <= q_pos)
+        if const_expr(self.window):
+            ok = ok & (kv_pos >= q_pos - window_left)
+        return ok
+
+    # ---- host side ----------------------------------------------------------------------
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
+                 mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
+                 mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
+                 group: Int32, sm_scale: Float32, soft_cap: Float32, window_left: Int32, num_ctas: Int32,
+                 stream: cuda.CUstream):
+        D, TN, TQ, dt = self.head_dim, self.tile_n, self.tile_q, self.dtype
+        atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, D), dt)
+        sQ_layout = cute.tile_to_shape(atom, (TQ, D), (0, 1))
+        sKV_layout = cute.tile_to_shape(atom, (TN, D, self.stages), (0, 1, 2))
+        mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+                                                   Float32, (self.num_mma_wg, 1, 1), (64, TN))
+        mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+                                                   Float32, (self.num_mma_wg, 1, 1), (64, D),
+                                                   warpgroup.OperandSource.RMEM)
+        # TMA (ragged KV): view [1, tokens, kv_heads, D] as (tokens, D, kv_heads), one (TN, D) box
+        # per block.  Paged KV is gathered with cp.async; the TMA atoms are then unused dummies.
+        k3 = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2]))
+        v3 = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2]))
+        kv_box = cute.select(sKV_layout, mode=[0, 1])
+        tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k3, kv_box, (TN, D))
+        tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v3, kv_box, (TN, D))
+
+        @cute.struct
+        class Smem:
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
+
+        scale_log2 = sm_scale * LOG2E
+        cap = soft_cap if soft_cap > Float32(0.0) else Float32(1.0)
+        self.kernel(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse,
+                    tma_k, tK, tma_v, tV, group, scale_log2, cap * LOG2E, sm_scale / cap, window_left,
+                    sQ_layout, sKV_layout, mma_qk, mma_pv, Smem).launch(
+            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    # ---- device side --------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
+               mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
+               mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
+               tma_k: cute.CopyAtom, tK: cute.Tensor, tma_v: cute.CopyAtom, tV: cute.Tensor,
+               group: Int32, scale_log2: Float32, cap_log2: Float32, inv_cap_scaled: Float32,
+               window_left: Int32, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, Smem: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if const_expr(not self.paged):
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_k)
+                cpasync.prefetch_descriptor(tma_v)
+
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(Smem)
+        sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = st.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = st.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+
+        T = pipeline.Agent.Thread
+        mma_threads = WG * self.num_mma_wg
+        if const_expr(self.paged):
+            # cp.async producers: every producer thread arrives (noinc) once its copies land;
+            # the stock consumer release arrives from every consumer thread.
+            mk_pipe = lambda bar: pipeline.PipelineCpAsync.create(  # noqa: E731
+                barrier_storage=bar, num_stages=self.stages, producer_group=pipeline.CooperativeGroup(T, WG),
+                consumer_group=pipeline.CooperativeGroup(T, mma_threads), defer_sync=True)
+        else:
+            # TMA: one arming thread, transaction bytes; release is one arrive per consumer warp.
+            mk_pipe = lambda bar: pipeline.PipelineTmaAsync.create(  # noqa: E731
+                barrier_storage=bar, num_stages=self.stages, producer_group=pipeline.CooperativeGroup(T, 1),
+                consumer_group=pipeline.CooperativeGroup(T, mma_threads // 32),
+                tx_count=self.tile_n * self.head_dim * (self.dtype.width // 8), defer_sync=True)
+        pipe_k = mk_pipe(st.mbar_k.data_ptr())
+        pipe_v = mk_pipe(st.mbar_v.data_ptr())
+        pipeline.pipeline_init_arrive(is_relaxed=True)
+        pipeline.pipeline_init_wait()
+
+        if tidx < WG:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            self._produce(mK, mV, mKvIndptr, mKvIndices, mWork, mWorkIndptr, tma_k, tK, tma_v, tV, sK, sV,
+                          pipe_k, pipe_v, cta, tidx, warp_idx, group, window_left)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self._consume(mQ, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, sQ, sK, sV, pipe_k, pipe_v,
+                          mma_qk, mma_pv, cta, tidx - WG, group, scale_log2, cap_log2, inv_cap_scaled,
+                          window_left)
+
+    @cute.jit
+    def _block_range(self, mWork: cute.Tensor, item: Int32, group: Int32, window_left: Int32):
+        """(first block, number of blocks) of an item; both roles walk the same blocks.
+        Block i covers kv [KV_START + i*TN, min(KV_START + (i+1)*TN, KV_END)).  With a window,
+        blocks entirely left of what the tile's first row may see are skipped."""
+        kv_start = mWork[item, W_KV_START]
+        n_blocks = (mWork[item, W_KV_END] - kv_start + self.tile_n - 1) // self.tile_n
+        first = Int32(0)
+        if const_expr(self.window):
+            q_lo = mWork[item, W_KV_LEN] - mWork[item, W_QO_LEN] + mWork[item, W_ROW_START] // group
+            lo_key = q_lo - window_left
+            if lo_key > kv_start:
+                first = cutlass.min((lo_key - kv_start) // self.tile_n, n_blocks)
+        return first, n_blocks
+
+    # ---- producer ------------------------------------------------------------------------
+    @cute.jit
+    def _produce(self, mK, mV, mKvIndptr, mKvIndices, mWork, mWorkIndptr, tma_k, tK, tma_v, tV, sK, sV,
+                 pipe_k, pipe_v, cta, tidx, warp_idx, group, window_left):
+        TN, D = self.tile_n, self.head_dim
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
+                                  num_bits_per_copy=128)
+        for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1], unroll=1):
+            req = mWork[item, W_REQ]
+            kv_head = mWork[item, W_KV_HEAD]
+            kv_start = mWork[item, W_KV_START]
+            kv_end = mWork[item, W_KV_END]
+            first, n_blocks = self._block_range(mWork, item, group, window_left)
+            if const_expr(not self.paged):
+                if warp_idx == 0:
+                    row0 = mKvIndptr[req] + kv_start
+                    gK = cute.local_tile(cute.domain_offset((row0, 0), tK[None, None, kv_head]), (TN, D), (None, 0))
+                    gV = cute.local_tile(cute.domain_offset((row0, 0), tV[None, None, kv_head]), (TN, D), (None, 0))
+                    tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                                     cute.group_modes(gK, 0, 2))
+                    tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                                     cute.group_modes(gV, 0, 2))
+                    for j in cutlass.range(n_blocks - first, unroll=1):
+                        i = n_blocks - 1 - j
+                        pipe_k.producer_acquire(state)
+                        cute.copy(tma_k, tKg[None, i], tKs[None, state.index],
+                                  tma_bar_ptr=pipe_k.producer_get_barrier(state))
+                        pipe_v.producer_acquire(state)
+                        cute.copy(tma_v, tVg[None, i], tVs[None, state.index],
+                                  tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                        state.advance()
+            else:
+                page_base = mKvIndptr[req]
+                page_size = mK.shape[1]
+                c = tidx % self.chunks
+                for j in cutlass.range(n_blocks - first, unroll=1):
+                    i = n_blocks - 1 - j
+                    blk = kv_start + i * TN
+                    pipe_k.producer_acquire(state)
+                    self._gather(mK, mKvIndices, sK, g2s, tidx, c, blk, kv_end, page_base, page_size, kv_head,
+                                 state.index)
+                    pipe_k.producer_commit(state)
+                    pipe_v.producer_acquire(state)
+                    self._gather(mV, mKvIndices, sV, g2s, tidx, c, blk, kv_end, page_base, page_size, kv_head,
+                                 state.index)
+                    pipe_v.producer_commit(state)
+                    state.advance()
+
+    @cute.jit
+    def _gather(self, mX, mKvIndices, sX, g2s, tidx, c, blk, kv_end, page_base, page_size, kv_head, stage):
+        """cp.async this thread's 16-byte chunks of a block's rows (token p lives in page
+        kv_indices[page_base + p // page_size]).  Rows past kv_end re-read the last token: finite
+        data, masked later (a NaN there would survive 0 * NaN in P V)."""
+        rows_per_pass = WG // self.chunks
+        for r in cutlass.range(self.tile_n // rows_per_pass, unroll=4):  # bounded unroll: the producer has 56 registers
+            row = tidx // self.chunks + r * rows_per_pass
+            p = blk + row
+            p = p if p < kv_end else kv_end - 1
+            page = mKvIndices[page_base + p // page_size]
+            cute.copy(g2s, cute.local_tile(mX[page, p % page_size, kv_head, None], (8,), (c,)),
+                      cute.local_tile(sX[row, None, stage], (8,), (c,)))
+
+    # ---- consumers -----------------------------------------------------------------------
+    @cute.jit
+    def _consume(self, mQ, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, sQ, sK, sV, pipe_k, pipe_v,
+                 mma_qk, mma_pv, cta, ct, group, scale_log2, cap_log2, inv_cap_scaled, window_left):
+        TN, D, TQ = self.tile_n, self.head_dim, self.tile_q
+        wg = ct // WG  # consumer warpgroup 0 / 1: packed rows [64 wg, 64 wg + 64) of the tile
+        tw = ct % WG
+        lane = ct % 32
+        bar_wg = BAR_WG0 + wg
+        thr_qk = mma_qk.get_slice(ct)
+        thr_pv = mma_pv.get_slice(ct)
+        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+        sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
+        tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        tScS = _rowcol(thr_qk.partition_C(cute.make_identity_tensor((TQ, TN))))
+        tOcO = _rowcol(thr_pv.partition_C(cute.make_identity_tensor((TQ, D))))
+        n_rows = cute.size(tScS, mode=[0])  # rows this thread holds (2)
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
+                                  num_bits_per_copy=128)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        if const_expr(self.num_mma_wg == 2):
+            if wg == 0:  # WG 0 goes first: pre-arrive on its own ping-pong barrier
+                cute.arch.barrier_arrive(barrier_id=BAR_PINGPONG0, number_of_threads=2 * WG)
+
+        for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1], unroll=1):
+            kv_head = mWork[item, W_KV_HEAD]
+            row_start = mWork[item, W_ROW_START]
+            num_rows = mWork[item, W_NUM_ROWS]
+            kv_start = mWork[item, W_KV_START]
+            kv_end = mWork[item, W_KV_END]
+            dest = mWork[item, W_DEST]
+            qo_offset = mWork[item, W_QO_OFFSET]
+            qpos_base = mWork[item, W_KV_LEN] - mWork[item, W_QO_LEN]
+            first, n_blocks = self._block_range(mWork, item, group, window_left)
+
+            # --- this WG's Q rows -> smem (rows past num_rows re-read the tile's row 0; never stored)
+            for i in cutlass.range_constexpr(64 * self.chunks // WG):
+                idx = tw + i * WG
+                j = wg * 64 + idx // self.chunks
+                c = idx % self.chunks
+                r = row_start + (j if j < num_rows else 0)
+                cute.copy(g2s, cute.local_tile(mQ[qo_offset + r // group, kv_head * group + r % group, None], (8,), (c,)),
+                          cute.local_tile(sQ[j, None], (8,), (c,)))
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.fence_view_async_shared()  # generic-proxy writes -> read by wgmma (async proxy)
+            cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
+
+            # per-row query positions (bottom-right aligned causal / window) and softmax state
+            q_pos = cute.make_rmem_tensor((n_rows,), Int32)
+            for r in cutlass.range_constexpr(n_rows):
+                q_pos[r] = qpos_base + (row_start + tScS[r, 0][0]) // group
+            q_lo = qpos_base + row_start // group
+            q_hi = qpos_base + (row_start + num_rows - 1) // group
+            row_m = cute.make_rmem_tensor((n_rows,), Float32)
+            row_l = cute.make_rmem_tensor((n_rows,), Float32)
+            row_m.fill(-Float32.inf)
+            row_l.fill(0.0)
+            acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((TQ, D)), Float32)
+            acc_O.fill(0.0)
+
+            # Blocks from last to first.  Software pipeline within the WG: S(j) = Q K(j)^T is
+            # issued together with O += P(j-1) V(j-1), and the softmax of S(j) runs while that
+            # PV is still on the tensor cores; across WGs, ping-pong barriers order the GEMM
+            # issue so one WG's softmax overlaps the other's GEMMs.
+            rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((TQ, TN)), self.dtype)
+            tOrP = cute.make_tensor(rP.iterator, _acc_to_frgA(rP.layout))
+            corr = cute.make_rmem_tensor((n_rows,), Float32)
+            acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((TQ, TN)), Float32)
+            if n_blocks > first:
+                blk = kv_start + (n_blocks - 1) * TN
+                pipe_k.consumer_wait(state)
+                self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
+                warpgroup.wait_group(0)
+                pipe_k.consumer_release(state)
+                self._mask_softmax(acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
+                                   cap_log2, inv_cap_scaled, window_left)
+                rP.store(acc_S.load().to(self.dtype))
+                for j in cutlass.range(1, n_blocks - first, unroll=1):
+                    blk = kv_start + (n_blocks - 1 - j) * TN
+                    v_state = state.clone()
+                    state.advance()
+                    pipe_k.consumer_wait(state)
+                    self._pingpong_wait(wg)
+                    self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
+                    pipe_v.consumer_wait(v_state)
+                    self._pv(mma_pv, acc_O, tOrP, tOrV, v_state)
+                    self._pingpong_signal(wg)
+                    warpgroup.wait_group(1)  # S(j) is ready; PV(j-1) may still run
+                    pipe_k.consumer_release(state)
+                    self._mask_softmax(acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
+                                       cap_log2, inv_cap_scaled, window_left)
+                    warpgroup.wait_group(0)
+                    pipe_v.consumer_release(v_state)
+                    _rescale(acc_O, corr)
+                    rP.store(acc_S.load().to(self.dtype))
+                pipe_v.consumer_wait(state)
+                self._pv(mma_pv, acc_O, tOrP, tOrV, state)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(state)
+                state.advance()
+
+            self._epilogue(acc_O, row_m, row_l, tOcO, sQ, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
+                           row_start, num_rows, dest, qo_offset, kv_head, group)
+
+    @cute.jit
+    def _qk(self, mma_qk, acc_S, tSrQ, tSrK, state):
+        """Issue S = Q K(stage)^T (async; the caller waits)."""
+        if const_expr(self.paged):
+            cute.arch.fence_view_async_shared()  # cp.async (generic proxy) data read by wgmma
+        warpgroup.fence()
+        # a fresh atom per call: the ACCUMULATE field it carries is set here, inside the caller's
+        # loop (setting it on a tiled MMA made outside the loop is a value escaping its region)
+        atom = cute.make_mma_atom(mma_qk.op)
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            atom.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, state.index], acc_S)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _pv(self, mma_pv, acc_O, tOrP, tOrV, state):
+        """Issue O += P V(stage) (async; the caller waits)."""
+        if const_expr(self.paged):
+            cute.arch.fence_view_async_shared()
+        warpgroup.fence()
+        atom = cute.make_mma_atom(mma_pv.op)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            cute.gemm(atom, acc_O, tOrP[None, None, k], tOrV[None, None, k, state.index], acc_O)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _pingpong_wait(self, wg):
+        if const_expr(self.num_mma_wg == 2):
+            cute.arch.barrier(barrier_id=BAR_PINGPONG0 + wg, number_of_threads=2 * WG)
+
+    @cute.jit
+    def _pingpong_signal(self, wg):
+        if const_expr(self.num_mma_wg == 2):
+            cute.arch.barrier_arrive(barrier_id=BAR_PINGPONG0 + 1 - wg, number_of_threads=2 * WG)
+
+    @cute.jit
+    def _mask_softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
+                      cap_log2, inv_cap_scaled, window_left):
+        """Masked softmax only where some key of the block may be invisible to some row of the
+        tile (the partial last block, the causal diagonal, the window's left edge)."""
+        need_mask = blk + self.tile_n > kv_end
+        if const_expr(self.causal):
+            need_mask = need_mask | (blk + self.tile_n - 1 > q_lo)
+        if const_expr(self.window):
+            need_mask = need_mask | (blk < q_hi - window_left)
+        if need_mask:
+            self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
+                          inv_cap_scaled, window_left, True)
+        else:
+            self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
+                          inv_cap_scaled, window_left, False)
+
+    @cute.jit
+    def _softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
+                 inv_cap_scaled, window_left, masked: cutlass.Constexpr):
+        """Online softmax of one block in place: S -> P = exp2(logit - m); l rescaled; the
+        factor O must be rescaled by goes to ``corr`` (O may still be in use by a wgmma)."""
+        S = _rowcol(acc_S)
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            m_blk = -Float32.inf
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                v = self._logits(S[r, c], scale_log2, cap_log2, inv_cap_scaled)
+                if const_expr(masked):
+                    v = v if self._visible(blk + tScS[0, c][1], kv_end, q_pos[r], window_left) else -Float32.inf
+                S[r, c] = v
+                m_blk = cute.arch.fmax(m_blk, v)
+            m_blk = _quad_max(m_blk)
+            m_new = cute.arch.fmax(row_m[r], m_blk)
+            m_use = m_new if m_new != -Float32.inf else Float32(0.0)  # a row with nothing visible yet
+            corr[r] = cute.math.exp2(row_m[r] - m_use, fastmath=True)
+            l_blk = Float32(0.0)
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                p = cute.math.exp2(S[r, c] - m_use, fastmath=True)
+                S[r, c] = p
+                l_blk = l_blk + p
+            row_l[r] = row_l[r] * corr[r] + l_blk  # per-thread partial sum; quad-reduced at the end
+            row_m[r] = m_new
+
+    @cute.jit
+    def _epilogue(self, acc_O, row_m, row_l, tOcO, sQ, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
+                  row_start, num_rows, dest, qo_offset, kv_head, group):
+        """Normalize; final rows go through smem (reusing this WG's Q rows) as 16-byte stores,
+        split items write fp32 partial rows straight from registers."""
+        D, TQ = self.head_dim, self.tile_q
+        O = _rowcol(acc_O)
+        n_rows = cute.size(O, mode=[0])
+        lse = cute.make_rmem_tensor((n_rows,), Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            l = _quad_sum(row_l[r])
+            inv = Float32(0.0)
+            lse[r] = -Float32.inf
+            if l > Float32(0.0):
+                inv = cute.arch.rcp_approx(l)
+                lse[r] = row_m[r] + cute.math.log2(l, fastmath=True)
+            for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                O[r, c] = O[r, c] * inv
+        if dest < 0:
+            for r in cutlass.range_constexpr(n_rows):
+                j = tOcO[r, 0][0]
+                for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                    sQ[j, tOcO[0, c][1]] = O[r, c].to(self.dtype)
+                if lane % 4 == 0 and j < num_rows:
+                    row = row_start + j
+                    mLse[qo_offset + row // group, kv_head * group + row % group] = lse[r]
+            cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
+            for i in cutlass.range_constexpr(64 * self.chunks // WG):
+                idx = tw + i * WG
+                j = wg * 64 + idx // self.chunks
+                c = idx % self.chunks
+                if j < num_rows:
+                    row = row_start + j
+                    frag = cute.make_rmem_tensor((8,), self.dtype)
+                    cute.autovec_copy(cute.local_tile(sQ[j, None], (8,), (c,)), frag)
+                    cute.autovec_copy(frag, cute.local_tile(mO[qo_offset + row // group, kv_head * group + row % group,
+                                                               None], (8,), (c,)))
+        else:
+            for r in cutlass.range_constexpr(n_rows):
+                j = tOcO[r, 0][0]
+                if j < num_rows:
+                    slot_row = dest * TQ + j
+                    for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                        mPartO[slot_row, tOcO[0, c][1]] = O[r, c]
+                    if lane % 4 == 0:
+                        mPartLse[slot_row] = lse[r]
+        # this WG's Q rows are overwritten by the next item's Q: everyone must be done with them
+        cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
+
+
+@cute.jit
+def _rescale(acc_O: cute.Tensor, corr: cute.Tensor):
+    O = _rowcol(acc_O)
+    for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+            O[r, c] = O[r, c] * corr[r]
+
+
+def _rowcol(t: cute.Tensor) -> cute.Tensor:
+    """View a wgmma accumulator partition ((2 cols, 2 rows, N/8), M, N) as (rows, cols)."""
+    l = cute.make_layout(t.layout.shape)
+    s, d = l.shape, l.stride
+    mn = cute.make_layout(((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
+                          stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2])))
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
+
+
+def _acc_to_frgA(l):
+    """wgmma accumulator ((2,2,N/8), M, N) -> the A operand of the next wgmma from registers,
+    ((2,2,2), M, (N/16, N)): two adjacent n8 column groups form one k16 step."""
+    d = cute.logical_divide(l, ((None, None, 2), None, None))
+    return cute.make_layout(((d.shape[0][0], d.shape[0][1], d.shape[0][2][0]), d.shape[1],
+                             (d.shape[0][2][1], d.shape[2])),
+                            stride=((d.stride[0][0], d.stride[0][1], d.stride[0][2][0]), d.stride[1],
+                                    (d.stride[0][2][1], d.stride[2])))
+
+
+_DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
+
+
+def build_batch_prefill_sm90(spec):
+    p = spec.pdict
+    return BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"],
+                            p["soft_cap"], p["window"], p.get("tile_n", 0), p.get("stages", 0))
