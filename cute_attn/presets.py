@@ -5,6 +5,7 @@ kernel families add themselves here.  ``smoke`` is a tiny set for quick checks.
 """
 from __future__ import annotations
 
+import importlib.util
 from itertools import product
 from typing import Dict, Iterable, List
 
@@ -30,9 +31,34 @@ def _decode(arch: str) -> List[Spec]:
     return decode_specs(arch)
 
 
+def _prefill(arch: str) -> List[Spec]:
+    """Batch prefill, sm_90a only (the kernel is built on wgmma; for sm_100a the family is
+    skipped: there is no Blackwell prefill kernel yet).  Per dtype f16/bf16 x head_dim
+    64/128/256 x tile_q 64/128 x ragged/paged x causal: the plain kernel (48); soft-cap,
+    window and both at bf16/f16, head_dim 128, tile 128, ragged, causal or not: what the GPU
+    tests and the variant benchmark run (12); merge_partials for the prefill tiles (12)."""
+    from .prefill import prefill_merge_specs, prefill_specs
+
+    variants = prefill_specs(arch, head_dims=(128,), tiles=(128,), paged=(False,),
+                             variants=((True, False), (False, True), (True, True)))
+    return prefill_specs(arch) + variants + prefill_merge_specs(arch)
+
+
+def _prefill_kernel_present() -> bool:
+    # CI compiles `default` (tests/test_compile.py): until kernels/prefill_sm90.py exists its
+    # builder cannot be imported, so `default` lists the prefill specs only once it does.
+    return importlib.util.find_spec("cute_attn.kernels.prefill_sm90") is not None
+
+
+def _default(arch: str) -> List[Spec]:
+    specs = _merge(arch, _VALUE_DTYPES, _HEAD_DIMS) + _decode(arch)
+    return specs + _prefill(arch) if _prefill_kernel_present() else specs
+
+
 PRESETS: Dict[str, callable] = {
-    "default": lambda arch: _merge(arch, _VALUE_DTYPES, _HEAD_DIMS) + _decode(arch),
+    "default": _default,
     "decode": _decode,
+    "prefill": _prefill,
     "smoke": lambda arch: _merge(arch, ("bf16",), (128,)),
     # tuning sweep for `python -m cute_attn bench --only merge_sweep`
     "merge_sweep": lambda arch: [Spec.make("merge_states", arch, dtype="bf16", head_dim=128, load_batch=b)

@@ -5,7 +5,7 @@ import sys
 
 from .common import Results
 
-GROUPS = ("copy", "merge", "launch", "decode", "merge_sweep")
+GROUPS = ("copy", "merge", "launch", "decode", "prefill", "merge_sweep")
 
 
 def run_benchmarks(only=None, json_path=None, quick=False) -> int:
@@ -21,7 +21,7 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         return 2
     res = Results()
     print(f"device: {res.device}  commit: {res.commit}  date: {res.date}")
-    from . import decode, launch, merge
+    from . import decode, launch, merge, prefill
 
     ceiling = None
     if "copy" in groups or "merge" in groups:
@@ -32,6 +32,8 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         merge.sweep_merge(res)
     if "decode" in groups:
         decode.bench_decode(res, quick)
+    if "prefill" in groups:
+        prefill.bench_prefill(res, quick)
     if "launch" in groups:
         launch.bench_launch(res, quick)
     if json_path:

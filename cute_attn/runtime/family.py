@@ -50,3 +50,4 @@ def _import_all() -> None:
     # Families are declared next to the public ops that launch them.
     importlib.import_module("cute_attn.merge")
     importlib.import_module("cute_attn.decode")
+    importlib.import_module("cute_attn.prefill")

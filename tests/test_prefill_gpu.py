@@ -1,0 +1,840 @@
+"""Batch prefill (``cute_attn.prefill``) against the fp32 reference (``cute_attn.testing``).
+
+GPU tests (marked ``gpu``; they also need the prefill modules in the cache, e.g.
+``python -m cute_attn compile --arch sm_90a --preset prefill``): the H200 runs the kernel on
+fresh random inputs over batch 1-32, query lengths 1-8192 (odd ones included), kv = qo and
+kv > qo (append), page sizes 1/16/64, ragged and paged KV, NHD/HND, head dims 64/128/256, GQA
+groups 1/4/8, causal on/off, sliding window, soft-cap, fp16/bf16, forced split-KV (partial
+slots + merge), bitwise determinism, batch invariance with ``fixed_split_size`` and CUDA-graph
+capture + replay under new plans.  Outputs and LSE are pre-filled with NaN and every cache
+slot that no request owns (spare pages, the slack of last pages, rows past the ragged KV) holds
+NaN: a missed row or a wrong read fails the test.
+
+CPU tests (no mark, run in CI): ``plan()`` / ``run()`` of both wrappers against a Python
+emulation of the kernel contract (``cute_attn/sched/__init__.py``): the emulated kernels
+execute exactly the work items, partial slots and merge tasks the wrapper uploaded, on the
+tensors it passes (after the real ABI packer has checked them), so the tile choice, the KV
+views (ragged / paged, NHD / HND), the index arrays, the split + merge path and the errors are
+all checked without a GPU.
+
+Tolerances (as the decode tests): relative L2 error of the output vs the fp32 reference, bf16
+2e-2, fp16 4e-3 (the kernel rounds P to the input dtype for the PV product, as FlashInfer and
+FA do); LSE (base 2) absolute 2e-3 where finite, and -inf exactly where the reference has it
+(with o = 0 there).
+"""
+import math
+import random
+
+import pytest
+import torch
+
+from cute_attn.testing import ragged_reference
+
+gpu = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+LSE_TOL = 2e-3
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
+DEV = "cuda"  # where the GPU tests put their tensors
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _cumsum(lens):
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + int(n))
+    return out
+
+
+def make_ragged(qo_lens, kv_lens, hq, hk, d, dtype, layout, gen, device, tail=0):
+    """q [sum qo, hq, d]; k/v [sum kv + tail, hk, d] (NHD) or [hk, sum kv + tail, d] (HND), the
+    ``tail`` rows past kv_indptr[-1] NaN. Returns q, k, v, qo_indptr, kv_indptr, (k_nhd, v_nhd)."""
+    tq, tk = sum(qo_lens), sum(kv_lens)
+    q = torch.randn(tq, hq, d, generator=gen).to(dtype).to(device)
+    k = torch.full((tk + tail, hk, d), float("nan"), dtype=dtype, device=device)
+    v = torch.full((tk + tail, hk, d), float("nan"), dtype=dtype, device=device)
+    k[:tk] = torch.randn(tk, hk, d, generator=gen).to(dtype).to(device)
+    v[:tk] = torch.randn(tk, hk, d, generator=gen).to(dtype).to(device)
+    ref_kv = (k[:tk], v[:tk])
+    if layout == "HND":
+        k, v = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+    qo = torch.tensor(_cumsum(qo_lens), dtype=torch.int32)
+    kv = torch.tensor(_cumsum(kv_lens), dtype=torch.int32)
+    return q, k, v, qo, kv, ref_kv
+
+
+def make_paged(kv_lens, page_size, hk, d, dtype, layout, single_tensor, gen, device, spare=3):
+    """A paged cache with shuffled pages; NaN in every slot no request owns. Returns
+    cache, page indptr, page indices, last_page_len, (k, v) ragged [sum kv, hk, d], kv token indptr."""
+    ps = page_size
+    pages = [(n + ps - 1) // ps for n in kv_lens]
+    total = sum(pages) + spare
+    indptr = _cumsum(pages)
+    indices = torch.randperm(total, generator=gen)[:indptr[-1]].to(torch.int32)
+    tk = sum(kv_lens)
+    k_rag = torch.randn(tk, hk, d, generator=gen).to(dtype)
+    v_rag = torch.randn(tk, hk, d, generator=gen).to(dtype)
+    slots = []
+    for b, n in enumerate(kv_lens):
+        pos = torch.arange(n)
+        slots.append(indices[indptr[b] + pos // ps].long() * ps + pos % ps)
+    slots = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)
+    kc = torch.full((total * ps, hk, d), float("nan"), dtype=dtype)
+    vc = torch.full((total * ps, hk, d), float("nan"), dtype=dtype)
+    kc[slots], vc[slots] = k_rag, v_rag
+    kc, vc = kc.view(total, ps, hk, d), vc.view(total, ps, hk, d)
+    if layout == "HND":
+        kc, vc = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+    kc, vc = kc.to(device), vc.to(device)
+    cache = torch.stack([kc, vc], dim=1) if single_tensor else (kc, vc)
+    last = torch.tensor([n - (p - 1) * ps if p else 0 for n, p in zip(kv_lens, pages)], dtype=torch.int32)
+    kv_tok = torch.tensor(_cumsum(kv_lens), dtype=torch.int32)
+    return (cache, torch.tensor(indptr, dtype=torch.int32), indices, last,
+            (k_rag.to(device), v_rag.to(device)), kv_tok)
+
+
+def check(out, lse, ref_o, ref_lse, dtype, rows=None):
+    if rows is not None:
+        out, lse, ref_o, ref_lse = out[:rows], lse[:rows], ref_o[:rows], ref_lse[:rows]
+    assert not torch.isnan(out).any(), "NaN in output (unwritten row or a wrong read)"
+    assert not torch.isnan(lse).any(), "NaN in LSE"
+    err = ((out.float() - ref_o).norm() / ref_o.norm().clamp_min(1e-6)).item()
+    assert err < TOL[dtype], f"relative error {err:.3e} >= {TOL[dtype]}"
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin), "LSE -inf pattern differs from the reference"
+    if fin.any():
+        e = (lse[fin] - ref_lse[fin]).abs().max().item()
+        assert e < LSE_TOL, f"LSE error {e:.3e}"
+    assert (out[~fin] == 0).all(), "rows that see no key must be 0"
+
+
+def _gen(seed=None):
+    return torch.Generator().manual_seed(seed if seed is not None else random.randrange(1 << 30))
+
+
+def _ws(device, mb=128):
+    return torch.empty(mb << 20, dtype=torch.uint8, device=device)
+
+
+def run_ragged(qo_lens, kv_lens, hq, hk, d, dtype, *, causal=False, layout="NHD", soft_cap=None, window_left=-1,
+               device=None, workspace=None, seed=None, tail=0, **plan_kw):
+    from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
+
+    device = device or DEV
+    gen = _gen(seed)
+    q, k, v, qo, kv, (k_ref, v_ref) = make_ragged(qo_lens, kv_lens, hq, hk, d, dtype, layout, gen, device, tail)
+    w = BatchPrefillWithRaggedKVCacheWrapper(workspace if workspace is not None else _ws(device), kv_layout=layout)
+    w.plan(qo, kv, hq, hk, d, causal=causal, q_data_type=dtype, logits_soft_cap=soft_cap, window_left=window_left,
+           **plan_kw)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], hq), float("nan"), device=device)
+    w.run(q, k, v, out=out, lse=lse)
+    ref_o, ref_lse = ragged_reference(q, k_ref, v_ref, qo, kv, causal=causal, logits_soft_cap=soft_cap,
+                                      window_left=window_left)
+    check(out, lse, ref_o, ref_lse, dtype)
+    return w, (q, k, v), out, lse
+
+
+def run_paged(qo_lens, kv_lens, page_size, hq, hk, d, dtype, *, causal=False, layout="NHD", single_tensor=False,
+              soft_cap=None, window_left=-1, device=None, workspace=None, seed=None, **plan_kw):
+    from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
+
+    device = device or DEV
+    gen = _gen(seed)
+    cache, indptr, indices, last, (k_ref, v_ref), kv_tok = make_paged(kv_lens, page_size, hk, d, dtype, layout,
+                                                                      single_tensor, gen, device)
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(dtype).to(device)
+    qo = torch.tensor(_cumsum(qo_lens), dtype=torch.int32)
+    w = BatchPrefillWithPagedKVCacheWrapper(workspace if workspace is not None else _ws(device), kv_layout=layout)
+    w.plan(qo, indptr, indices, last, hq, hk, d, page_size, causal=causal, q_data_type=dtype,
+           logits_soft_cap=soft_cap, window_left=window_left, **plan_kw)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], hq), float("nan"), device=device)
+    w.run(q, cache, out=out, lse=lse)
+    ref_o, ref_lse = ragged_reference(q, k_ref, v_ref, qo, kv_tok, causal=causal, logits_soft_cap=soft_cap,
+                                      window_left=window_left)
+    check(out, lse, ref_o, ref_lse, dtype)
+    return w, (q, cache), out, lse
+
+
+def _append_lens(rng, n, qmax, extra_max):
+    qo = [rng.randrange(1, qmax + 1) for _ in range(n)]
+    kv = [x + (rng.randrange(0, extra_max + 1) if rng.random() < 0.6 else 0) for x in qo]
+    return qo, kv
+
+
+# =========================================================================== GPU tests
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq,hk", [(8, 8), (32, 8), (16, 2)])
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_ragged_head_dims_gqa(d, dtype, hq, hk, causal):
+    qo = [1, 17, 128, 300, 5, 77]
+    kv = [1, 117, 128, 333, 2005, 77]  # kv = qo and kv > qo (append)
+    run_ragged(qo, kv, hq, hk, d, DTYPES[dtype], causal=causal)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("single_tensor", [False, True])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_paged_pages_layouts(page_size, layout, single_tensor, causal):
+    rng = random.Random()
+    qo, kv = _append_lens(rng, 9, 700, 1500)
+    run_paged(qo, kv, page_size, 32, 8, 128, torch.bfloat16, causal=causal, layout=layout,
+              single_tensor=single_tensor)
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ragged_hnd_and_gqa8(layout, causal):
+    qo, kv = [33, 250, 1, 1024], [40, 250, 900, 1024]
+    run_ragged(qo, kv, 64, 8, 128, torch.float16, causal=causal, layout=layout)
+
+
+@gpu
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("batch", [1, 3, 32])
+def test_batch_sizes_odd_lengths(batch, paged):
+    rng = random.Random()
+    qo, kv = _append_lens(rng, batch, 999, 777)
+    qo = [x | 1 for x in qo]  # odd query lengths
+    kv = [max(a, b) for a, b in zip(qo, kv)]
+    if paged:
+        run_paged(qo, kv, 16, 16, 4, 128, torch.bfloat16, causal=True)
+    else:
+        run_ragged(qo, kv, 16, 4, 128, torch.bfloat16, causal=True)
+
+
+@gpu
+@pytest.mark.parametrize("case", ["ragged_8k_causal_hd128", "paged16_append_hd256", "ragged_8k_plus_1_hd64"])
+def test_long_sequences(case):
+    if case == "ragged_8k_causal_hd128":
+        run_ragged([8192], [8192], 8, 8, 128, torch.bfloat16, causal=True)
+    elif case == "paged16_append_hd256":
+        run_paged([4097, 3], [6000, 4000], 16, 16, 4, 256, torch.float16)
+    else:
+        run_ragged([8192, 1], [8192, 8191], 8, 1, 64, torch.bfloat16, causal=True)
+
+
+@gpu
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens", ["decode_like", "short"])
+def test_small_query_tiles(lens, causal, paged):
+    """Batches the planner gives 16- or 64-row tiles: the wrapper runs them with 64-row tiles."""
+    if lens == "decode_like":
+        qo, kv, hq, hk = [1] * 8, [1, 5, 100, 3000, 64, 65, 1, 7], 32, 8
+    else:
+        qo, kv, hq, hk = [3, 5, 9, 2], [3, 700, 9, 50], 64, 8
+    fn = (lambda *a, **k: run_paged(qo, kv, 16, *a, **k)) if paged else (lambda *a, **k: run_ragged(qo, kv, *a, **k))
+    w = fn(hq, hk, 128, torch.bfloat16, causal=causal)[0]
+    assert w._tile == 64
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("soft_cap,window", [(30.0, -1), (None, 100), (50.0, 7), (None, 0)])
+def test_softcap_window(soft_cap, window, causal):
+    qo, kv = [100, 333, 1, 1000, 64], [100, 900, 50, 1000, 2000]
+    w = run_ragged(qo, kv, 32, 8, 128, torch.bfloat16, causal=causal, soft_cap=soft_cap, window_left=window)[0]
+    assert w._tile == 128  # the variant specializations are compiled for 128-row tiles
+
+
+@gpu
+@pytest.mark.parametrize("soft_cap,window", [(30.0, -1), (None, 100)])
+def test_softcap_window_fp16(soft_cap, window):
+    qo, kv = [100, 333, 1000], [100, 900, 1000]
+    run_ragged(qo, kv, 32, 8, 128, torch.float16, causal=True, soft_cap=soft_cap, window_left=window)
+
+
+@gpu
+def test_empty_requests():
+    # qo_len 0 requests, kv_len 0 requests (non-causal: o = 0, lse = -inf), both, and a normal one
+    qo, kv = [0, 5, 0, 300, 7], [10, 0, 0, 500, 7]
+    run_ragged(qo, kv, 8, 8, 128, torch.bfloat16)
+    run_paged(qo, kv, 16, 8, 8, 128, torch.bfloat16)
+    run_ragged([4, 9], [0, 0], 8, 8, 64, torch.float16)  # no KV at all
+
+
+@gpu
+def test_ragged_nan_past_the_kv():
+    """k/v with NaN rows after kv_indptr[-1]: never reach the output."""
+    run_ragged([300, 77], [1000, 77], 16, 4, 128, torch.bfloat16, causal=True, tail=300)
+
+
+@gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_split_kv_by_the_planner(paged):
+    """One long request over few kv heads: fewer tiles than SMs, so the planner cuts the KV
+    (partial slots + merge)."""
+    if paged:
+        w = run_paged([512], [30000], 16, 4, 2, 128, torch.bfloat16, causal=True)[0]
+    else:
+        w = run_ragged([512], [30000], 4, 2, 128, torch.bfloat16, causal=True)[0]
+    assert w._plan.has_split
+
+
+@gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_fixed_split_size_is_batch_invariant(paged):
+    """fixed_split_size forces partial slots + merge, and a request's output is bitwise the
+    same whatever else is batched with it; disable_split_kv still gives the right answer."""
+    hq, hk, d = 16, 4, 128
+    dev = DEV
+    gen = _gen()
+    q_r = torch.randn(300, hq, d, generator=gen).to(torch.bfloat16).to(dev)
+    k_r = torch.randn(2300, hk, d, generator=gen).to(torch.bfloat16).to(dev)
+    v_r = torch.randn(2300, hk, d, generator=gen).to(torch.bfloat16).to(dev)
+    outs = []
+    for others in ([(17, 800)], [(200, 5000), (3, 3), (64, 64)]):
+        qo = [300] + [a for a, _ in others]
+        kv = [2300] + [b for _, b in others]
+        q = torch.cat([q_r] + [torch.randn(a, hq, d, generator=gen).to(torch.bfloat16).to(dev) for a, _ in others])
+        k = torch.cat([k_r] + [torch.randn(b, hk, d, generator=gen).to(torch.bfloat16).to(dev) for _, b in others])
+        v = torch.cat([v_r] + [torch.randn(b, hk, d, generator=gen).to(torch.bfloat16).to(dev) for _, b in others])
+        qo_t, kv_t = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(kv), dtype=torch.int32)
+        ref_o, ref_lse = ragged_reference(q, k, v, qo_t, kv_t, causal=True)
+        for disable in (False, True):
+            if paged:
+                from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
+
+                ps = 16  # pages: request b's tokens in pages of its own, in order
+                pages = [(n + ps - 1) // ps for n in kv]
+                kc = torch.zeros(sum(pages), ps, hk, d, dtype=torch.bfloat16, device=dev)
+                vc = torch.zeros_like(kc)
+                off = 0
+                for b, n in enumerate(kv):
+                    p0 = sum(pages[:b])
+                    kc.view(-1, hk, d)[p0 * ps:p0 * ps + n] = k[off:off + n]
+                    vc.view(-1, hk, d)[p0 * ps:p0 * ps + n] = v[off:off + n]
+                    off += n
+                last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv, pages)], dtype=torch.int32)
+                w = BatchPrefillWithPagedKVCacheWrapper(_ws(dev))
+                kw = dict(disable_split_kv=True) if disable else dict(fixed_split_size=64)  # 1024 tokens
+                w.plan(qo_t, torch.tensor(_cumsum(pages), dtype=torch.int32),
+                       torch.arange(sum(pages), dtype=torch.int32), last, hq, hk, d, ps, causal=True,
+                       q_data_type=torch.bfloat16, **kw)
+                out, lse = w.run(q, (kc, vc), return_lse=True)
+            else:
+                from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
+
+                w = BatchPrefillWithRaggedKVCacheWrapper(_ws(dev))
+                kw = dict(disable_split_kv=True) if disable else dict(fixed_split_size=1024)
+                w.plan(qo_t, kv_t, hq, hk, d, causal=True, q_data_type=torch.bfloat16, **kw)
+                out, lse = w.run(q, k, v, return_lse=True)
+            check(out, lse, ref_o, ref_lse, torch.bfloat16)
+            if disable:
+                assert not w._plan.has_split
+            else:
+                assert w._plan.has_split
+                outs.append((out[:300].clone(), lse[:300].clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_deterministic(paged):
+    qo, kv = [512, 3000, 17], [20000, 3000, 5000]  # the first one is split
+    if paged:
+        w, (q, cache), out, lse = run_paged(qo, kv, 16, 8, 2, 128, torch.bfloat16, causal=True)
+        out2, lse2 = w.run(q, cache, return_lse=True)
+    else:
+        w, (q, k, v), out, lse = run_ragged(qo, kv, 8, 2, 128, torch.bfloat16, causal=True)
+        out2, lse2 = w.run(q, k, v, return_lse=True)
+    assert w._plan.has_split
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@gpu
+def test_cuda_graph_ragged_replay_with_new_plans():
+    from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
+
+    hq, hk, d, max_b, t_max, kv_max = 16, 4, 128, 4, 4096, 40000
+    gen = _gen()
+    qo_buf = torch.zeros(max_b + 1, dtype=torch.int32, device="cuda")
+    kv_buf = torch.zeros(max_b + 1, dtype=torch.int32, device="cuda")
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws("cuda"), use_cuda_graph=True, qo_indptr_buf=qo_buf,
+                                             kv_indptr_buf=kv_buf)
+    q = torch.randn(t_max, hq, d, generator=gen).to(torch.bfloat16).cuda()
+    k = torch.randn(kv_max, hk, d, generator=gen).to(torch.bfloat16).cuda()
+    v = torch.randn(kv_max, hk, d, generator=gen).to(torch.bfloat16).cuda()
+    out = torch.empty_like(q)
+    lse = torch.empty(t_max, hq, device="cuda")
+
+    def plan(qo, kv):
+        qo_t, kv_t = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(kv), dtype=torch.int32)
+        w.plan(qo_t, kv_t, hq, hk, d, causal=True, q_data_type=torch.bfloat16)
+        return qo_t, kv_t
+
+    plan([2000, 24, 1000, 1072], [2000, 1024, 1007, 4072])  # the first plan fixes 4096 query tokens
+    w.run(q, k, v, out=out, lse=lse)  # warm-up: modules loaded outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(q, k, v, out=out, lse=lse)
+    for qo, kv in (([1, 1, 1, 4093], [1, 1, 1, 30000]),   # split by the planner
+                   ([1000, 1000, 1000, 1000], [1000, 5000, 1000, 9000]),
+                   ([5, 77, 300, 1], [5, 77, 300, 1]),
+                   ([2000, 24, 1000], [2000, 1024, 1007])):  # a smaller batch
+        qo_t, kv_t = plan(qo, kv)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        n = int(qo_t[-1])
+        ref_o, ref_lse = ragged_reference(q[:n], k, v, qo_t, kv_t, causal=True)
+        check(out, lse, ref_o, ref_lse, torch.bfloat16, rows=n)
+
+
+@gpu
+def test_cuda_graph_paged_replay_with_new_plans():
+    from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
+
+    hq, hk, d, ps, max_b, t_max, max_pages = 32, 8, 128, 16, 4, 2048, 4096
+    gen = _gen()
+    bufs = dict(qo_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device="cuda"),
+                paged_kv_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device="cuda"),
+                paged_kv_indices_buf=torch.zeros(max_pages, dtype=torch.int32, device="cuda"),
+                paged_kv_last_page_len_buf=torch.zeros(max_b, dtype=torch.int32, device="cuda"))
+    w = BatchPrefillWithPagedKVCacheWrapper(_ws("cuda"), kv_layout="HND", use_cuda_graph=True, **bufs)
+    kc = torch.randn(max_pages, hk, ps, d, generator=gen).to(torch.bfloat16).cuda()
+    vc = torch.randn(max_pages, hk, ps, d, generator=gen).to(torch.bfloat16).cuda()
+    q = torch.randn(t_max, hq, d, generator=gen).to(torch.bfloat16).cuda()
+    out = torch.empty_like(q)
+    lse = torch.empty(t_max, hq, device="cuda")
+
+    def plan(qo, kv):
+        pages = [(n + ps - 1) // ps for n in kv]
+        indices = torch.randperm(max_pages, generator=gen)[:sum(pages)].to(torch.int32)
+        last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv, pages)], dtype=torch.int32)
+        qo_t, indptr = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(pages), dtype=torch.int32)
+        w.plan(qo_t, indptr, indices, last, hq, hk, d, ps, q_data_type=torch.bfloat16)
+        return qo_t, indptr, indices, last
+
+    plan([1024, 1024, 0, 0], [1024, 3000, 5, 16])
+    w.run(q, (kc, vc), out=out, lse=lse)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(q, (kc, vc), out=out, lse=lse)
+    for qo, kv in (([1, 2047, 0, 0], [9000, 2047, 1, 1]), ([500, 500, 500, 500], [500, 30000, 700, 900]),
+                   ([3, 1, 4, 1], [3, 1, 4, 1])):
+        qo_t, indptr, indices, last = plan(qo, kv)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        from cute_attn.testing import paged_reference
+
+        n = int(qo_t[-1])
+        ref_o, ref_lse = paged_reference(q[:n], (kc, vc), qo_t, indptr, indices, last, kv_layout="HND")
+        check(out, lse, ref_o, ref_lse, torch.bfloat16, rows=n)
+
+
+@gpu
+def test_capture_without_cuda_graph_flag_is_an_error():
+    w, (q, k, v), out, lse = run_ragged([10, 20], [10, 30], 8, 8, 64, torch.float16)
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="use_cuda_graph"):
+        with torch.cuda.graph(g):
+            w.run(q, k, v)
+
+
+@gpu
+def test_plan_during_capture_is_an_error():
+    w = run_ragged([10], [10], 8, 8, 64, torch.float16)[0]
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="plan"):
+        with torch.cuda.graph(g):
+            w.plan(torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 8, 8, 64)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_single_prefill(layout, causal):
+    from cute_attn.prefill import single_prefill_with_kv_cache
+    from cute_attn.testing import single_reference
+
+    qo_len, kv_len, hq, hk, d = 777, 1500, 32, 4, 128
+    q = torch.randn(qo_len, hq, d, dtype=torch.bfloat16, device="cuda")
+    shape = (kv_len, hk, d) if layout == "NHD" else (hk, kv_len, d)
+    k = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    out, lse = single_prefill_with_kv_cache(q, k, v, causal=causal, kv_layout=layout, return_lse=True)
+    ref_o, ref_lse = single_reference(q, k, v, kv_layout=layout, causal=causal)
+    check(out, lse, ref_o, ref_lse, torch.bfloat16)
+    out2 = single_prefill_with_kv_cache(q, k, v, causal=causal, kv_layout=layout)
+    assert torch.equal(out, out2)
+
+
+@gpu
+def test_gpu_validation_errors():
+    """What needs the real device (the rest is checked by the CPU tests below)."""
+    from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
+
+    w = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+    big = torch.arange(0, 1001 * 512, 512, dtype=torch.int32)
+    with pytest.raises(ValueError, match="bytes"):  # 1 MiB is too small for 512k tokens x 64 heads
+        w.plan(big, big, 64, 8, 128, q_data_type=torch.bfloat16)
+    w = run_ragged([10], [10], 8, 8, 64, torch.float16)[0]
+    with pytest.raises(ValueError, match="q must be"):
+        w.run(torch.randn(10, 8, 64, dtype=torch.bfloat16, device="cuda"),
+              torch.randn(10, 8, 64, dtype=torch.float16, device="cuda"),
+              torch.randn(10, 8, 64, dtype=torch.float16, device="cuda"))
+
+
+# =========================================================================== CPU tests
+# The wrappers on the CPU: CUDA-only queries patched, the kernels replaced by an emulation of
+# the contract that runs on the exact tensors run() passes (after the real ABI packer).
+
+
+class _FakeCudaTensor(torch.Tensor):
+    """A CPU tensor that passes the wrappers' ``is_cuda`` checks (workspace, graph buffers)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def _fake_cuda(t):
+    return torch.Tensor._make_subclass(_FakeCudaTensor, t)
+
+
+class _FakeEvent:
+    def record(self, *a):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+def _plain(t):
+    return t.as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) else t
+
+
+def _emulate_prefill(p, q, k4, v4, kv_indptr, kv_indices, out, lse, work, work_indptr, part_o, part_lse, group,
+                     sm_scale, soft_cap, window_left, num_ctas):
+    """What kernels/prefill_sm90.py must compute, item by item (fp64)."""
+    from cute_attn.sched import workspace as ws
+
+    tile = p["tile_q"]
+    assert work_indptr.numel() == num_ctas + 1
+    part_o.fill_(float("nan"))  # stale partials must never be read
+    part_lse.fill_(float("nan"))
+    ip = work_indptr.tolist()
+    kvp = kv_indptr.long()
+    for c in range(num_ctas):
+        for it in range(ip[c], ip[c + 1]):
+            f = work[it].tolist()
+            b, h, r0, nr = f[ws.W_REQ], f[ws.W_KV_HEAD], f[ws.W_ROW_START], f[ws.W_NUM_ROWS]
+            ks, ke, dest = f[ws.W_KV_START], f[ws.W_KV_END], f[ws.W_DEST]
+            qoff, qlen, klen = f[ws.W_QO_OFFSET], f[ws.W_QO_LEN], f[ws.W_KV_LEN]
+            assert 1 <= nr <= tile and 0 <= ks <= ke <= klen
+            rows = torch.arange(r0, r0 + nr)
+            tok, heads = rows // group, h * group + rows % group
+            qv = q[qoff + tok, heads].double()
+            pos = torch.arange(ks, ke)
+            if p["paged"]:
+                ps = k4.shape[1]
+                page = kv_indices.long()[kvp[b] + pos // ps]
+                assert (page < k4.shape[0]).all()
+                kk, vv = k4[page, pos % ps, h].double(), v4[page, pos % ps, h].double()
+            else:
+                assert k4.shape[0] == 1 and (ke == ks or int(kvp[b]) + ke <= k4.shape[1])
+                kk, vv = k4[0, kvp[b] + pos, h].double(), v4[0, kvp[b] + pos, h].double()
+            s = qv @ kk.T * sm_scale
+            if p["soft_cap"]:
+                s = soft_cap * torch.tanh(s / soft_cap)
+            qpos = (klen - qlen + tok)[:, None]
+            keep = torch.ones_like(s, dtype=torch.bool)
+            if p["causal"]:
+                keep &= pos[None, :] <= qpos
+            if p["window"]:
+                keep &= pos[None, :] >= qpos - window_left
+            s = s.masked_fill(~keep, -math.inf)
+            m = s.amax(1, keepdim=True) if s.shape[1] else torch.full((nr, 1), -math.inf, dtype=torch.float64)
+            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+            e = torch.exp(s - m)
+            l_ = e.sum(1, keepdim=True)
+            o = torch.where(l_ > 0, (e @ vv) / l_.clamp_min(1e-300), torch.zeros(1, dtype=torch.float64))
+            row_lse = ((m + torch.log(l_)) / math.log(2)).squeeze(1)
+            if dest < 0:
+                out[qoff + tok, heads] = o.to(out.dtype)
+                lse[qoff + tok, heads] = row_lse.float()
+            else:
+                part_o[dest * tile:dest * tile + nr] = o.float()
+                part_lse[dest * tile:dest * tile + nr] = row_lse.float()
+
+
+def _emulate_merge(p, part_o, part_lse, tasks, meta, out, lse, group, num_ctas):
+    from cute_attn.sched import workspace as ws
+
+    tile = p["tile_q"]
+    for t in range(int(meta[ws.META_NUM_MERGE_TASKS])):
+        f = tasks[t].tolist()
+        h, r0, nr, qoff = f[ws.M_KV_HEAD], f[ws.M_ROW_START], f[ws.M_NUM_ROWS], f[ws.M_QO_OFFSET]
+        s0, ns = f[ws.M_SLOT_START], f[ws.M_NUM_SLOTS]
+        rows = torch.arange(r0, r0 + nr)
+        idx = (s0 + torch.arange(ns))[:, None] * tile + torch.arange(nr)[None, :]  # [ns, nr]
+        s, o = part_lse[idx].double(), part_o[idx].double()
+        m = s.amax(0)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        wgt = torch.exp2(s - m)
+        tot = wgt.sum(0)
+        num = (wgt[..., None] * o).sum(0)  # a slot the attention kernel did not write is NaN
+        merged = torch.where(tot[:, None] > 0, num / tot.clamp_min(1e-300)[:, None],
+                             torch.zeros(1, dtype=torch.float64))
+        tok, heads = qoff + rows // group, h * group + rows % group
+        out[tok, heads] = merged.to(out.dtype)
+        lse[tok, heads] = (m + torch.log2(tot)).float()
+
+
+class _Emulated:
+    def __init__(self, family, params, calls):
+        from cute_attn.runtime.family import get_family
+        from cute_attn.runtime.loader import make_packer
+
+        self.family, self.params, self.calls = family, params, calls
+        self.pack = make_packer(get_family(family).abi(params))
+
+    def __call__(self, *args):
+        args = [_plain(a) for a in args]
+        self.pack(*args)  # the real per-launch checks: ranks, static extents/strides, divisibility, alignment
+        self.calls.append((self.family, dict(self.params)))
+        fn = _emulate_prefill if self.family == "batch_prefill_sm90" else _emulate_merge
+        fn(self.params, *args)
+
+
+@pytest.fixture
+def emu(monkeypatch):
+    """Patch what needs a GPU; returns the list of emulated launches (family, spec params)."""
+    import cute_attn.prefill as P
+
+    calls = []
+    state = {"arch": "sm_90a", "capturing": False}
+    monkeypatch.setattr(P, "arch_of_index", lambda i: state["arch"])
+    monkeypatch.setattr(P, "sm_count_of_index", lambda i: 8)
+    monkeypatch.setattr(P, "kernel", lambda family, arch, **params: _Emulated(family, params, calls))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    return type("Emu", (), {"calls": calls, "state": state})()
+
+
+def _cpu_ws(mb=64):
+    return _fake_cuda(torch.empty(mb << 20, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("hq,hk,causal,soft_cap,window,layout", [
+    (4, 4, False, None, -1, "NHD"), (8, 2, True, None, -1, "HND"), (8, 2, True, 30.0, 5, "NHD"),
+    (4, 4, False, None, 40, "HND"), (8, 2, False, 20.0, -1, "NHD"), (4, 4, True, None, 0, "NHD")])
+def test_cpu_ragged_wiring(emu, hq, hk, causal, soft_cap, window, layout):
+    qo, kv = [1, 17, 130, 0, 64], [1, 40, 500, 9, 64]
+    w = run_ragged(qo, kv, hq, hk, 64, torch.bfloat16, causal=causal, soft_cap=soft_cap, window_left=window,
+                   layout=layout, device="cpu", workspace=_cpu_ws(), seed=1, tail=5)[0]
+    fam, params = emu.calls[0]
+    assert fam == "batch_prefill_sm90"
+    assert params == dict(dtype="bf16", head_dim=64, tile_q=w._tile, paged=False, causal=causal,
+                          soft_cap=soft_cap is not None, window=window >= 0)
+    assert w._tile in (64, 128)
+
+
+@pytest.mark.parametrize("page_size,layout,single_tensor", [(1, "NHD", False), (1, "HND", True), (16, "HND", False),
+                                                            (16, "NHD", True), (64, "NHD", False), (64, "HND", True)])
+def test_cpu_paged_wiring(emu, page_size, layout, single_tensor):
+    qo, kv = [1, 17, 130, 0, 3], [1, 40, 500, 9, 3]
+    run_paged(qo, kv, page_size, 8, 2, 64, torch.float16, causal=True, layout=layout, single_tensor=single_tensor,
+              device="cpu", workspace=_cpu_ws(), seed=2)
+    assert emu.calls[0][1]["paged"] is True
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_cpu_split_and_merge(emu, paged):
+    """8 emulated SMs and one tile x 2 kv heads over long KV: the planner splits, the merge runs; fixed_split_size
+    forces cuts; disable_split_kv forbids them."""
+    for kw, split in ((dict(), True), (dict(fixed_split_size=64 if paged else 1024), True),
+                      (dict(disable_split_kv=True), False)):
+        emu.calls.clear()
+        if paged:
+            w = run_paged([64], [3000], 16, 4, 2, 64, torch.bfloat16, causal=True, device="cpu",
+                          workspace=_cpu_ws(), seed=3, **kw)[0]
+        else:
+            w = run_ragged([64], [3000], 4, 2, 64, torch.bfloat16, causal=True, device="cpu",
+                           workspace=_cpu_ws(), seed=3, **kw)[0]
+        assert w._plan.has_split == split, kw
+        assert [c[0] for c in emu.calls] == ["batch_prefill_sm90"] + (["merge_partials"] if split else [])
+        if split:
+            assert emu.calls[1][1] == dict(dtype="bf16", head_dim=64, tile_q=w._tile)
+        if "fixed_split_size" in kw:
+            assert w._tile == 128
+
+
+def test_cpu_tile_choice(emu):
+    w = run_ragged([1] * 6, [5] * 6, 8, 8, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws())[0]
+    assert w._tile == 64  # the planner's 16-row decode tile -> 64
+    w = run_ragged([40, 50], [50, 50], 8, 8, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws())[0]
+    assert w._tile == 64
+    w = run_ragged([40, 50], [50, 50], 16, 2, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws())[0]
+    assert w._tile == 128  # 8 heads per group: 45 tokens -> 360 packed rows
+
+
+def test_cpu_cuda_graph_mode(emu):
+    from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
+
+    hq, hk, d = 8, 2, 64
+    qo_buf, kv_buf = _fake_cuda(torch.zeros(5, dtype=torch.int32)), _fake_cuda(torch.zeros(5, dtype=torch.int32))
+    w = BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws(), use_cuda_graph=True, qo_indptr_buf=qo_buf,
+                                             kv_indptr_buf=kv_buf)
+    gen = _gen(4)
+    q = torch.randn(600, hq, d, generator=gen).to(torch.bfloat16)
+    k = torch.randn(4000, hk, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(4000, hk, d, generator=gen).to(torch.bfloat16)
+    views = None
+    for qo, kv in (([300, 100, 200, 0], [300, 1000, 200, 0]), ([1, 1, 598], [1, 1, 3998]), ([50], [50])):
+        qo_t, kv_t = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(kv), dtype=torch.int32)
+        w.plan(qo_t, kv_t, hq, hk, d, causal=True, q_data_type=torch.bfloat16)
+        assert w._kv_indptr is kv_buf and torch.equal(qo_buf[:len(qo) + 1], qo_t)
+        if views is None:
+            views = {n: t.data_ptr() for n, t in w._views.items()}
+        assert {n: t.data_ptr() for n, t in w._views.items()} == views  # fixed offsets
+        emu.calls.clear()
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((600, hq), float("nan"))
+        w.run(q, k, v, out=out, lse=lse)  # full-size q/k/v, as captured
+        assert [c[0] for c in emu.calls] == ["batch_prefill_sm90", "merge_partials"]  # merge always
+        n = int(qo_t[-1])
+        ref_o, ref_lse = ragged_reference(q[:n], k, v, qo_t, kv_t, causal=True)
+        check(out, lse, ref_o, ref_lse, torch.bfloat16, rows=n)
+        assert w._tile == 128  # fixed by the first plan
+    with pytest.raises(ValueError, match="query tokens"):
+        w.plan(torch.tensor([0, 601]), torch.tensor([0, 601]), hq, hk, d, causal=True, q_data_type=torch.bfloat16)
+    with pytest.raises(ValueError, match="changed"):
+        w.plan(torch.tensor([0, 5]), torch.tensor([0, 5]), hq, hk, d, causal=False, q_data_type=torch.bfloat16)
+    with pytest.raises(ValueError, match="capacity"):
+        w.plan(torch.arange(6), torch.arange(6), hq, hk, d, causal=True, q_data_type=torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_indptr_buf"):
+        BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws(), use_cuda_graph=True, qo_indptr_buf=qo_buf)
+
+
+def test_cpu_validation_errors(emu):
+    from cute_attn.prefill import (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper,
+                                   single_prefill_with_kv_cache)
+
+    w = BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws())
+    ind = torch.tensor([0, 8], dtype=torch.int32)
+    plan = lambda **kw: w.plan(**dict(dict(qo_indptr=ind, kv_indptr=ind, num_qo_heads=8, num_kv_heads=2,  # noqa: E731
+                                           head_dim_qk=128, q_data_type=torch.bfloat16), **kw))
+    with pytest.raises(ValueError, match="head_dim 96"):
+        plan(head_dim_qk=96)
+    with pytest.raises(NotImplementedError, match="head_dim_vo"):
+        plan(head_dim_vo=64)
+    with pytest.raises(NotImplementedError, match="custom_mask"):
+        plan(custom_mask=torch.ones(64, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="custom_mask"):
+        plan(packed_custom_mask=torch.ones(8, dtype=torch.uint8))
+    with pytest.raises(NotImplementedError, match="pos_encoding_mode"):
+        plan(pos_encoding_mode="ROPE_LLAMA")
+    with pytest.raises(NotImplementedError, match="fp8"):
+        plan(kv_data_type=torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="o_data_type"):
+        plan(o_data_type=torch.float32)
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        plan(q_data_type=torch.float32)
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        plan(kv_data_type=torch.float16)
+    with pytest.raises(ValueError, match="multiple"):
+        plan(num_qo_heads=6, num_kv_heads=4)
+    with pytest.raises(ValueError, match="kv_len >= qo_len"):
+        plan(kv_indptr=torch.tensor([0, 7], dtype=torch.int32), causal=True)
+    plan(kv_indptr=torch.tensor([0, 7], dtype=torch.int32), causal=False)  # fine without causal
+    with pytest.raises(ValueError, match="same length"):
+        plan(kv_indptr=torch.tensor([0, 8, 9], dtype=torch.int32))
+    with pytest.raises(ValueError, match="window_left"):
+        plan(window_left=-2)
+    with pytest.raises(ValueError, match="fixed_split_size"):
+        plan(fixed_split_size=0)
+    with pytest.raises(NotImplementedError, match="prefix_len_ptr"):
+        plan(prefix_len_ptr=torch.zeros(1))
+    with pytest.raises(ValueError, match="bytes"):
+        BatchPrefillWithRaggedKVCacheWrapper(_fake_cuda(torch.empty(1 << 20, dtype=torch.uint8))).plan(
+            torch.tensor([0, 1 << 19]), torch.tensor([0, 1 << 19]), 64, 8, 128, q_data_type=torch.bfloat16)
+    emu.state["arch"] = "sm_100a"
+    with pytest.raises(RuntimeError, match="Hopper"):
+        plan()
+    emu.state["arch"] = "sm_90a"
+    emu.state["capturing"] = True
+    with pytest.raises(RuntimeError, match="captured"):
+        plan()
+    emu.state["capturing"] = False
+
+    with pytest.raises(RuntimeError, match="before plan"):
+        BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws()).run(torch.zeros(8, 8, 128), torch.zeros(8, 2, 128),
+                                                            torch.zeros(8, 2, 128))
+    plan()
+    bf = dict(dtype=torch.bfloat16)
+    q, k = torch.zeros(8, 8, 128, **bf), torch.zeros(8, 2, 128, **bf)
+    with pytest.raises(ValueError, match="q must be"):
+        w.run(q.half(), k, k)
+    with pytest.raises(ValueError, match="q must be"):
+        w.run(q[:7], k, k)
+    with pytest.raises(ValueError, match="k/v"):
+        w.run(q, k[:7], k[:7])
+    with pytest.raises(ValueError, match="k/v"):
+        w.run(q, k.half(), k.half())
+    with pytest.raises(ValueError, match="out must be"):
+        w.run(q, k, k, out=q[:, :4])
+    with pytest.raises(ValueError, match="lse must be"):
+        w.run(q, k, k, lse=torch.zeros(8, 8, dtype=torch.float64))
+    with pytest.raises(NotImplementedError, match="scales"):
+        w.run(q, k, k, q_scale=1.0)
+    with pytest.raises(TypeError, match="positional"):
+        w.run(q, k, k, torch.zeros(1))
+    emu.state["capturing"] = True
+    with pytest.raises(RuntimeError, match="use_cuda_graph"):
+        w.run(q, k, k)
+    emu.state["capturing"] = False
+    w.run(q, k, k)
+
+    with pytest.raises(ValueError, match="kv_layout"):
+        BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws(), kv_layout="NDH")
+    with pytest.raises(ValueError, match="CUDA"):
+        BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    with pytest.raises(NotImplementedError, match="jit_args"):
+        BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws(), jit_args=["x"])
+
+    pw = BatchPrefillWithPagedKVCacheWrapper(_cpu_ws())
+    pages = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="last_page_len"):
+        pw.plan(ind, pages, torch.tensor([5]), torch.tensor([17]), 8, 2, 128, 16)
+    with pytest.raises(NotImplementedError, match="block_tables"):
+        pw.plan(ind, pages, torch.tensor([5]), torch.tensor([8]), 8, 2, 128, 16, block_tables=torch.zeros(1, 1))
+    pw.plan(ind, pages, torch.tensor([5]), torch.tensor([8]), 8, 2, 128, 16, q_data_type=torch.bfloat16)
+    cache = torch.zeros(3, 2, 16, 2, 128, **bf)
+    with pytest.raises(ValueError, match="page 5"):
+        pw.run(q, cache)
+    with pytest.raises(ValueError, match="page_size"):
+        pw.run(q, torch.zeros(8, 2, 8, 2, 128, **bf))
+    with pytest.raises(ValueError, match="window_left"):
+        pw.run(q, torch.zeros(8, 2, 16, 2, 128, **bf), window_left=3)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        pw.run(q, torch.zeros(8, 2, 16, 2, 128, **bf), sinks=torch.zeros(8))
+    pw.run(q, torch.zeros(8, 2, 16, 2, 128, **bf))
+    with pytest.raises(ValueError, match="paged_kv_indices_buf"):
+        BatchPrefillWithPagedKVCacheWrapper(_cpu_ws(), use_cuda_graph=True,
+                                            qo_indptr_buf=_fake_cuda(torch.zeros(2, dtype=torch.int32)),
+                                            paged_kv_indptr_buf=_fake_cuda(torch.zeros(2, dtype=torch.int32)))
+
+    with pytest.raises(NotImplementedError, match="custom_mask"):
+        single_prefill_with_kv_cache(q, k, k, custom_mask=torch.ones(8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="CUDA"):
+        single_prefill_with_kv_cache(q, k, k)
