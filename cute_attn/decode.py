@@ -6,9 +6,15 @@ user's ``float_workspace_buffer`` at fixed offsets; ``run()`` launches the persi
 kernel (``kernels/decode.py``) and, when the plan split some KV, the persistent ⊕ merge
 kernel.  NHD and HND layouts, ``(k, v)`` tuples and single ``[pages, 2, ...]`` tensors are
 all passed to one kernel as strided ``[pages, page_size, kv_heads, head_dim]`` views.
+
+Variants (docs/variants.md): FlashInfer's options map onto built-ins (``logits_soft_cap`` ->
+``SoftCap``, ``window_left`` -> ``SlidingWindow``, ``pos_encoding_mode="ALIBI"`` -> ``ALiBi``,
+``"ROPE_LLAMA"`` -> ``RoPE``, ``run(sinks=)`` -> ``AttentionSink``); ``plan(variant=...)`` adds
+any other variant, whose runtime arguments follow the cache in ``run(q, kv, *args)``.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple, Union
 
@@ -22,6 +28,8 @@ from .runtime.loader import kernel
 from .runtime.family import KernelFamily, register
 from .sched import Limits, Planner
 from .sched import workspace as ws
+from .variants import base as vbase
+from .variants.builtins import ALiBi, AttentionSink, CustomMask, RoPE, SlidingWindow, SoftCap
 
 DECODE_TILE_Q = 16  # packed rows per work item: the kernel's m16 MMA tile
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -31,7 +39,7 @@ _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _ARCHS = ("sm_90a", "sm_100a")
 
 
-def _decode_abi(p):
+def _decode_abi_fixed(p):
     d, dt = p["head_dim"], p["dtype"]
     row = lambda name: TensorArg(name, dt, (None, None, d), (None, None, 1), 8, 16)  # noqa: E731
     cache = lambda name: TensorArg(name, dt, (None, None, None, d), (None, None, None, 1), 8, 16)  # noqa: E731
@@ -40,8 +48,44 @@ def _decode_abi(p):
             TensorArg("mLse", "f32", (None, None), (None, None), 1, 4),
             TensorArg("mWork", "i32", (None, ws.WORK_FIELDS), (ws.WORK_FIELDS, 1), 1, 4), i32("mWorkIndptr"),
             TensorArg("mPartO", "f32", (None, d), (d, 1), 1, 16), TensorArg("mPartLse", "f32", (None,), (1,), 1, 4),
-            ScalarArg("group", "i32"), ScalarArg("sm_scale", "f32"), ScalarArg("soft_cap", "f32"),
-            ScalarArg("window_left", "i32"), ScalarArg("num_ctas", "i32")]
+            ScalarArg("group", "i32"), ScalarArg("sm_scale", "f32"), ScalarArg("num_ctas", "i32")]
+
+
+def _decode_abi(p):
+    """The family's arguments, then the variant's (``variants.base.abi_args``)."""
+    return _decode_abi_fixed(p) + vbase.abi_args(_spec_variant(p))
+
+
+@functools.lru_cache(maxsize=None)
+def _variant_from(text: str, fp: str):
+    v = vbase.decode(text)
+    got = vbase.fingerprint(v)
+    if got != fp:
+        raise ValueError(f"variant {text}: its code or static parameters changed since the spec was made "
+                         f"(fingerprint {got}, spec says {fp}); make the spec again from the variant object")
+    return v
+
+
+def _spec_variant(p):
+    """The variant object of a ``paged_decode`` spec's parameters (checked against its fingerprint)."""
+    return _variant_from(p.get("variant", "none"), p.get("variant_fp", _NO_VARIANT_FP))
+
+
+_FP_CACHE: dict = {}
+
+
+def variant_params(v) -> dict:
+    """Spec parameters naming a variant: ``variant`` (:func:`variants.encode`) and ``variant_fp``
+    (:func:`variants.fingerprint`, cached per class and static parameters for this process)."""
+    text = vbase.encode(v)
+    key = (text, tuple(type(c) for c in vbase.components(v)))
+    fp = _FP_CACHE.get(key)
+    if fp is None:
+        fp = _FP_CACHE[key] = vbase.fingerprint(v)
+    return {"variant": text, "variant_fp": fp}
+
+
+_NO_VARIANT_FP = vbase.fingerprint(None)
 
 
 def _merge_partials_abi(p):
@@ -73,19 +117,41 @@ MERGE_PARTIALS = register(KernelFamily(
 assert ws.META_NUM_MERGE_TASKS == 1, "kernels/merge.py reads the merge-task count at meta[1]"
 
 
+def decode_spec(arch: str, dtype: str, head_dim: int, variant=None):
+    """The ``paged_decode`` specialization for a dtype (``"f16"``/``"bf16"``), head dim and variant."""
+    from .runtime.spec import Spec
+
+    return Spec.make("paged_decode", arch, dtype=dtype, head_dim=head_dim, stages=_STAGES[head_dim],
+                     **variant_params(variant))
+
+
 def decode_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS):
-    """Specializations run() may need (for the compile presets)."""
+    """Specializations run() may need for FlashInfer's default options (for the compile presets):
+    plain, soft-cap, sliding window, both."""
     from .runtime.spec import Spec
 
     out = []
     for dt in dtypes:
         for d in head_dims:
-            for cap in (False, True):
-                for win in (False, True):
-                    out.append(Spec.make("paged_decode", arch, dtype=dt, head_dim=d, stages=_STAGES[d],
-                                         soft_cap=cap, window=win))
+            for v in (None, SoftCap(), SlidingWindow(), SoftCap() + SlidingWindow()):
+                out.append(decode_spec(arch, dt, d, v))
             out.append(Spec.make("merge_partials", arch, dtype=dt, head_dim=d, tile_q=DECODE_TILE_Q))
     return out
+
+
+def variant_test_variants():
+    """The variants tests/test_variants_gpu.py and the ``variants`` bench run in decode."""
+    from .variants.builtins import Causal, FlashSigmoid
+    from .variants.examples import RelativePositionBias
+
+    return [Causal(), ALiBi(), RoPE(), AttentionSink(), CustomMask(), FlashSigmoid(), RelativePositionBias(),
+            SlidingWindow() + AttentionSink(), ALiBi() + SoftCap(), RoPE() + AttentionSink()]
+
+
+def variant_decode_specs(arch: str):
+    """Decode specializations of the variant GPU tests and bench (for the compile presets):
+    every variant of :func:`variant_test_variants` at (bf16, d128) and (f16, d64)."""
+    return [decode_spec(arch, dt, d, v) for v in variant_test_variants() for dt, d in (("bf16", 128), ("f16", 64))]
 
 
 def _as_dtype(x) -> Optional[torch.dtype]:
@@ -158,13 +224,25 @@ class BatchDecodeWithPagedKVCacheWrapper:
              data_type=None, sm_scale: Optional[float] = None, rope_scale: Optional[float] = None,
              rope_theta: Optional[float] = None, non_blocking: bool = True, o_data_type=None,
              block_tables: Optional[torch.Tensor] = None, seq_lens: Optional[torch.Tensor] = None,
-             fixed_split_size: Optional[int] = None, disable_split_kv: bool = False) -> None:
+             fixed_split_size: Optional[int] = None, disable_split_kv: bool = False,
+             variant=None, custom_mask: Optional[torch.Tensor] = None,
+             packed_custom_mask: Optional[torch.Tensor] = None) -> None:
         """FlashInfer's arguments.  ``fixed_split_size`` (in pages, as FlashInfer): every request's
         KV is cut at multiples of it and nothing else, so a request's output is bitwise the same
         whatever else is in the batch.  ``disable_split_kv``: no request is split (one work item
-        per request and kv head)."""
-        if pos_encoding_mode != "NONE":
-            raise NotImplementedError(f"pos_encoding_mode={pos_encoding_mode!r} is not supported yet (only 'NONE')")
+        per request and kv head).
+
+        Variants: ``pos_encoding_mode`` ``"ALIBI"`` (slopes from the head count, as FlashInfer's
+        ``get_alibi_slopes``) or ``"ROPE_LLAMA"`` (``rope_scale`` default 1, ``rope_theta``
+        default 1e4; the query sits at position ``kv_len - 1``, key ``j`` at ``j``), soft-cap,
+        window, and (extensions: FlashInfer's decode has none of them) ``custom_mask`` (flat
+        bool, concatenated ``[1, kv_len]`` rows) or ``packed_custom_mask`` (its bits, packed
+        per request as FlashInfer's prefill) and ``variant`` (any ``cute_attn.variants.Variant``,
+        applied after the built-ins)."""
+        if pos_encoding_mode not in ("NONE", "ALIBI", "ROPE_LLAMA"):
+            raise ValueError(f"pos_encoding_mode must be NONE, ROPE_LLAMA or ALIBI, got {pos_encoding_mode!r}")
+        if variant is not None and not isinstance(variant, vbase.Variant):
+            raise TypeError(f"variant must be a cute_attn.variants.Variant, got {type(variant).__name__}")
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim {head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
         if num_qo_heads % num_kv_heads:
@@ -189,6 +267,22 @@ class BatchDecodeWithPagedKVCacheWrapper:
         batch = indptr_h.shape[0] - 1
         if batch < 0:
             raise ValueError("indptr must have at least one element")
+        parts = []
+        if pos_encoding_mode == "ROPE_LLAMA":
+            parts.append(RoPE(rope_scale=1.0 if rope_scale is None else float(rope_scale),
+                              rope_theta=1e4 if rope_theta is None else float(rope_theta)))
+        elif pos_encoding_mode == "ALIBI":
+            parts.append(ALiBi())
+        if logits_soft_cap:
+            parts.append(SoftCap(logits_soft_cap=float(logits_soft_cap)))
+        if window_left >= 0:
+            parts.append(SlidingWindow(window_left=int(window_left)))
+        if custom_mask is not None or packed_custom_mask is not None:
+            parts.append(self._custom_mask(custom_mask, packed_custom_mask, indptr_h, last_page_len, page_size))
+        parts.extend(vbase.components(variant))
+        self._variant = parts[0] if len(parts) == 1 else (vbase.Compose(*parts) if parts else None)
+        if vbase.Hooks(self._variant).has_output:
+            disable_split_kv = True  # an output transform must see the whole row (not a partial state)
         per_sm = self._ctas_per_sm or _CTAS_PER_SM[head_dim]
         num_ctas = sm_count_of_index(self._dev) * per_sm
         limits = self._limits(batch, num_qo_heads, num_kv_heads, head_dim, num_ctas)
@@ -227,9 +321,43 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._window_left = int(window_left)
         arch = arch_of_index(self._dev)
         dt = _DTYPES[q_dtype]
-        self._decode = kernel("paged_decode", arch, dtype=dt, head_dim=head_dim, stages=_STAGES[head_dim],
-                               soft_cap=self._soft_cap > 0, window=self._window_left >= 0)
+        self._arch = arch
+        self._decode = self._module(self._variant)
         self._merge = kernel("merge_partials", arch, dtype=dt, head_dim=head_dim, tile_q=DECODE_TILE_Q)
+        self._vinfo = {"num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+                       "sm_scale": self._sm_scale, "device": self._device, "batch": batch}
+        self._vvalues = None  # the variant's runtime values when run() gets no extra arguments
+        if self._variant is not None:
+            try:
+                self._vvalues = vbase.runtime_values(self._variant, self._vinfo)
+            except ValueError:
+                pass  # some come from run(*args)
+        self._sink_cache = None
+
+    def _module(self, v):
+        return kernel("paged_decode", self._arch, dtype=_DTYPES[self._dtype], head_dim=self._d,
+                      stages=_STAGES[self._d], **variant_params(v))
+
+    def _custom_mask(self, custom_mask, packed, indptr_h, last_page_len, page_size) -> CustomMask:
+        """FlashInfer's mask conventions: per request a row-major ``[qo_len, kv_len]`` bool block,
+        bit-packed per request (little bit order), ``mask_indptr`` = byte offset per request."""
+        last = np.asarray(last_page_len.cpu() if isinstance(last_page_len, torch.Tensor) else last_page_len,
+                          dtype=np.int64).reshape(-1)
+        pages = np.diff(indptr_h)
+        kv_lens = np.where(pages > 0, (pages - 1) * int(page_size) + last, 0)
+        nbytes = (kv_lens + 7) // 8
+        mask_indptr = np.concatenate([[0], np.cumsum(nbytes)]).astype(np.int32)
+        if packed is None:
+            flat = custom_mask.reshape(-1).to(device="cpu", dtype=torch.bool).numpy()
+            if flat.size != kv_lens.sum():
+                raise ValueError(f"custom_mask has {flat.size} entries, expected sum(kv_len) = {kv_lens.sum()}")
+            offs = np.concatenate([[0], np.cumsum(kv_lens)])
+            packed_np = np.concatenate([np.packbits(flat[offs[b]:offs[b + 1]], bitorder="little")
+                                        for b in range(len(kv_lens))] + [np.zeros(1, np.uint8)])
+            packed = torch.from_numpy(packed_np)
+        packed = packed.reshape(-1).to(device=self._device, dtype=torch.uint8)
+        return CustomMask(packed_custom_mask=packed,
+                          mask_indptr=torch.from_numpy(mask_indptr).to(self._device))
 
     @staticmethod
     def _split_tokens(fixed_split_size, disable_split_kv, page_size) -> Optional[int]:
@@ -262,7 +390,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
             out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None, return_lse: bool = False,
-            enable_pdl=None, window_left: Optional[int] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+            enable_pdl=None, window_left: Optional[int] = None,
+            sinks: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """``*args``: the runtime arguments of plan()'s ``variant`` not given to its constructor,
+        in declaration order.  ``sinks``: per-head sink logits ``[num_qo_heads]`` (FlashInfer's
+        attention-sink argument; natural units; the returned LSE includes them)."""
         if self._plan is None:
             raise RuntimeError("run() before plan()")
         if torch.cuda.is_current_stream_capturing() and not self._use_cuda_graph:
@@ -296,9 +428,23 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if b:
             vw = self._views
             group = hq // hk
-            self._decode(q, k, v, self._kv_indptr, self._kv_indices, out, lse, vw["work_items"],
-                         vw["work_indptr"], vw["partial_o"], vw["partial_lse"], group, self._sm_scale,
-                         self._soft_cap, self._window_left, self._num_ctas)
+            module, vvals = self._decode, self._vvalues
+            if sinks is not None:
+                if sinks.shape != (hq,) or sinks.device != q.device:
+                    raise ValueError(f"sinks must be [{hq}] on {q.device}, got {tuple(sinks.shape)} on {sinks.device}")
+                if self._sink_cache is None:
+                    sv = AttentionSink() if self._variant is None else self._variant + AttentionSink()
+                    self._sink_cache = (sv, self._module(sv))
+                sv, module = self._sink_cache
+                vvals = vbase.runtime_values(sv, self._vinfo, args + (sinks.float(),))
+            elif args or (vvals is None and self._variant is not None):
+                vvals = vbase.runtime_values(self._variant, self._vinfo, args)
+            if vvals:
+                module(q, k, v, self._kv_indptr, self._kv_indices, out, lse, vw["work_items"], vw["work_indptr"],
+                       vw["partial_o"], vw["partial_lse"], group, self._sm_scale, self._num_ctas, *vvals)
+            else:
+                module(q, k, v, self._kv_indptr, self._kv_indices, out, lse, vw["work_items"], vw["work_indptr"],
+                       vw["partial_o"], vw["partial_lse"], group, self._sm_scale, self._num_ctas)
             if self._use_cuda_graph or self._plan.has_split:
                 self._merge(vw["partial_o"], vw["partial_lse"], vw["merge_tasks"], vw["meta"], out, lse, group,
                             self._num_ctas)
@@ -324,7 +470,8 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 pos_encoding_mode: str = "NONE", use_tensor_cores: bool = False,
                                 q_scale=None, k_scale=None, v_scale=None, window_left: int = -1,
                                 logits_soft_cap: Optional[float] = None, sm_scale: Optional[float] = None,
-                                rope_scale=None, rope_theta=None, return_lse: bool = False):
+                                rope_scale=None, rope_theta=None, return_lse: bool = False, variant=None,
+                                sinks: Optional[torch.Tensor] = None):
     """Decode one request: q [num_qo_heads, head_dim], k/v [kv_len, kv_heads, head_dim] (NHD) or
     [kv_heads, kv_len, head_dim] (HND).  The KV is read in place, as kv_len pages of one token
     (page size 1 is a first-class path of the kernel), so a long request is still split across
@@ -349,6 +496,6 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     w.plan(torch.tensor([0, kv_len], dtype=torch.int32), _arange(kv_len, q.device),
            torch.tensor([1], dtype=torch.int32), q.shape[0], hk, q.shape[1], 1,
            pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
-           q_data_type=q.dtype, sm_scale=sm_scale)
-    out, lse = w.run(q.unsqueeze(0), (k.unsqueeze(1), v.unsqueeze(1)), return_lse=True)
+           q_data_type=q.dtype, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta, variant=variant)
+    out, lse = w.run(q.unsqueeze(0), (k.unsqueeze(1), v.unsqueeze(1)), return_lse=True, sinks=sinks)
     return (out[0], lse[0]) if return_lse else out[0]

@@ -17,9 +17,14 @@ Per KV block of BLOCK_N tokens:
   kernel.
 
 Scores are kept in base 2 (scaled by sm_scale·log2 e), so LSE comes out in base 2 as
-FlashInfer returns it.  Variant hook points (logits transform, logits mask) are the
-``_logits`` and ``_visible`` methods: soft-cap and the sliding window go through them.
-Uses no Hopper-only instruction, so it also compiles for sm_100a.
+FlashInfer returns it.  Variants (``cute_attn/variants``, docs/variants.md) are traced in:
+``transform_q`` on the Q fragment once per item, ``transform_k`` on each warp's K fragment
+after ``ldmatrix`` (both in registers, no extra barrier), ``logits``/``mask``/``kv_range`` per
+score element (a ``kv_range`` also clips the item's KV blocks: sliding windows read only the
+window), ``finalize`` on each row's merged statistics, ``output`` in the store; a variant
+without softmax (FlashSigmoid) accumulates its weights directly.  With no variant the kernel
+is the plain fast path (no hook code is traced).  Soft-cap and the sliding window are
+built-in variants.  Uses no Hopper-only instruction, so it also compiles for sm_100a.
 """
 from __future__ import annotations
 
@@ -30,6 +35,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
+
+from ..variants.base import Ctx, Hooks
+from ..variants.trace import make_entry, transform_fragment
 
 TILE_Q = 16  # packed query rows per work item (one m16 MMA tile)
 BLOCK_N = 64  # KV tokens per pipeline stage: 4 warps x 16 keys
@@ -42,43 +50,26 @@ W_REQ, W_KV_HEAD, W_ROW_START, W_NUM_ROWS, W_KV_START, W_KV_END, W_DEST, W_QO_OF
 
 
 class PagedDecode:
-    def __init__(self, dtype, head_dim: int, stages: int, soft_cap: bool, window: bool):
+    def __init__(self, dtype, head_dim: int, stages: int, variant=None):
         self.dtype = dtype
         self.head_dim = head_dim
         self.stages = stages
-        self.soft_cap = soft_cap
-        self.window = window
+        self.hooks = Hooks(variant)
         self.chunks = head_dim // 8  # 16-byte chunks per row
         self.rows_per_thread = BLOCK_N * self.chunks // THREADS  # KV rows each thread gathers per block
         kv_bytes = 2 * BLOCK_N * head_dim * stages * 2
         o_bytes = NUM_WARPS * TILE_Q * (head_dim + 4) * 4
         assert o_bytes <= kv_bytes, "epilogue buffer must fit in the KV stages it reuses"
 
-    # ---- variant hook points -------------------------------------------------------------
-    @cute.jit
-    def _logits(self, s: Float32, scale_log2: Float32, cap_log2: Float32, inv_cap_scaled: Float32) -> Float32:
-        """Raw q·k -> logit in base 2.  Soft-cap: cap * tanh(q·k * sm_scale / cap)."""
-        out = s * scale_log2
-        if const_expr(self.soft_cap):
-            out = cap_log2 * cute.math.tanh(s * inv_cap_scaled, fastmath=True)
-        return out
-
-    @cute.jit
-    def _visible(self, kv_pos: Int32, kv_end: Int32, q_pos: Int32, window_left: Int32):
-        """Logits mask: inside the item's range and, with a window, at most window_left keys
-        to the left of the query's (bottom-right aligned) position."""
-        ok = kv_pos < kv_end
-        if const_expr(self.window):
-            ok = ok & (kv_pos >= q_pos - window_left)
-        return ok
-
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
-                 mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
-                 mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
-                 group: Int32, sm_scale: Float32, soft_cap: Float32, window_left: Int32, num_ctas: Int32,
-                 stream: cuda.CUstream):
+    def host(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
+             mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
+             mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
+             group: Int32, sm_scale: Float32, num_ctas: Int32, var_tensors: tuple, var_scalars: tuple,
+             stream: cuda.CUstream):
+        """The host function behind the generated entry (``variants.trace.make_entry``): the
+        family's arguments, then the variant's tensors and scalars as tuples."""
         D = self.head_dim
         atom_cols = 64 if D % 64 == 0 else 32
         swz = cute.make_composed_layout(cute.make_swizzle(3 if atom_cols == 64 else 2, 3, 3), 0,
@@ -99,9 +90,8 @@ class PagedDecode:
         tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1),
                                         permutation_mnk=(16, 16, 16))
         scale_log2 = sm_scale * LOG2E
-        cap = soft_cap if soft_cap > Float32(0.0) else Float32(1.0)
         self.kernel(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse,
-                    group, scale_log2, cap * LOG2E, sm_scale / cap, window_left,
+                    var_tensors, group, scale_log2, sm_scale, var_scalars,
                     sQ_layout, sKV_layout, sO_layout, tiled_mma, Smem).launch(
             grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
@@ -109,9 +99,9 @@ class PagedDecode:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
                mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
-               mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
-               group: Int32, scale_log2: Float32, cap_log2: Float32, inv_cap_scaled: Float32,
-               window_left: Int32, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, var_tensors: tuple,
+               group: Int32, scale_log2: Float32, sm_scale: Float32, var_scalars: tuple,
+               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                sO_layout: cute.Layout, tiled_mma: cute.TiledMma, Smem: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -142,6 +132,11 @@ class PagedDecode:
         tScS = _mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_Q, 16))))
         tOcO = _mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_Q, D))))
         n_rows_thr = cute.size(tScS, mode=[0])
+        # per variant component: its runtime arguments (kernel values), read by the hook helpers
+        # below while this kernel is traced (kept off the kernel's locals: the DSL's loop
+        # analysis only admits DSL values there)
+        self._trace_vargs = self.hooks.bind(var_tensors, var_scalars)
+        self._trace_sm_scale = sm_scale
 
         for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1]):
             req = mWork[item, W_REQ]
@@ -152,10 +147,19 @@ class PagedDecode:
             kv_end = mWork[item, W_KV_END]
             dest = mWork[item, W_DEST]
             qo_offset = mWork[item, W_QO_OFFSET]
-            qpos_base = mWork[item, W_KV_LEN] - mWork[item, W_QO_LEN]
+            qo_len = mWork[item, W_QO_LEN]
+            kv_len = mWork[item, W_KV_LEN]
+            qpos_base = kv_len - qo_len
             page_base = mKvIndptr[req]
             page_size = mK.shape[1]
-            n_blocks = (kv_end - kv_start + BLOCK_N - 1) // BLOCK_N
+            # blk_start/blk_end: the KV range whose blocks are read; a variant's kv_range clips it
+            # (bounds non-decreasing in q_pos: the first row gives lo, the last row hi)
+            blk_start = kv_start
+            blk_end = kv_end
+            if const_expr(self.hooks.has_kv_range):
+                blk_start, blk_end = self._clip_range(req, kv_head, row_start, num_rows, group, qpos_base, qo_len,
+                                                      kv_len, kv_start, kv_end)
+            n_blocks = (blk_end - blk_start + BLOCK_N - 1) // BLOCK_N
 
             # --- Q tile -> smem (rows past num_rows re-read row 0 and are never written out)
             for i in cutlass.range_constexpr((TILE_Q * self.chunks + THREADS - 1) // THREADS):
@@ -175,12 +179,12 @@ class PagedDecode:
             rows = cute.make_rmem_tensor((self.rows_per_thread,), Int32)
             for s in cutlass.range_constexpr(self.stages - 1):
                 if s < n_blocks:
-                    self._lookup(mKvIndices, rows, tidx, page_base, page_size, kv_start + s * BLOCK_N, kv_end)
+                    self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + s * BLOCK_N, blk_end)
                     self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, kv_head, s)
                 cute.arch.cp_async_commit_group()
             if self.stages - 1 < n_blocks:
                 self._lookup(mKvIndices, rows, tidx, page_base, page_size,
-                             kv_start + (self.stages - 1) * BLOCK_N, kv_end)
+                             blk_start + (self.stages - 1) * BLOCK_N, blk_end)
 
             acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, D)), Float32)
             acc_O.fill(0.0)
@@ -195,51 +199,58 @@ class PagedDecode:
                 cute.arch.sync_threads()
                 if nb == 0:
                     cute.copy(s2r_q, s2r_q.partition_S(sQ), s2r_q.retile(tSrQ))
+                    if const_expr(self.hooks.has_transform_q):
+                        self._transform_q(tSrQ, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len)
                 nxt = nb + self.stages - 1
                 if nxt < n_blocks:
                     self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, kv_head, nxt % self.stages)
                     if nxt + 1 < n_blocks:
-                        self._lookup(mKvIndices, rows, tidx, page_base, page_size, kv_start + (nxt + 1) * BLOCK_N,
-                                     kv_end)
+                        self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + (nxt + 1) * BLOCK_N,
+                                     blk_end)
                 cute.arch.cp_async_commit_group()
 
                 stage = nb % self.stages
+                key0 = blk_start + nb * BLOCK_N + wid * 16
                 sK_w = cute.local_tile(sK[None, None, stage], (16, D), (wid, 0))
                 sV_w = cute.local_tile(sV[None, None, stage], (16, D), (wid, 0))
                 # S = Q K_wᵀ  (16 rows x 16 keys)
                 tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_w))
                 cute.copy(s2r_k, s2r_k.partition_S(sK_w), s2r_k.retile(tSrK))
+                if const_expr(self.hooks.has_transform_k):
+                    self._transform_k(tSrK, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len, key0)
                 acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, 16)), Float32)
                 acc_S.fill(0.0)
                 for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
                     cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
 
                 # logits, mask, online softmax over this warp's 16 keys
-                key0 = kv_start + nb * BLOCK_N + wid * 16
                 acc_S_mn = _mn_view(acc_S)
                 acc_O_mn = _mn_view(acc_O)
                 for r in cutlass.range_constexpr(n_rows_thr):
-                    row = row_start + tScS[r, 0][0]
-                    q_pos = qpos_base + row // group
-                    m_blk = -Float32.inf
-                    for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                        v = self._logits(acc_S_mn[r, c], scale_log2, cap_log2, inv_cap_scaled)
-                        v = v if self._visible(key0 + tScS[0, c][1], kv_end, q_pos, window_left) else -Float32.inf
-                        acc_S_mn[r, c] = v
-                        m_blk = cute.arch.fmax(m_blk, v)
-                    m_blk = _quad_max(m_blk)
-                    m_new = cute.arch.fmax(row_m[r], m_blk)
-                    m_use = m_new if m_new != -Float32.inf else Float32(0.0)
-                    corr = cute.math.exp2(row_m[r] - m_use, fastmath=True)
-                    l_blk = Float32(0.0)
-                    for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                        p = cute.math.exp2(acc_S_mn[r, c] - m_use, fastmath=True)
-                        acc_S_mn[r, c] = p
-                        l_blk = l_blk + p
-                    row_l[r] = row_l[r] * corr + l_blk  # per-thread partial sum; quad-reduced at the end
-                    row_m[r] = m_new
-                    for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                        acc_O_mn[r, c] = acc_O_mn[r, c] * corr
+                    if const_expr(self.hooks.per_row):
+                        m_blk = self._row_scores(acc_S_mn, r, tScS, key0, blk_end, req, kv_head, row_start, group,
+                                                 qpos_base, qo_len, kv_len)
+                    else:
+                        m_blk = -Float32.inf
+                        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                            v = acc_S_mn[r, c] * scale_log2
+                            v = v if key0 + tScS[0, c][1] < blk_end else -Float32.inf
+                            acc_S_mn[r, c] = v
+                            m_blk = cute.arch.fmax(m_blk, v)
+                    if const_expr(self.hooks.softmax):
+                        m_blk = _quad_max(m_blk)
+                        m_new = cute.arch.fmax(row_m[r], m_blk)
+                        m_use = m_new if m_new != -Float32.inf else Float32(0.0)
+                        corr = cute.math.exp2(row_m[r] - m_use, fastmath=True)
+                        l_blk = Float32(0.0)
+                        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                            p = cute.math.exp2(acc_S_mn[r, c] - m_use, fastmath=True)
+                            acc_S_mn[r, c] = p
+                            l_blk = l_blk + p
+                        row_l[r] = row_l[r] * corr + l_blk  # per-thread partial sum; quad-reduced at the end
+                        row_m[r] = m_new
+                        for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                            acc_O_mn[r, c] = acc_O_mn[r, c] * corr
 
                 # O += P V_w
                 rP = cute.make_fragment_like(acc_S, self.dtype)
@@ -254,8 +265,19 @@ class PagedDecode:
             # --- epilogue: ⊕ of the four warp states through smem, then store
             cute.arch.cp_async_wait_group(0)
             acc_O_mn = _mn_view(acc_O)
+            if const_expr(not self.hooks.softmax):
+                # weights were summed, not normalized: give each warp the state (m = 0,
+                # l = w/4) with w = this item's share of the request's keys; the ⊕ below and
+                # the split-KV merge then return Σ w_i (Σ_j p_j v_j / w_i) / Σ w_i = Σ_j p_j v_j
+                w_item = Float32(0.0)
+                if kv_len > 0:
+                    w_item = Float32(kv_end - kv_start) / Float32(kv_len)
             for r in cutlass.range_constexpr(n_rows_thr):
-                row_l[r] = _quad_sum(row_l[r])
+                if const_expr(self.hooks.softmax):
+                    row_l[r] = _quad_sum(row_l[r])
+                else:
+                    row_m[r] = Float32(0.0)
+                    row_l[r] = w_item * 0.25
                 if lane % 4 == 0:
                     sM[tScS[r, 0][0], wid] = row_m[r]
                     sL[tScS[r, 0][0], wid] = row_l[r]
@@ -269,6 +291,10 @@ class PagedDecode:
                 l_all = Float32(0.0)
                 for w in cutlass.range_constexpr(NUM_WARPS):
                     l_all = l_all + sL[j, w] * cute.math.exp2(sM[j, w] - m_use, fastmath=True)
+                if const_expr(self.hooks.has_finalize):
+                    m_all, l_all = self._finalize(m_all, l_all, req, kv_head, row_start + j, group, qpos_base, qo_len,
+                                                  kv_len, kv_start)
+                    m_use = m_all if m_all != -Float32.inf else Float32(0.0)
                 f = Float32(0.0)
                 if l_all > Float32(0.0):
                     f = cute.math.exp2(row_m[r] - m_use, fastmath=True) * cute.arch.rcp_approx(l_all)
@@ -281,8 +307,87 @@ class PagedDecode:
                     sM[j, 0] = lse  # reuse: this row's final LSE, read below
             cute.arch.sync_threads()
             self._store(mO, mLse, mPartO, mPartLse, sO, sM, tidx, row_start, num_rows, dest, qo_offset,
-                        kv_head, group)
+                        kv_head, group, req, qpos_base, qo_len, kv_len)
             cute.arch.sync_threads()  # smem is reused by the next item
+
+    # ---- variant hook helpers: plain Python, called while the kernel is traced --------------
+    def _ctx(self, req, kv_head, row, group, qpos_base, qo_len, kv_len) -> Ctx:
+        """The hook context of packed query row ``row``."""
+        return Ctx(batch=req, qo_head=kv_head * group + row % group, kv_head=kv_head,
+                   q_pos=qpos_base + row // group, qo_len=qo_len, kv_len=kv_len, head_dim=self.head_dim,
+                   sm_scale=self._trace_sm_scale)
+
+    def _clip_range(self, req, kv_head, row_start, num_rows, group, qpos_base, qo_len, kv_len, kv_start, kv_end):
+        """The item's KV range clipped to the variant's kv_range (bounds are non-decreasing in
+        q_pos: the first row gives the lower bound, the last row the upper)."""
+        va = self._trace_vargs
+        lo, _ = self.hooks.kv_range(self._ctx(req, kv_head, row_start, group, qpos_base, qo_len, kv_len), va)
+        _, hi = self.hooks.kv_range(self._ctx(req, kv_head, row_start + num_rows - 1, group, qpos_base, qo_len,
+                                              kv_len), va)
+        start, end = kv_start, kv_end
+        if lo is not None:
+            start = cutlass.select_(lo > kv_start, lo, kv_start)
+        if hi is not None:
+            end = cutlass.select_(hi < kv_end, hi, kv_end)
+        return start, cutlass.select_(end > start, end, start)
+
+    def _transform_q(self, tSrQ, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len):
+        va = self._trace_vargs
+        transform_fragment(
+            tSrQ, thr_mma.partition_A(cute.make_identity_tensor((TILE_Q, self.head_dim))),
+            lambda ctx, lo, hi, d: self.hooks.transform_q(ctx, va, lo, hi, d),
+            lambda j: self._ctx(req, kv_head, row_start + j, group, qpos_base, qo_len, kv_len), self.dtype)
+
+    def _transform_k(self, tSrK, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len, key0):
+        va = self._trace_vargs
+        base = self._ctx(req, kv_head, row_start, group, qpos_base, qo_len, kv_len)
+        transform_fragment(
+            tSrK, thr_mma.partition_B(cute.make_identity_tensor((16, self.head_dim))),
+            lambda ctx, lo, hi, d: self.hooks.transform_k(ctx, va, lo, hi, d),
+            lambda n: base.replace(kv_pos=key0 + n, _fresh=True), self.dtype)
+
+    def _row_scores(self, acc_S_mn, r, tScS, key0, blk_end, req, kv_head, row_start, group, qpos_base, qo_len,
+                    kv_len):
+        """Logits (base 2) or weights of one accumulator row with the variant's logits, mask
+        and kv_range applied; returns the row's max over this thread's columns."""
+        H, va = self.hooks, self._trace_vargs
+        rctx = self._ctx(req, kv_head, row_start + tScS[r, 0][0], group, qpos_base, qo_len, kv_len)
+        lo = hi = None
+        if H.has_kv_range:
+            lo, hi = H.kv_range(rctx, va)
+        fill = -Float32.inf if H.softmax else Float32(0.0)
+        m_blk = -Float32.inf
+        for c in range(cute.size(acc_S_mn, mode=[1])):
+            kv_pos = key0 + tScS[0, c][1]
+            ectx = rctx.replace(kv_pos=kv_pos)
+            ok = kv_pos < blk_end
+            if H.has_logits:
+                v = H.logits(ectx, va, acc_S_mn[r, c] * self._trace_sm_scale)
+                if H.softmax:
+                    v = v * LOG2E
+            else:
+                v = acc_S_mn[r, c] * (self._trace_sm_scale * LOG2E)
+            if H.has_mask:
+                ok = H.mask(ectx, va, ok)
+            if lo is not None:
+                ok = ok & (kv_pos >= lo)
+            if hi is not None:
+                ok = ok & (kv_pos < hi)
+            v = cutlass.select_(ok, v, fill)
+            acc_S_mn[r, c] = v
+            if H.softmax:
+                m_blk = cute.arch.fmax(m_blk, v)
+        return m_blk
+
+    def _finalize(self, m, l, req, kv_head, row, group, qpos_base, qo_len, kv_len, kv_start):
+        ctx = self._ctx(req, kv_head, row, group, qpos_base, qo_len, kv_len)
+        ctx.first_chunk = kv_start == 0
+        return self.hooks.finalize(ctx, self._trace_vargs, m, l)
+
+    def _output(self, o4, req, kv_head, row, group, qpos_base, qo_len, kv_len, d0):
+        ctx = self._ctx(req, kv_head, row, group, qpos_base, qo_len, kv_len)
+        for e in range(4):
+            o4[e] = self.hooks.output(ctx, self._trace_vargs, o4[e], d0 + e)
 
     @cute.jit
     def _lookup(self, mKvIndices: cute.Tensor, rows: cute.Tensor, tidx: Int32, page_base: Int32,
@@ -315,9 +420,11 @@ class PagedDecode:
     @cute.jit
     def _store(self, mO: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
                sO: cute.Tensor, sLse: cute.Tensor, tidx: Int32, row_start: Int32, num_rows: Int32,
-               dest: Int32, qo_offset: Int32, kv_head: Int32, group: Int32):
+               dest: Int32, qo_offset: Int32, kv_head: Int32, group: Int32, req: Int32, qpos_base: Int32,
+               qo_len: Int32, kv_len: Int32):
         """Sum the four warps' scaled outputs per row; write final rows (value dtype) or a
-        partial slot (fp32): 4 columns per thread-step."""
+        partial slot (fp32): 4 columns per thread-step.  A variant's ``output`` hook applies to
+        final rows (the wrapper does not split the KV of such variants)."""
         per_row = self.head_dim // 4
         for i in cutlass.range_constexpr((TILE_Q * per_row + THREADS - 1) // THREADS):
             idx = tidx + i * THREADS
@@ -334,7 +441,13 @@ class PagedDecode:
                     tok = qo_offset + r // group
                     head = kv_head * group + r % group
                     out = cute.make_rmem_tensor((4,), mO.element_type)
-                    out.store(acc.to(mO.element_type))
+                    if const_expr(self.hooks.has_output):
+                        o4 = cute.make_rmem_tensor((4,), Float32)
+                        o4.store(acc)
+                        self._output(o4, req, kv_head, r, group, qpos_base, qo_len, kv_len, c4 * 4)
+                        out.store(o4.load().to(mO.element_type))
+                    else:
+                        out.store(acc.to(mO.element_type))
                     cute.autovec_copy(out, cute.local_tile(mO[tok, head, None], (4,), (c4,)))
                     if c4 == 0:
                         mLse[tok, head] = sLse[j, 0]
@@ -380,5 +493,13 @@ _DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
 
 
 def build_paged_decode(spec):
+    """The jit entry for a ``paged_decode`` spec: its variant is re-created from the spec's
+    ``variant`` text and must still have the spec's fingerprint (else the class changed since
+    the spec was made and the module would be cached under the wrong key)."""
+    from ..decode import _decode_abi_fixed, _spec_variant
+    from ..variants.base import abi_args
+
     p = spec.pdict
-    return PagedDecode(_DTYPES[p["dtype"]], p["head_dim"], p["stages"], p["soft_cap"], p["window"])
+    variant = _spec_variant(p)
+    k = PagedDecode(_DTYPES[p["dtype"]], p["head_dim"], p["stages"], variant)
+    return make_entry(k, _decode_abi_fixed(p), abi_args(variant))

@@ -1,0 +1,145 @@
+"""Built-in variants (FlashInfer's options), written through the public interface.
+
+Each works in decode and prefill kernels.  Natural units: ``s = q·k·sm_scale``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict
+
+from . import dsl
+from .base import ScalarParam, TensorParam, Variant, register_builtin
+
+__all__ = ["Causal", "SlidingWindow", "SoftCap", "ALiBi", "AttentionSink", "CustomMask", "FlashSigmoid", "RoPE",
+           "get_alibi_slopes"]
+
+
+@register_builtin
+class Causal(Variant):
+    """Key ``j`` visible to the query at (bottom-right aligned) position ``p`` iff ``j <= p``.
+    Kernels skip blocks past the diagonal (``causal`` and ``kv_range``)."""
+
+    causal = True
+
+    def kv_range(self, ctx):
+        return None, ctx.q_pos + 1
+
+
+@register_builtin
+class SlidingWindow(Variant):
+    """FlashInfer's ``window_left``: keys ``j >= p - window_left`` (with or without causal)."""
+
+    runtime = (ScalarParam("window_left", "i32"),)
+
+    def kv_range(self, ctx):
+        return ctx.q_pos - ctx.args.window_left, None
+
+
+@register_builtin
+class SoftCap(Variant):
+    """``cap * tanh(s / cap)`` (FlashInfer's ``logits_soft_cap``)."""
+
+    runtime = (ScalarParam("logits_soft_cap", "f32"),)
+
+    def logits(self, ctx, s):
+        cap = ctx.args.logits_soft_cap
+        rcp = ctx.once("rcp_cap", lambda: dsl.cute.arch.rcp_approx(cap))
+        return cap * dsl.tanh(s * rcp)
+
+
+_SLOPES: Dict[tuple, object] = {}
+
+
+def get_alibi_slopes(n_heads: int):
+    """ALiBi slopes as FlashInfer computes them (fp32, CPU): ``2^(-8 i / n)`` for the largest
+    power of two ``n <= n_heads``, then the interleaved ``2^(-4 (2i-1) / n)`` for the rest."""
+    import torch
+
+    n = 2 ** math.floor(math.log2(n_heads))
+    m = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    m += [2.0 ** (-4.0 * (2 * i + 1) / n) for i in range(n_heads - n)]
+    return torch.tensor(m, dtype=torch.float32)
+
+
+@register_builtin
+class ALiBi(Variant):
+    """``s + slope[qo_head] * (kv_pos - q_pos)`` (FlashInfer's ``pos_encoding_mode="ALIBI"``);
+    slopes default to :func:`get_alibi_slopes` of the number of query heads."""
+
+    runtime = (TensorParam("alibi_slopes", "f32", 1),)
+
+    def fill(self, info):
+        key = (info["num_qo_heads"], str(info["device"]))
+        if key not in _SLOPES:
+            _SLOPES[key] = get_alibi_slopes(info["num_qo_heads"]).to(info["device"])
+        return {"alibi_slopes": _SLOPES[key]}
+
+    def logits(self, ctx, s):
+        slope = ctx.once("slope", lambda: ctx.args.alibi_slopes[ctx.qo_head])
+        return s + slope * dsl.f32(ctx.kv_pos - ctx.q_pos)
+
+
+@register_builtin
+class AttentionSink(Variant):
+    """A per-head sink logit (natural units, ``sinks[qo_head]``) added to every row's softmax
+    denominator, as in gpt-oss and FlashInfer's ``run(..., sinks=...)``; the LSE includes it."""
+
+    runtime = (TensorParam("sinks", "f32", 1),)
+
+    def finalize(self, ctx, m, l):
+        sink = ctx.args.sinks[ctx.qo_head] * dsl.LOG2E
+        m2 = dsl.fmax(m, sink)
+        l2 = l * dsl.exp2(m - m2) + dsl.exp2(sink - m2)
+        return dsl.select(ctx.first_chunk, m2, m), dsl.select(ctx.first_chunk, l2, l)
+
+
+@register_builtin
+class CustomMask(Variant):
+    """A boolean mask per request, bit-packed as FlashInfer's ``packed_custom_mask``: request
+    ``b``'s ``[qo_len, kv_len]`` row-major bits start at byte ``mask_indptr[b]``, little bit
+    order.  Applied per element (no block skipping)."""
+
+    runtime = (TensorParam("packed_custom_mask", "u8", 1), TensorParam("mask_indptr", "i32", 1))
+
+    def mask(self, ctx):
+        base = ctx.once("mask_base", lambda: ctx.args.mask_indptr[ctx.batch])
+        bit = ctx.q_idx * ctx.kv_len + ctx.kv_pos
+        byte = ctx.args.packed_custom_mask[base + bit // 8].to(dsl.Int32)
+        return ((byte >> (bit % 8)) & 1) != 0
+
+
+@register_builtin
+class FlashSigmoid(Variant):
+    """Sigmoid attention: ``out = Σ_j sigmoid(s_j + bias) · v_j`` (no softmax, no normalization).
+    The LSE is not meaningful (the kernel returns log2 of the fraction of the request's keys it
+    saw, 0 for a whole request)."""
+
+    softmax = False
+    runtime = (ScalarParam("sigmoid_bias", "f32", default=0.0),)
+
+    def logits(self, ctx, s):
+        return dsl.sigmoid(s + ctx.args.sigmoid_bias)
+
+
+@register_builtin
+class RoPE(Variant):
+    """Llama RoPE fused into the Q/K loads (``pos_encoding_mode="ROPE_LLAMA"``): dims ``i`` and
+    ``i + D/2`` rotate by ``pos / (rope_scale * rope_theta^(2i/D))``; a query sits at its
+    bottom-right aligned position, a key at its index in the request."""
+
+    runtime = (ScalarParam("rope_scale", "f32", default=1.0), ScalarParam("rope_theta", "f32", default=1e4))
+
+    @staticmethod
+    def _rotate(ctx, pos, lo, hi, i):
+        a = ctx.args
+        neg_log2_theta = ctx.once("nl2t", lambda: -dsl.log2(a.rope_theta) * (2.0 / ctx.head_dim))
+        rcp_scale = ctx.once("rcps", lambda: dsl.cute.arch.rcp_approx(a.rope_scale))
+        freq = rcp_scale * dsl.exp2(dsl.f32(i) * neg_log2_theta)
+        sin, cos = dsl.sincos(dsl.f32(pos) * freq)
+        return lo * cos - hi * sin, hi * cos + lo * sin
+
+    def transform_q(self, ctx, lo, hi, i):
+        return self._rotate(ctx, ctx.q_pos, lo, hi, i)
+
+    def transform_k(self, ctx, lo, hi, i):
+        return self._rotate(ctx, ctx.kv_pos, lo, hi, i)

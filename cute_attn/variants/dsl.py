@@ -1,0 +1,91 @@
+"""Lazy access to the CuTe DSL for variant hooks.
+
+Variant modules are imported on machines that only *run* kernels (no DSL installed): the
+wrappers need a variant's fingerprint and argument list, never its hooks.  So a variant module
+must not import ``cutlass`` at module level; its hooks, which run only while a kernel is traced,
+reach the DSL through this module instead::
+
+    from cute_attn.variants import dsl
+
+    def logits(self, ctx, s):
+        return self.cap * dsl.tanh(s / self.cap)      # traced into the kernel
+
+Everything here is resolved on first use.  Besides the helpers below, any name of ``cutlass``
+or ``cutlass.cute`` is available (``dsl.Float32``, ``dsl.Int32``, ``dsl.cute``, ``dsl.cutlass``).
+Hooks are called as plain Python while tracing: use :func:`select` (not ``if``/``x if c else y``)
+for data-dependent choices, or decorate the hook with ``@cute.jit`` yourself.
+"""
+from __future__ import annotations
+
+import math
+
+LOG2E = math.log2(math.e)
+
+
+def _cute():
+    import cutlass.cute as cute
+
+    return cute
+
+
+def __getattr__(name):
+    import cutlass
+    import cutlass.cute as cute
+
+    if name == "cute":
+        return cute
+    if name == "cutlass":
+        return cutlass
+    for mod in (cutlass, cute):
+        if hasattr(mod, name):
+            return getattr(mod, name)
+    raise AttributeError(f"cute_attn.variants.dsl has no attribute {name!r}")
+
+
+def f32(x):
+    """A DSL or Python number as Float32."""
+    import cutlass
+
+    return x.to(cutlass.Float32) if hasattr(x, "to") else cutlass.Float32(x)
+
+
+def select(cond, a, b):
+    """``a`` where ``cond`` else ``b`` (one SELP, no branch)."""
+    import cutlass
+
+    return cutlass.select_(cond, a, b)
+
+
+def exp2(x):
+    return _cute().math.exp2(x, fastmath=True)
+
+
+def exp(x):
+    return _cute().math.exp2(x * LOG2E, fastmath=True)
+
+
+def log2(x):
+    return _cute().math.log2(x, fastmath=True)
+
+
+def tanh(x):
+    return _cute().math.tanh(x, fastmath=True)
+
+
+def sigmoid(x):
+    """1 / (1 + e^-x): one EX2 and one RCP."""
+    cute = _cute()
+    return cute.arch.rcp_approx(1.0 + cute.math.exp2(-x * LOG2E, fastmath=True))
+
+
+def fmax(a, b):
+    return _cute().arch.fmax(a, b)
+
+
+def sincos(x):
+    """(sin x, cos x) with the fast hardware approximations after reducing x to [-pi, pi]
+    (the approximations lose accuracy for large arguments, e.g. RoPE angles of long contexts)."""
+    cute = _cute()
+    k = cute.math.floor(x * (0.5 / math.pi) + 0.5, fastmath=True)
+    r = x - k * (2.0 * math.pi)
+    return cute.math.sin(r, approx=True), cute.math.cos(r, approx=True)

@@ -1,0 +1,171 @@
+"""The variant interface on the CPU: fingerprints, spec encoding, ABI, runtime arguments, and
+(compile marker) that variant specs compile in a separate process."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cute_attn.decode import _decode_abi, _spec_variant, decode_spec, variant_decode_specs, variant_params
+from cute_attn.runtime.abi import ScalarArg, TensorArg
+from cute_attn.runtime.spec import Spec
+from cute_attn.variants import (ALiBi, AttentionSink, Causal, Compose, CustomMask, FlashSigmoid, RoPE, ScalarParam,
+                                SlidingWindow, SoftCap, TensorParam, Variant, abi_args, decode, encode, fingerprint,
+                                get_alibi_slopes, runtime_values)
+from cute_attn.variants.examples import RelativePositionBias
+
+USER_SRC = '''
+from cute_attn.variants import TensorParam, Variant, dsl
+
+class HeadBias(Variant):
+    static = {"scale": 1.0}
+    runtime = (TensorParam("bias", "f32", 1),)
+
+    def logits(self, ctx, s):
+        return s + ctx.args.bias[ctx.qo_head] * SCALE_EXPR
+'''
+
+
+def _write_user_module(tmp_path, expr="self.scale", name="user_variant_mod"):
+    (tmp_path / f"{name}.py").write_text(USER_SRC.replace("SCALE_EXPR", expr))
+    return name
+
+
+def _fp_in_subprocess(tmp_path, module, ctor="HeadBias()"):
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import {module} as m; " \
+           f"from cute_attn.variants import fingerprint, encode; v = m.{ctor}; print(encode(v)); print(fingerprint(v))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    return out[0], out[1]
+
+
+def test_fingerprint_stable_across_instances_and_processes(tmp_path):
+    mod = _write_user_module(tmp_path)
+    enc1, fp1 = _fp_in_subprocess(tmp_path, mod)
+    enc2, fp2 = _fp_in_subprocess(tmp_path, mod)
+    assert (enc1, fp1) == (enc2, fp2)
+    assert enc1 == f"{mod}:HeadBias(scale=1.0)"
+    # built-ins: same across instances here and in another process
+    v = ALiBi() + SoftCap()
+    assert fingerprint(v) == fingerprint(ALiBi() + SoftCap())
+    out = subprocess.run([sys.executable, "-c", "from cute_attn.variants import *; "
+                          "print(fingerprint(ALiBi() + SoftCap()))"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == fingerprint(v)
+    # runtime values do not enter the identity
+    assert fingerprint(SoftCap(logits_soft_cap=30.0)) == fingerprint(SoftCap(logits_soft_cap=50.0))
+    assert variant_params(SoftCap(logits_soft_cap=3.0)) == variant_params(SoftCap())
+
+
+def test_fingerprint_changes_with_code_and_static_params(tmp_path):
+    mod = _write_user_module(tmp_path)
+    enc, fp = _fp_in_subprocess(tmp_path, mod)
+    enc_p, fp_p = _fp_in_subprocess(tmp_path, mod, "HeadBias(scale=2.0)")  # static parameter
+    assert fp_p != fp and enc_p != enc
+    _write_user_module(tmp_path, expr="(self.scale * 2.0)")  # code edit, same name/params
+    enc_c, fp_c = _fp_in_subprocess(tmp_path, mod)
+    assert enc_c == enc and fp_c != fp
+    _write_user_module(tmp_path)  # back to the original code: the original fingerprint
+    assert _fp_in_subprocess(tmp_path, mod) == (enc, fp)
+    # built-ins: distinct per class, composition order matters, static params of the example
+    fps = {fingerprint(v) for v in (Causal(), SlidingWindow(), SoftCap(), ALiBi(), AttentionSink(), CustomMask(),
+                                    FlashSigmoid(), RoPE(), ALiBi() + SoftCap(), SoftCap() + ALiBi(), None)}
+    assert len(fps) == 11
+    assert fingerprint(RelativePositionBias(num_buckets=16)) != fingerprint(RelativePositionBias())
+
+
+def test_encode_decode_and_spec_round_trip():
+    for v in [None, SoftCap(), SoftCap() + SlidingWindow(), RelativePositionBias(bucket_size=8, num_buckets=64),
+              RoPE() + AttentionSink(), ALiBi() + SoftCap() + SlidingWindow() + CustomMask()]:
+        text = encode(v)
+        assert "," not in text
+        back = decode(text)
+        assert encode(back) == text and fingerprint(back) == fingerprint(v)
+        spec = decode_spec("sm_90a", "bf16", 128, v)
+        again = Spec.parse(spec.cli(), "sm_90a")
+        assert again.key == spec.key
+        assert encode(_spec_variant(again.pdict)) == text
+    keys = {decode_spec("sm_90a", "bf16", 128, v).key for v in (None, SoftCap(), SlidingWindow(), ALiBi())}
+    assert len(keys) == 4
+    assert isinstance(decode("SoftCap+ALiBi"), Compose)
+
+
+def test_spec_with_stale_fingerprint_is_rejected():
+    spec = decode_spec("sm_90a", "bf16", 128, ALiBi())
+    p = dict(spec.pdict, variant_fp="x0000000000000000")
+    with pytest.raises(ValueError, match="changed since the spec was made"):
+        _spec_variant(p)
+
+
+def test_abi_and_runtime_values():
+    v = RelativePositionBias() + SoftCap() + AttentionSink()
+    args = abi_args(v)
+    assert [a.name for a in args] == ["v0_bias_table", "v2_sinks", "v1_logits_soft_cap"]
+    assert isinstance(args[0], TensorArg) and args[0].shape == (None, None) and args[0].stride == (None, 1)
+    assert isinstance(args[2], ScalarArg) and args[2].dtype == "f32"
+    full = _decode_abi(decode_spec("sm_90a", "f16", 64, v).pdict)
+    assert [a.name for a in full[-3:]] == ["v0_bias_table", "v2_sinks", "v1_logits_soft_cap"]
+    assert full[-4].name == "num_ctas"
+    # constructor values, then fill(), then run()'s positional arguments in declaration order
+    vals = runtime_values(SoftCap(logits_soft_cap=30.0) + RelativePositionBias(), {}, ("TABLE",))
+    assert vals == ["TABLE", 30.0]
+    with pytest.raises(ValueError, match="bias_table"):
+        runtime_values(RelativePositionBias(), {})
+    with pytest.raises(ValueError, match="extra positional"):
+        runtime_values(SoftCap(logits_soft_cap=1.0), {}, (1,))
+    assert runtime_values(RoPE(), {}) == [1.0, 10000.0]  # scalar defaults (FlashInfer's)
+    import torch
+
+    slopes = runtime_values(ALiBi(), {"num_qo_heads": 12, "device": "cpu"})[0]
+    assert slopes.shape == (12,) and abs(float(slopes[0]) - 2 ** -1) < 1e-7  # n = 8: 2^(-8/8)
+    assert torch.allclose(get_alibi_slopes(8), torch.tensor([2.0 ** (-(i + 1)) for i in range(8)]))
+
+
+def test_declaration_errors():
+    class Bad(Variant):
+        static = {"n": 3}
+
+    with pytest.raises(TypeError):
+        Bad(m=1)
+    with pytest.raises(TypeError):
+        Bad(n=[1, 2])
+    with pytest.raises(ValueError):
+        Bad(n="a,b")
+    assert Bad(n=5).n == 5
+
+    class Sig(Variant):
+        softmax = False
+
+        def finalize(self, ctx, m, l):
+            return m, l
+
+    from cute_attn.variants import Hooks
+
+    with pytest.raises(ValueError):
+        Hooks(Sig())
+    h = Hooks(SoftCap() + SlidingWindow() + Causal())
+    assert h.has_logits and h.has_kv_range and not h.has_mask and h.causal and h.softmax
+    assert not Hooks(None).per_row
+    assert TensorParam("x").ndim == 1 and ScalarParam("y").dtype == "f32"
+
+
+def test_variant_specs_listed():
+    specs = variant_decode_specs("sm_90a")
+    assert len(specs) == len({s.key for s in specs}) >= 10
+    assert all(s.family == "paged_decode" for s in specs)
+
+
+@pytest.mark.compile
+def test_variant_specs_compile_in_a_separate_process(tmp_path):
+    """The compile CLI re-creates the variants from the spec text in a worker process (the
+    example is imported by module:qualname); no spills; the plain spec keeps its registers."""
+    specs = [decode_spec("sm_90a", "bf16", 128, v) for v in (None, RelativePositionBias(), RoPE() + AttentionSink())]
+    cmd = [sys.executable, "-m", "cute_attn", "_compile_worker", "--arch", "sm_90a", "--out", str(tmp_path)]
+    for s in specs:
+        cmd += ["--spec", s.cli()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    recs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and len(recs) == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in recs:
+        assert r["ok"], r
+        assert all(r["instructions"].values()), r
+        assert r["resources"].get("local", 0) == 0, r
+    assert recs[0]["resources"].get("registers") in (None, 236), recs[0]  # the plain decode path, unchanged
