@@ -522,3 +522,139 @@ def merge_states_reference(
     v_out = wv / safe[..., None]
     s_out = m.squeeze(1) + torch.log2(total)  # log2(0) = -inf
     return v_out, s_out
+
+
+# --------------------------------------------------------------------- variants (appended)
+
+
+def rope_reference(x: torch.Tensor, pos: torch.Tensor, rope_scale: float = 1.0, rope_theta: float = 1e4) -> torch.Tensor:
+    """Llama RoPE (FlashInfer's ``ROPE_LLAMA``) in fp32: ``x`` ``[n, heads, D]``, ``pos`` ``[n]``;
+    dims ``i`` and ``i + D/2`` rotate by ``pos / (rope_scale * rope_theta^(2i/D))``."""
+    x = x.float()
+    d = x.shape[-1]
+    i = torch.arange(d // 2, device=x.device, dtype=torch.float32)
+    freq = 1.0 / (rope_scale * torch.pow(torch.tensor(float(rope_theta), device=x.device), 2.0 * i / d))
+    ang = pos.to(device=x.device, dtype=torch.float32)[:, None] * freq[None, :]  # [n, D/2]
+    cos, sin = torch.cos(ang)[:, None, :], torch.sin(ang)[:, None, :]
+    lo, hi = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat([lo * cos - hi * sin, hi * cos + lo * sin], dim=-1)
+
+
+def variant_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    *,
+    sm_scale: Optional[float] = None,
+    causal: bool = False,
+    window_left: int = -1,
+    logits_soft_cap: Optional[float] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    rope: Optional[Tuple[float, float]] = None,
+    custom_mask: Optional[torch.Tensor] = None,
+    score_mod=None,
+    mask_mod=None,
+    sinks: Optional[torch.Tensor] = None,
+    sigmoid_bias: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 attention over ragged q/k/v with the built-in variants of ``cute_attn.variants``
+    applied in the order the wrappers compose them: RoPE (``rope=(scale, theta)``, query at its
+    bottom-right aligned position, key ``j`` at ``j``) -> ``s = q·k·sm_scale`` -> ALiBi
+    (``+ slope[h]·(j - q_pos)``) -> soft-cap -> ``score_mod(s, b, h, q_pos, kv_pos)`` (a
+    FlexAttention-style torch callable on broadcast index tensors: ``h`` ``[H,1,1]``, ``q_pos``
+    ``[1,qo,1]``, ``kv_pos`` ``[1,1,kv]``) -> masks (causal, window, ``custom_mask`` as
+    :func:`ragged_reference`, ``mask_mod(b, h, q_pos, kv_pos)`` -> bool) -> softmax with a
+    per-head ``sinks`` logit in the denominator (and in the LSE), or, with ``sigmoid_bias``,
+    FlashSigmoid: ``out = Σ sigmoid(s + bias)·v`` (LSE 0 for a request with keys, as the kernels
+    report it).  Returns ``(out, lse)`` fp32, LSE base 2; rows that see nothing: 0 / -inf
+    (with sinks: 0 / the sink, the softmax over the sink alone)."""
+    total_q, hq, d = q.shape
+    hk = k.shape[1]
+    group = hq // hk
+    qo = _indptr_list(qo_indptr, "qo_indptr")
+    kv = _indptr_list(kv_indptr, "kv_indptr")
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    dev = q.device
+    out = torch.zeros((total_q, hq, v.shape[2]), dtype=torch.float32, device=dev)
+    lse = torch.full((total_q, hq), -math.inf, dtype=torch.float32, device=dev)
+    moff = 0
+    heads = torch.arange(hq, device=dev)[:, None, None]
+    with torch.no_grad(), _highest_matmul_precision():
+        for b in range(len(qo) - 1):
+            qs, qe, ks, ke = qo[b], qo[b + 1], kv[b], kv[b + 1]
+            qo_len, kv_len = qe - qs, ke - ks
+            cm = None
+            if custom_mask is not None:
+                cm = custom_mask.reshape(-1)[moff : moff + qo_len * kv_len].reshape(qo_len, kv_len).to(dev)
+                moff += qo_len * kv_len
+            if qo_len == 0 or kv_len == 0:
+                if qo_len and sinks is not None and sigmoid_bias is None:  # only the sink: out 0, lse = sink
+                    lse[qs:qe] = sinks.to(dev).float()[None, :] * LOG2E
+                continue
+            qpos = torch.arange(kv_len - qo_len, kv_len, device=dev)
+            kpos = torch.arange(kv_len, device=dev)
+            qb, kb, vb = q[qs:qe].float(), k[ks:ke].float(), v[ks:ke].float()
+            if rope is not None:
+                qb, kb = rope_reference(qb, qpos, *rope), rope_reference(kb, kpos, *rope)
+            kb = kb.repeat_interleave(group, dim=1)
+            vb = vb.repeat_interleave(group, dim=1)
+            s = torch.einsum("qhd,khd->hqk", qb, kb) * sm_scale  # [H, qo, kv]
+            rel = (kpos[None, :] - qpos[:, None]).float()[None]  # [1, qo, kv]
+            if alibi_slopes is not None:
+                s = s + alibi_slopes.to(dev).float()[:, None, None] * rel
+            if logits_soft_cap:
+                s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+            if score_mod is not None:
+                s = score_mod(s, b, heads, qpos[None, :, None], kpos[None, None, :])
+            keep = torch.ones((1, qo_len, kv_len), dtype=torch.bool, device=dev)
+            if causal:
+                keep = keep & (kpos[None, :] <= qpos[:, None])[None]
+            if window_left is not None and window_left >= 0:
+                keep = keep & (kpos[None, :] >= qpos[:, None] - window_left)[None]
+            if cm is not None:
+                keep = keep & cm[None]
+            if mask_mod is not None:
+                keep = keep & mask_mod(b, heads, qpos[None, :, None], kpos[None, None, :])
+            if sigmoid_bias is not None:
+                p = torch.sigmoid(s + sigmoid_bias) * keep
+                out[qs:qe] = torch.einsum("hqk,khd->qhd", p, vb)
+                lse[qs:qe] = 0.0
+                continue
+            s = s.masked_fill(~keep, -math.inf)
+            m = s.amax(dim=-1, keepdim=True)
+            if sinks is not None:
+                sk = sinks.to(dev).float()[:, None, None].expand_as(m)
+                m = torch.maximum(m, sk)
+            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+            p = torch.exp(s - m)
+            denom = p.sum(dim=-1, keepdim=True)
+            if sinks is not None:
+                denom = denom + torch.exp(sk - m)
+            o = torch.einsum("hqk,khd->qhd", p, vb)
+            safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+            out[qs:qe] = o / safe.permute(1, 0, 2)
+            lse[qs:qe] = ((m + torch.log(denom)).squeeze(-1) * LOG2E).transpose(0, 1)
+    return out, lse
+
+
+def paged_variant_reference(
+    q: torch.Tensor,
+    paged_kv_cache: PagedKV,
+    qo_indptr: Optional[torch.Tensor],
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    *,
+    kv_layout: str = "NHD",
+    **variant_kwargs,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`variant_reference` over a paged KV cache (``qo_indptr=None``: decode, one row per request)."""
+    k, v, kv_tok_indptr = paged_kv_to_ragged(paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout)
+    if qo_indptr is None:
+        qo_indptr = torch.arange(kv_tok_indptr.numel(), dtype=torch.int64)
+    return variant_reference(q, k.to(q.device), v.to(q.device), qo_indptr, kv_tok_indptr, **variant_kwargs)
+
+
+__all__ += ["rope_reference", "variant_reference", "paged_variant_reference"]
