@@ -5,7 +5,7 @@ import sys
 
 from .common import Results
 
-GROUPS = ("copy", "merge", "launch", "decode", "prefill", "merge_sweep")
+GROUPS = ("copy", "merge", "launch", "decode", "prefill", "variants", "merge_sweep")
 
 
 def run_benchmarks(only=None, json_path=None, quick=False) -> int:
@@ -34,6 +34,10 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         decode.bench_decode(res, quick)
     if "prefill" in groups:
         prefill.bench_prefill(res, quick)
+    if "variants" in groups:
+        from . import variants
+
+        variants.bench_variants(res, quick)
     if "launch" in groups:
         launch.bench_launch(res, quick)
     if json_path:

@@ -1,0 +1,196 @@
+"""Variants: each built-in's time over plain attention (bar: <= 1.05x), FlexAttention's same
+ratio beside ours, and fused RoPE vs a separate RoPE pass + plain attention.
+
+Decode: batch 64 x 4k, bf16, 32 q / 8 kv heads, d128, page 16, run() replayed from a CUDA
+graph.  FlexAttention runs the same batch dense ([64, 8, 4096, 128], GQA) with the variant as
+``score_mod`` / ``mask_mod`` (n/a where it has no equivalent: sinks, sigmoid, RoPE).
+
+Prefill rows: add a ``Row`` list and a ``_prefill_rows`` body next to ``_decode_rows`` (the
+case list, the timing helper and the printing are shared).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .common import do_bench
+
+HQ, HK, D = 32, 8, 128
+B, L, PS = 64, 4096, 16
+
+
+@dataclass
+class Row:
+    """One variant case: wrapper plan()/run() keywords (callables of the case's tensors) and
+    FlexAttention's score_mod / mask_mod builders (None: no equivalent)."""
+    name: str
+    plan_kw: Callable = lambda t: {}
+    run_args: Callable = lambda t: ()
+    run_kw: Callable = lambda t: {}
+    flex_score: Optional[Callable] = None
+    flex_mask: Optional[Callable] = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _decode_rows():
+    from ..variants import Causal, FlashSigmoid, get_alibi_slopes
+    from ..variants.examples import RelativePositionBias
+
+    def softcap_mod(t):
+        return lambda s, b, h, qi, kvi: 30.0 * torch.tanh(s / 30.0)
+
+    def alibi_mod(t):
+        slopes = t["slopes"]
+        return lambda s, b, h, qi, kvi: s + slopes[h] * (kvi - (L - 1)).to(s.dtype)
+
+    def relbias_mod(t):
+        table = t["table"]
+        return lambda s, b, h, qi, kvi: s + table[h, ((L - 1 - kvi) // 16).clamp(0, 31)]
+
+    return [
+        Row("plain"),
+        Row("causal", plan_kw=lambda t: dict(variant=Causal()), flex_mask=lambda t: lambda b, h, qi, kvi: kvi <= L - 1),
+        Row("soft_cap", plan_kw=lambda t: dict(logits_soft_cap=30.0), flex_score=softcap_mod),
+        Row("window_1024", plan_kw=lambda t: dict(window_left=1024),
+            flex_mask=lambda t: lambda b, h, qi, kvi: kvi >= L - 1 - 1024, note="reads only the window"),
+        Row("alibi", plan_kw=lambda t: dict(pos_encoding_mode="ALIBI"), flex_score=alibi_mod,
+            extra=dict(slopes=lambda: get_alibi_slopes(HQ).cuda())),
+        Row("sink", run_kw=lambda t: dict(sinks=t["sinks"]), extra=dict(sinks=lambda: torch.randn(HQ, device="cuda"))),
+        Row("rope", plan_kw=lambda t: dict(pos_encoding_mode="ROPE_LLAMA")),
+        Row("custom_mask", plan_kw=lambda t: dict(custom_mask=t["mask"]),
+            flex_mask=lambda t: (lambda m: lambda b, h, qi, kvi: m[b, kvi])(t["mask"].view(B, L).cuda()),
+            extra=dict(mask=lambda: torch.rand(B * L) < 0.9)),
+        Row("sigmoid", plan_kw=lambda t: dict(variant=FlashSigmoid(sigmoid_bias=-2.0))),
+        Row("rel_bias (user example)", plan_kw=lambda t: dict(variant=RelativePositionBias()),
+            run_args=lambda t: (t["table"],), flex_score=relbias_mod,
+            extra=dict(table=lambda: torch.randn(HQ, 32, device="cuda"))),
+    ]
+
+
+def _decode_case():
+    gen = torch.Generator().manual_seed(0)
+    pages = L // PS
+    indptr = torch.arange(0, (B + 1) * pages, pages, dtype=torch.int32)
+    indices = torch.randperm(B * pages, generator=gen).to(torch.int32)
+    last = torch.full((B,), PS, dtype=torch.int32)
+    k = torch.randn(B * pages, PS, HK, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B * pages, PS, HK, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
+    return q, (k, v), indptr, indices, last
+
+
+def _time_decode(ws, q, cache, indptr, indices, last, plan_kw, run_args, run_kw) -> float:
+    from cute_attn import BatchDecodeWithPagedKVCacheWrapper
+
+    w = BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True, paged_kv_indptr_buffer=indptr.cuda(),
+                                           paged_kv_indices_buffer=indices.cuda(),
+                                           paged_kv_last_page_len_buffer=last.cuda())
+    w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=torch.bfloat16, **plan_kw)
+    out = torch.empty_like(q)
+    w.run(q, cache, *run_args, out=out, **run_kw)  # warm-up: loads the module outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(q, cache, *run_args, out=out, **run_kw)
+    return do_bench(g.replay)
+
+
+def _flex(q, k, v, score_mod=None, mask_mod=None):
+    """Time of compiled FlexAttention on dense [B, H, L, D] (q length 1), or None."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    try:
+        bm = None
+        if mask_mod is not None:
+            bm = create_block_mask(mask_mod, B, None, 1, L, device="cuda")
+        fa = torch.compile(flex_attention)
+        fa(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True)
+        return do_bench(lambda: fa(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True))
+    except Exception as e:  # pragma: no cover
+        print(f"  flex failed: {type(e).__name__}: {str(e)[:200]}")
+        return None
+
+
+def _rope_pass(x, pos, theta=1e4):
+    """A separate (unfused) RoPE pass in torch ops: returns the rotated copy of x [..., n, heads, D]."""
+    d = x.shape[-1]
+    freq = 1.0 / theta ** (torch.arange(0, d // 2, device=x.device, dtype=torch.float32) * 2.0 / d)
+    ang = pos.float()[..., None] * freq
+    cos, sin = ang.cos()[..., None, :], ang.sin()[..., None, :]
+    xf = x.float()
+    lo, hi = xf[..., : d // 2], xf[..., d // 2:]
+    return torch.cat([lo * cos - hi * sin, hi * cos + lo * sin], -1).to(x.dtype)
+
+
+def _decode_rows_bench(res, quick: bool) -> None:
+    q, cache, indptr, indices, last = _decode_case()
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    rows = _decode_rows()
+    if quick:
+        rows = rows[:4]
+    qd = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+    kd = torch.randn(B, HK, L, D, device="cuda", dtype=torch.bfloat16)
+    vd = torch.randn(B, HK, L, D, device="cuda", dtype=torch.bfloat16)
+    t_plain = f_plain = None
+    print(f"{'decode bs64 x 4k, bf16 32/8 d128, page 16':<42} {'us':>7} {'x plain':>8} {'flex us':>9} {'flex x':>7}")
+    for row in rows:
+        t_in = {k: f() for k, f in row.extra.items()}
+        t = _time_decode(ws, q, cache, indptr, indices, last, row.plan_kw(t_in), row.run_args(t_in), row.run_kw(t_in))
+        if row.name == "plain":
+            t_plain = t
+            f = f_plain = _flex(qd, kd, vd)
+        elif row.flex_score is None and row.flex_mask is None:
+            f = None
+        else:
+            f = _flex(qd, kd, vd, row.flex_score(t_in) if row.flex_score else None,
+                      row.flex_mask(t_in) if row.flex_mask else None)
+        case = f"variants/decode/bs64x4k/{row.name.split()[0]}"
+        res.add(case, "cute_attn", "us", t)
+        res.add(case, "cute_attn", "x_plain", t / t_plain)
+        fx = ""
+        if f is not None and f_plain:
+            res.add(case, "flex", "us", f)
+            res.add(case, "flex", "x_plain", f / f_plain)
+            fx = f"{f:9.1f} {f / f_plain:7.3f}"
+        print(f"{row.name:<42} {t:7.1f} {t / t_plain:8.3f} {fx or 'n/a':>17}  {row.note}")
+
+    # fused RoPE vs a separate RoPE pass over q and the whole KV cache (torch ops) + plain decode
+    k, v = cache
+    # page id -> its index in the request's page list (indices is a permutation of all pages)
+    page_in_req = torch.argsort(indices.cuda().long()) % (L // PS)
+    pos_of_page = page_in_req[:, None] * PS + torch.arange(PS, device="cuda")[None, :]  # [pages, PS]
+    qpos = torch.full((B,), L - 1, device="cuda")
+    t_fused = _time_decode(ws, q, cache, indptr, indices, last, dict(pos_encoding_mode="ROPE_LLAMA"), (), {})
+    k_rot = torch.empty_like(k)
+
+    def separate():
+        k_rot.copy_(_rope_pass(k, pos_of_page))
+        q_rot = _rope_pass(q, qpos)
+        w_plain.run(q_rot, (k_rot, v), out=out_sep)
+
+    from cute_attn import BatchDecodeWithPagedKVCacheWrapper
+
+    w_plain = BatchDecodeWithPagedKVCacheWrapper(ws)
+    w_plain.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=torch.bfloat16)
+    out_sep = torch.empty_like(q)
+    separate()
+    t_sep = do_bench(separate)
+    res.add("variants/decode/bs64x4k/rope_fused_vs_separate", "cute_attn", "us", t_fused)
+    res.add("variants/decode/bs64x4k/rope_fused_vs_separate", "separate_rope_pass+plain", "us", t_sep)
+    res.add("variants/decode/bs64x4k/rope_fused_vs_separate", "cute_attn", "speedup", t_sep / t_fused)
+    print(f"{'RoPE fused':<42} {t_fused:7.1f}   vs separate torch RoPE pass + plain decode {t_sep:8.1f} us "
+          f"({t_sep / t_fused:.2f}x)")
+
+
+def _prefill_rows_bench(res, quick: bool) -> None:
+    """Prefill rows: to be added with the prefill kernel (same Row list idea, the prefill wrapper)."""
+    return None
+
+
+def bench_variants(res, quick: bool) -> None:
+    _decode_rows_bench(res, quick)
+    _prefill_rows_bench(res, quick)
