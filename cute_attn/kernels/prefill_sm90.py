@@ -28,6 +28,7 @@ kernel.  Variant hook points: ``_logits`` (logits transform) and ``_visible`` (l
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -43,11 +44,16 @@ from .decode import W_DEST, W_KV_END, W_KV_HEAD, W_KV_LEN, W_KV_START, W_NUM_ROW
 LOG2E = math.log2(math.e)
 WG = 128  # threads per warpgroup
 
-# (tile_n, stages) per head dim: what fits 227 KB of shared memory next to the Q tile
-# (the epilogue's output tile reuses the Q tile's space).
-KV_TILES = {64: (128, 4), 128: (128, 2), 256: (64, 2)}
-# registers per thread after setmaxnreg: producer (TMA / cp.async gather) and consumers
-REGS = {False: (40, 232), True: (56, 224)}
+# (tile_n, stages) per (head dim, paged): what fits 227 KB of shared memory next to the Q tile
+# (the epilogue's output tile reuses the Q tile's space) and leaves ptxas enough registers to keep
+# the wgmmas asynchronous: at hd128 x 128 keys (and hd256 x 80) it serializes every wgmma
+# ("C7512 ... insufficient register resources"), which costs ~30 %.
+KV_TILES = {(64, False): (128, 4), (64, True): (128, 4), (128, False): (112, 2), (128, True): (96, 2),
+            (256, False): (64, 2), (256, True): (48, 2)}
+# registers per thread after setmaxnreg, (producer, consumers): 3 warpgroups share 64512
+# registers (168 each at launch); the TMA producer needs few, the cp.async gather more.  With one
+# consumer warpgroup the pool is ample.
+REGS = {(2, False): (24, 240), (2, True): (56, 224), (1, False): (56, 256), (1, True): (56, 256)}
 
 # named barriers (0 is __syncthreads): per consumer WG, and the two ping-pong barriers
 BAR_WG0, BAR_PINGPONG0 = 1, 3
@@ -55,8 +61,8 @@ BAR_WG0, BAR_PINGPONG0 = 1, 3
 
 class BatchPrefillSm90:
     def __init__(self, dtype, head_dim: int, tile_q: int, paged: bool, causal: bool, soft_cap: bool,
-                 window: bool, tile_n: int = 0, stages: int = 0):
-        assert tile_q in (64, 128) and head_dim in KV_TILES
+                 window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1):
+        assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_q = tile_q
@@ -65,12 +71,16 @@ class BatchPrefillSm90:
         self.causal = causal
         self.soft_cap = soft_cap
         self.window = window
-        dn, ds = KV_TILES[head_dim]
+        dn, ds = KV_TILES[head_dim, paged]
         self.tile_n = tile_n or dn
         self.stages = stages or ds
         self.threads = WG * (1 + self.num_mma_wg)
         self.chunks = head_dim // 8  # 16-byte chunks per row
-        self.producer_regs, self.mma_regs = REGS[paged]
+        self.producer_regs, self.mma_regs = REGS[self.num_mma_wg, paged]
+        # ping-pong between the two consumer WGs pays off while O is small; with head_dim 256 the
+        # tensor cores are busy enough with one WG's GEMMs (as FA3)
+        self.pingpong = self.num_mma_wg == 2 and (head_dim <= 128 if pingpong < 0 else bool(pingpong))
+        self.rescale_before_pv = head_dim > 128
 
     # ---- variant hook points -------------------------------------------------------------
     @cute.jit
@@ -108,12 +118,14 @@ class BatchPrefillSm90:
                                                    Float32, (self.num_mma_wg, 1, 1), (64, D),
                                                    warpgroup.OperandSource.RMEM)
         # TMA (ragged KV): view [1, tokens, kv_heads, D] as (tokens, D, kv_heads), one (TN, D) box
-        # per block.  Paged KV is gathered with cp.async; the TMA atoms are then unused dummies.
-        k3 = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2]))
-        v3 = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2]))
-        kv_box = cute.select(sKV_layout, mode=[0, 1])
-        tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k3, kv_box, (TN, D))
-        tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v3, kv_box, (TN, D))
+        # per block.  Paged KV is gathered with cp.async: no TMA descriptor at all.
+        tma_k = tK = tma_v = tV = None
+        if const_expr(not self.paged):
+            k3 = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2]))
+            v3 = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2]))
+            kv_box = cute.select(sKV_layout, mode=[0, 1])
+            tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k3, kv_box, (TN, D))
+            tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v3, kv_box, (TN, D))
 
         @cute.struct
         class Smem:
@@ -135,7 +147,8 @@ class BatchPrefillSm90:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
                mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
                mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
-               tma_k: cute.CopyAtom, tK: cute.Tensor, tma_v: cute.CopyAtom, tV: cute.Tensor,
+               tma_k: Optional[cute.CopyAtom], tK: Optional[cute.Tensor], tma_v: Optional[cute.CopyAtom],
+               tV: Optional[cute.Tensor],
                group: Int32, scale_log2: Float32, cap_log2: Float32, inv_cap_scaled: Float32,
                window_left: Int32, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, Smem: cutlass.Constexpr):
@@ -202,7 +215,8 @@ class BatchPrefillSm90:
     def _produce(self, mK, mV, mKvIndptr, mKvIndices, mWork, mWorkIndptr, tma_k, tK, tma_v, tV, sK, sV,
                  pipe_k, pipe_v, cta, tidx, warp_idx, group, window_left):
         TN, D = self.tile_n, self.head_dim
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
                                   num_bits_per_copy=128)
         for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1], unroll=1):
@@ -220,31 +234,39 @@ class BatchPrefillSm90:
                                                      cute.group_modes(gK, 0, 2))
                     tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                                      cute.group_modes(gV, 0, 2))
-                    for j in cutlass.range(n_blocks - first, unroll=1):
-                        i = n_blocks - 1 - j
-                        pipe_k.producer_acquire(state)
-                        cute.copy(tma_k, tKg[None, i], tKs[None, state.index],
-                                  tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                        pipe_v.producer_acquire(state)
-                        cute.copy(tma_v, tVg[None, i], tVs[None, state.index],
-                                  tma_bar_ptr=pipe_v.producer_get_barrier(state))
-                        state.advance()
+                    # K(i) goes out one block ahead of V(i): QK of the next block can start
+                    # while PV of this one still reads its V stage
+                    for j in cutlass.range(n_blocks - first + 1, unroll=1):
+                        if j < n_blocks - first:
+                            pipe_k.producer_acquire(k_state)
+                            cute.copy(tma_k, tKg[None, n_blocks - 1 - j], tKs[None, k_state.index],
+                                      tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+                            k_state.advance()
+                        if j > 0:
+                            pipe_v.producer_acquire(v_state)
+                            cute.copy(tma_v, tVg[None, n_blocks - j], tVs[None, v_state.index],
+                                      tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                            v_state.advance()
             else:
                 page_base = mKvIndptr[req]
                 page_size = mK.shape[1]
                 c = tidx % self.chunks
-                for j in cutlass.range(n_blocks - first, unroll=1):
-                    i = n_blocks - 1 - j
-                    blk = kv_start + i * TN
-                    pipe_k.producer_acquire(state)
-                    self._gather(mK, mKvIndices, sK, g2s, tidx, c, blk, kv_end, page_base, page_size, kv_head,
-                                 state.index)
-                    pipe_k.producer_commit(state)
-                    pipe_v.producer_acquire(state)
-                    self._gather(mV, mKvIndices, sV, g2s, tidx, c, blk, kv_end, page_base, page_size, kv_head,
-                                 state.index)
-                    pipe_v.producer_commit(state)
-                    state.advance()
+                for j in cutlass.range(n_blocks - first + 1, unroll=1):
+                    if j < n_blocks - first:
+                        pipe_k.producer_acquire(k_state)
+                        self._gather(mK, mKvIndices, sK, g2s, tidx, c, kv_start + (n_blocks - 1 - j) * TN, kv_end,
+                                     page_base, page_size, kv_head, k_state.index)
+                        pipe_k.producer_commit(k_state)
+                        k_state.advance()
+                    if j > 0:
+                        pipe_v.producer_acquire(v_state)
+                        self._gather(mV, mKvIndices, sV, g2s, tidx, c, kv_start + (n_blocks - j) * TN, kv_end,
+                                     page_base, page_size, kv_head, v_state.index)
+                        pipe_v.producer_commit(v_state)
+                        v_state.advance()
+        if const_expr(self.paged):
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)  # no copy of this thread outlives it
 
     @cute.jit
     def _gather(self, mX, mKvIndices, sX, g2s, tidx, c, blk, kv_end, page_base, page_size, kv_head, stage):
@@ -281,7 +303,7 @@ class BatchPrefillSm90:
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
                                   num_bits_per_copy=128)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        if const_expr(self.num_mma_wg == 2):
+        if const_expr(self.pingpong):
             if wg == 0:  # WG 0 goes first: pre-arrive on its own ping-pong barrier
                 cute.arch.barrier_arrive(barrier_id=BAR_PINGPONG0, number_of_threads=2 * WG)
 
@@ -346,6 +368,8 @@ class BatchPrefillSm90:
                     pipe_k.consumer_wait(state)
                     self._pingpong_wait(wg)
                     self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
+                    if const_expr(self.rescale_before_pv):
+                        _rescale(acc_O, corr)  # while QK runs: frees S's registers sooner (large O)
                     pipe_v.consumer_wait(v_state)
                     self._pv(mma_pv, acc_O, tOrP, tOrV, v_state)
                     self._pingpong_signal(wg)
@@ -355,8 +379,11 @@ class BatchPrefillSm90:
                                        cap_log2, inv_cap_scaled, window_left)
                     warpgroup.wait_group(0)
                     pipe_v.consumer_release(v_state)
-                    _rescale(acc_O, corr)
                     rP.store(acc_S.load().to(self.dtype))
+                    if const_expr(not self.rescale_before_pv):
+                        _rescale(acc_O, corr)
+                if const_expr(self.rescale_before_pv):
+                    _rescale(acc_O, corr)
                 pipe_v.consumer_wait(state)
                 self._pv(mma_pv, acc_O, tOrP, tOrV, state)
                 warpgroup.wait_group(0)
@@ -364,7 +391,7 @@ class BatchPrefillSm90:
                 state.advance()
 
             self._epilogue(acc_O, row_m, row_l, tOcO, sQ, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
-                           row_start, num_rows, dest, qo_offset, kv_head, group)
+                           row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2)
 
     @cute.jit
     def _qk(self, mma_qk, acc_S, tSrQ, tSrK, state):
@@ -394,12 +421,12 @@ class BatchPrefillSm90:
 
     @cute.jit
     def _pingpong_wait(self, wg):
-        if const_expr(self.num_mma_wg == 2):
+        if const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=BAR_PINGPONG0 + wg, number_of_threads=2 * WG)
 
     @cute.jit
     def _pingpong_signal(self, wg):
-        if const_expr(self.num_mma_wg == 2):
+        if const_expr(self.pingpong):
             cute.arch.barrier_arrive(barrier_id=BAR_PINGPONG0 + 1 - wg, number_of_threads=2 * WG)
 
     @cute.jit
@@ -422,45 +449,60 @@ class BatchPrefillSm90:
     @cute.jit
     def _softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
                  inv_cap_scaled, window_left, masked: cutlass.Constexpr):
-        """Online softmax of one block in place: S -> P = exp2(logit - m); l rescaled; the
-        factor O must be rescaled by goes to ``corr`` (O may still be in use by a wgmma)."""
+        """Online softmax of one block in place: S -> P = exp2(S * scale - m * scale), l rescaled;
+        the factor O must be rescaled by goes to ``corr`` (O may still be in use by a wgmma).
+        ``row_m`` is kept in S's units (raw q·k, or base-2 logits after a logits transform) so the
+        scale folds into one FFMA per element.  Max and sum use 4 partial accumulators per row:
+        one warp runs this alone while the other WG's GEMMs run, so its latency chains matter."""
         S = _rowcol(acc_S)
+        ncol = cute.size(S, mode=[1])
+        scale = scale_log2
+        if const_expr(self.soft_cap):
+            scale = Float32(1.0)
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            m_blk = -Float32.inf
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                v = self._logits(S[r, c], scale_log2, cap_log2, inv_cap_scaled)
-                if const_expr(masked):
-                    v = v if self._visible(blk + tScS[0, c][1], kv_end, q_pos[r], window_left) else -Float32.inf
-                S[r, c] = v
-                m_blk = cute.arch.fmax(m_blk, v)
-            m_blk = _quad_max(m_blk)
+            if const_expr(self.soft_cap or masked):
+                for c in cutlass.range_constexpr(ncol):
+                    v = S[r, c]
+                    if const_expr(self.soft_cap):
+                        v = self._logits(v, scale_log2, cap_log2, inv_cap_scaled)
+                    if const_expr(masked):
+                        v = v if self._visible(blk + tScS[0, c][1], kv_end, q_pos[r], window_left) else -Float32.inf
+                    S[r, c] = v
+            part = [S[r, c] for c in range(4)]
+            for c in cutlass.range_constexpr(4, ncol):
+                part[c % 4] = cute.arch.fmax(part[c % 4], S[r, c])
+            m_blk = _quad_max(cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3])))
             m_new = cute.arch.fmax(row_m[r], m_blk)
             m_use = m_new if m_new != -Float32.inf else Float32(0.0)  # a row with nothing visible yet
-            corr[r] = cute.math.exp2(row_m[r] - m_use, fastmath=True)
-            l_blk = Float32(0.0)
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                p = cute.math.exp2(S[r, c] - m_use, fastmath=True)
-                S[r, c] = p
-                l_blk = l_blk + p
-            row_l[r] = row_l[r] * corr[r] + l_blk  # per-thread partial sum; quad-reduced at the end
+            m_scaled = m_use * scale
+            corr[r] = cute.math.exp2(row_m[r] * scale - m_scaled, fastmath=True)
+            for c in cutlass.range_constexpr(ncol):
+                S[r, c] = cute.math.exp2(S[r, c] * scale - m_scaled, fastmath=True)
+            part = [S[r, c] for c in range(4)]
+            for c in cutlass.range_constexpr(4, ncol):
+                part[c % 4] = part[c % 4] + S[r, c]
+            row_l[r] = row_l[r] * corr[r] + ((part[0] + part[1]) + (part[2] + part[3]))  # quad-reduced at the end
             row_m[r] = m_new
 
     @cute.jit
     def _epilogue(self, acc_O, row_m, row_l, tOcO, sQ, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
-                  row_start, num_rows, dest, qo_offset, kv_head, group):
+                  row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2):
         """Normalize; final rows go through smem (reusing this WG's Q rows) as 16-byte stores,
         split items write fp32 partial rows straight from registers."""
         D, TQ = self.head_dim, self.tile_q
         O = _rowcol(acc_O)
         n_rows = cute.size(O, mode=[0])
         lse = cute.make_rmem_tensor((n_rows,), Float32)
+        scale = scale_log2  # row_m is in S's units (see _softmax)
+        if const_expr(self.soft_cap):
+            scale = Float32(1.0)
         for r in cutlass.range_constexpr(n_rows):
             l = _quad_sum(row_l[r])
             inv = Float32(0.0)
             lse[r] = -Float32.inf
             if l > Float32(0.0):
                 inv = cute.arch.rcp_approx(l)
-                lse[r] = row_m[r] + cute.math.log2(l, fastmath=True)
+                lse[r] = row_m[r] * scale + cute.math.log2(l, fastmath=True)
             for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
                 O[r, c] = O[r, c] * inv
         if dest < 0:
@@ -528,4 +570,4 @@ _DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
 def build_batch_prefill_sm90(spec):
     p = spec.pdict
     return BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"],
-                            p["soft_cap"], p["window"], p.get("tile_n", 0), p.get("stages", 0))
+                            p["soft_cap"], p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1))

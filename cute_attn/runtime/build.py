@@ -88,12 +88,21 @@ def disassemble(cubin: Path) -> tuple[Optional[str], Optional[str]]:
 
 
 def check_instructions(expect: dict, ptx: str, sass: Optional[str]) -> dict:
-    """{label: True/False/None}; None when the SASS was needed but no disassembler is installed."""
+    """{label: True/False/None}; None when the SASS was needed but no disassembler is installed.
+    A pattern is ``ptx:REGEX`` / ``sass:REGEX`` (must match) or ``sass%A/B>=R`` (at least R
+    matches of regex A per match of regex B)."""
     found = {}
     for label, pattern in expect.items():
         where, _, rx = pattern.partition(":")
-        text = ptx if where == "ptx" else sass
-        found[label] = None if text is None else bool(re.search(rx, text))
+        text = ptx if where.startswith("ptx") else sass
+        if text is None:
+            found[label] = None
+        elif where.endswith("%"):  # "sass%A/B>=r": count(A) >= r * count(B), e.g. wgmma per batch
+            num, _, rest = rx.partition("/")
+            den, _, ratio = rest.partition(">=")
+            found[label] = len(re.findall(num, text)) >= float(ratio) * len(re.findall(den, text))
+        else:
+            found[label] = bool(re.search(rx, text))
     return found
 
 
