@@ -56,7 +56,8 @@ KV_TILES = {(64, False): (128, 4), (64, True): (128, 4), (128, False): (112, 2),
 REGS = {(2, False): (24, 240), (2, True): (56, 224), (1, False): (56, 256), (1, True): (56, 256)}
 
 # named barriers (0 is __syncthreads): per consumer WG, and the two ping-pong barriers
-BAR_WG0, BAR_PINGPONG0 = 1, 3
+BAR_WG0, BAR_PINGPONG0, BAR_PRODUCER = 1, 3, 5
+ROW_RING = 3  # blocks of page lookups staged in smem by the gather producer (see _produce)
 
 
 class BatchPrefillSm90:
@@ -134,6 +135,7 @@ class BatchPrefillSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
+            sRows: cute.struct.MemRange[Int32, 2 * TN * ROW_RING]  # gather: (page, slot) of each row
 
         scale_log2 = sm_scale * LOG2E
         cap = soft_cap if soft_cap > Float32(0.0) else Float32(1.0)
@@ -165,6 +167,7 @@ class BatchPrefillSm90:
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = st.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = st.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sRows = st.sRows.get_tensor(cute.make_layout((2, self.tile_n, ROW_RING), stride=(1, 2, 2 * self.tile_n)))
 
         T = pipeline.Agent.Thread
         mma_threads = WG * self.num_mma_wg
@@ -187,7 +190,7 @@ class BatchPrefillSm90:
 
         if tidx < WG:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            self._produce(mK, mV, mKvIndptr, mKvIndices, mWork, mWorkIndptr, tma_k, tK, tma_v, tV, sK, sV,
+            self._produce(mK, mV, mKvIndptr, mKvIndices, mWork, mWorkIndptr, tma_k, tK, tma_v, tV, sK, sV, sRows,
                           pipe_k, pipe_v, cta, tidx, warp_idx, group, window_left)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
@@ -212,11 +215,12 @@ class BatchPrefillSm90:
 
     # ---- producer ------------------------------------------------------------------------
     @cute.jit
-    def _produce(self, mK, mV, mKvIndptr, mKvIndices, mWork, mWorkIndptr, tma_k, tK, tma_v, tV, sK, sV,
+    def _produce(self, mK, mV, mKvIndptr, mKvIndices, mWork, mWorkIndptr, tma_k, tK, tma_v, tV, sK, sV, sRows,
                  pipe_k, pipe_v, cta, tidx, warp_idx, group, window_left):
         TN, D = self.tile_n, self.head_dim
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        ring = Int32(0)  # gather: blocks staged so far (selects the lookup ring slot)
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
                                   num_bits_per_copy=128)
         for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1], unroll=1):
@@ -248,38 +252,62 @@ class BatchPrefillSm90:
                                       tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
                             v_state.advance()
             else:
+                # Page lookups are staged in smem one block ahead: thread t < TN looks up row t of
+                # the next block (a global load whose latency hides behind this block's copies),
+                # every thread then reads its rows' (page, slot) from smem, and K(j) and V(j)
+                # share one lookup.  Ring of ROW_RING blocks: K(j), V(j-1) and the lookup of
+                # j+1 are in flight together.
                 page_base = mKvIndptr[req]
                 page_size = mK.shape[1]
                 c = tidx % self.chunks
-                for j in cutlass.range(n_blocks - first + 1, unroll=1):
-                    if j < n_blocks - first:
+                nb = n_blocks - first
+                if nb > 0:
+                    pg, sl = self._lookup(mKvIndices, tidx, kv_start + (n_blocks - 1) * TN, kv_end, page_base, page_size)
+                    if tidx < TN:
+                        sRows[0, tidx, ring % ROW_RING] = pg
+                        sRows[1, tidx, ring % ROW_RING] = sl
+                    cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=WG)
+                for j in cutlass.range(nb + 1, unroll=1):
+                    pg = Int32(0)
+                    sl = Int32(0)
+                    if j + 1 < nb:
+                        pg, sl = self._lookup(mKvIndices, tidx, kv_start + (n_blocks - 2 - j) * TN, kv_end, page_base,
+                                              page_size)
+                    if j < nb:
                         pipe_k.producer_acquire(k_state)
-                        self._gather(mK, mKvIndices, sK, g2s, tidx, c, kv_start + (n_blocks - 1 - j) * TN, kv_end,
-                                     page_base, page_size, kv_head, k_state.index)
+                        self._gather(mK, sK, sRows, g2s, tidx, c, kv_head, k_state.index, (ring + j) % ROW_RING)
                         pipe_k.producer_commit(k_state)
                         k_state.advance()
                     if j > 0:
                         pipe_v.producer_acquire(v_state)
-                        self._gather(mV, mKvIndices, sV, g2s, tidx, c, kv_start + (n_blocks - j) * TN, kv_end,
-                                     page_base, page_size, kv_head, v_state.index)
+                        self._gather(mV, sV, sRows, g2s, tidx, c, kv_head, v_state.index, (ring + j - 1) % ROW_RING)
                         pipe_v.producer_commit(v_state)
                         v_state.advance()
+                    if j + 1 < nb:
+                        if tidx < TN:
+                            sRows[0, tidx, (ring + j + 1) % ROW_RING] = pg
+                            sRows[1, tidx, (ring + j + 1) % ROW_RING] = sl
+                    cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=WG)
+                ring = ring + nb
         if const_expr(self.paged):
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)  # no copy of this thread outlives it
 
     @cute.jit
-    def _gather(self, mX, mKvIndices, sX, g2s, tidx, c, blk, kv_end, page_base, page_size, kv_head, stage):
-        """cp.async this thread's 16-byte chunks of a block's rows (token p lives in page
-        kv_indices[page_base + p // page_size]).  Rows past kv_end re-read the last token: finite
-        data, masked later (a NaN there would survive 0 * NaN in P V)."""
+    def _lookup(self, mKvIndices, tidx, blk, kv_end, page_base, page_size):
+        """(page, slot) of row tidx of the block starting at token blk; rows past kv_end re-read
+        the last token (finite data, masked later: a NaN there would survive 0 * NaN in P V)."""
+        p = blk + tidx
+        p = p if p < kv_end else kv_end - 1
+        return mKvIndices[page_base + p // page_size], p % page_size
+
+    @cute.jit
+    def _gather(self, mX, sX, sRows, g2s, tidx, c, kv_head, stage, buf):
+        """cp.async this thread's 16-byte chunks of a block's rows, rows looked up in sRows."""
         rows_per_pass = WG // self.chunks
-        for r in cutlass.range(self.tile_n // rows_per_pass, unroll=4):  # bounded unroll: the producer has 56 registers
+        for r in cutlass.range(self.tile_n // rows_per_pass, unroll=4):  # bounded unroll: 56 registers
             row = tidx // self.chunks + r * rows_per_pass
-            p = blk + row
-            p = p if p < kv_end else kv_end - 1
-            page = mKvIndices[page_base + p // page_size]
-            cute.copy(g2s, cute.local_tile(mX[page, p % page_size, kv_head, None], (8,), (c,)),
+            cute.copy(g2s, cute.local_tile(mX[sRows[0, row, buf], sRows[1, row, buf], kv_head, None], (8,), (c,)),
                       cute.local_tile(sX[row, None, stage], (8,), (c,)))
 
     # ---- consumers -----------------------------------------------------------------------

@@ -6,15 +6,16 @@ fingerprint, ...).  Shapes that change every step (batch, lengths, heads) stay d
 one module serves them all.
 
 The key is a hash of (arch, family, params, package version, kernel source fingerprint).
-The kernel source fingerprint hashes every file under ``cute_attn/kernels`` and
-``cute_attn/variants``: editing a kernel invalidates its cache entries without anyone having
-to remember to bump a version.  The DSL version is *not* in the key, because a GPU machine
+The kernel source fingerprint hashes the family's builder module, every ``cute_attn`` module it
+imports (transitively) and ``cute_attn/variants``: editing a kernel invalidates its cache
+entries -- and only its own family's -- without anyone having to remember to bump a version.  The DSL version is *not* in the key, because a GPU machine
 that only runs kernels has no DSL to ask; it is recorded in the entry's metadata instead, and
 a process that has the DSL treats an entry built by another DSL version as stale
 (see ``cache.py``).
 """
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import json
@@ -27,15 +28,64 @@ SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
 _PKG_ROOT = Path(__file__).resolve().parent.parent
 
 
-@functools.lru_cache(maxsize=1)
-def source_fingerprint() -> str:
-    """sha256 over the DSL kernel and variant sources (path + bytes), computed once per process."""
+def _module_file(name: str) -> Path | None:
+    """The source file of a ``cute_attn`` module name (package ``__init__`` included)."""
+    parts = name.split(".")[1:]
+    if not parts:
+        return _PKG_ROOT / "__init__.py"
+    rel = Path(*parts)
+    for cand in (_PKG_ROOT / rel.with_suffix(".py"), _PKG_ROOT / rel / "__init__.py"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def _imports(path: Path, name: str) -> set:
+    """``cute_attn`` modules imported by one source file (parsed, never executed)."""
+    tree = ast.parse(path.read_bytes())
+    pkg = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "cute_attn")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = pkg[:len(pkg) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            if base.split(".")[0] != "cute_attn":
+                continue
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)  # "from . import x" names modules
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def source_fingerprint(modules: tuple = ()) -> str:
+    """sha256 over the sources a kernel is built from: the given modules (a family's builder
+    module and the module that defines its ABI), every ``cute_attn`` module they import
+    (transitively; parsed, not executed) and all of ``cute_attn/variants`` (variants are traced
+    into kernels).  Editing one family's kernel leaves the other families' cache keys alone.
+    Without modules: every kernel and variant source."""
+    files = set((_PKG_ROOT / "variants").rglob("*.py"))
+    if not modules:
+        files |= set((_PKG_ROOT / "kernels").rglob("*.py"))
+    todo, seen = list(modules), set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = _module_file(name)
+        if path is None:
+            continue
+        files.add(path)
+        todo.extend(_imports(path, name) - seen)
     h = hashlib.sha256()
-    for sub in ("kernels", "variants"):
-        for p in sorted((_PKG_ROOT / sub).rglob("*.py")):
-            h.update(str(p.relative_to(_PKG_ROOT)).encode())
-            h.update(b"\0")
-            h.update(p.read_bytes())
+    for p in sorted(files):
+        h.update(str(p.relative_to(_PKG_ROOT)).encode())
+        h.update(b"\0")
+        h.update(p.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -105,6 +155,10 @@ class Spec:
     @functools.cached_property
     def key(self) -> str:
         from .. import __version__
+        from .family import get_family
+
+        fam = get_family(self.family)
+        roots = tuple(sorted({fam.builder.split(":")[0], getattr(fam.abi, "__module__", "")} - {""}))
 
         blob = json.dumps(
             {
@@ -112,7 +166,7 @@ class Spec:
                 "arch": self.arch,
                 "params": [[k, _canon(v)] for k, v in self.params],
                 "cute_attn": __version__,
-                "sources": source_fingerprint(),
+                "sources": source_fingerprint(roots),
             },
             sort_keys=True,
         )
