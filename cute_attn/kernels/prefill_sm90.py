@@ -335,7 +335,10 @@ class BatchPrefillSm90:
             if wg == 0:  # WG 0 goes first: pre-arrive on its own ping-pong barrier
                 cute.arch.barrier_arrive(barrier_id=BAR_PINGPONG0, number_of_threads=2 * WG)
 
-        for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1], unroll=1):
+        item_end = mWorkIndptr[cta + 1]
+        if mWorkIndptr[cta] < item_end:
+            self._load_q(mQ, mWork, sQ, g2s, mWorkIndptr[cta], wg, tw, group)
+        for item in cutlass.range(mWorkIndptr[cta], item_end, unroll=1):
             kv_head = mWork[item, W_KV_HEAD]
             row_start = mWork[item, W_ROW_START]
             num_rows = mWork[item, W_NUM_ROWS]
@@ -346,15 +349,7 @@ class BatchPrefillSm90:
             qpos_base = mWork[item, W_KV_LEN] - mWork[item, W_QO_LEN]
             first, n_blocks = self._block_range(mWork, item, group, window_left)
 
-            # --- this WG's Q rows -> smem (rows past num_rows re-read the tile's row 0; never stored)
-            for i in cutlass.range_constexpr(64 * self.chunks // WG):
-                idx = tw + i * WG
-                j = wg * 64 + idx // self.chunks
-                c = idx % self.chunks
-                r = row_start + (j if j < num_rows else 0)
-                cute.copy(g2s, cute.local_tile(mQ[qo_offset + r // group, kv_head * group + r % group, None], (8,), (c,)),
-                          cute.local_tile(sQ[j, None], (8,), (c,)))
-            cute.arch.cp_async_commit_group()
+            # this WG's Q rows were prefetched (before the loop, or during the previous item)
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> read by wgmma (async proxy)
             cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
@@ -410,6 +405,8 @@ class BatchPrefillSm90:
                     rP.store(acc_S.load().to(self.dtype))
                     if const_expr(not self.rescale_before_pv):
                         _rescale(acc_O, corr)
+                if item + 1 < item_end:  # every QK of this item is done: sQ is free
+                    self._load_q(mQ, mWork, sQ, g2s, item + 1, wg, tw, group)
                 if const_expr(self.rescale_before_pv):
                     _rescale(acc_O, corr)
                 pipe_v.consumer_wait(state)
@@ -417,9 +414,30 @@ class BatchPrefillSm90:
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(state)
                 state.advance()
+            else:
+                if item + 1 < item_end:  # no KV block: this item's Q is not used at all
+                    self._load_q(mQ, mWork, sQ, g2s, item + 1, wg, tw, group)
 
             self._epilogue(acc_O, row_m, row_l, tOcO, sQ, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
                            row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2)
+
+    @cute.jit
+    def _load_q(self, mQ, mWork, sQ, g2s, item, wg, tw, group):
+        """cp.async this WG's 64 packed Q rows of ``item`` into smem (GQA: packed row r is token
+        r // group of head kv_head * group + r % group); rows past NUM_ROWS re-read the tile's
+        row 0 (finite, never stored).  Waited for at the top of the item loop."""
+        kv_head = mWork[item, W_KV_HEAD]
+        row_start = mWork[item, W_ROW_START]
+        num_rows = mWork[item, W_NUM_ROWS]
+        qo_offset = mWork[item, W_QO_OFFSET]
+        for i in cutlass.range_constexpr(64 * self.chunks // WG):
+            idx = tw + i * WG
+            j = wg * 64 + idx // self.chunks
+            c = idx % self.chunks
+            r = row_start + (j if j < num_rows else 0)
+            cute.copy(g2s, cute.local_tile(mQ[qo_offset + r // group, kv_head * group + r % group, None], (8,), (c,)),
+                      cute.local_tile(sQ[j, None], (8,), (c,)))
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def _qk(self, mma_qk, acc_S, tSrQ, tSrK, state):
@@ -515,8 +533,7 @@ class BatchPrefillSm90:
     @cute.jit
     def _epilogue(self, acc_O, row_m, row_l, tOcO, sQ, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
                   row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2):
-        """Normalize; final rows go through smem (reusing this WG's Q rows) as 16-byte stores,
-        split items write fp32 partial rows straight from registers."""
+        """Normalize and store: final rows (value dtype + LSE) or a partial slot (fp32)."""
         D, TQ = self.head_dim, self.tile_q
         O = _rowcol(acc_O)
         n_rows = cute.size(O, mode=[0])
@@ -533,36 +550,30 @@ class BatchPrefillSm90:
                 lse[r] = row_m[r] * scale + cute.math.log2(l, fastmath=True)
             for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
                 O[r, c] = O[r, c] * inv
-        if dest < 0:
-            for r in cutlass.range_constexpr(n_rows):
-                j = tOcO[r, 0][0]
-                for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                    sQ[j, tOcO[0, c][1]] = O[r, c].to(self.dtype)
-                if lane % 4 == 0 and j < num_rows:
-                    row = row_start + j
-                    mLse[qo_offset + row // group, kv_head * group + row % group] = lse[r]
-            cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
-            for i in cutlass.range_constexpr(64 * self.chunks // WG):
-                idx = tw + i * WG
-                j = wg * 64 + idx // self.chunks
-                c = idx % self.chunks
-                if j < num_rows:
-                    row = row_start + j
-                    frag = cute.make_rmem_tensor((8,), self.dtype)
-                    cute.autovec_copy(cute.local_tile(sQ[j, None], (8,), (c,)), frag)
-                    cute.autovec_copy(frag, cute.local_tile(mO[qo_offset + row // group, kv_head * group + row % group,
-                                                               None], (8,), (c,)))
-        else:
-            for r in cutlass.range_constexpr(n_rows):
-                j = tOcO[r, 0][0]
-                if j < num_rows:
+        for r in cutlass.range_constexpr(n_rows):
+            j = tOcO[r, 0][0]
+            if j < num_rows:
+                row = row_start + j
+                if dest < 0:
+                    # straight from registers: a quad writes 16 contiguous bytes per 8 columns;
+                    # the Q tile stays free for the next item's prefetch
+                    gO = mO[qo_offset + row // group, kv_head * group + row % group, None]
+                    for c in cutlass.range_constexpr(0, cute.size(O, mode=[1]), 2):
+                        pair = cute.make_rmem_tensor((2,), self.dtype)
+                        pair[0] = O[r, c].to(self.dtype)
+                        pair[1] = O[r, c + 1].to(self.dtype)
+                        cute.autovec_copy(pair, cute.local_tile(gO, (2,), (tOcO[0, c][1] // 2,)))
+                    if lane % 4 == 0:
+                        mLse[qo_offset + row // group, kv_head * group + row % group] = lse[r]
+                else:
                     slot_row = dest * TQ + j
-                    for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                        mPartO[slot_row, tOcO[0, c][1]] = O[r, c]
+                    for c in cutlass.range_constexpr(0, cute.size(O, mode=[1]), 2):
+                        pair = cute.make_rmem_tensor((2,), Float32)
+                        pair[0] = O[r, c]
+                        pair[1] = O[r, c + 1]
+                        cute.autovec_copy(pair, cute.local_tile(mPartO[slot_row, None], (2,), (tOcO[0, c][1] // 2,)))
                     if lane % 4 == 0:
                         mPartLse[slot_row] = lse[r]
-        # this WG's Q rows are overwritten by the next item's Q: everyone must be done with them
-        cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
 
 
 @cute.jit
