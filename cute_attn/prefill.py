@@ -21,10 +21,18 @@ Both wrappers feed the same kernel ABI as decode (``decode._decode_abi``):
   ``[kv_heads, total, head_dim]`` tensor is transposed first, no copy), ``mKvIndptr`` the
   ragged kv_indptr in tokens, ``mKvIndices`` a one-element dummy.
 
+Variants (docs/variants.md) as in decode: ``causal``, ``window_left`` and ``logits_soft_cap``
+are the kernel's static flags (its fast paths); ``pos_encoding_mode="ALIBI"`` / ``"ROPE_LLAMA"``
+(``rope_scale``, ``rope_theta``), ``custom_mask`` / ``packed_custom_mask`` (FlashInfer's
+per-request row-major ``[qo_len, kv_len]`` layout, bits packed little-endian per request;
+a custom mask replaces ``causal``, as FlashInfer's MaskMode.CUSTOM), ``run(sinks=)`` and
+``plan(variant=...)`` become a traced variant (spec params ``variant`` / ``variant_fp``), whose
+runtime arguments follow the fixed ones in the kernel ABI.  Soft-cap joins the variant (in
+decode's order: RoPE/ALiBi, soft-cap, ...) when another component transforms logits.
+
 What is not supported yet raises ``NotImplementedError`` from one place
-(``_reject_unsupported``): custom masks, positional encodings other than ``"NONE"``, fp8,
-``head_dim_vo != head_dim_qk``, an output dtype other than the query's, custom (``jit_args``)
-kernels and FlashInfer's multi-item-scoring / trtllm-gen inputs.
+(``_reject_unsupported``): fp8, ``head_dim_vo != head_dim_qk``, an output dtype other than the
+query's, custom (``jit_args``) kernels and FlashInfer's multi-item-scoring / trtllm-gen inputs.
 """
 from __future__ import annotations
 
@@ -35,7 +43,8 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import torch
 
-from .decode import _DTYPES, SUPPORTED_HEAD_DIMS, _arange, _as_dtype, _decode_abi, _kv_views
+from .decode import (_DTYPES, SUPPORTED_HEAD_DIMS, _arange, _as_dtype, _decode_abi_fixed, _kv_views, _spec_variant,
+                     variant_params)
 from .runtime.abi import ScalarArg, TensorArg
 from .runtime.arch import arch_of_index, sm_count_of_index
 from .runtime.family import KernelFamily, register
@@ -43,6 +52,8 @@ from .runtime.loader import kernel
 from .sched import Limits, Planner, WorkspaceLayout
 from .sched.cost import choose_cta_tile_q
 from .sched.inputs import as_index_array, check_indptr, kv_lens_from_paged, kv_lens_from_ragged
+from .variants import base as vbase
+from .variants.builtins import ALiBi, AttentionSink, Causal, CustomMask, RoPE, SoftCap
 
 PREFILL_ARCH = "sm_90a"       # wgmma: Hopper only (no sm_100a specializations, see presets.py)
 PREFILL_TILES = (64, 128)     # packed query rows per work item: one or two consumer warpgroups
@@ -53,17 +64,21 @@ _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8
 
 
 
-def _prefill_abi(p):
-    """decode's tensor arguments (``decode._decode_abi``: one host signature for both kernels),
-    then the prefill kernel's scalars.  The scalars are spelled out so that the decode ABI
-    moving its variant scalars elsewhere does not silently change this kernel's signature."""
-    return [a for a in _decode_abi(p) if isinstance(a, TensorArg)] + [
+def _prefill_abi_fixed(p):
+    """decode's fixed tensor arguments (``decode._decode_abi_fixed``: one host signature for
+    both kernels), then the prefill kernel's scalars (spelled out: decode's scalars differ)."""
+    return [a for a in _decode_abi_fixed(p) if isinstance(a, TensorArg)] + [
         ScalarArg("group", "i32"), ScalarArg("sm_scale", "f32"), ScalarArg("soft_cap", "f32"),
         ScalarArg("window_left", "i32"), ScalarArg("num_ctas", "i32")]
 
 
+def _prefill_abi(p):
+    """The fixed arguments, then the variant's (``variants.base.abi_args``: tensors, then scalars)."""
+    return _prefill_abi_fixed(p) + vbase.abi_args(_spec_variant(p))
+
+
 # The contract with kernels/prefill_sm90.py: the ABI above, spec params dtype, head_dim,
-# tile_q, paged, causal, soft_cap, window.
+# tile_q, paged, causal, soft_cap, window and, for a traced variant, variant / variant_fp.
 BATCH_PREFILL_SM90 = register(KernelFamily(
     name="batch_prefill_sm90",
     builder="cute_attn.kernels.prefill_sm90:build_batch_prefill_sm90",
@@ -73,18 +88,108 @@ BATCH_PREFILL_SM90 = register(KernelFamily(
 ))
 
 
+def prefill_spec(arch: str, dtype: str, head_dim: int, tile_q: int, paged: bool, causal: bool = False,
+                 soft_cap: bool = False, window: bool = False, variant=None):
+    """One ``batch_prefill_sm90`` specialization; ``variant``: the traced variant beyond the
+    static flags (see :func:`resolve_variant`), None for the plain kernel."""
+    from .runtime.spec import Spec
+
+    extra = variant_params(variant) if variant is not None else {}
+    return Spec.make("batch_prefill_sm90", arch, dtype=dtype, head_dim=head_dim, tile_q=tile_q, paged=bool(paged),
+                     causal=bool(causal), soft_cap=bool(soft_cap), window=bool(window), **extra)
+
+
 def prefill_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, tiles=PREFILL_TILES,
                   paged=(False, True), causal=(False, True), variants=((False, False),)):
     """Specializations ``run()`` may need (for the compile presets); ``variants``: the
     (soft_cap, window) pairs.  Empty for any arch but sm_90a."""
-    from .runtime.spec import Spec
-
     if arch != PREFILL_ARCH:
         return []
-    return [Spec.make("batch_prefill_sm90", arch, dtype=dt, head_dim=d, tile_q=t, paged=p, causal=c,
-                      soft_cap=cap, window=win)
+    return [prefill_spec(arch, dt, d, t, p, c, cap, win)
             for dt in dtypes for d in head_dims for t in tiles for p in paged for c in causal
             for cap, win in variants]
+
+
+_POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
+
+
+def resolve_variant(*, causal: bool = False, window_left: int = -1, logits_soft_cap: Optional[float] = None,
+                    pos_encoding_mode: str = "NONE", rope_scale: Optional[float] = None,
+                    rope_theta: Optional[float] = None, custom_mask=None, variant=None, sinks: bool = False):
+    """FlashInfer's options -> (causal, soft_cap, window, traced variant or None): what the
+    prefill kernel specializes on.  Causal, window and soft-cap stay the kernel's static flags
+    (mask-free blocks, block skipping, the folded soft-cap); the rest is composed in decode's
+    order -- RoPE/ALiBi, soft-cap, custom mask, ``variant``, sink -- where soft-cap joins the
+    traced variant only when another component transforms logits (the order matters then).
+    ``custom_mask`` (a ``CustomMask``, or True for its spec) replaces causal, as FlashInfer's
+    MaskMode.CUSTOM.  ``Causal()`` components of ``variant`` become the causal flag."""
+    if pos_encoding_mode not in _POS_MODES:
+        raise ValueError(f"pos_encoding_mode must be one of {_POS_MODES}, got {pos_encoding_mode!r}")
+    if variant is not None and not isinstance(variant, vbase.Variant):
+        raise TypeError(f"variant must be a cute_attn.variants.Variant, got {type(variant).__name__}")
+    head, tail = [], []
+    if pos_encoding_mode == "ROPE_LLAMA":
+        head.append(RoPE(rope_scale=1.0 if rope_scale is None else float(rope_scale),
+                         rope_theta=1e4 if rope_theta is None else float(rope_theta)))
+    elif pos_encoding_mode == "ALIBI":
+        head.append(ALiBi())
+    if custom_mask is not None:
+        tail.append(custom_mask if isinstance(custom_mask, CustomMask) else CustomMask())
+        causal = False
+    for c in vbase.components(variant):
+        if type(c) is Causal:
+            causal = True
+        else:
+            tail.append(c)
+    if sinks:
+        tail.append(AttentionSink())
+    soft_cap = bool(logits_soft_cap)
+    if soft_cap and any(c.logits is not None for c in head + tail):
+        head.append(SoftCap(logits_soft_cap=float(logits_soft_cap)))
+        soft_cap = False
+    parts = head + tail
+    v = None if not parts else parts[0] if len(parts) == 1 else vbase.Compose(*parts)
+    return bool(causal), soft_cap, window_left is not None and window_left >= 0, v
+
+
+def variant_test_cases():
+    """The prefill variant cases of tests/test_prefill_variants_gpu.py and the ``variants``
+    bench: (name, resolve_variant keywords, run() takes sinks).  ``causal`` is a no-op name
+    (Causal() maps onto the flag)."""
+    from .variants.builtins import FlashSigmoid
+    from .variants.examples import RelativePositionBias
+
+    return [("causal", dict(variant=Causal())), ("alibi", dict(pos_encoding_mode="ALIBI")),
+            ("rope", dict(pos_encoding_mode="ROPE_LLAMA")), ("sink", dict(sinks=True)),
+            ("custom_mask", dict(custom_mask=True)), ("sigmoid", dict(variant=FlashSigmoid())),
+            ("rel_bias", dict(variant=RelativePositionBias())), ("window_sink", dict(window_left=100, sinks=True)),
+            ("alibi_softcap", dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0)),
+            ("rope_sink", dict(pos_encoding_mode="ROPE_LLAMA", sinks=True))]
+
+
+# (dtype, head_dim, paged, causal) of the GPU tests' configurations (tile 128 throughout) and
+# the extra head-dim-256 cases; the bench runs bf16/128 ragged, causal and not (custom mask).
+VARIANT_TEST_CONFIGS = (("bf16", 128, False, True), ("bf16", 128, True, False), ("f16", 64, True, True),
+                        ("f16", 64, False, False))
+VARIANT_TEST_HD256 = (("rope_sink", ("bf16", 256, False, True)), ("alibi_softcap", ("bf16", 256, False, True)))
+
+
+def variant_prefill_specs(arch: str):
+    """Prefill specializations of the variant GPU tests and bench (for the compile presets)."""
+    if arch != PREFILL_ARCH:
+        return []
+    cases = dict(variant_test_cases())
+    todo = [(name, cfg) for name in cases for cfg in VARIANT_TEST_CONFIGS] + list(VARIANT_TEST_HD256)
+    todo += [(name, ("bf16", 128, False, c)) for name in cases for c in (False, True)]  # bench
+    out, seen = [], set()
+    for name, (dt, d, paged, causal) in todo:
+        kw = dict(cases[name])
+        c, cap, win, v = resolve_variant(causal=causal, **kw)
+        spec = prefill_spec(arch, dt, d, 128, paged, c, cap, win, v)
+        if spec not in seen:
+            seen.add(spec)
+            out.append(spec)
+    return out
 
 
 def prefill_merge_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, tiles=PREFILL_TILES):
@@ -118,16 +223,10 @@ def _dtype(x, what: str) -> Optional[torch.dtype]:
         raise ValueError(f"{what} {x!r} is not a torch dtype") from None
 
 
-def _reject_unsupported(*, custom_mask=None, packed_custom_mask=None, pos_encoding_mode="NONE",
-                        q_dtype=None, kv_dtype=None, o_dtype=None, head_dim_qk=None, head_dim_vo=None,
+def _reject_unsupported(*, q_dtype=None, kv_dtype=None, o_dtype=None, head_dim_qk=None, head_dim_vo=None,
                         jit_args=None, fp8_scales=(), extra=()):
-    """Everything the prefill path does not support *yet*, in one place (the variants work
-    replaces entries here as it wires them): raises NotImplementedError.  ``extra``: (name,
-    value) pairs of FlashInfer arguments that must be None."""
-    if custom_mask is not None or packed_custom_mask is not None:
-        raise NotImplementedError("custom_mask / packed_custom_mask are not supported yet")
-    if pos_encoding_mode != "NONE":
-        raise NotImplementedError(f"pos_encoding_mode={pos_encoding_mode!r} is not supported yet (only 'NONE')")
+    """Everything the prefill path does not support *yet*, in one place: raises
+    NotImplementedError.  ``extra``: (name, value) pairs of FlashInfer arguments that must be None."""
     if q_dtype in _FP8 or kv_dtype in _FP8:
         raise NotImplementedError(f"fp8 q/kv ({q_dtype} / {kv_dtype}) are not supported yet")
     if any(s is not None for s in fp8_scales):
@@ -138,10 +237,24 @@ def _reject_unsupported(*, custom_mask=None, packed_custom_mask=None, pos_encodi
         raise NotImplementedError(f"head_dim_vo ({head_dim_vo}) != head_dim_qk ({head_dim_qk}) is not supported yet")
     if jit_args is not None:
         raise NotImplementedError("custom kernels (jit_args / jit_kwargs) are not supported; variants come "
-                                  "through cute_attn's own variant API")
+                                  "through cute_attn's own variant API (plan(variant=...))")
     for name, value in extra:
         if value is not None:
             raise NotImplementedError(f"{name} is not supported")
+
+
+def pack_custom_mask(custom_mask, qo_lens, kv_lens) -> Tuple[torch.Tensor, np.ndarray]:
+    """FlashInfer's ``segment_packbits``: the flat bool mask (request b's row-major
+    ``[qo_len, kv_len]`` block after request b-1's) bit-packed per request, little bit order;
+    returns (packed uint8 on the CPU, byte indptr [batch + 1])."""
+    n = np.asarray(qo_lens, dtype=np.int64) * np.asarray(kv_lens, dtype=np.int64)
+    flat = custom_mask.reshape(-1).to(device="cpu", dtype=torch.bool).numpy()
+    if flat.size != n.sum():
+        raise ValueError(f"custom_mask has {flat.size} entries, expected sum(qo_len * kv_len) = {int(n.sum())}")
+    offs = np.concatenate([[0], np.cumsum(n)])
+    packed = [np.packbits(flat[offs[b]:offs[b + 1]], bitorder="little") for b in range(n.shape[0])]
+    indptr = np.concatenate([[0], np.cumsum((n + 7) // 8)]).astype(np.int64)
+    return torch.from_numpy(np.concatenate(packed + [np.zeros(1, np.uint8)])), indptr
 
 
 def _check_capture_plan():
@@ -188,7 +301,8 @@ class _BatchPrefillBase:
 
     # -- plan -----------------------------------------------------------------------------
     def _check_common(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type,
-                      o_data_type, window_left, logits_soft_cap, fixed_split_size, **unsupported):
+                      o_data_type, window_left, logits_soft_cap, fixed_split_size, pos_encoding_mode="NONE",
+                      variant=None, **unsupported):
         """Argument checks shared by both plans; returns (q dtype, head_dim)."""
         _check_capture_plan()
         q_dtype = _dtype(q_data_type, "q_data_type")
@@ -196,6 +310,10 @@ class _BatchPrefillBase:
         o_dtype = _dtype(o_data_type, "o_data_type")
         _reject_unsupported(q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, head_dim_qk=head_dim_qk,
                             head_dim_vo=head_dim_vo, **unsupported)
+        if pos_encoding_mode not in _POS_MODES:
+            raise ValueError(f"pos_encoding_mode must be one of {_POS_MODES}, got {pos_encoding_mode!r}")
+        if variant is not None and not isinstance(variant, vbase.Variant):
+            raise TypeError(f"variant must be a cute_attn.variants.Variant, got {type(variant).__name__}")
         if head_dim_qk not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim {head_dim_qk} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
         for name, h in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
@@ -219,12 +337,22 @@ class _BatchPrefillBase:
         return q_dtype, int(head_dim_qk)
 
     def _plan_common(self, qo_h, kv_lens, *, num_qo_heads, num_kv_heads, head_dim, q_dtype, causal, page_size,
-                     window_left, logits_soft_cap, sm_scale, split_tokens, disable_split_kv):
+                     window_left, logits_soft_cap, sm_scale, split_tokens, disable_split_kv, pos_encoding_mode="NONE",
+                     rope_scale=None, rope_theta=None, custom_mask=None, packed_custom_mask=None, variant=None):
         """Validate lengths, (re)make the planner, plan + upload, pick the kernels. Returns the
         state ``_commit`` stores once the device copies are queued."""
         hq, hk, d = int(num_qo_heads), int(num_kv_heads), head_dim
         qo_len = np.diff(qo_h)
         batch = int(qo_len.shape[0])
+        mask_v = None
+        if custom_mask is not None or packed_custom_mask is not None:
+            mask_v = self._custom_mask(custom_mask, packed_custom_mask, qo_len, kv_lens)
+        causal, cap_flag, _, var = resolve_variant(
+            causal=causal, window_left=window_left, logits_soft_cap=logits_soft_cap,
+            pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale, rope_theta=rope_theta, custom_mask=mask_v,
+            variant=variant)
+        if vbase.Hooks(var).has_output:
+            disable_split_kv = True  # an output transform must see whole rows, not partial states
         if causal and batch:
             short = np.flatnonzero(kv_lens < qo_len)
             if short.size:
@@ -233,12 +361,12 @@ class _BatchPrefillBase:
                                  f"has qo_len {int(qo_len[i])}, kv_len {int(kv_lens[i])}")
         total_q = int(qo_h[-1])
         group = hq // hk
-        soft_cap = float(logits_soft_cap) if logits_soft_cap else 0.0
+        soft_cap = float(logits_soft_cap) if logits_soft_cap and cap_flag else 0.0
         window_left = int(window_left)
         launch = dict(dtype=_DTYPES[q_dtype], head_dim=d, causal=bool(causal), soft_cap=soft_cap > 0,
                       window=window_left >= 0, hq=hq, hk=hk,
                       sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d),
-                      soft_cap_value=soft_cap, window_left=window_left)
+                      soft_cap_value=soft_cap, window_left=window_left, variant=vbase.encode(var))
 
         if split_tokens is not None:
             tile = _FIXED_SPLIT_TILE  # batch-invariant: the tile may not depend on the batch either
@@ -264,9 +392,9 @@ class _BatchPrefillBase:
                                  f"tokens of the first plan (which fixes the workspace layout, as in FlashInfer)")
         # modules first (loaded here, outside any capture): a missing one must fail before the
         # new plan overwrites the workspace that the previous plan's state still describes
-        attn = kernel("batch_prefill_sm90", PREFILL_ARCH, dtype=launch["dtype"], head_dim=d, tile_q=tile,
-                      paged=self._PAGED, causal=launch["causal"], soft_cap=launch["soft_cap"],
-                      window=launch["window"])
+        spec_kw = dict(dtype=launch["dtype"], head_dim=d, tile_q=tile, paged=self._PAGED, causal=launch["causal"],
+                       soft_cap=launch["soft_cap"], window=launch["window"])
+        attn = kernel("batch_prefill_sm90", PREFILL_ARCH, **spec_kw, **self._variant_kw(var))
         merge = kernel("merge_partials", PREFILL_ARCH, dtype=launch["dtype"], head_dim=d, tile_q=tile)
         planner = self._get_planner(batch, total_q, hq, hk, d, num_ctas)
         plan = planner.plan(qo_h, kv_lens, causal=bool(causal), page_size=int(page_size), num_qo_heads=hq,
@@ -274,7 +402,44 @@ class _BatchPrefillBase:
         if self._use_cuda_graph and self._fixed is None:
             self._fixed = dict(launch, tile_q=tile)
         return dict(plan=plan, launch=launch, tile=tile, attn=attn, merge=merge, batch=batch, total_q=total_q,
-                    q_dtype=q_dtype, group=group, num_ctas=planner.num_ctas)
+                    q_dtype=q_dtype, group=group, num_ctas=planner.num_ctas, variant=var, spec_kw=spec_kw)
+
+    @staticmethod
+    def _variant_kw(v) -> dict:
+        return variant_params(v) if v is not None else {}
+
+    def _custom_mask(self, custom_mask, packed, qo_len, kv_lens) -> CustomMask:
+        """FlashInfer's mask conventions: per request a row-major ``[qo_len, kv_len]`` bool block,
+        bit-packed per request (little bit order); ``mask_indptr`` = byte offset per request.
+        With ``use_cuda_graph`` the packed bits and offsets go into the constructor's
+        ``custom_mask_buf`` / ``mask_indptr_buf`` (a captured run() reads them there)."""
+        nbits = qo_len.astype(np.int64) * kv_lens.astype(np.int64)
+        if packed is None:
+            packed, indptr = pack_custom_mask(custom_mask, qo_len, kv_lens)
+        else:
+            indptr = np.concatenate([[0], np.cumsum((nbits + 7) // 8)])
+            if packed.numel() < indptr[-1]:
+                raise ValueError(f"packed_custom_mask has {packed.numel()} bytes, the lengths need {int(indptr[-1])} "
+                                 f"(per request ceil(qo_len * kv_len / 8), FlashInfer's segment_packbits)")
+            if packed.dtype != torch.uint8:
+                raise ValueError(f"packed_custom_mask must be uint8, got {packed.dtype}")
+        indptr_t = torch.from_numpy(indptr.astype(np.int32))
+        packed = packed.reshape(-1)
+        if packed.numel() == 0:
+            packed = torch.zeros(1, dtype=torch.uint8)
+        mbuf, ibuf = getattr(self, "_mask_buf", None), getattr(self, "_mask_indptr_buf", None)
+        if self._use_cuda_graph:
+            if mbuf is None or ibuf is None:
+                raise ValueError("use_cuda_graph=True with a custom mask needs custom_mask_buf (uint8) and "
+                                 "mask_indptr_buf (int32) in the constructor, as in FlashInfer")
+            if packed.numel() > mbuf.numel() or indptr_t.numel() > ibuf.numel():
+                raise ValueError(f"the packed mask ({packed.numel()} bytes, {indptr_t.numel()} offsets) exceeds "
+                                 f"custom_mask_buf / mask_indptr_buf ({mbuf.numel()} / {ibuf.numel()})")
+            mbuf[:packed.numel()].copy_(packed.to(torch.uint8), non_blocking=True)
+            ibuf[:indptr_t.numel()].copy_(indptr_t, non_blocking=True)
+            return CustomMask(packed_custom_mask=mbuf, mask_indptr=ibuf)
+        return CustomMask(packed_custom_mask=packed.to(device=self._device, dtype=torch.uint8, non_blocking=True),
+                          mask_indptr=indptr_t.to(self._device, non_blocking=True))
 
     def _get_planner(self, batch, total_q, hq, hk, d, num_ctas) -> Planner:
         rows = _rows_per_cta(d) * num_ctas
@@ -306,7 +471,9 @@ class _BatchPrefillBase:
             self._views = None
             lim = cands[-1]
         if self._planner is None or self._planner.limits != lim or self._planner.num_ctas != num_ctas:
-            self._planner = Planner(lim, num_ctas, 1)
+            # balance_tol: equal items that do not divide evenly over the CTAs (e.g. 2048 tiles on 132
+            # SMs, 3 % of a wave) are worth a split + merge
+            self._planner = Planner(lim, num_ctas, 1, balance_tol=0.01)
             self._views = None
         if self._views is None:  # section offsets are fixed per planner: views made once
             self._views = self._planner.layout.views(self._workspace)
@@ -326,6 +493,16 @@ class _BatchPrefillBase:
         self._hq, self._hk, self._d = L["hq"], L["hk"], L["head_dim"]
         self._causal, self._sm_scale, self._soft_cap, self._window_left = (
             L["causal"], L["sm_scale"], L["soft_cap_value"], L["window_left"])
+        self._variant, self._spec_kw = st["variant"], st["spec_kw"]
+        self._vinfo = {"num_qo_heads": self._hq, "num_kv_heads": self._hk, "head_dim": self._d,
+                       "sm_scale": self._sm_scale, "device": self._device, "batch": self._batch}
+        self._vvalues = None  # the variant's runtime values when run() gets no extra arguments
+        if self._variant is not None:
+            try:
+                self._vvalues = vbase.runtime_values(self._variant, self._vinfo)
+            except ValueError:
+                pass  # some come from run(*args)
+        self._sink_cache = None
 
     def _to_device(self, t, buf, name):
         """An index array on the device: copied into ``buf`` (CUDA-graph mode) or a new tensor."""
@@ -345,9 +522,10 @@ class _BatchPrefillBase:
             raise RuntimeError("run() is being captured into a CUDA graph but the wrapper was created with "
                                "use_cuda_graph=False; its buffers may move between plans. Create it with "
                                "use_cuda_graph=True and fixed *_buf index tensors.")
-        if args:
-            raise TypeError(f"run() got {len(args)} extra positional argument(s): those are for custom (jit_args) "
-                            f"kernels, which are not supported")
+        if args and self._variant is None:
+            raise TypeError(f"run() got {len(args)} extra positional argument(s): those are the runtime arguments of "
+                            f"plan(variant=...), and this plan has no variant (custom jit_args kernels are not "
+                            f"supported)")
         _reject_unsupported(fp8_scales=fp8_scales, extra=tuple(unsupported.items()))
         hq, d, n = self._hq, self._d, self._total_q
         rows_ok = q.dim() == 3 and (q.shape[0] >= n if self._use_cuda_graph else q.shape[0] == n)
@@ -372,19 +550,41 @@ class _BatchPrefillBase:
             raise ValueError(f"{what} must be {self._dtype} on {self._device}, got {k.dtype} / {v.dtype} on "
                              f"{k.device} / {v.device}")
 
-    def _launch(self, q, k4, v4, kv_indptr, kv_indices, out, lse):
+    def _variant_args(self, args, sinks):
+        """(module, runtime values of its variant) for this run: plan()'s kernel, or with
+        ``sinks`` the same variant + AttentionSink (its module loaded on the first such run)."""
+        module, vvals = self._attn, self._vvalues
+        if sinks is not None:
+            if not isinstance(sinks, torch.Tensor) or sinks.shape != (self._hq,) or sinks.device != self._device:
+                raise ValueError(f"sinks must be a [{self._hq}] tensor on {self._device}, got "
+                                 f"{tuple(getattr(sinks, 'shape', ()))} on {getattr(sinks, 'device', None)}")
+            if self._sink_cache is None:
+                sv = AttentionSink() if self._variant is None else self._variant + AttentionSink()
+                self._sink_cache = (sv, kernel("batch_prefill_sm90", PREFILL_ARCH, **self._spec_kw,
+                                               **self._variant_kw(sv)))
+            sv, module = self._sink_cache
+            vvals = vbase.runtime_values(sv, self._vinfo, tuple(args) + (sinks.float(),))
+        elif args or (vvals is None and self._variant is not None):
+            vvals = vbase.runtime_values(self._variant, self._vinfo, args)
+        return module, vvals or ()
+
+    def _launch(self, q, k4, v4, kv_indptr, kv_indices, out, lse, args=(), sinks=None):
         """K/V are 4-D views; a cache without any token (so no request has kv) gets o = 0,
-        lse = -inf without a kernel (TMA descriptors cannot describe an empty tensor)."""
+        lse = -inf without a kernel (TMA descriptors cannot describe an empty tensor; with
+        sinks: lse = the sink)."""
+        module, vvals = self._variant_args(args, sinks)
         if q.shape[0] == 0:
             return
         if k4.numel() == 0:
             out.zero_()
             lse.fill_(-math.inf)
+            if sinks is not None:
+                lse.copy_((sinks.float() * (1.0 / math.log(2.0)))[None, :].expand_as(lse))
             return
         vw = self._views
-        self._attn(q, k4, v4, kv_indptr, kv_indices, out, lse, vw["work_items"], vw["work_indptr"],
-                   vw["partial_o"], vw["partial_lse"], self._group, self._sm_scale, self._soft_cap,
-                   self._window_left, self._num_ctas)
+        module(q, k4, v4, kv_indptr, kv_indices, out, lse, vw["work_items"], vw["work_indptr"],
+               vw["partial_o"], vw["partial_lse"], self._group, self._sm_scale, self._soft_cap,
+               self._window_left, self._num_ctas, *vvals)
         if self._use_cuda_graph or self._plan.has_split:
             self._merge(vw["partial_o"], vw["partial_lse"], vw["merge_tasks"], vw["meta"], out, lse, self._group,
                         self._num_ctas)
@@ -420,6 +620,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                                  f"{qo_indptr_buf.numel()}: both must be batch_size + 1")
         self._qo_indptr_buf = qo_indptr_buf if use_cuda_graph else None
         self._kv_indptr_buf = kv_indptr_buf if use_cuda_graph else None
+        self._mask_buf, self._mask_indptr_buf = custom_mask_buf, mask_indptr_buf
 
     def plan(self, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
              head_dim_vo: Optional[int] = None, custom_mask: Optional[torch.Tensor] = None,
@@ -431,17 +632,26 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
              prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0,
              max_item_len_ptr=None, fixed_split_size: Optional[int] = None, disable_split_kv: bool = False,
              seq_lens=None, seq_lens_q=None, max_token_per_sequence: Optional[int] = None,
-             max_sequence_kv: Optional[int] = None, v_indptr=None) -> None:
+             max_sequence_kv: Optional[int] = None, v_indptr=None, variant=None) -> None:
         """FlashInfer's arguments.  Index arrays are best passed on the CPU (a CUDA one is read
         back, which synchronizes).  ``fixed_split_size`` (kv tokens): every request's KV is cut
         at multiples of it and nothing else, with a fixed 128-row tile, so a request's output is
         bitwise the same whatever else is batched with it; ``disable_split_kv``: no request is
         split.  ``use_fp16_qk_reduction`` is accepted and ignored (q·k is always fp32);
-        ``max_token_per_sequence`` / ``max_sequence_kv`` are cuDNN hints, ignored."""
+        ``max_token_per_sequence`` / ``max_sequence_kv`` are cuDNN hints, ignored.
+
+        Variants: ``pos_encoding_mode`` ``"ALIBI"`` (slopes as FlashInfer's ``get_alibi_slopes``)
+        or ``"ROPE_LLAMA"`` (``rope_scale`` default 1, ``rope_theta`` default 1e4; query token i
+        at position ``kv_len - qo_len + i``, key j at j, Q and K rotated in the kernel, rounded
+        to the input dtype); ``custom_mask`` (flat bool: request b's row-major ``[qo_len,
+        kv_len]`` block after request b-1's) or ``packed_custom_mask`` (its bits, packed per
+        request, little bit order: FlashInfer's ``segment_packbits``) -- a custom mask
+        replaces ``causal``, as in FlashInfer; ``variant`` (any ``cute_attn.variants.Variant``,
+        applied after the built-ins; its runtime arguments not given to its constructor
+        follow the KV in ``run()``)."""
         q_dtype, d = self._check_common(
             num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type, o_data_type,
-            window_left, logits_soft_cap, fixed_split_size, custom_mask=custom_mask,
-            packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
+            window_left, logits_soft_cap, fixed_split_size, pos_encoding_mode=pos_encoding_mode, variant=variant,
             extra=(("prefix_len_ptr", prefix_len_ptr), ("token_pos_in_items_ptr", token_pos_in_items_ptr),
                    ("max_item_len_ptr", max_item_len_ptr), ("seq_lens", seq_lens), ("seq_lens_q", seq_lens_q),
                    ("v_indptr", v_indptr)))
@@ -456,7 +666,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                                q_dtype=q_dtype, causal=causal, page_size=1, window_left=window_left,
                                logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
                                split_tokens=None if fixed_split_size is None else int(fixed_split_size),
-                               disable_split_kv=disable_split_kv)
+                               disable_split_kv=disable_split_kv, pos_encoding_mode=pos_encoding_mode,
+                               rope_scale=rope_scale, rope_theta=rope_theta, custom_mask=custom_mask,
+                               packed_custom_mask=packed_custom_mask, variant=variant)
         if self._use_cuda_graph:
             self._to_device(qo_indptr, self._qo_indptr_buf, "qo_indptr")  # FlashInfer's buffer (unused here)
         self._kv_indptr = self._to_device(kv_indptr, self._kv_indptr_buf, "kv_indptr")
@@ -468,8 +680,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, q_scale=None, k_scale=None,
             v_scale=None, o_scale=None, out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
-            return_lse: bool = False, enable_pdl=None,
+            return_lse: bool = False, enable_pdl=None, sinks: Optional[torch.Tensor] = None,
             kv_cache_sf=None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """``*args``: the runtime arguments of plan()'s ``variant`` not given to its constructor,
+        in declaration order.  ``sinks``: per-head sink logits ``[num_qo_heads]`` (natural
+        units; the returned LSE includes them)."""
         out, lse = self._check_run(q, out, lse, (q_scale, k_scale, v_scale, o_scale), args, kv_cache_sf=kv_cache_sf)
         if k.dim() != 3 or k.shape != v.shape:
             raise ValueError(f"k/v must be equal 3-D tensors, got {tuple(k.shape)} / {tuple(v.shape)}")
@@ -483,7 +698,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             # exactly the planned tokens: a KV block that runs past the last request's end then
             # reads TMA's zero fill, never what lies beyond in the caller's tensor (0 * NaN = NaN)
             k, v = k[:self._kv_total], v[:self._kv_total]
-        self._launch(q, k.unsqueeze(0), v.unsqueeze(0), self._kv_indptr, self._kv_indices, out, lse)
+        self._launch(q, k.unsqueeze(0), v.unsqueeze(0), self._kv_indptr, self._kv_indices, out, lse, args, sinks)
         return (out, lse) if return_lse else out
 
     forward = run
@@ -532,6 +747,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                                  f"paged_kv_last_page_len_buf batch_size = {b} (qo_indptr_buf has {b + 1})")
         self._qo_indptr_buf, self._indptr_buf, self._indices_buf, self._last_buf = (
             (b for _, b in bufs) if use_cuda_graph else (None,) * 4)
+        self._mask_buf, self._mask_indptr_buf = custom_mask_buf, mask_indptr_buf
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
              num_kv_heads: int, head_dim_qk: int, page_size: int, head_dim_vo: Optional[int] = None,
@@ -543,13 +759,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
              token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0, max_item_len_ptr=None,
              seq_lens=None, seq_lens_q=None, block_tables=None, max_token_per_sequence: Optional[int] = None,
              max_sequence_kv: Optional[int] = None, fixed_split_size: Optional[int] = None,
-             disable_split_kv: bool = False) -> None:
-        """FlashInfer's arguments (see the ragged wrapper's ``plan``).  ``fixed_split_size`` is
-        in pages, as in FlashInfer."""
+             disable_split_kv: bool = False, variant=None) -> None:
+        """FlashInfer's arguments (see the ragged wrapper's ``plan``, variants included).
+        ``fixed_split_size`` is in pages, as in FlashInfer."""
         q_dtype, d = self._check_common(
             num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type, o_data_type,
-            window_left, logits_soft_cap, fixed_split_size, custom_mask=custom_mask,
-            packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
+            window_left, logits_soft_cap, fixed_split_size, pos_encoding_mode=pos_encoding_mode, variant=variant,
             extra=(("prefix_len_ptr", prefix_len_ptr), ("token_pos_in_items_ptr", token_pos_in_items_ptr),
                    ("max_item_len_ptr", max_item_len_ptr), ("seq_lens", seq_lens), ("seq_lens_q", seq_lens_q),
                    ("block_tables", block_tables)))
@@ -570,7 +785,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                                logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
                                split_tokens=(None if fixed_split_size is None
                                              else int(fixed_split_size) * int(page_size)),
-                               disable_split_kv=disable_split_kv)
+                               disable_split_kv=disable_split_kv, pos_encoding_mode=pos_encoding_mode,
+                               rope_scale=rope_scale, rope_theta=rope_theta, custom_mask=custom_mask,
+                               packed_custom_mask=packed_custom_mask, variant=variant)
         # the largest page id, checked against the cache in run() (the cache is not known here);
         # unknown (-1) when the indices already live on the GPU (reading them back would sync)
         used = int(indptr_h[-1])
@@ -590,8 +807,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             enable_pdl=None, window_left: Optional[int] = None, sinks=None, kv_cache_sf=None,
             skip_softmax_threshold_scale_factor=None, use_fp16_softmax=None,
             uses_spcompress=None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-        out, lse = self._check_run(q, out, lse, (q_scale, k_scale, v_scale), args, sinks=sinks,
-                                   kv_cache_sf=kv_cache_sf,
+        """``*args``: the runtime arguments of plan()'s ``variant`` not given to its constructor,
+        in declaration order.  ``sinks``: per-head sink logits ``[num_qo_heads]`` (natural
+        units; the returned LSE includes them)."""
+        out, lse = self._check_run(q, out, lse, (q_scale, k_scale, v_scale), args, kv_cache_sf=kv_cache_sf,
                                    skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor)
         if window_left is not None and window_left != self._window_left:
             raise ValueError("run(window_left=...) differs from plan(); pass it to plan()")
@@ -602,7 +821,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                              f"{tuple(k.shape[1:])}, plan() said ({self._page_size}, {self._hk}, {self._d})")
         if self._max_page >= k.shape[0]:
             raise ValueError(f"paged_kv_indices reference page {self._max_page}, the cache has {k.shape[0]} pages")
-        self._launch(q, k, v, self._kv_indptr, self._kv_indices, out, lse)
+        self._launch(q, k, v, self._kv_indptr, self._kv_indices, out, lse, args, sinks)
         return (out, lse) if return_lse else out
 
     forward = run
@@ -625,14 +844,17 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  window_left: int = -1, logits_soft_cap: Optional[float] = None,
                                  rope_scale: Optional[float] = None, rope_theta: Optional[float] = None,
                                  backend: str = "auto", return_lse: bool = False, kv_cache_sf=None,
-                                 k_scale=None, v_scale=None):
+                                 k_scale=None, v_scale=None, sinks: Optional[torch.Tensor] = None, variant=None,
+                                 *variant_args):
     """Prefill / append for one request (FlashInfer's argument order): q ``[qo_len, num_qo_heads,
     head_dim]``, k/v ``[kv_len, num_kv_heads, head_dim]`` (NHD) or ``[num_kv_heads, kv_len,
     head_dim]`` (HND), read in place.  Runs the batch kernel on a batch of one, so a long
     request is still spread over all SMs by the planner.  Returns ``out`` (and ``lse``
-    ``[qo_len, num_qo_heads]``, base 2)."""
-    _reject_unsupported(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
-                        pos_encoding_mode=pos_encoding_mode, q_dtype=q.dtype, kv_dtype=k.dtype,
+    ``[qo_len, num_qo_heads]``, base 2).  Variants as the batch wrappers: ``custom_mask`` is
+    ``[qo_len, kv_len]`` bool (or flat), ``packed_custom_mask`` its bits (little bit order),
+    ``sinks`` per-head sink logits, ``variant`` (with its missing runtime arguments as
+    ``variant_args``)."""
+    _reject_unsupported(q_dtype=q.dtype, kv_dtype=k.dtype,
                         o_dtype=_dtype(o_dtype, "o_dtype"), fp8_scales=(scale_q, scale_k, scale_v, k_scale, v_scale),
                         extra=(("kv_cache_sf", kv_cache_sf),))
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
@@ -653,8 +875,9 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         _SINGLE[key] = w
     w.plan(np.array([0, qo_len]), np.array([0, kv_len]), q.shape[1], hk, q.shape[2], causal=causal,
            window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, q_data_type=q.dtype,
-           kv_data_type=k.dtype)
-    out, lse = w.run(q, k, v, return_lse=True)
+           kv_data_type=k.dtype, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
+           pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale, rope_theta=rope_theta, variant=variant)
+    out, lse = w.run(q, k, v, *variant_args, return_lse=True, sinks=sinks)
     return (out, lse) if return_lse else out
 
 

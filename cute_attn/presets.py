@@ -50,8 +50,28 @@ def _prefill_kernel_present() -> bool:
     return importlib.util.find_spec("cute_attn.kernels.prefill_sm90") is not None
 
 
+def _variants(arch: str) -> List[Spec]:
+    """What tests/test_variants_gpu.py, tests/test_prefill_variants_gpu.py and the ``variants``
+    bench run: the decode variant specs (both arches, with the merge), and on sm_90a the
+    prefill variant specs (tile 128; the plain specs of the same shapes included) with the
+    prefill merge for tile 128."""
+    from .decode import decode_specs, variant_decode_specs
+
+    specs = variant_decode_specs(arch) + [s for s in decode_specs(arch, head_dims=(64, 128))
+                                          if s.family == "merge_partials"]
+    if _prefill_kernel_present():
+        from .prefill import prefill_merge_specs, variant_prefill_specs
+
+        specs += variant_prefill_specs(arch) + prefill_merge_specs(arch, tiles=(128,))
+    return specs
+
+
 def _default(arch: str) -> List[Spec]:
     specs = _merge(arch, _VALUE_DTYPES, _HEAD_DIMS) + _decode(arch)
+    if arch == "sm_90a":  # the decode variants (what the variant tests and bench need) on Hopper
+        from .decode import variant_decode_specs
+
+        specs += variant_decode_specs(arch)
     return specs + _prefill(arch) if _prefill_kernel_present() else specs
 
 
@@ -59,6 +79,7 @@ PRESETS: Dict[str, callable] = {
     "default": _default,
     "decode": _decode,
     "prefill": _prefill,
+    "variants": _variants,
     "smoke": lambda arch: _merge(arch, ("bf16",), (128,)),
     # tuning sweep for `python -m cute_attn bench --only merge_sweep`
     "merge_sweep": lambda arch: [Spec.make("merge_states", arch, dtype="bf16", head_dim=128, load_batch=b)

@@ -738,12 +738,11 @@ def test_cpu_validation_errors(emu):
         plan(head_dim_qk=96)
     with pytest.raises(NotImplementedError, match="head_dim_vo"):
         plan(head_dim_vo=64)
-    with pytest.raises(NotImplementedError, match="custom_mask"):
-        plan(custom_mask=torch.ones(64, dtype=torch.bool))
-    with pytest.raises(NotImplementedError, match="custom_mask"):
-        plan(packed_custom_mask=torch.ones(8, dtype=torch.uint8))
-    with pytest.raises(NotImplementedError, match="pos_encoding_mode"):
-        plan(pos_encoding_mode="ROPE_LLAMA")
+    # custom masks, pos_encoding_mode, sinks and variant=: tests/test_prefill_variants_gpu.py
+    with pytest.raises(ValueError, match="custom_mask"):
+        plan(custom_mask=torch.ones(63, dtype=torch.bool))
+    with pytest.raises(ValueError, match="pos_encoding_mode"):
+        plan(pos_encoding_mode="ROPE")
     with pytest.raises(NotImplementedError, match="fp8"):
         plan(kv_data_type=torch.float8_e4m3fn)
     with pytest.raises(NotImplementedError, match="o_data_type"):
@@ -798,7 +797,7 @@ def test_cpu_validation_errors(emu):
     with pytest.raises(NotImplementedError, match="scales"):
         w.run(q, k, k, q_scale=1.0)
     with pytest.raises(TypeError, match="positional"):
-        w.run(q, k, k, torch.zeros(1))
+        w.run(q, k, k, torch.zeros(1))  # no variant: nothing takes extra arguments
     emu.state["capturing"] = True
     with pytest.raises(RuntimeError, match="use_cuda_graph"):
         w.run(q, k, k)
@@ -826,15 +825,13 @@ def test_cpu_validation_errors(emu):
         pw.run(q, torch.zeros(8, 2, 8, 2, 128, **bf))
     with pytest.raises(ValueError, match="window_left"):
         pw.run(q, torch.zeros(8, 2, 16, 2, 128, **bf), window_left=3)
-    with pytest.raises(NotImplementedError, match="sinks"):
-        pw.run(q, torch.zeros(8, 2, 16, 2, 128, **bf), sinks=torch.zeros(8))
+    with pytest.raises(ValueError, match="sinks"):
+        pw.run(q, torch.zeros(8, 2, 16, 2, 128, **bf), sinks=torch.zeros(4))
     pw.run(q, torch.zeros(8, 2, 16, 2, 128, **bf))
     with pytest.raises(ValueError, match="paged_kv_indices_buf"):
         BatchPrefillWithPagedKVCacheWrapper(_cpu_ws(), use_cuda_graph=True,
                                             qo_indptr_buf=_fake_cuda(torch.zeros(2, dtype=torch.int32)),
                                             paged_kv_indptr_buf=_fake_cuda(torch.zeros(2, dtype=torch.int32)))
 
-    with pytest.raises(NotImplementedError, match="custom_mask"):
-        single_prefill_with_kv_cache(q, k, k, custom_mask=torch.ones(8, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match="CUDA"):
         single_prefill_with_kv_cache(q, k, k)

@@ -5,8 +5,11 @@ Decode: batch 64 x 4k, bf16, 32 q / 8 kv heads, d128, page 16, run() replayed fr
 graph.  FlexAttention runs the same batch dense ([64, 8, 4096, 128], GQA) with the variant as
 ``score_mod`` / ``mask_mod`` (n/a where it has no equivalent: sinks, sigmoid, RoPE).
 
-Prefill rows: add a ``Row`` list and a ``_prefill_rows`` body next to ``_decode_rows`` (the
-case list, the timing helper and the printing are shared).
+Prefill: hd128, 2 x 8k tokens, 16 heads, causal, bf16, ragged (bench/prefill.py's shapes), eager
+``run()`` of a planned wrapper; FlexAttention on the dense [2, 16, 8k, 128] tensors with its own
+causal block mask; the custom mask row (the causal pattern given as a mask) is compared with
+plain non-causal attention, the work it does (a custom mask skips no blocks).  Specializations:
+the ``variants`` preset.
 """
 from __future__ import annotations
 
@@ -186,9 +189,149 @@ def _decode_rows_bench(res, quick: bool) -> None:
           f"({t_sep / t_fused:.2f}x)")
 
 
+PB, PH, PS = 2, 16, 8192  # prefill: bench/prefill.py's shapes (2 x 8k tokens, 16 heads, no GQA), hd 128
+
+
+def _prefill_rows():
+    """Prefill rows (causal unless ``extra['noncausal']``): plan/run keywords of the ragged
+    wrapper, FlexAttention's score_mod / mask_mod on dense [2, 16, 8k, 128] (q index = kv
+    index: bottom-right = top-left aligned here)."""
+    from ..variants import FlashSigmoid, get_alibi_slopes
+    from ..variants.examples import RelativePositionBias
+
+    def causal(b, h, qi, kvi):
+        return qi >= kvi
+
+    def alibi_mod(t):
+        slopes = t["slopes"]
+        return lambda s, b, h, qi, kvi: s + slopes[h] * (kvi - qi).to(s.dtype)
+
+    def relbias_mod(t):
+        table = t["table"]
+        return lambda s, b, h, qi, kvi: s + table[h, ((qi - kvi).clamp(min=0) // 16).clamp(max=31)]
+
+    def sigmoid_mod(t):
+        return lambda s, b, h, qi, kvi: torch.log(torch.sigmoid(s - 2.0))  # weights, normalized by flex's softmax
+
+    return [
+        Row("plain (causal)", flex_mask=lambda t: causal),
+        Row("soft_cap", plan_kw=lambda t: dict(logits_soft_cap=30.0), flex_mask=lambda t: causal,
+            flex_score=lambda t: lambda s, b, h, qi, kvi: 30.0 * torch.tanh(s / 30.0)),
+        Row("window_1024", plan_kw=lambda t: dict(window_left=1024),
+            flex_mask=lambda t: lambda b, h, qi, kvi: (qi >= kvi) & (kvi >= qi - 1024), note="reads only the window"),
+        Row("alibi", plan_kw=lambda t: dict(pos_encoding_mode="ALIBI"), flex_mask=lambda t: causal,
+            flex_score=alibi_mod, extra=dict(slopes=lambda: get_alibi_slopes(PH).cuda())),
+        Row("sink", run_kw=lambda t: dict(sinks=t["sinks"]), extra=dict(sinks=lambda: torch.randn(PH, device="cuda"))),
+        Row("rope", plan_kw=lambda t: dict(pos_encoding_mode="ROPE_LLAMA"), note="Q and K rotated in the kernel"),
+        Row("custom_mask", plan_kw=lambda t: dict(custom_mask=t["mask"]),
+            flex_mask=lambda t: (lambda m: lambda b, h, qi, kvi: m[b, qi, kvi])(t["mask_dense"]),
+            extra=dict(mask=None), note="x over plain NON-causal (no block skipping with a custom mask)"),
+        Row("sigmoid", plan_kw=lambda t: dict(variant=FlashSigmoid(sigmoid_bias=-2.0)), flex_mask=lambda t: causal,
+            flex_score=sigmoid_mod, note="flex: log-sigmoid score_mod (normalized, not the same math)"),
+        Row("rel_bias (user example)", plan_kw=lambda t: dict(variant=RelativePositionBias()),
+            run_args=lambda t: (t["table"],), flex_mask=lambda t: causal, flex_score=relbias_mod,
+            extra=dict(table=lambda: torch.randn(PH, 32, device="cuda"))),
+    ]
+
+
+def _time_prefill(ws, q, k, v, ind, causal, plan_kw, run_args, run_kw) -> float:
+    from ..prefill import BatchPrefillWithRaggedKVCacheWrapper
+
+    w = BatchPrefillWithRaggedKVCacheWrapper(ws)
+    w.plan(ind, ind, PH, PH, D, causal=causal, q_data_type=torch.bfloat16, **plan_kw)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], PH, device="cuda")
+    w.run(q, k, v, *run_args, out=out, lse=lse, **run_kw)
+    return do_bench(lambda: w.run(q, k, v, *run_args, out=out, lse=lse, **run_kw))
+
+
+def _flex_prefill(q4, k4, v4, score_mod=None, mask_mod=None):
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    try:
+        bm = create_block_mask(mask_mod, None, None, PS, PS, device="cuda") if mask_mod is not None else None
+        fa = torch.compile(flex_attention)
+        fa(q4, k4, v4, score_mod=score_mod, block_mask=bm)
+        return do_bench(lambda: fa(q4, k4, v4, score_mod=score_mod, block_mask=bm))
+    except Exception as e:  # pragma: no cover
+        print(f"  flex failed: {type(e).__name__}: {str(e)[:200]}")
+        return None
+
+
 def _prefill_rows_bench(res, quick: bool) -> None:
-    """Prefill rows: to be added with the prefill kernel (same Row list idea, the prefill wrapper)."""
-    return None
+    """Prefill hd128, 2 x 8k causal, bf16, ragged: each variant's time over plain causal
+    attention (the custom mask: over plain non-causal, which does the same block work), with
+    FlexAttention's ratio beside (its own plain causal run as the base); then fused RoPE vs a
+    separate torch RoPE pass over q and k + plain attention."""
+    ind = torch.arange(0, (PB + 1) * PS, PS, dtype=torch.int32)
+    q = torch.randn(PB * PS, PH, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(PB * PS, PH, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(PB * PS, PH, D, device="cuda", dtype=torch.bfloat16)
+    q4, k4, v4 = (x.view(PB, PS, PH, D).transpose(1, 2).contiguous() for x in (q, k, v))
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    rows = _prefill_rows()
+    if quick:
+        rows = rows[:4]
+    t_plain = _time_prefill(ws, q, k, v, ind, True, {}, (), {})
+    t_plain_nc = _time_prefill(ws, q, k, v, ind, False, {}, (), {})
+    f_plain = f_plain_nc = None
+    print(f"{'prefill 2 x 8k causal, bf16 16/16 d128 ragged':<42} {'us':>7} {'x plain':>8} {'flex us':>9} {'flex x':>7}")
+    for row in rows:
+        t_in = {}
+        for name, f in row.extra.items():
+            if name == "mask":  # the causal pattern as a custom mask, FlashInfer's flat layout
+                dense = torch.ones(PS, PS, dtype=torch.bool).tril()
+                t_in["mask"] = dense.reshape(-1).repeat(PB)
+                t_in["mask_dense"] = dense.cuda().unsqueeze(0).expand(PB, PS, PS)
+            else:
+                t_in[name] = f()
+        noncausal = row.name == "custom_mask"
+        if row.name.startswith("plain"):
+            t = t_plain
+        else:
+            t = _time_prefill(ws, q, k, v, ind, not noncausal, row.plan_kw(t_in), row.run_args(t_in),
+                              row.run_kw(t_in))
+        base = t_plain_nc if noncausal else t_plain
+        f = None
+        if row.flex_score is not None or row.flex_mask is not None:
+            if f_plain is None:
+                f_plain = _flex_prefill(q4, k4, v4, mask_mod=lambda b, h, qi, kvi: qi >= kvi)
+            f = _flex_prefill(q4, k4, v4, row.flex_score(t_in) if row.flex_score else None,
+                              row.flex_mask(t_in) if row.flex_mask else None)
+        case = f"variants/prefill/hd128/causal/s8192/{row.name.split()[0]}"
+        res.add(case, "cute_attn", "us", t)
+        res.add(case, "cute_attn", "x_plain", t / base)
+        fx = ""
+        if f is not None and f_plain:
+            res.add(case, "flex", "us", f)
+            res.add(case, "flex", "x_plain", f / f_plain)
+            fx = f"{f:9.1f} {f / f_plain:7.3f}"
+        flag = "" if t / base <= 1.05 else "  > 1.05"
+        print(f"{row.name:<42} {t:7.1f} {t / base:8.3f} {fx or 'n/a':>17}  {row.note}{flag}")
+        del t_in
+
+    # fused RoPE vs a separate RoPE pass (torch ops over q and k) + plain causal prefill
+    pos = torch.arange(PS, device="cuda").repeat(PB)  # kv_len == qo_len: query i and key i at position i
+    t_fused = _time_prefill(ws, q, k, v, ind, True, dict(pos_encoding_mode="ROPE_LLAMA"), (), {})
+    from ..prefill import BatchPrefillWithRaggedKVCacheWrapper
+
+    w_plain = BatchPrefillWithRaggedKVCacheWrapper(ws)
+    w_plain.plan(ind, ind, PH, PH, D, causal=True, q_data_type=torch.bfloat16)
+    out_sep = torch.empty_like(q)
+
+    def separate():
+        w_plain.run(_rope_pass(q, pos), _rope_pass(k, pos), v, out=out_sep)
+
+    separate()
+    t_sep = do_bench(separate)
+    case = "variants/prefill/hd128/causal/s8192/rope_fused_vs_separate"
+    res.add(case, "cute_attn", "us", t_fused)
+    res.add(case, "separate_rope_pass+plain", "us", t_sep)
+    res.add(case, "cute_attn", "speedup", t_sep / t_fused)
+    print(f"{'RoPE fused':<42} {t_fused:7.1f}   vs separate torch RoPE pass + plain prefill {t_sep:8.1f} us "
+          f"({t_sep / t_fused:.2f}x)")
 
 
 def bench_variants(res, quick: bool) -> None:
