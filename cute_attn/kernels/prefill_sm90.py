@@ -27,6 +27,11 @@ kernel.  Variant hook points: ``_logits`` (logits transform) and ``_visible`` (l
 """
 from __future__ import annotations
 
+# VARIANTS-READY: the lead's perf work is committed; variant integration may edit this file
+# Wrapper contract added with this commit (please wire it in cute_attn/prefill.py + presets):
+# spec param page_box=16 for paged caches whose page_size is a multiple of 16 (K/V by TMA, one
+# box per 16 rows of a page); no page_box (the cp.async gather) for other page sizes.
+
 import math
 from typing import Optional
 
@@ -43,8 +48,9 @@ from .decode import W_DEST, W_KV_END, W_KV_HEAD, W_KV_LEN, W_KV_START, W_NUM_ROW
 
 LOG2E = math.log2(math.e)
 WG = 128  # threads per warpgroup
+SMEM_MAX = 232448  # bytes of shared memory per block on sm_90
 
-# (tile_n, stages) per (head dim, paged): what fits 227 KB of shared memory next to the Q tile
+# (tile_n, stages) per (head dim, cp.async gather): what fits 227 KB of shared memory next to the Q tile
 # (the epilogue's output tile reuses the Q tile's space) and leaves ptxas enough registers to keep
 # the wgmmas asynchronous: at hd128 x 128 keys (and hd256 x 80) it serializes every wgmma
 # ("C7512 ... insufficient register resources"), which costs ~30 %.
@@ -62,26 +68,35 @@ ROW_RING = 3  # blocks of page lookups staged in smem by the gather producer (se
 
 class BatchPrefillSm90:
     def __init__(self, dtype, head_dim: int, tile_q: int, paged: bool, causal: bool, soft_cap: bool,
-                 window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1):
+                 window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1, page_box: int = 0):
         assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_q = tile_q
         self.num_mma_wg = tile_q // 64
         self.paged = paged
+        # How K/V reach shared memory: TMA -- one box per block (ragged) or one box per page_box
+        # rows of a page (paged, page size a multiple of page_box) -- or a cp.async gather
+        # (paged, any page size).
+        self.page_box = page_box if paged else 0
+        self.gather = paged and not page_box
         self.causal = causal
         self.soft_cap = soft_cap
         self.window = window
-        dn, ds = KV_TILES[head_dim, paged]
+        dn, ds = KV_TILES[head_dim, self.gather]
         self.tile_n = tile_n or dn
         self.stages = stages or ds
         self.threads = WG * (1 + self.num_mma_wg)
         self.chunks = head_dim // 8  # 16-byte chunks per row
-        self.producer_regs, self.mma_regs = REGS[self.num_mma_wg, paged]
+        self.producer_regs, self.mma_regs = REGS[self.num_mma_wg, self.gather]
         # ping-pong between the two consumer WGs pays off while O is small; with head_dim 256 the
         # tensor cores are busy enough with one WG's GEMMs (as FA3)
         self.pingpong = self.num_mma_wg == 2 and (head_dim <= 128 if pingpong < 0 else bool(pingpong))
         self.rescale_before_pv = head_dim > 128
+        # own output staging tile (coalesced 16-byte stores) where shared memory allows; then the
+        # next item's Q is prefetched into sQ during this item's last PV and epilogue.  At hd256
+        # the output is staged in sQ and Q is loaded at the start of each item.
+        self.own_o = head_dim <= 128
 
     # ---- variant hook points -------------------------------------------------------------
     @cute.jit
@@ -118,15 +133,29 @@ class BatchPrefillSm90:
         mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
                                                    Float32, (self.num_mma_wg, 1, 1), (64, D),
                                                    warpgroup.OperandSource.RMEM)
-        # TMA (ragged KV): view [1, tokens, kv_heads, D] as (tokens, D, kv_heads), one (TN, D) box
-        # per block.  Paged KV is gathered with cp.async: no TMA descriptor at all.
+        # TMA.  Ragged: [1, tokens, kv_heads, D] viewed as (tokens, D, kv_heads), one (TN, D) box per
+        # block.  Paged with page_box: the cache viewed as (page_size, D, kv_heads, pages), boxes of
+        # (page_box, D) written into row slices of the stage tile -- each slice starts on a
+        # 1024-byte swizzle-atom boundary, so the sub-tile layout is the tile's own.  The gather
+        # path has no TMA descriptor at all.
         tma_k = tK = tma_v = tV = None
-        if const_expr(not self.paged):
-            k3 = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2]))
-            v3 = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2]))
-            kv_box = cute.select(sKV_layout, mode=[0, 1])
-            tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k3, kv_box, (TN, D))
-            tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v3, kv_box, (TN, D))
+        if const_expr(not self.gather):
+            if const_expr(self.page_box):
+                PB = self.page_box
+                k4 = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+                v4 = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2, 0]))
+                stage0 = cute.make_tensor(cute.make_ptr(dt, 0, cute.AddressSpace.smem, assumed_align=1024),
+                                          sKV_layout.outer)[None, None, 0]
+                sub = cute.select(cute.local_tile(stage0, (PB, D), (0, 0)).layout, mode=[0, 1])
+                box = cute.make_composed_layout(sKV_layout.inner, 0, sub)
+                tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k4, box, (PB, D))
+                tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v4, box, (PB, D))
+            else:
+                k3 = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2]))
+                v3 = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2]))
+                kv_box = cute.select(sKV_layout, mode=[0, 1])
+                tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k3, kv_box, (TN, D))
+                tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v3, kv_box, (TN, D))
 
         @cute.struct
         class Smem:
@@ -135,8 +164,11 @@ class BatchPrefillSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout) if self.own_o else 8], 1024]
             sRows: cute.struct.MemRange[Int32, 2 * TN * ROW_RING]  # gather: (page, slot) of each row
 
+        if const_expr(Smem.size_in_bytes() > SMEM_MAX):
+            raise ValueError(f"{Smem.size_in_bytes()} bytes of shared memory > {SMEM_MAX}: fewer stages or keys per block")
         scale_log2 = sm_scale * LOG2E
         cap = soft_cap if soft_cap > Float32(0.0) else Float32(1.0)
         self.kernel(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse,
@@ -157,7 +189,7 @@ class BatchPrefillSm90:
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if const_expr(not self.paged):
+        if const_expr(not self.gather):
             if warp_idx == 0:
                 cpasync.prefetch_descriptor(tma_k)
                 cpasync.prefetch_descriptor(tma_v)
@@ -167,11 +199,12 @@ class BatchPrefillSm90:
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = st.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = st.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sO = st.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(self.own_o) else sQ
         sRows = st.sRows.get_tensor(cute.make_layout((2, self.tile_n, ROW_RING), stride=(1, 2, 2 * self.tile_n)))
 
         T = pipeline.Agent.Thread
         mma_threads = WG * self.num_mma_wg
-        if const_expr(self.paged):
+        if const_expr(self.gather):
             # cp.async producers: every producer thread arrives (noinc) once its copies land;
             # the stock consumer release arrives from every consumer thread.
             mk_pipe = lambda bar: pipeline.PipelineCpAsync.create(  # noqa: E731
@@ -194,7 +227,7 @@ class BatchPrefillSm90:
                           pipe_k, pipe_v, cta, tidx, warp_idx, group, window_left)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self._consume(mQ, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, sQ, sK, sV, pipe_k, pipe_v,
+            self._consume(mQ, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, sQ, sK, sV, sO, pipe_k, pipe_v,
                           mma_qk, mma_pv, cta, tidx - WG, group, scale_log2, cap_log2, inv_cap_scaled,
                           window_left)
 
@@ -229,7 +262,24 @@ class BatchPrefillSm90:
             kv_start = mWork[item, W_KV_START]
             kv_end = mWork[item, W_KV_END]
             first, n_blocks = self._block_range(mWork, item, group, window_left)
-            if const_expr(not self.paged):
+            if const_expr(self.page_box):
+                if warp_idx == 0:
+                    page_base = mKvIndptr[req]
+                    page_size = mK.shape[1]
+                    for j in cutlass.range(n_blocks - first + 1, unroll=1):
+                        if j < n_blocks - first:
+                            pipe_k.producer_acquire(k_state)
+                            self._load_pages(tma_k, tK, sK, pipe_k.producer_get_barrier(k_state), k_state.index,
+                                             mKvIndices, kv_start + (n_blocks - 1 - j) * TN, kv_end, page_base,
+                                             page_size, kv_head)
+                            k_state.advance()
+                        if j > 0:
+                            pipe_v.producer_acquire(v_state)
+                            self._load_pages(tma_v, tV, sV, pipe_v.producer_get_barrier(v_state), v_state.index,
+                                             mKvIndices, kv_start + (n_blocks - j) * TN, kv_end, page_base,
+                                             page_size, kv_head)
+                            v_state.advance()
+            elif const_expr(not self.paged):
                 if warp_idx == 0:
                     row0 = mKvIndptr[req] + kv_start
                     gK = cute.local_tile(cute.domain_offset((row0, 0), tK[None, None, kv_head]), (TN, D), (None, 0))
@@ -289,9 +339,25 @@ class BatchPrefillSm90:
                             sRows[1, tidx, (ring + j + 1) % ROW_RING] = sl
                     cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=WG)
                 ring = ring + nb
-        if const_expr(self.paged):
+        if const_expr(self.gather):
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)  # no copy of this thread outlives it
+
+    @cute.jit
+    def _load_pages(self, tma, tX, sX, bar, stage, mKvIndices, blk, kv_end, page_base, page_size, kv_head):
+        """TMA one block as TN / page_box boxes, each from its own page.  Boxes past kv_end
+        re-read the last valid box; the unused slots of the last page are zeroed in smem by
+        the consumers before P V (``_zero_v_tail``)."""
+        PB, D = self.page_box, self.head_dim
+        for b in cutlass.range_constexpr(self.tile_n // PB):
+            p = blk + b * PB
+            p = p if p < kv_end else kv_end - 1
+            page = mKvIndices[page_base + p // page_size]
+            g = cute.local_tile(tX[None, None, kv_head, page], (PB, D), ((p % page_size) // PB, 0))
+            s_ = cute.local_tile(sX[None, None, stage], (PB, D), (b, 0))
+            ts, tg = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_, 0, 2),
+                                           cute.group_modes(g, 0, 2))
+            cute.copy(tma, tg, ts, tma_bar_ptr=bar)
 
     @cute.jit
     def _lookup(self, mKvIndices, tidx, blk, kv_end, page_base, page_size):
@@ -312,7 +378,7 @@ class BatchPrefillSm90:
 
     # ---- consumers -----------------------------------------------------------------------
     @cute.jit
-    def _consume(self, mQ, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, sQ, sK, sV, pipe_k, pipe_v,
+    def _consume(self, mQ, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, sQ, sK, sV, sO, pipe_k, pipe_v,
                  mma_qk, mma_pv, cta, ct, group, scale_log2, cap_log2, inv_cap_scaled, window_left):
         TN, D, TQ = self.tile_n, self.head_dim, self.tile_q
         wg = ct // WG  # consumer warpgroup 0 / 1: packed rows [64 wg, 64 wg + 64) of the tile
@@ -336,8 +402,9 @@ class BatchPrefillSm90:
                 cute.arch.barrier_arrive(barrier_id=BAR_PINGPONG0, number_of_threads=2 * WG)
 
         item_end = mWorkIndptr[cta + 1]
-        if mWorkIndptr[cta] < item_end:
-            self._load_q(mQ, mWork, sQ, g2s, mWorkIndptr[cta], wg, tw, group)
+        if const_expr(self.own_o):
+            if mWorkIndptr[cta] < item_end:
+                    self._load_q(mQ, mWork, sQ, g2s, mWorkIndptr[cta], wg, tw, group)
         for item in cutlass.range(mWorkIndptr[cta], item_end, unroll=1):
             kv_head = mWork[item, W_KV_HEAD]
             row_start = mWork[item, W_ROW_START]
@@ -349,7 +416,10 @@ class BatchPrefillSm90:
             qpos_base = mWork[item, W_KV_LEN] - mWork[item, W_QO_LEN]
             first, n_blocks = self._block_range(mWork, item, group, window_left)
 
-            # this WG's Q rows were prefetched (before the loop, or during the previous item)
+            # this WG's Q rows: prefetched (before the loop, or during the previous item), or
+            # loaded now when sQ also stages the output
+            if const_expr(not self.own_o):
+                self._load_q(mQ, mWork, sQ, g2s, item, wg, tw, group)
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> read by wgmma (async proxy)
             cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
@@ -394,6 +464,8 @@ class BatchPrefillSm90:
                     if const_expr(self.rescale_before_pv):
                         _rescale(acc_O, corr)  # while QK runs: frees S's registers sooner (large O)
                     pipe_v.consumer_wait(v_state)
+                    if j == 1:
+                        self._zero_v_tail(sV, v_state, kv_end - (kv_start + (n_blocks - 1) * TN), tw, bar_wg)
                     self._pv(mma_pv, acc_O, tOrP, tOrV, v_state)
                     self._pingpong_signal(wg)
                     warpgroup.wait_group(1)  # S(j) is ready; PV(j-1) may still run
@@ -405,21 +477,43 @@ class BatchPrefillSm90:
                     rP.store(acc_S.load().to(self.dtype))
                     if const_expr(not self.rescale_before_pv):
                         _rescale(acc_O, corr)
-                if item + 1 < item_end:  # every QK of this item is done: sQ is free
-                    self._load_q(mQ, mWork, sQ, g2s, item + 1, wg, tw, group)
+                if const_expr(self.own_o):
+                    if item + 1 < item_end:  # every QK of this item is done: sQ is free
+                        self._load_q(mQ, mWork, sQ, g2s, item + 1, wg, tw, group)
                 if const_expr(self.rescale_before_pv):
                     _rescale(acc_O, corr)
                 pipe_v.consumer_wait(state)
+                if n_blocks - first == 1:
+                    self._zero_v_tail(sV, state, kv_end - (kv_start + (n_blocks - 1) * TN), tw, bar_wg)
                 self._pv(mma_pv, acc_O, tOrP, tOrV, state)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(state)
                 state.advance()
             else:
-                if item + 1 < item_end:  # no KV block: this item's Q is not used at all
-                    self._load_q(mQ, mWork, sQ, g2s, item + 1, wg, tw, group)
+                if const_expr(self.own_o):
+                    if item + 1 < item_end:  # no KV block: this item's Q is not used at all
+                        self._load_q(mQ, mWork, sQ, g2s, item + 1, wg, tw, group)
 
-            self._epilogue(acc_O, row_m, row_l, tOcO, sQ, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
+            self._epilogue(acc_O, row_m, row_l, tOcO, sO, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
                            row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2)
+
+    @cute.jit
+    def _zero_v_tail(self, sV, state, valid, tw, bar_wg):
+        """TMA fills a block's rows past KV_END with whatever follows in memory (the next
+        request, a page's unused slots, stale data in a CUDA-graph buffer): zero those V rows
+        before P V, as P = 0 there would not cancel a NaN or Inf (0 * NaN = NaN).  Both consumer
+        WGs write the same zeros; each fences and syncs its own threads before its PV.  Only
+        the item's last block can be partial; the cp.async gather re-reads the last valid
+        token instead."""
+        if const_expr(not self.gather):
+            if valid < self.tile_n:
+                zero = cute.make_rmem_tensor((8,), self.dtype)
+                zero.fill(0.0)
+                for idx in cutlass.range(tw, (self.tile_n - valid) * self.chunks, WG, unroll=1):
+                    cute.autovec_copy(zero, cute.local_tile(sV[valid + idx // self.chunks, None, state.index], (8,),
+                                                            (idx % self.chunks,)))
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
 
     @cute.jit
     def _load_q(self, mQ, mWork, sQ, g2s, item, wg, tw, group):
@@ -442,7 +536,7 @@ class BatchPrefillSm90:
     @cute.jit
     def _qk(self, mma_qk, acc_S, tSrQ, tSrK, state):
         """Issue S = Q K(stage)^T (async; the caller waits)."""
-        if const_expr(self.paged):
+        if const_expr(self.gather):
             cute.arch.fence_view_async_shared()  # cp.async (generic proxy) data read by wgmma
         warpgroup.fence()
         # a fresh atom per call: the ACCUMULATE field it carries is set here, inside the caller's
@@ -456,7 +550,7 @@ class BatchPrefillSm90:
     @cute.jit
     def _pv(self, mma_pv, acc_O, tOrP, tOrV, state):
         """Issue O += P V(stage) (async; the caller waits)."""
-        if const_expr(self.paged):
+        if const_expr(self.gather):
             cute.arch.fence_view_async_shared()
         warpgroup.fence()
         atom = cute.make_mma_atom(mma_pv.op)
@@ -531,9 +625,10 @@ class BatchPrefillSm90:
             row_m[r] = m_new
 
     @cute.jit
-    def _epilogue(self, acc_O, row_m, row_l, tOcO, sQ, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
+    def _epilogue(self, acc_O, row_m, row_l, tOcO, sO, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
                   row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2):
-        """Normalize and store: final rows (value dtype + LSE) or a partial slot (fp32)."""
+        """Normalize and store: final rows (value dtype + LSE) through the staging tile sO, or a
+        partial slot (fp32) straight from registers."""
         D, TQ = self.head_dim, self.tile_q
         O = _rowcol(acc_O)
         n_rows = cute.size(O, mode=[0])
@@ -550,22 +645,33 @@ class BatchPrefillSm90:
                 lse[r] = row_m[r] * scale + cute.math.log2(l, fastmath=True)
             for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
                 O[r, c] = O[r, c] * inv
-        for r in cutlass.range_constexpr(n_rows):
-            j = tOcO[r, 0][0]
-            if j < num_rows:
-                row = row_start + j
-                if dest < 0:
-                    # straight from registers: a quad writes 16 contiguous bytes per 8 columns;
-                    # the Q tile stays free for the next item's prefetch
-                    gO = mO[qo_offset + row // group, kv_head * group + row % group, None]
-                    for c in cutlass.range_constexpr(0, cute.size(O, mode=[1]), 2):
-                        pair = cute.make_rmem_tensor((2,), self.dtype)
-                        pair[0] = O[r, c].to(self.dtype)
-                        pair[1] = O[r, c + 1].to(self.dtype)
-                        cute.autovec_copy(pair, cute.local_tile(gO, (2,), (tOcO[0, c][1] // 2,)))
-                    if lane % 4 == 0:
-                        mLse[qo_offset + row // group, kv_head * group + row % group] = lse[r]
-                else:
+        if dest < 0:
+            # through shared memory: 16-byte stores, each row to its own (token, head) address
+            for r in cutlass.range_constexpr(n_rows):
+                j = tOcO[r, 0][0]
+                for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                    sO[j, tOcO[0, c][1]] = O[r, c].to(self.dtype)
+                if lane % 4 == 0 and j < num_rows:
+                    row = row_start + j
+                    mLse[qo_offset + row // group, kv_head * group + row % group] = lse[r]
+            cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
+            for i in cutlass.range_constexpr(64 * self.chunks // WG):
+                idx = tw + i * WG
+                j = wg * 64 + idx // self.chunks
+                c = idx % self.chunks
+                if j < num_rows:
+                    row = row_start + j
+                    frag = cute.make_rmem_tensor((8,), self.dtype)
+                    cute.autovec_copy(cute.local_tile(sO[j, None], (8,), (c,)), frag)
+                    cute.autovec_copy(frag, cute.local_tile(mO[qo_offset + row // group, kv_head * group + row % group,
+                                                               None], (8,), (c,)))
+            if const_expr(not self.own_o):
+                # sO is this WG's Q tile, overwritten by the next item's Q: everyone must be done
+                cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
+        else:
+            for r in cutlass.range_constexpr(n_rows):
+                j = tOcO[r, 0][0]
+                if j < num_rows:
                     slot_row = dest * TQ + j
                     for c in cutlass.range_constexpr(0, cute.size(O, mode=[1]), 2):
                         pair = cute.make_rmem_tensor((2,), Float32)
@@ -609,4 +715,5 @@ _DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
 def build_batch_prefill_sm90(spec):
     p = spec.pdict
     return BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"],
-                            p["soft_cap"], p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1))
+                            p["soft_cap"], p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1),
+                            p.get("page_box", 0))
