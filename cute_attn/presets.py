@@ -51,19 +51,24 @@ def _prefill_kernel_present() -> bool:
 
 
 def _variants(arch: str) -> List[Spec]:
-    """What tests/test_variants_gpu.py, tests/test_prefill_variants_gpu.py and the ``variants``
-    bench run: the decode variant specs (both arches, with the merge), and on sm_90a the
-    prefill variant specs (tile 128; the plain specs of the same shapes included) with the
+    """Everything tests/test_variants_gpu.py, tests/test_prefill_variants_gpu.py and the
+    ``variants`` bench run: the decode variant specs and the decode bench's plain rows (both
+    arches, with the merge), and on sm_90a the prefill variant specs (tile 128; the plain specs
+    of the same shapes included), the prefill bench's plain / soft-cap / window rows and the
     prefill merge for tile 128."""
     from .decode import decode_specs, variant_decode_specs
 
-    specs = variant_decode_specs(arch) + [s for s in decode_specs(arch, head_dims=(64, 128))
-                                          if s.family == "merge_partials"]
+    # the decode bench's plain / soft-cap / window rows (bf16 d128) and the merges
+    specs = variant_decode_specs(arch) + decode_specs(arch, dtypes=("bf16",), head_dims=(128,)) + [
+        s for s in decode_specs(arch, dtypes=("f16",), head_dims=(64,)) if s.family == "merge_partials"]
     if _prefill_kernel_present():
-        from .prefill import prefill_merge_specs, variant_prefill_specs
+        from .prefill import prefill_merge_specs, prefill_specs, variant_prefill_specs
 
-        specs += variant_prefill_specs(arch) + prefill_merge_specs(arch, tiles=(128,))
-    return specs
+        # + the prefill bench's plain / soft-cap / window rows (bf16 d128 ragged tile 128)
+        specs += variant_prefill_specs(arch) + prefill_merge_specs(arch, tiles=(128,)) + prefill_specs(
+            arch, dtypes=("bf16",), head_dims=(128,), tiles=(128,), paged=(False,),
+            variants=((False, False), (True, False), (False, True)))
+    return list(dict.fromkeys(specs))
 
 
 def _default(arch: str) -> List[Spec]:
