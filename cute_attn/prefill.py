@@ -58,6 +58,7 @@ from .variants.builtins import ALiBi, AttentionSink, Causal, CustomMask, RoPE, S
 PREFILL_ARCH = "sm_90a"       # wgmma: Hopper only (no sm_100a specializations, see presets.py)
 PREFILL_TILES = (64, 128)     # packed query rows per work item: one or two consumer warpgroups
 _FIXED_SPLIT_TILE = 128       # fixed_split_size: a tile that does not depend on the batch
+PAGE_BOX = 16                 # paged K/V by TMA, one box per 16 rows of a page (page sizes k*16)
 _NO_SPLIT = 1 << 30           # disable_split_kv: a kv_split_size longer than any request
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
              if hasattr(torch, n))
@@ -88,26 +89,36 @@ BATCH_PREFILL_SM90 = register(KernelFamily(
 ))
 
 
+def page_box_for(paged: bool, page_size: int) -> int:
+    """The kernel's ``page_box`` spec parameter: PAGE_BOX for a paged cache whose page size is a
+    multiple of it (K/V by TMA), 0 otherwise (the cp.async gather; ragged KV: not paged)."""
+    return PAGE_BOX if paged and page_size % PAGE_BOX == 0 else 0
+
+
 def prefill_spec(arch: str, dtype: str, head_dim: int, tile_q: int, paged: bool, causal: bool = False,
-                 soft_cap: bool = False, window: bool = False, variant=None):
+                 soft_cap: bool = False, window: bool = False, variant=None, page_box: int = 0):
     """One ``batch_prefill_sm90`` specialization; ``variant``: the traced variant beyond the
-    static flags (see :func:`resolve_variant`), None for the plain kernel."""
+    static flags (see :func:`resolve_variant`), None for the plain kernel; ``page_box``: see
+    :func:`page_box_for` (a parameter only when set)."""
     from .runtime.spec import Spec
 
     extra = variant_params(variant) if variant is not None else {}
+    if paged and page_box:
+        extra["page_box"] = int(page_box)
     return Spec.make("batch_prefill_sm90", arch, dtype=dtype, head_dim=head_dim, tile_q=tile_q, paged=bool(paged),
                      causal=bool(causal), soft_cap=bool(soft_cap), window=bool(window), **extra)
 
 
 def prefill_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, tiles=PREFILL_TILES,
-                  paged=(False, True), causal=(False, True), variants=((False, False),)):
+                  paged=(False, True), causal=(False, True), variants=((False, False),), page_boxes=(PAGE_BOX, 0)):
     """Specializations ``run()`` may need (for the compile presets); ``variants``: the
-    (soft_cap, window) pairs.  Empty for any arch but sm_90a."""
+    (soft_cap, window) pairs; ``page_boxes``: the paged kernels (TMA per 16-row page box for
+    page sizes k*16, the cp.async gather for the others).  Empty for any arch but sm_90a."""
     if arch != PREFILL_ARCH:
         return []
-    return [prefill_spec(arch, dt, d, t, p, c, cap, win)
+    return [prefill_spec(arch, dt, d, t, p, c, cap, win, page_box=pb)
             for dt in dtypes for d in head_dims for t in tiles for p in paged for c in causal
-            for cap, win in variants]
+            for cap, win in variants for pb in (page_boxes if p else (0,))]
 
 
 _POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
@@ -167,11 +178,10 @@ def variant_test_cases():
             ("rope_sink", dict(pos_encoding_mode="ROPE_LLAMA", sinks=True))]
 
 
-# (dtype, head_dim, paged, causal) of the GPU tests' configurations (tile 128 throughout) and
-# the extra head-dim-256 cases; the bench runs bf16/128 ragged, causal and not (custom mask).
-VARIANT_TEST_CONFIGS = (("bf16", 128, False, True), ("bf16", 128, True, False), ("f16", 64, True, True),
-                        ("f16", 64, False, False))
-VARIANT_TEST_HD256 = (("rope_sink", ("bf16", 256, False, True)), ("alibi_softcap", ("bf16", 256, False, True)))
+# (dtype, head_dim, page size (0: ragged), causal) of the GPU tests' configurations (tile 128
+# throughout) and the extra head-dim-256 cases; the bench runs bf16/128 ragged, causal and not.
+VARIANT_TEST_CONFIGS = (("bf16", 128, 0, True), ("bf16", 128, 16, False), ("f16", 64, 1, True), ("f16", 64, 0, False))
+VARIANT_TEST_HD256 = (("rope_sink", ("bf16", 256, 0, True)), ("alibi_softcap", ("bf16", 256, 0, True)))
 
 
 def variant_prefill_specs(arch: str):
@@ -180,12 +190,13 @@ def variant_prefill_specs(arch: str):
         return []
     cases = dict(variant_test_cases())
     todo = [(name, cfg) for name in cases for cfg in VARIANT_TEST_CONFIGS] + list(VARIANT_TEST_HD256)
-    todo += [(name, ("bf16", 128, False, c)) for name in cases for c in (False, True)]  # bench
+    todo += [(name, ("bf16", 128, 0, c)) for name in cases for c in (False, True)]  # bench
     out, seen = [], set()
-    for name, (dt, d, paged, causal) in todo:
+    for name, (dt, d, page_size, causal) in todo:
         kw = dict(cases[name])
         c, cap, win, v = resolve_variant(causal=causal, **kw)
-        spec = prefill_spec(arch, dt, d, 128, paged, c, cap, win, v)
+        paged = page_size > 0
+        spec = prefill_spec(arch, dt, d, 128, paged, c, cap, win, v, page_box_for(paged, page_size))
         if spec not in seen:
             seen.add(spec)
             out.append(spec)
@@ -366,7 +377,8 @@ class _BatchPrefillBase:
         launch = dict(dtype=_DTYPES[q_dtype], head_dim=d, causal=bool(causal), soft_cap=soft_cap > 0,
                       window=window_left >= 0, hq=hq, hk=hk,
                       sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d),
-                      soft_cap_value=soft_cap, window_left=window_left, variant=vbase.encode(var))
+                      soft_cap_value=soft_cap, window_left=window_left, variant=vbase.encode(var),
+                      page_box=page_box_for(self._PAGED, int(page_size)))
 
         if split_tokens is not None:
             tile = _FIXED_SPLIT_TILE  # batch-invariant: the tile may not depend on the batch either
@@ -394,6 +406,8 @@ class _BatchPrefillBase:
         # new plan overwrites the workspace that the previous plan's state still describes
         spec_kw = dict(dtype=launch["dtype"], head_dim=d, tile_q=tile, paged=self._PAGED, causal=launch["causal"],
                        soft_cap=launch["soft_cap"], window=launch["window"])
+        if launch["page_box"]:
+            spec_kw["page_box"] = launch["page_box"]
         attn = kernel("batch_prefill_sm90", PREFILL_ARCH, **spec_kw, **self._variant_kw(var))
         merge = kernel("merge_partials", PREFILL_ARCH, dtype=launch["dtype"], head_dim=d, tile_q=tile)
         planner = self._get_planner(batch, total_q, hq, hk, d, num_ctas)
@@ -471,9 +485,7 @@ class _BatchPrefillBase:
             self._views = None
             lim = cands[-1]
         if self._planner is None or self._planner.limits != lim or self._planner.num_ctas != num_ctas:
-            # balance_tol: equal items that do not divide evenly over the CTAs (e.g. 2048 tiles on 132
-            # SMs, 3 % of a wave) are worth a split + merge
-            self._planner = Planner(lim, num_ctas, 1, balance_tol=0.01)
+            self._planner = Planner(lim, num_ctas, 1)
             self._views = None
         if self._views is None:  # section offsets are fixed per planner: views made once
             self._views = self._planner.layout.views(self._workspace)

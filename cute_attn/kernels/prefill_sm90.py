@@ -23,14 +23,27 @@ Roles (warpgroups of 128 threads):
 Scores are in base 2 (sm_scale·log2 e folded into one multiply), LSE is base 2 as FlashInfer
 returns it.  Final rows go out through shared memory as 16-byte stores (each row has its own
 (token, head) address); split items write normalized fp32 partial rows for the ⊕ merge
-kernel.  Variant hook points: ``_logits`` (logits transform) and ``_visible`` (logits mask).
+kernel.
+
+Variants (``cute_attn/variants``, docs/variants.md): causal, the sliding window and soft-cap are
+static flags (block skipping, mask-free blocks, the soft-cap folded into ``_logits``); any other
+variant is traced in through ``Hooks``, its calls kept in plain-Python helpers (``_item_rows``,
+``_hook_logits``, ``_hook_visible``, ``_rotate_q`` / ``_rotate_k``, ``_finalize_rows``):
+- ``logits`` / ``mask`` / ``kv_range`` per score element in ``_softmax``; a variant with a mask or a
+  range takes the masked path on every block; a ``kv_range`` also clips the item's blocks;
+- ``transform_q``: the consumer WG rotates its Q rows in shared memory once per item;
+  ``transform_k``: the producer rotates each K block in shared memory before releasing it to the
+  consumers (one extra pass over the block by the otherwise idle producer WG).  K then always
+  comes by cp.async (a TMA write cannot be followed by a producer pass without another
+  barrier), so such a spec uses the gather producer's tiles and registers even for ragged KV
+  and ``page_box`` caches;
+- ``finalize`` (attention sinks) on each row's statistics in the epilogue (``first_chunk``: the
+  item starting at kv 0, so a split row adds the sink once); ``output`` on final rows;
+- ``softmax = False`` (FlashSigmoid): weights are accumulated as they are; a split item writes
+  ``(o / w, log2 w)`` with ``w`` its share of the tile's kv extent, so the ⊕ merge returns the sum.
+With no variant nothing of this is traced: the plain kernel is unchanged.
 """
 from __future__ import annotations
-
-# VARIANTS-READY: the lead's perf work is committed; variant integration may edit this file
-# Wrapper contract added with this commit (please wire it in cute_attn/prefill.py + presets):
-# spec param page_box=16 for paged caches whose page_size is a multiple of 16 (K/V by TMA, one
-# box per 16 rows of a page); no page_box (the cp.async gather) for other page sizes.
 
 import math
 from typing import Optional
@@ -43,6 +56,8 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
+from ..variants.base import Ctx, Hooks
+from ..variants.trace import make_entry
 from .decode import W_DEST, W_KV_END, W_KV_HEAD, W_KV_LEN, W_KV_START, W_NUM_ROWS, W_QO_LEN, W_QO_OFFSET, \
     W_REQ, W_ROW_START, _quad_max, _quad_sum
 
@@ -68,21 +83,28 @@ ROW_RING = 3  # blocks of page lookups staged in smem by the gather producer (se
 
 class BatchPrefillSm90:
     def __init__(self, dtype, head_dim: int, tile_q: int, paged: bool, causal: bool, soft_cap: bool,
-                 window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1, page_box: int = 0):
+                 window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1, page_box: int = 0,
+                 variant=None):
         assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_q = tile_q
         self.num_mma_wg = tile_q // 64
         self.paged = paged
+        self.hooks = H = Hooks(variant)
+        if soft_cap and H.has_logits:
+            raise ValueError("soft_cap flag with a logits variant: put SoftCap into the variant (the order matters)")
         # How K/V reach shared memory: TMA -- one box per block (ragged) or one box per page_box
         # rows of a page (paged, page size a multiple of page_box) -- or a cp.async gather
-        # (paged, any page size).
-        self.page_box = page_box if paged else 0
-        self.gather = paged and not page_box
+        # (paged, any page size; and always when the producer rotates K blocks (transform_k):
+        # a TMA write cannot be followed by a producer pass without another barrier).
+        self.page_box = page_box if paged and not H.has_transform_k else 0
+        self.gather = (paged and not self.page_box) or H.has_transform_k
         self.causal = causal
         self.soft_cap = soft_cap
         self.window = window
+        self.logits_transform = soft_cap or H.has_logits  # row_m in base-2 logits, not raw q·k
+        self.mask_all = H.has_mask or H.has_kv_range  # masked path on every block
         dn, ds = KV_TILES[head_dim, self.gather]
         self.tile_n = tile_n or dn
         self.stages = stages or ds
@@ -119,11 +141,13 @@ class BatchPrefillSm90:
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
-                 mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
-                 mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
-                 group: Int32, sm_scale: Float32, soft_cap: Float32, window_left: Int32, num_ctas: Int32,
-                 stream: cuda.CUstream):
+    def host(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
+             mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
+             mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
+             group: Int32, sm_scale: Float32, soft_cap: Float32, window_left: Int32, num_ctas: Int32,
+             var_tensors: tuple, var_scalars: tuple, stream: cuda.CUstream):
+        """The host function behind the generated entry (``variants.trace.make_entry``): the
+        family's arguments, then the variant's tensors and scalars as tuples."""
         D, TN, TQ, dt = self.head_dim, self.tile_n, self.tile_q, self.dtype
         atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, D), dt)
         sQ_layout = cute.tile_to_shape(atom, (TQ, D), (0, 1))
@@ -172,8 +196,8 @@ class BatchPrefillSm90:
         scale_log2 = sm_scale * LOG2E
         cap = soft_cap if soft_cap > Float32(0.0) else Float32(1.0)
         self.kernel(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse,
-                    tma_k, tK, tma_v, tV, group, scale_log2, cap * LOG2E, sm_scale / cap, window_left,
-                    sQ_layout, sKV_layout, mma_qk, mma_pv, Smem).launch(
+                    tma_k, tK, tma_v, tV, var_tensors, group, scale_log2, cap * LOG2E, sm_scale / cap, window_left,
+                    sm_scale, var_scalars, sQ_layout, sKV_layout, mma_qk, mma_pv, Smem).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     # ---- device side --------------------------------------------------------------------
@@ -182,13 +206,20 @@ class BatchPrefillSm90:
                mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
                mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
                tma_k: Optional[cute.CopyAtom], tK: Optional[cute.Tensor], tma_v: Optional[cute.CopyAtom],
-               tV: Optional[cute.Tensor],
+               tV: Optional[cute.Tensor], var_tensors: tuple,
                group: Int32, scale_log2: Float32, cap_log2: Float32, inv_cap_scaled: Float32,
-               window_left: Int32, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
-               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, Smem: cutlass.Constexpr):
+               window_left: Int32, sm_scale: Float32, var_scalars: tuple, sQ_layout: cute.ComposedLayout,
+               sKV_layout: cute.ComposedLayout, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+               Smem: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        # per variant component: its runtime arguments (kernel values), read by the hook helpers
+        # while this kernel is traced (kept off the kernel's locals: the DSL's loop analysis
+        # only admits DSL values there)
+        self._trace_vargs = self.hooks.bind(var_tensors, var_scalars)
+        self._trace_sm_scale = sm_scale
+        self._trace_group = group
         if const_expr(not self.gather):
             if warp_idx == 0:
                 cpasync.prefetch_descriptor(tma_k)
@@ -244,6 +275,8 @@ class BatchPrefillSm90:
             lo_key = q_lo - window_left
             if lo_key > kv_start:
                 first = cutlass.min((lo_key - kv_start) // self.tile_n, n_blocks)
+        if const_expr(self.hooks.has_kv_range):
+            first, n_blocks = self._clip_blocks(mWork, item, kv_start, first, n_blocks)
         return first, n_blocks
 
     # ---- producer ------------------------------------------------------------------------
@@ -279,7 +312,7 @@ class BatchPrefillSm90:
                                              mKvIndices, kv_start + (n_blocks - j) * TN, kv_end, page_base,
                                              page_size, kv_head)
                             v_state.advance()
-            elif const_expr(not self.paged):
+            elif const_expr(not self.gather):
                 if warp_idx == 0:
                     row0 = mKvIndptr[req] + kv_start
                     gK = cute.local_tile(cute.domain_offset((row0, 0), tK[None, None, kv_head]), (TN, D), (None, 0))
@@ -320,19 +353,35 @@ class BatchPrefillSm90:
                 for j in cutlass.range(nb + 1, unroll=1):
                     pg = Int32(0)
                     sl = Int32(0)
+                    k_idx = k_state.index  # the stage K(j) goes to (rotated below with transform_k)
                     if j + 1 < nb:
                         pg, sl = self._lookup(mKvIndices, tidx, kv_start + (n_blocks - 2 - j) * TN, kv_end, page_base,
                                               page_size)
                     if j < nb:
                         pipe_k.producer_acquire(k_state)
-                        self._gather(mK, sK, sRows, g2s, tidx, c, kv_head, k_state.index, (ring + j) % ROW_RING)
-                        pipe_k.producer_commit(k_state)
+                        if const_expr(self.hooks.has_transform_k):
+                            # each thread copies both halves (dims d, d + D/2) of its rows, so it can
+                            # rotate them itself once its own copies land: no producer barrier
+                            self._gather_pairs(mK, sK, sRows, g2s, tidx, kv_head, k_state.index, (ring + j) % ROW_RING)
+                            cute.arch.cp_async_commit_group()
+                        else:
+                            self._gather(mK, sK, sRows, g2s, tidx, c, kv_head, k_state.index, (ring + j) % ROW_RING)
+                            pipe_k.producer_commit(k_state)
                         k_state.advance()
                     if j > 0:
                         pipe_v.producer_acquire(v_state)
                         self._gather(mV, sV, sRows, g2s, tidx, c, kv_head, v_state.index, (ring + j - 1) % ROW_RING)
                         pipe_v.producer_commit(v_state)
                         v_state.advance()
+                    if const_expr(self.hooks.has_transform_k):
+                        if j < nb:
+                            # K(j) rotated in place while V(j-1) is in flight, then released
+                            cute.arch.cp_async_commit_group()
+                            cute.arch.cp_async_wait_group(1)
+                            self._rotate_k(sK, tidx, k_idx, kv_start + (n_blocks - 1 - j) * TN, req, kv_head,
+                                           mWork[item, W_QO_LEN], mWork[item, W_KV_LEN])
+                            cute.arch.fence_view_async_shared()  # generic writes -> read by wgmma
+                            pipe_k.sync_object_full.arrive_mbarrier(k_idx)
                     if j + 1 < nb:
                         if tidx < TN:
                             sRows[0, tidx, (ring + j + 1) % ROW_RING] = pg
@@ -365,6 +414,8 @@ class BatchPrefillSm90:
         the last token (finite data, masked later: a NaN there would survive 0 * NaN in P V)."""
         p = blk + tidx
         p = p if p < kv_end else kv_end - 1
+        if const_expr(not self.paged):  # ragged KV gathered (transform_k): page 0, token kv_indptr[req] + p
+            return Int32(0), page_base + p
         return mKvIndices[page_base + p // page_size], p % page_size
 
     @cute.jit
@@ -375,6 +426,195 @@ class BatchPrefillSm90:
             row = tidx // self.chunks + r * rows_per_pass
             cute.copy(g2s, cute.local_tile(mX[sRows[0, row, buf], sRows[1, row, buf], kv_head, None], (8,), (c,)),
                       cute.local_tile(sX[row, None, stage], (8,), (c,)))
+
+    @cute.jit
+    def _gather_pairs(self, mX, sX, sRows, g2s, tidx, kv_head, stage, buf):
+        """As ``_gather``, but thread t copies chunks c and c + chunks/2 (dims d and d + D/2) of
+        its rows, c = t % (chunks/2): the pairs a transform_k rotates are all its own."""
+        half = self.chunks // 2
+        rows_per_pass = WG // half
+        c = tidx % half
+        for r in cutlass.range(self.tile_n // rows_per_pass, unroll=2):
+            row = tidx // half + r * rows_per_pass
+            src = mX[sRows[0, row, buf], sRows[1, row, buf], kv_head, None]
+            cute.copy(g2s, cute.local_tile(src, (8,), (c,)), cute.local_tile(sX[row, None, stage], (8,), (c,)))
+            cute.copy(g2s, cute.local_tile(src, (8,), (c + half,)),
+                      cute.local_tile(sX[row, None, stage], (8,), (c + half,)))
+
+    @cute.jit
+    def _rotate_k(self, sK, tidx, stage, blk, req, kv_head, qo_len, kv_len):
+        """transform_k on this thread's pairs of a K block in shared memory (``_gather_pairs``'s
+        assignment); key row ``row`` is token ``blk + row`` of the request."""
+        half = self.chunks // 2
+        rows_per_pass = WG // half
+        c = tidx % half
+        base = self._k_ctx(req, kv_head, qo_len, kv_len, blk)  # once-values: per block, outside the row loop
+        for r in cutlass.range(self.tile_n // rows_per_pass, unroll=1):
+            row = tidx // half + r * rows_per_pass
+            lo = cute.make_rmem_tensor((8,), self.dtype)
+            hi = cute.make_rmem_tensor((8,), self.dtype)
+            s_lo = cute.local_tile(sK[row, None, stage], (8,), (c,))
+            s_hi = cute.local_tile(sK[row, None, stage], (8,), (c + half,))
+            cute.autovec_copy(s_lo, lo)
+            cute.autovec_copy(s_hi, hi)
+            self._transform_pairs(base, blk + row, lo, hi, c * 8)
+            cute.autovec_copy(lo, s_lo)
+            cute.autovec_copy(hi, s_hi)
+
+    # ---- variant hook helpers: plain Python, called while the kernel is traced --------------
+    def _row_ctx(self, req, kv_head, row, qo_len, kv_len) -> Ctx:
+        """The hook context of packed query row ``row`` (relative to the request)."""
+        g = self._trace_group
+        return Ctx(batch=req, qo_head=kv_head * g + row % g, kv_head=kv_head, q_pos=kv_len - qo_len + row // g,
+                   qo_len=qo_len, kv_len=kv_len, head_dim=self.head_dim, sm_scale=self._trace_sm_scale)
+
+    def _k_ctx(self, req, kv_head, qo_len, kv_len, kv_pos) -> Ctx:
+        """The context of a key (transform_k): no query row.  Its once-values are evaluated here
+        (a dummy call), so they are computed once per block, not per row."""
+        ctx = Ctx(batch=req, kv_head=kv_head, kv_pos=kv_pos, qo_len=qo_len, kv_len=kv_len, head_dim=self.head_dim,
+                  sm_scale=self._trace_sm_scale)
+        self.hooks.transform_k(ctx, self._trace_vargs, Float32(0.0), Float32(0.0), Int32(0))
+        return ctx
+
+    def _transform_pairs(self, base, pos, lo, hi, d0, query=False):
+        """(lo[e], hi[e]) = transform(ctx at pos, lo[e], hi[e], dim d0 + e) for the 8 elements of
+        two 16-byte chunks (dims d0.. and d0 + D/2..), rounded back to the input dtype."""
+        H, va = self.hooks, self._trace_vargs
+        ctx = base.replace(**({"q_pos": pos} if query else {"kv_pos": pos}))
+        for e in range(8):
+            a, b = lo[e].to(Float32), hi[e].to(Float32)
+            if query:
+                a, b = H.transform_q(ctx, va, a, b, d0 + e)
+            else:
+                a, b = H.transform_k(ctx, va, a, b, d0 + e)
+            lo[e] = a.to(self.dtype)
+            hi[e] = b.to(self.dtype)
+
+    def _clip_blocks(self, mWork, item, kv_start, first, n_blocks):
+        """Blocks of an item clipped to the variant's kv_range (bounds non-decreasing in q_pos:
+        the tile's first row gives the lower bound, its last row the upper)."""
+        H, va, TN = self.hooks, self._trace_vargs, self.tile_n
+        req, kv_head = mWork[item, W_REQ], mWork[item, W_KV_HEAD]
+        row0, nrows = mWork[item, W_ROW_START], mWork[item, W_NUM_ROWS]
+        qo_len, kv_len = mWork[item, W_QO_LEN], mWork[item, W_KV_LEN]
+        lo, _ = H.kv_range(self._row_ctx(req, kv_head, row0, qo_len, kv_len), va)
+        _, hi = H.kv_range(self._row_ctx(req, kv_head, row0 + nrows - 1, qo_len, kv_len), va)
+        if hi is not None:
+            nb = cutlass.select_(hi > kv_start, (hi - kv_start + TN - 1) // TN, Int32(0))
+            n_blocks = cutlass.select_(nb < n_blocks, nb, n_blocks)
+        if lo is not None:
+            f = cutlass.select_(lo > kv_start, (lo - kv_start) // TN, Int32(0))
+            first = cutlass.select_(f > first, f, first)
+        return cutlass.select_(first < n_blocks, first, n_blocks), n_blocks
+
+    def _item_rows(self, req, kv_head, row_start, tScS, q_pos, qo_len, kv_len, n_rows):
+        """``self._trace_rows``: per accumulator row of this thread, (ctx, lo, hi) with the once-values of the
+        logits / mask hooks and the row's kv_range evaluated here, once per item (a dummy call
+        at the item level: the per-block calls then reuse them instead of recomputing)."""
+        H, va = self.hooks, self._trace_vargs
+        out = []
+        for r in range(n_rows):
+            ctx = self._row_ctx(req, kv_head, row_start + tScS[r, 0][0], qo_len, kv_len)
+            lo = hi = None
+            if H.has_kv_range:
+                lo, hi = H.kv_range(ctx, va)
+            if H.has_logits:
+                H.logits(ctx.replace(kv_pos=q_pos[r]), va, Float32(0.0))
+            if H.has_mask:
+                H.mask(ctx.replace(kv_pos=q_pos[r]), va, True)
+            out.append((ctx, lo, hi))
+        self._trace_rows = out
+
+    def _hook_logits(self, r, kv_pos, s):
+        """Raw q·k -> the variant's logit in base 2 (softmax) or its weight (no softmax)."""
+        H = self.hooks
+        ctx = self._trace_rows[r][0].replace(kv_pos=kv_pos)
+        v = H.logits(ctx, self._trace_vargs, s * self._trace_sm_scale)
+        return v * LOG2E if H.softmax else v
+
+    def _hook_visible(self, r, kv_pos, ok):
+        H = self.hooks
+        ctx, lo, hi = self._trace_rows[r]
+        if H.has_mask:
+            ok = H.mask(ctx.replace(kv_pos=kv_pos), self._trace_vargs, ok)
+        if lo is not None:
+            ok = ok & (kv_pos >= lo)
+        if hi is not None:
+            ok = ok & (kv_pos < hi)
+        return ok
+
+    def _finalize_rows(self, row_m, row_l, tOcO, inv_t, lse, scale, mWork, item, dest, n_rows):
+        """Per row of this thread: the factor O is scaled by and the LSE, with the variant's
+        ``finalize`` (first_chunk: the item that starts at kv 0) or, without softmax, the
+        weights' state: o = Σ w·v as is for a final row (LSE 0, -inf without keys); a split
+        item writes (o / s, log2 s) with s its share of the tile's kv extent (as the planner
+        cuts it: causal tiles end at their last row's diagonal), so the ⊕ merge sums them."""
+        H, va, g = self.hooks, self._trace_vargs, self._trace_group
+        req, kv_head, row_start = mWork[item, W_REQ], mWork[item, W_KV_HEAD], mWork[item, W_ROW_START]
+        qo_len, kv_len = mWork[item, W_QO_LEN], mWork[item, W_KV_LEN]
+        kv_start, kv_end = mWork[item, W_KV_START], mWork[item, W_KV_END]
+        ninf, zero = -Float32.inf, Float32(0.0)
+        if not H.softmax:
+            ext = kv_len
+            if self.causal:
+                last_tok = (row_start + mWork[item, W_NUM_ROWS] - 1) // g
+                ext = kv_len - qo_len + last_tok + 1
+                ext = cutlass.select_(ext < kv_len, ext, kv_len)
+                ext = cutlass.select_(ext > 0, ext, Int32(0))
+            ext_f = Int32(cutlass.select_(ext > 0, ext, Int32(1))).to(Float32)
+            w = cutlass.select_(ext > 0, Int32(kv_end - kv_start).to(Float32) / ext_f, zero)
+            final = dest < 0
+            inv = cutlass.select_(final, Float32(1.0), cutlass.select_(w > zero, cute.arch.rcp_approx(w), zero))
+            ls = cutlass.select_(w > zero, cutlass.select_(final, zero, cute.math.log2(w, fastmath=True)), ninf)
+            for r in range(n_rows):
+                inv_t[r] = inv
+                lse[r] = ls
+            return
+        for r in range(n_rows):
+            l = _quad_sum(row_l[r])
+            m = row_m[r] * scale  # base 2 (-inf: nothing seen)
+            ctx = self._row_ctx(req, kv_head, row_start + tOcO[r, 0][0], qo_len, kv_len)
+            ctx.first_chunk = kv_start == 0
+            m2, l2 = H.finalize(ctx, va, m, l)
+            m2u = cutlass.select_(m2 == ninf, zero, m2)
+            m_use = cutlass.select_(m == ninf, m2u, m)
+            ok = l2 > zero
+            inv_t[r] = cutlass.select_(ok, cute.math.exp2(m_use - m2u, fastmath=True) *
+                                       cute.arch.rcp_approx(cutlass.select_(ok, l2, Float32(1.0))), zero)
+            lse[r] = cutlass.select_(ok, m2 + cute.math.log2(cutlass.select_(ok, l2, Float32(1.0)), fastmath=True),
+                                     ninf)
+
+    def _output_rows(self, O, tOcO, mWork, item, n_rows):
+        H, va = self.hooks, self._trace_vargs
+        req, kv_head, row_start = mWork[item, W_REQ], mWork[item, W_KV_HEAD], mWork[item, W_ROW_START]
+        qo_len, kv_len = mWork[item, W_QO_LEN], mWork[item, W_KV_LEN]
+        for r in range(n_rows):
+            ctx = self._row_ctx(req, kv_head, row_start + tOcO[r, 0][0], qo_len, kv_len)
+            for c in range(cute.size(O, mode=[1])):
+                O[r, c] = H.output(ctx, va, O[r, c], tOcO[0, c][1])
+
+    def _rotate_q(self, sQ, tw, wg, req, kv_head, row_start, qo_len, kv_len):
+        """transform_q on this WG's 64 Q rows in shared memory (after the whole WG's copies
+        landed): thread tw takes chunks c, c + chunks/2 of rows tw // (chunks/2) + k·(WG / (chunks/2))."""
+        half = self.chunks // 2
+        rows_per_pass = WG // half
+        c = tw % half
+        g = self._trace_group
+        base = Ctx(batch=req, kv_head=kv_head, qo_len=qo_len, kv_len=kv_len, head_dim=self.head_dim,
+                   sm_scale=self._trace_sm_scale)
+        for k in range(64 // rows_per_pass):
+            j = wg * 64 + tw // half + k * rows_per_pass
+            row = row_start + j
+            ctx = base.replace(qo_head=kv_head * g + row % g, _fresh=True)
+            lo = cute.make_rmem_tensor((8,), self.dtype)
+            hi = cute.make_rmem_tensor((8,), self.dtype)
+            s_lo = cute.local_tile(sQ[j, None], (8,), (c,))
+            s_hi = cute.local_tile(sQ[j, None], (8,), (c + half,))
+            cute.autovec_copy(s_lo, lo)
+            cute.autovec_copy(s_hi, hi)
+            self._transform_pairs(ctx, kv_len - qo_len + row // g, lo, hi, c * 8, query=True)
+            cute.autovec_copy(lo, s_lo)
+            cute.autovec_copy(hi, s_hi)
 
     # ---- consumers -----------------------------------------------------------------------
     @cute.jit
@@ -401,6 +641,7 @@ class BatchPrefillSm90:
             if wg == 0:  # WG 0 goes first: pre-arrive on its own ping-pong barrier
                 cute.arch.barrier_arrive(barrier_id=BAR_PINGPONG0, number_of_threads=2 * WG)
 
+        H = self.hooks
         item_end = mWorkIndptr[cta + 1]
         if const_expr(self.own_o):
             if mWorkIndptr[cta] < item_end:
@@ -421,6 +662,10 @@ class BatchPrefillSm90:
             if const_expr(not self.own_o):
                 self._load_q(mQ, mWork, sQ, g2s, item, wg, tw, group)
             cute.arch.cp_async_wait_group(0)
+            if const_expr(H.has_transform_q):  # rotate the WG's Q rows in place once all landed
+                cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
+                self._rotate_q(sQ, tw, wg, mWork[item, W_REQ], kv_head, row_start, mWork[item, W_QO_LEN],
+                               mWork[item, W_KV_LEN])
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> read by wgmma (async proxy)
             cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
 
@@ -430,6 +675,10 @@ class BatchPrefillSm90:
                 q_pos[r] = qpos_base + (row_start + tScS[r, 0][0]) // group
             q_lo = qpos_base + row_start // group
             q_hi = qpos_base + (row_start + num_rows - 1) // group
+            if const_expr(H.per_row):  # (stored by the helper: an assignment to self here would make
+                # the DSL carry self through the loop)
+                self._item_rows(mWork[item, W_REQ], kv_head, row_start, tScS, q_pos, mWork[item, W_QO_LEN],
+                                mWork[item, W_KV_LEN], n_rows)
             row_m = cute.make_rmem_tensor((n_rows,), Float32)
             row_l = cute.make_rmem_tensor((n_rows,), Float32)
             row_m.fill(-Float32.inf)
@@ -461,7 +710,7 @@ class BatchPrefillSm90:
                     pipe_k.consumer_wait(state)
                     self._pingpong_wait(wg)
                     self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
-                    if const_expr(self.rescale_before_pv):
+                    if const_expr(self.rescale_before_pv and H.softmax):
                         _rescale(acc_O, corr)  # while QK runs: frees S's registers sooner (large O)
                     pipe_v.consumer_wait(v_state)
                     if j == 1:
@@ -475,12 +724,12 @@ class BatchPrefillSm90:
                     warpgroup.wait_group(0)
                     pipe_v.consumer_release(v_state)
                     rP.store(acc_S.load().to(self.dtype))
-                    if const_expr(not self.rescale_before_pv):
+                    if const_expr(not self.rescale_before_pv and H.softmax):
                         _rescale(acc_O, corr)
                 if const_expr(self.own_o):
                     if item + 1 < item_end:  # every QK of this item is done: sQ is free
                         self._load_q(mQ, mWork, sQ, g2s, item + 1, wg, tw, group)
-                if const_expr(self.rescale_before_pv):
+                if const_expr(self.rescale_before_pv and H.softmax):
                     _rescale(acc_O, corr)
                 pipe_v.consumer_wait(state)
                 if n_blocks - first == 1:
@@ -495,7 +744,7 @@ class BatchPrefillSm90:
                         self._load_q(mQ, mWork, sQ, g2s, item + 1, wg, tw, group)
 
             self._epilogue(acc_O, row_m, row_l, tOcO, sO, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
-                           row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2)
+                           row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2, mWork, item)
 
     @cute.jit
     def _zero_v_tail(self, sV, state, valid, tw, bar_wg):
@@ -574,17 +823,21 @@ class BatchPrefillSm90:
                       cap_log2, inv_cap_scaled, window_left):
         """Masked softmax only where some key of the block may be invisible to some row of the
         tile (the partial last block, the causal diagonal, the window's left edge)."""
-        need_mask = blk + self.tile_n > kv_end
-        if const_expr(self.causal):
-            need_mask = need_mask | (blk + self.tile_n - 1 > q_lo)
-        if const_expr(self.window):
-            need_mask = need_mask | (blk < q_hi - window_left)
-        if need_mask:
+        if const_expr(self.mask_all):  # a variant mask / range: every block is masked per element
             self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
                           inv_cap_scaled, window_left, True)
         else:
-            self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
-                          inv_cap_scaled, window_left, False)
+            need_mask = blk + self.tile_n > kv_end
+            if const_expr(self.causal):
+                need_mask = need_mask | (blk + self.tile_n - 1 > q_lo)
+            if const_expr(self.window):
+                need_mask = need_mask | (blk < q_hi - window_left)
+            if need_mask:
+                self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
+                              inv_cap_scaled, window_left, True)
+            else:
+                self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
+                              inv_cap_scaled, window_left, False)
 
     @cute.jit
     def _softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
@@ -597,36 +850,46 @@ class BatchPrefillSm90:
         S = _rowcol(acc_S)
         ncol = cute.size(S, mode=[1])
         scale = scale_log2
-        if const_expr(self.soft_cap):
+        if const_expr(self.logits_transform):
             scale = Float32(1.0)
+        H = self.hooks
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            if const_expr(self.soft_cap or masked):
+            if const_expr(self.soft_cap or masked or H.has_logits):
                 for c in cutlass.range_constexpr(ncol):
                     v = S[r, c]
-                    if const_expr(self.soft_cap):
+                    kv_pos = blk + tScS[0, c][1]
+                    if const_expr(H.has_logits):
+                        v = self._hook_logits(r, kv_pos, v)
+                    elif const_expr(self.soft_cap):
                         v = self._logits(v, scale_log2, cap_log2, inv_cap_scaled)
                     if const_expr(masked):
-                        v = v if self._visible(blk + tScS[0, c][1], kv_end, q_pos[r], window_left) else -Float32.inf
+                        ok = self._visible(kv_pos, kv_end, q_pos[r], window_left)
+                        if const_expr(self.mask_all):
+                            ok = self._hook_visible(r, kv_pos, ok)
+                        v = cutlass.select_(ok, v, -Float32.inf if H.softmax else Float32(0.0))
                     S[r, c] = v
-            part = [S[r, c] for c in range(4)]
-            for c in cutlass.range_constexpr(4, ncol):
-                part[c % 4] = cute.arch.fmax(part[c % 4], S[r, c])
-            m_blk = _quad_max(cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3])))
-            m_new = cute.arch.fmax(row_m[r], m_blk)
-            m_use = m_new if m_new != -Float32.inf else Float32(0.0)  # a row with nothing visible yet
-            m_scaled = m_use * scale
-            corr[r] = cute.math.exp2(row_m[r] * scale - m_scaled, fastmath=True)
-            for c in cutlass.range_constexpr(ncol):
-                S[r, c] = cute.math.exp2(S[r, c] * scale - m_scaled, fastmath=True)
-            part = [S[r, c] for c in range(4)]
-            for c in cutlass.range_constexpr(4, ncol):
-                part[c % 4] = part[c % 4] + S[r, c]
-            row_l[r] = row_l[r] * corr[r] + ((part[0] + part[1]) + (part[2] + part[3]))  # quad-reduced at the end
-            row_m[r] = m_new
+            if const_expr(not H.softmax):
+                corr[r] = Float32(1.0)  # weights as they are (FlashSigmoid): nothing to rescale
+            else:
+                part = [S[r, c] for c in range(4)]
+                for c in cutlass.range_constexpr(4, ncol):
+                    part[c % 4] = cute.arch.fmax(part[c % 4], S[r, c])
+                m_blk = _quad_max(cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3])))
+                m_new = cute.arch.fmax(row_m[r], m_blk)
+                m_use = m_new if m_new != -Float32.inf else Float32(0.0)  # a row with nothing visible yet
+                m_scaled = m_use * scale
+                corr[r] = cute.math.exp2(row_m[r] * scale - m_scaled, fastmath=True)
+                for c in cutlass.range_constexpr(ncol):
+                    S[r, c] = cute.math.exp2(S[r, c] * scale - m_scaled, fastmath=True)
+                part = [S[r, c] for c in range(4)]
+                for c in cutlass.range_constexpr(4, ncol):
+                    part[c % 4] = part[c % 4] + S[r, c]
+                row_l[r] = row_l[r] * corr[r] + ((part[0] + part[1]) + (part[2] + part[3]))  # quad-reduced at the end
+                row_m[r] = m_new
 
     @cute.jit
     def _epilogue(self, acc_O, row_m, row_l, tOcO, sO, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
-                  row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2):
+                  row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2, mWork, item):
         """Normalize and store: final rows (value dtype + LSE) through the staging tile sO, or a
         partial slot (fp32) straight from registers."""
         D, TQ = self.head_dim, self.tile_q
@@ -634,17 +897,28 @@ class BatchPrefillSm90:
         n_rows = cute.size(O, mode=[0])
         lse = cute.make_rmem_tensor((n_rows,), Float32)
         scale = scale_log2  # row_m is in S's units (see _softmax)
-        if const_expr(self.soft_cap):
+        if const_expr(self.logits_transform):
             scale = Float32(1.0)
-        for r in cutlass.range_constexpr(n_rows):
-            l = _quad_sum(row_l[r])
-            inv = Float32(0.0)
-            lse[r] = -Float32.inf
-            if l > Float32(0.0):
-                inv = cute.arch.rcp_approx(l)
-                lse[r] = row_m[r] * scale + cute.math.log2(l, fastmath=True)
-            for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                O[r, c] = O[r, c] * inv
+        H = self.hooks
+        if const_expr(H.has_finalize or not H.softmax):
+            # variant statistics (sinks) / weights without softmax: plain-Python helper
+            inv_t = cute.make_rmem_tensor((n_rows,), Float32)
+            self._finalize_rows(row_m, row_l, tOcO, inv_t, lse, scale, mWork, item, dest, n_rows)
+            for r in cutlass.range_constexpr(n_rows):
+                for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                    O[r, c] = O[r, c] * inv_t[r]
+        else:
+            for r in cutlass.range_constexpr(n_rows):
+                l = _quad_sum(row_l[r])
+                inv = Float32(0.0)
+                lse[r] = -Float32.inf
+                if l > Float32(0.0):
+                    inv = cute.arch.rcp_approx(l)
+                    lse[r] = row_m[r] * scale + cute.math.log2(l, fastmath=True)
+                for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                    O[r, c] = O[r, c] * inv
+        if const_expr(H.has_output):  # final rows only: plan() disables split-KV for such variants
+            self._output_rows(O, tOcO, mWork, item, n_rows)
         if dest < 0:
             # through shared memory: 16-byte stores, each row to its own (token, head) address
             for r in cutlass.range_constexpr(n_rows):
@@ -713,7 +987,15 @@ _DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
 
 
 def build_batch_prefill_sm90(spec):
+    """The jit entry for a ``batch_prefill_sm90`` spec: the variant (if any) is re-created from
+    the spec's ``variant`` text and must still have the spec's fingerprint."""
+    from ..decode import _spec_variant
+    from ..prefill import _prefill_abi_fixed
+    from ..variants.base import abi_args
+
     p = spec.pdict
-    return BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"],
-                            p["soft_cap"], p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1),
-                            p.get("page_box", 0))
+    variant = _spec_variant(p)
+    k = BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"], p["soft_cap"],
+                         p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1),
+                         p.get("page_box", 0), variant)
+    return make_entry(k, _prefill_abi_fixed(p), abi_args(variant))
