@@ -111,8 +111,6 @@ class BatchPrefillSm90:
         self.threads = WG * (1 + self.num_mma_wg)
         self.chunks = head_dim // 8  # 16-byte chunks per row
         self.producer_regs, self.mma_regs = REGS[self.num_mma_wg, self.gather]
-        if self.page_box and self.num_mma_wg == 2:
-            self.producer_regs, self.mma_regs = 32, 232  # the per-lane page lookups
         # ping-pong between the two consumer WGs pays off while O is small; with head_dim 256 the
         # tensor cores are busy enough with one WG's GEMMs (as FA3)
         self.pingpong = self.num_mma_wg == 2 and (head_dim <= 128 if pingpong < 0 else bool(pingpong))
@@ -198,7 +196,7 @@ class BatchPrefillSm90:
         scale_log2 = sm_scale * LOG2E
         cap = soft_cap if soft_cap > Float32(0.0) else Float32(1.0)
         self.kernel(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse,
-                    var_tensors, tma_k, tK, tma_v, tV, group, scale_log2, cap * LOG2E, sm_scale / cap, window_left,
+                    tma_k, tK, tma_v, tV, var_tensors, group, scale_log2, cap * LOG2E, sm_scale / cap, window_left,
                     sm_scale, var_scalars, sQ_layout, sKV_layout, mma_qk, mma_pv, Smem).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
@@ -206,9 +204,9 @@ class BatchPrefillSm90:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
                mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
-               mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, var_tensors: tuple,
+               mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
                tma_k: Optional[cute.CopyAtom], tK: Optional[cute.Tensor], tma_v: Optional[cute.CopyAtom],
-               tV: Optional[cute.Tensor],
+               tV: Optional[cute.Tensor], var_tensors: tuple,
                group: Int32, scale_log2: Float32, cap_log2: Float32, inv_cap_scaled: Float32,
                window_left: Int32, sm_scale: Float32, var_scalars: tuple, sQ_layout: cute.ComposedLayout,
                sKV_layout: cute.ComposedLayout, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
@@ -216,8 +214,6 @@ class BatchPrefillSm90:
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        # (var_tensors right after the fixed tensors: the kernel's parameters then list every ABI
-        # tensor first, in ABI order, as tests/test_abi.py reads them back)
         # per variant component: its runtime arguments (kernel values), read by the hook helpers
         # while this kernel is traced (kept off the kernel's locals: the DSL's loop analysis
         # only admits DSL values there)
@@ -301,34 +297,21 @@ class BatchPrefillSm90:
             first, n_blocks = self._block_range(mWork, item, group, window_left)
             if const_expr(self.page_box):
                 if warp_idx == 0:
-                    # lane b looks up the page of box b (all boxes of a block in one round trip),
-                    # one block ahead of its use; the TMA issue reads it with a shuffle
                     page_base = mKvIndptr[req]
                     page_size = mK.shape[1]
-                    lane = cute.arch.lane_idx()
-                    nb = n_blocks - first
-                    pg_k = Int32(0)
-                    pg_v = Int32(0)
-                    if nb > 0:
-                        pg_k = self._box_page(mKvIndices, lane, kv_start + (n_blocks - 1) * TN, kv_end, page_base,
-                                              page_size)
-                    for j in cutlass.range(nb + 1, unroll=1):
-                        pg_next = Int32(0)
-                        if j + 1 < nb:
-                            pg_next = self._box_page(mKvIndices, lane, kv_start + (n_blocks - 2 - j) * TN, kv_end,
-                                                     page_base, page_size)
-                        if j < nb:
+                    for j in cutlass.range(n_blocks - first + 1, unroll=1):
+                        if j < n_blocks - first:
                             pipe_k.producer_acquire(k_state)
                             self._load_pages(tma_k, tK, sK, pipe_k.producer_get_barrier(k_state), k_state.index,
-                                             pg_k, kv_start + (n_blocks - 1 - j) * TN, kv_end, page_size, kv_head)
+                                             mKvIndices, kv_start + (n_blocks - 1 - j) * TN, kv_end, page_base,
+                                             page_size, kv_head)
                             k_state.advance()
                         if j > 0:
                             pipe_v.producer_acquire(v_state)
                             self._load_pages(tma_v, tV, sV, pipe_v.producer_get_barrier(v_state), v_state.index,
-                                             pg_v, kv_start + (n_blocks - j) * TN, kv_end, page_size, kv_head)
+                                             mKvIndices, kv_start + (n_blocks - j) * TN, kv_end, page_base,
+                                             page_size, kv_head)
                             v_state.advance()
-                        pg_v = pg_k
-                        pg_k = pg_next
             elif const_expr(not self.gather):
                 if warp_idx == 0:
                     row0 = mKvIndptr[req] + kv_start
@@ -410,29 +393,20 @@ class BatchPrefillSm90:
             cute.arch.cp_async_wait_group(0)  # no copy of this thread outlives it
 
     @cute.jit
-    def _load_pages(self, tma, tX, sX, bar, stage, pg, blk, kv_end, page_size, kv_head):
-        """TMA one block as TN / page_box boxes, each from its own page (lane b of ``pg`` holds
-        box b's page, see ``_box_page``).  Boxes past kv_end re-read the last valid box; the
-        unused slots of the last page are zeroed in smem by the consumers before P V
-        (``_zero_v_tail``)."""
+    def _load_pages(self, tma, tX, sX, bar, stage, mKvIndices, blk, kv_end, page_base, page_size, kv_head):
+        """TMA one block as TN / page_box boxes, each from its own page.  Boxes past kv_end
+        re-read the last valid box; the unused slots of the last page are zeroed in smem by
+        the consumers before P V (``_zero_v_tail``)."""
         PB, D = self.page_box, self.head_dim
         for b in cutlass.range_constexpr(self.tile_n // PB):
             p = blk + b * PB
             p = p if p < kv_end else kv_end - 1
-            page = cute.arch.shuffle_sync(pg, b)
+            page = mKvIndices[page_base + p // page_size]
             g = cute.local_tile(tX[None, None, kv_head, page], (PB, D), ((p % page_size) // PB, 0))
             s_ = cute.local_tile(sX[None, None, stage], (PB, D), (b, 0))
             ts, tg = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_, 0, 2),
                                            cute.group_modes(g, 0, 2))
             cute.copy(tma, tg, ts, tma_bar_ptr=bar)
-
-    @cute.jit
-    def _box_page(self, mKvIndices, lane, blk, kv_end, page_base, page_size):
-        """Page of box ``lane`` of the block starting at token blk (clamped to the last valid
-        token, so every lane reads a valid index)."""
-        p = blk + lane * self.page_box
-        p = p if p < kv_end else kv_end - 1
-        return mKvIndices[page_base + p // page_size]
 
     @cute.jit
     def _lookup(self, mKvIndices, tidx, blk, kv_end, page_base, page_size):
