@@ -111,6 +111,10 @@ class BatchPrefillSm90:
         self.threads = WG * (1 + self.num_mma_wg)
         self.chunks = head_dim // 8  # 16-byte chunks per row
         self.producer_regs, self.mma_regs = REGS[self.num_mma_wg, self.gather]
+        if self.page_box and self.num_mma_wg == 2 and head_dim <= 128:
+            # paged TMA: the page lookups want a few more producer registers (24 spills a little);
+            # hd256 consumers need all 240 (at 232 ptxas serializes the wgmmas)
+            self.producer_regs, self.mma_regs = 32, 232
         # ping-pong between the two consumer WGs pays off while O is small; with head_dim 256 the
         # tensor cores are busy enough with one WG's GEMMs (as FA3)
         self.pingpong = self.num_mma_wg == 2 and (head_dim <= 128 if pingpong < 0 else bool(pingpong))
@@ -297,21 +301,34 @@ class BatchPrefillSm90:
             first, n_blocks = self._block_range(mWork, item, group, window_left)
             if const_expr(self.page_box):
                 if warp_idx == 0:
+                    # lane b looks up the page of box b (all boxes of a block in one round trip),
+                    # one block ahead of its use; the TMA issue reads it with a shuffle
                     page_base = mKvIndptr[req]
                     page_size = mK.shape[1]
-                    for j in cutlass.range(n_blocks - first + 1, unroll=1):
-                        if j < n_blocks - first:
+                    lane = cute.arch.lane_idx()
+                    nb = n_blocks - first
+                    pg_k = Int32(0)
+                    pg_v = Int32(0)
+                    if nb > 0:
+                        pg_k = self._box_page(mKvIndices, lane, kv_start + (n_blocks - 1) * TN, kv_end, page_base,
+                                              page_size)
+                    for j in cutlass.range(nb + 1, unroll=1):
+                        pg_next = Int32(0)
+                        if j + 1 < nb:
+                            pg_next = self._box_page(mKvIndices, lane, kv_start + (n_blocks - 2 - j) * TN, kv_end,
+                                                     page_base, page_size)
+                        if j < nb:
                             pipe_k.producer_acquire(k_state)
                             self._load_pages(tma_k, tK, sK, pipe_k.producer_get_barrier(k_state), k_state.index,
-                                             mKvIndices, kv_start + (n_blocks - 1 - j) * TN, kv_end, page_base,
-                                             page_size, kv_head)
+                                             pg_k, kv_start + (n_blocks - 1 - j) * TN, kv_end, page_size, kv_head)
                             k_state.advance()
                         if j > 0:
                             pipe_v.producer_acquire(v_state)
                             self._load_pages(tma_v, tV, sV, pipe_v.producer_get_barrier(v_state), v_state.index,
-                                             mKvIndices, kv_start + (n_blocks - j) * TN, kv_end, page_base,
-                                             page_size, kv_head)
+                                             pg_v, kv_start + (n_blocks - j) * TN, kv_end, page_size, kv_head)
                             v_state.advance()
+                        pg_v = pg_k
+                        pg_k = pg_next
             elif const_expr(not self.gather):
                 if warp_idx == 0:
                     row0 = mKvIndptr[req] + kv_start
@@ -393,20 +410,29 @@ class BatchPrefillSm90:
             cute.arch.cp_async_wait_group(0)  # no copy of this thread outlives it
 
     @cute.jit
-    def _load_pages(self, tma, tX, sX, bar, stage, mKvIndices, blk, kv_end, page_base, page_size, kv_head):
-        """TMA one block as TN / page_box boxes, each from its own page.  Boxes past kv_end
-        re-read the last valid box; the unused slots of the last page are zeroed in smem by
-        the consumers before P V (``_zero_v_tail``)."""
+    def _load_pages(self, tma, tX, sX, bar, stage, pg, blk, kv_end, page_size, kv_head):
+        """TMA one block as TN / page_box boxes, each from its own page (lane b of ``pg`` holds
+        box b's page, see ``_box_page``).  Boxes past kv_end re-read the last valid box; the
+        unused slots of the last page are zeroed in smem by the consumers before P V
+        (``_zero_v_tail``)."""
         PB, D = self.page_box, self.head_dim
         for b in cutlass.range_constexpr(self.tile_n // PB):
             p = blk + b * PB
             p = p if p < kv_end else kv_end - 1
-            page = mKvIndices[page_base + p // page_size]
+            page = cute.arch.shuffle_sync(pg, b)
             g = cute.local_tile(tX[None, None, kv_head, page], (PB, D), ((p % page_size) // PB, 0))
             s_ = cute.local_tile(sX[None, None, stage], (PB, D), (b, 0))
             ts, tg = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_, 0, 2),
                                            cute.group_modes(g, 0, 2))
             cute.copy(tma, tg, ts, tma_bar_ptr=bar)
+
+    @cute.jit
+    def _box_page(self, mKvIndices, lane, blk, kv_end, page_base, page_size):
+        """Page of box ``lane`` of the block starting at token blk (clamped to the last valid
+        token, so every lane reads a valid index)."""
+        p = blk + lane * self.page_box
+        p = p if p < kv_end else kv_end - 1
+        return mKvIndices[page_base + p // page_size]
 
     @cute.jit
     def _lookup(self, mKvIndices, tidx, blk, kv_end, page_base, page_size):
