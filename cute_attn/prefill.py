@@ -85,7 +85,10 @@ BATCH_PREFILL_SM90 = register(KernelFamily(
     builder="cute_attn.kernels.prefill_sm90:build_batch_prefill_sm90",
     abi=_prefill_abi,
     expect={PREFILL_ARCH: {"wgmma (PTX)": r"ptx:wgmma\.mma_async", "HGMMA (SASS)": r"sass:HGMMA\.64x",
-                           "setmaxnreg (PTX)": r"ptx:setmaxnreg"}},
+                           "setmaxnreg (PTX)": r"ptx:setmaxnreg",
+                           # ptxas silently serializes every wgmma when registers run short (C7512):
+                           # then each HGMMA gets its own WARPGROUP.ARRIVE
+                           "wgmma async (SASS)": r"sass%HGMMA/WARPGROUP\.ARRIVE>=3"}},
 ))
 
 
@@ -194,12 +197,14 @@ def variant_prefill_specs(arch: str):
     out, seen = [], set()
     for name, (dt, d, page_size, causal) in todo:
         kw = dict(cases[name])
-        c, cap, win, v = resolve_variant(causal=causal, **kw)
         paged = page_size > 0
-        spec = prefill_spec(arch, dt, d, 128, paged, c, cap, win, v, page_box_for(paged, page_size))
-        if spec not in seen:
-            seen.add(spec)
-            out.append(spec)
+        # a sink case plans without its sinks (plan() picks that kernel) and runs with them
+        for sinks in ((False, True) if kw.get("sinks") else (kw.get("sinks", False),)):
+            c, cap, win, v = resolve_variant(causal=causal, **dict(kw, sinks=sinks))
+            spec = prefill_spec(arch, dt, d, 128, paged, c, cap, win, v, page_box_for(paged, page_size))
+            if spec not in seen:
+                seen.add(spec)
+                out.append(spec)
     return out
 
 

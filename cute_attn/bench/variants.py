@@ -100,8 +100,20 @@ def _time_decode(ws, q, cache, indptr, indices, last, plan_kw, run_args, run_kw)
     return do_bench(g.replay)
 
 
+def _allow_flex_recompiles() -> None:
+    """Every row compiles FlexAttention for its own score/mask function: past dynamo's default
+    recompile limit (8) it silently falls back to the unfused eager path (~70x slower), which
+    would make every later FlexAttention row meaningless."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+
+
 def _flex(q, k, v, score_mod=None, mask_mod=None):
     """Time of compiled FlexAttention on dense [B, H, L, D] (q length 1), or None."""
+    _allow_flex_recompiles()
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
@@ -189,7 +201,7 @@ def _decode_rows_bench(res, quick: bool) -> None:
           f"({t_sep / t_fused:.2f}x)")
 
 
-PB, PH, PS = 2, 16, 8192  # prefill: bench/prefill.py's shapes (2 x 8k tokens, 16 heads, no GQA), hd 128
+PB, PH, PSEQ = 2, 16, 8192  # prefill: bench/prefill.py's shapes (2 x 8k tokens, 16 heads, no GQA), hd 128
 
 
 def _prefill_rows():
@@ -246,12 +258,13 @@ def _time_prefill(ws, q, k, v, ind, causal, plan_kw, run_args, run_kw) -> float:
 
 
 def _flex_prefill(q4, k4, v4, score_mod=None, mask_mod=None):
+    _allow_flex_recompiles()
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         return None
     try:
-        bm = create_block_mask(mask_mod, None, None, PS, PS, device="cuda") if mask_mod is not None else None
+        bm = create_block_mask(mask_mod, None, None, PSEQ, PSEQ, device="cuda") if mask_mod is not None else None
         fa = torch.compile(flex_attention)
         fa(q4, k4, v4, score_mod=score_mod, block_mask=bm)
         return do_bench(lambda: fa(q4, k4, v4, score_mod=score_mod, block_mask=bm))
@@ -265,11 +278,11 @@ def _prefill_rows_bench(res, quick: bool) -> None:
     attention (the custom mask: over plain non-causal, which does the same block work), with
     FlexAttention's ratio beside (its own plain causal run as the base); then fused RoPE vs a
     separate torch RoPE pass over q and k + plain attention."""
-    ind = torch.arange(0, (PB + 1) * PS, PS, dtype=torch.int32)
-    q = torch.randn(PB * PS, PH, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(PB * PS, PH, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(PB * PS, PH, D, device="cuda", dtype=torch.bfloat16)
-    q4, k4, v4 = (x.view(PB, PS, PH, D).transpose(1, 2).contiguous() for x in (q, k, v))
+    ind = torch.arange(0, (PB + 1) * PSEQ, PSEQ, dtype=torch.int32)
+    q = torch.randn(PB * PSEQ, PH, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(PB * PSEQ, PH, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(PB * PSEQ, PH, D, device="cuda", dtype=torch.bfloat16)
+    q4, k4, v4 = (x.view(PB, PSEQ, PH, D).transpose(1, 2).contiguous() for x in (q, k, v))
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = _prefill_rows()
     if quick:
@@ -282,9 +295,9 @@ def _prefill_rows_bench(res, quick: bool) -> None:
         t_in = {}
         for name, f in row.extra.items():
             if name == "mask":  # the causal pattern as a custom mask, FlashInfer's flat layout
-                dense = torch.ones(PS, PS, dtype=torch.bool).tril()
+                dense = torch.ones(PSEQ, PSEQ, dtype=torch.bool).tril()
                 t_in["mask"] = dense.reshape(-1).repeat(PB)
-                t_in["mask_dense"] = dense.cuda().unsqueeze(0).expand(PB, PS, PS)
+                t_in["mask_dense"] = dense.cuda().unsqueeze(0).expand(PB, PSEQ, PSEQ)
             else:
                 t_in[name] = f()
         noncausal = row.name == "custom_mask"
@@ -313,7 +326,7 @@ def _prefill_rows_bench(res, quick: bool) -> None:
         del t_in
 
     # fused RoPE vs a separate RoPE pass (torch ops over q and k) + plain causal prefill
-    pos = torch.arange(PS, device="cuda").repeat(PB)  # kv_len == qo_len: query i and key i at position i
+    pos = torch.arange(PSEQ, device="cuda").repeat(PB)  # kv_len == qo_len: query i and key i at position i
     t_fused = _time_prefill(ws, q, k, v, ind, True, dict(pos_encoding_mode="ROPE_LLAMA"), (), {})
     from ..prefill import BatchPrefillWithRaggedKVCacheWrapper
 
