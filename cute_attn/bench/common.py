@@ -16,6 +16,10 @@ def do_bench(fn, warmup_ms: float = 25, rep_ms: float = 200) -> float:
 
 
 def commit() -> str:
+    """The commit measured: $CUTE_ATTN_COMMIT when set (a snapshot run from another checkout,
+    e.g. on the GPU machine, would otherwise report that checkout's HEAD), else git's HEAD."""
+    if os.environ.get("CUTE_ATTN_COMMIT"):
+        return os.environ["CUTE_ATTN_COMMIT"]
     try:
         here = Path(__file__).resolve().parent
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True,
