@@ -1,7 +1,7 @@
 """Every built-in variant and the user-defined example in batch prefill (ragged and paged KV)
 against the fp32 reference with the same variant (``cute_attn.testing.reference.variant_reference``;
-RoPE: ``rope_variant_reference``, q/k rotated in fp32 and rounded to the input dtype as the kernel
-is specified to compute).
+RoPE: q/k rotated in fp32 and rounded to the input dtype (``rope_round_to``), as the kernel is
+specified to compute).
 
 GPU tests (marked ``gpu``; the specializations are the ``variants`` preset, e.g. ``python -m
 cute_attn compile --arch sm_90a --preset variants``): four configurations -- bf16/d128 ragged
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from cute_attn.testing.reference import LOG2E, rope_reference, rope_variant_reference, variant_reference
+from cute_attn.testing.reference import LOG2E, rope_reference, variant_reference
 from cute_attn.variants import Causal, FlashSigmoid, get_alibi_slopes
 from cute_attn.variants.examples import RelativePositionBias
 from test_prefill_gpu import (DTYPES, _cumsum, _cpu_ws, _emulate_merge, _FakeEvent, _gen, _plain, _ws, check,
@@ -109,7 +109,7 @@ def _reference(q, k, v, qo, kv, dtype, ref_kw):
         if key in ref_kw:
             ref_kw[key] = ref_kw[key].to(q.device)
     if "rope" in ref_kw:
-        return rope_variant_reference(q, k, v, qo, kv, round_to=dtype, **ref_kw)
+        ref_kw["rope_round_to"] = dtype
     return variant_reference(q, k, v, qo, kv, **ref_kw)
 
 

@@ -636,3 +636,23 @@ def test_cuda_matches_cpu():
     v_m, s_m = merge_state_reference(got[0], got[1], got[0], got[1])
     assert v_m.device.type == "cuda"
     torch.testing.assert_close(s_m.cpu(), ref[1] + 1.0, **F64)
+
+
+def test_variant_reference_rope_round_to_rounds_the_rotated_operands():
+    """``rope_round_to``: q/k rotated in fp32 at their positions (query i at kv_len - qo_len + i),
+    rounded to the dtype, then plain fp32 attention; without it the rotation is not rounded."""
+    from cute_attn.testing.reference import rope_reference, variant_reference
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 2, 32, generator=g).to(torch.bfloat16)
+    k = torch.randn(9, 2, 32, generator=g).to(torch.bfloat16)
+    v = torch.randn(9, 2, 32, generator=g).to(torch.bfloat16)
+    qo, kv = torch.tensor([0, 5]), torch.tensor([0, 9])
+    qr = rope_reference(q, torch.arange(4, 9), 1.0, 1e4).to(torch.bfloat16)
+    kr = rope_reference(k, torch.arange(9), 1.0, 1e4).to(torch.bfloat16)
+    want_o, want_lse = variant_reference(qr, kr, v, qo, kv, causal=True)
+    got_o, got_lse = variant_reference(q, k, v, qo, kv, causal=True, rope=(1.0, 1e4), rope_round_to=torch.bfloat16)
+    torch.testing.assert_close(got_o, want_o, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=1e-6)
+    raw_o, _ = variant_reference(q, k, v, qo, kv, causal=True, rope=(1.0, 1e4))
+    assert not torch.equal(raw_o, got_o)  # the rounding is really applied

@@ -4,8 +4,8 @@ reference with the same variant applied (``cute_attn.testing.reference.paged_var
 Same conventions as tests/test_decode_gpu.py: shuffled pages, NaN in every unowned cache slot
 and in the outputs before the run, an empty request and long ones (split across CTAs).
 Specializations: ``cute_attn.decode.variant_decode_specs`` (bf16/d128 and f16/d64 of every
-variant here).  RoPE cases compare against ``paged_rope_variant_reference``: q/k rotated in fp32
-and rounded to the input dtype, as the kernel is specified to compute (and FlashInfer's
+variant here).  RoPE cases use the reference's ``rope_round_to``: q/k rotated in fp32 and
+rounded to the input dtype, as the kernel is specified to compute (and FlashInfer's
 tensor-core path does); the plain fp32 rotation differs by the rounding (LSE 2.5e-3 at 3000 keys).
 """
 import random
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cute_attn import BatchDecodeWithPagedKVCacheWrapper
-from cute_attn.testing.reference import paged_rope_variant_reference, paged_variant_reference
+from cute_attn.testing.reference import paged_variant_reference
 from cute_attn.variants import Causal, FlashSigmoid, get_alibi_slopes
 from cute_attn.variants.examples import RelativePositionBias
 from test_decode_gpu import check, make_paged
@@ -84,9 +84,8 @@ def run_variant(name, dtype, d, hq, hk, page_size, kv_lens, seed=None, fixed_spl
     lse = torch.full((b, hq), float("nan"), device="cuda")
     w.run(q, cache, *run_args, out=out, lse=lse, **run_kw)
     if "rope" in ref_kw:  # the kernel rotates q/k in fp32 and rounds them to the input dtype (the MMA operands)
-        ref_o, ref_lse = paged_rope_variant_reference(q, cache, None, indptr, indices, last, round_to=dtype, **ref_kw)
-    else:
-        ref_o, ref_lse = paged_variant_reference(q, cache, None, indptr, indices, last, **ref_kw)
+        ref_kw = dict(ref_kw, rope_round_to=dtype)
+    ref_o, ref_lse = paged_variant_reference(q, cache, None, indptr, indices, last, **ref_kw)
     check(out, lse, ref_o, ref_lse, dtype)
     return w, q, cache, run_args, run_kw, out, lse
 

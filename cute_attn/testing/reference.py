@@ -553,6 +553,7 @@ def variant_reference(
     logits_soft_cap: Optional[float] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
     rope: Optional[Tuple[float, float]] = None,
+    rope_round_to: Optional[torch.dtype] = None,
     custom_mask: Optional[torch.Tensor] = None,
     score_mod=None,
     mask_mod=None,
@@ -561,7 +562,10 @@ def variant_reference(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """fp32 attention over ragged q/k/v with the built-in variants of ``cute_attn.variants``
     applied in the order the wrappers compose them: RoPE (``rope=(scale, theta)``, query at its
-    bottom-right aligned position, key ``j`` at ``j``) -> ``s = q·k·sm_scale`` -> ALiBi
+    bottom-right aligned position, key ``j`` at ``j``; with ``rope_round_to`` the rotated q/k are
+    rounded to that dtype, as the kernels do with their MMA operands -- without it the rotation
+    differs from the kernels by up to half an ulp per element, which shows in the LSE of long
+    requests, bf16: ~2.5e-3 at 3000 keys) -> ``s = q·k·sm_scale`` -> ALiBi
     (``+ slope[h]·(j - q_pos)``) -> soft-cap -> ``score_mod(s, b, h, q_pos, kv_pos)`` (a
     FlexAttention-style torch callable on broadcast index tensors: ``h`` ``[H,1,1]``, ``q_pos``
     ``[1,qo,1]``, ``kv_pos`` ``[1,1,kv]``) -> masks (causal, window, ``custom_mask`` as
@@ -598,6 +602,8 @@ def variant_reference(
             qb, kb, vb = q[qs:qe].float(), k[ks:ke].float(), v[ks:ke].float()
             if rope is not None:
                 qb, kb = rope_reference(qb, qpos, *rope), rope_reference(kb, kpos, *rope)
+                if rope_round_to is not None:
+                    qb, kb = qb.to(rope_round_to).float(), kb.to(rope_round_to).float()
             kb = kb.repeat_interleave(group, dim=1)
             vb = vb.repeat_interleave(group, dim=1)
             s = torch.einsum("qhd,khd->hqk", qb, kb) * sm_scale  # [H, qo, kv]
@@ -658,64 +664,3 @@ def paged_variant_reference(
 
 
 __all__ += ["rope_reference", "variant_reference", "paged_variant_reference"]
-
-
-# ------------------------------------------------------ RoPE as the kernels compute it (appended)
-
-
-def _rope_rotate_rounded(q, k, qo_indptr, kv_indptr, rope, dtype):
-    """q/k rotated in fp32 (query i of a request at kv_len - qo_len + i, key j at j), then
-    rounded to ``dtype``; returned as fp32 tensors of the rounded values."""
-    qo = _indptr_list(qo_indptr, "qo_indptr")
-    kv = _indptr_list(kv_indptr, "kv_indptr")
-    qr, kr = q.float().clone(), k.float().clone()
-    for b in range(len(qo) - 1):
-        qs, qe, ks, ke = qo[b], qo[b + 1], kv[b], kv[b + 1]
-        qo_len, kv_len = qe - qs, ke - ks
-        if qo_len:
-            pos = torch.arange(kv_len - qo_len, kv_len, device=q.device)
-            qr[qs:qe] = rope_reference(q[qs:qe], pos, *rope).to(dtype).float()
-        if kv_len:
-            kr[ks:ke] = rope_reference(k[ks:ke], torch.arange(kv_len, device=k.device), *rope).to(dtype).float()
-    return qr, kr
-
-
-def rope_variant_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    *,
-    rope: Tuple[float, float],
-    round_to: Optional[torch.dtype] = None,
-    **variant_kwargs,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`variant_reference` with RoPE as the kernels are specified to compute it (and as
-    FlashInfer's tensor-core kernels do): q and k rotated in fp32, the rotated values rounded
-    to ``round_to`` (default: q's dtype) -- the MMA operands -- then fp32 attention.  Rotating
-    without the rounding differs from the kernels by up to half an ulp of the input dtype per
-    element, which shows in the LSE of long requests (bf16: ~2.5e-3 at 3000 keys)."""
-    qr, kr = _rope_rotate_rounded(q, k, qo_indptr, kv_indptr, rope, round_to or q.dtype)
-    return variant_reference(qr, kr, v, qo_indptr, kv_indptr, **variant_kwargs)
-
-
-def paged_rope_variant_reference(
-    q: torch.Tensor,
-    paged_kv_cache: PagedKV,
-    qo_indptr: Optional[torch.Tensor],
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    kv_last_page_len: torch.Tensor,
-    *,
-    kv_layout: str = "NHD",
-    **kwargs,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rope_variant_reference` over a paged KV cache (``qo_indptr=None``: decode)."""
-    k, v, kv_tok_indptr = paged_kv_to_ragged(paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout)
-    if qo_indptr is None:
-        qo_indptr = torch.arange(kv_tok_indptr.numel(), dtype=torch.int64)
-    return rope_variant_reference(q, k.to(q.device), v.to(q.device), qo_indptr, kv_tok_indptr, **kwargs)
-
-
-__all__ += ["rope_variant_reference", "paged_rope_variant_reference"]
