@@ -29,6 +29,7 @@ from .runtime.family import KernelFamily, register
 from .sched import Limits, Planner
 from .sched import workspace as ws
 from .variants import base as vbase
+from .variants.binding import VariantBinding
 from .variants.builtins import ALiBi, AttentionSink, CustomMask, RoPE, SlidingWindow, SoftCap
 
 DECODE_TILE_Q = 16  # packed rows per work item: the kernel's m16 MMA tile
@@ -324,15 +325,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._arch = arch
         self._decode = self._module(self._variant)
         self._merge = kernel("merge_partials", arch, dtype=dt, head_dim=head_dim, tile_q=DECODE_TILE_Q)
-        self._vinfo = {"num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-                       "sm_scale": self._sm_scale, "device": self._device, "batch": batch}
-        self._vvalues = None  # the variant's runtime values when run() gets no extra arguments
-        if self._variant is not None:
-            try:
-                self._vvalues = vbase.runtime_values(self._variant, self._vinfo)
-            except ValueError:
-                pass  # some come from run(*args)
-        self._sink_cache = None
+        self._binding = VariantBinding(self._variant, {
+            "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+            "sm_scale": self._sm_scale, "device": self._device, "batch": batch}, self._decode, self._module)
 
     def _module(self, v):
         return kernel("paged_decode", self._arch, dtype=_DTYPES[self._dtype], head_dim=self._d,
@@ -428,17 +423,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if b:
             vw = self._views
             group = hq // hk
-            module, vvals = self._decode, self._vvalues
-            if sinks is not None:
-                if sinks.shape != (hq,) or sinks.device != q.device:
-                    raise ValueError(f"sinks must be [{hq}] on {q.device}, got {tuple(sinks.shape)} on {sinks.device}")
-                if self._sink_cache is None:
-                    sv = AttentionSink() if self._variant is None else self._variant + AttentionSink()
-                    self._sink_cache = (sv, self._module(sv))
-                sv, module = self._sink_cache
-                vvals = vbase.runtime_values(sv, self._vinfo, args + (sinks.float(),))
-            elif args or (vvals is None and self._variant is not None):
-                vvals = vbase.runtime_values(self._variant, self._vinfo, args)
+            if sinks is not None and (sinks.shape != (hq,) or sinks.device != q.device):
+                raise ValueError(f"sinks must be [{hq}] on {q.device}, got {tuple(sinks.shape)} on {sinks.device}")
+            module, vvals = self._binding.select(args, None if sinks is None else sinks.float())
             if vvals:
                 module(q, k, v, self._kv_indptr, self._kv_indices, out, lse, vw["work_items"], vw["work_indptr"],
                        vw["partial_o"], vw["partial_lse"], group, self._sm_scale, self._num_ctas, *vvals)

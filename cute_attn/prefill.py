@@ -53,6 +53,7 @@ from .sched import Limits, Planner, WorkspaceLayout
 from .sched.cost import choose_cta_tile_q
 from .sched.inputs import as_index_array, check_indptr, kv_lens_from_paged, kv_lens_from_ragged
 from .variants import base as vbase
+from .variants.binding import VariantBinding
 from .variants.builtins import ALiBi, AttentionSink, Causal, CustomMask, RoPE, SoftCap
 
 PREFILL_ARCH = "sm_90a"       # wgmma: Hopper only (no sm_100a specializations, see presets.py)
@@ -511,15 +512,10 @@ class _BatchPrefillBase:
         self._causal, self._sm_scale, self._soft_cap, self._window_left = (
             L["causal"], L["sm_scale"], L["soft_cap_value"], L["window_left"])
         self._variant, self._spec_kw = st["variant"], st["spec_kw"]
-        self._vinfo = {"num_qo_heads": self._hq, "num_kv_heads": self._hk, "head_dim": self._d,
-                       "sm_scale": self._sm_scale, "device": self._device, "batch": self._batch}
-        self._vvalues = None  # the variant's runtime values when run() gets no extra arguments
-        if self._variant is not None:
-            try:
-                self._vvalues = vbase.runtime_values(self._variant, self._vinfo)
-            except ValueError:
-                pass  # some come from run(*args)
-        self._sink_cache = None
+        self._binding = VariantBinding(self._variant, {
+            "num_qo_heads": self._hq, "num_kv_heads": self._hk, "head_dim": self._d, "sm_scale": self._sm_scale,
+            "device": self._device, "batch": self._batch}, self._attn,
+            lambda v: kernel("batch_prefill_sm90", PREFILL_ARCH, **self._spec_kw, **self._variant_kw(v)))
 
     def _to_device(self, t, buf, name):
         """An index array on the device: copied into ``buf`` (CUDA-graph mode) or a new tensor."""
@@ -568,22 +564,13 @@ class _BatchPrefillBase:
                              f"{k.device} / {v.device}")
 
     def _variant_args(self, args, sinks):
-        """(module, runtime values of its variant) for this run: plan()'s kernel, or with
-        ``sinks`` the same variant + AttentionSink (its module loaded on the first such run)."""
-        module, vvals = self._attn, self._vvalues
+        """(module, runtime values of its variant) for this run (see ``VariantBinding``)."""
         if sinks is not None:
             if not isinstance(sinks, torch.Tensor) or sinks.shape != (self._hq,) or sinks.device != self._device:
                 raise ValueError(f"sinks must be a [{self._hq}] tensor on {self._device}, got "
                                  f"{tuple(getattr(sinks, 'shape', ()))} on {getattr(sinks, 'device', None)}")
-            if self._sink_cache is None:
-                sv = AttentionSink() if self._variant is None else self._variant + AttentionSink()
-                self._sink_cache = (sv, kernel("batch_prefill_sm90", PREFILL_ARCH, **self._spec_kw,
-                                               **self._variant_kw(sv)))
-            sv, module = self._sink_cache
-            vvals = vbase.runtime_values(sv, self._vinfo, tuple(args) + (sinks.float(),))
-        elif args or (vvals is None and self._variant is not None):
-            vvals = vbase.runtime_values(self._variant, self._vinfo, args)
-        return module, vvals or ()
+            sinks = sinks.float()
+        return self._binding.select(args, sinks)
 
     def _launch(self, q, k4, v4, kv_indptr, kv_indices, out, lse, args=(), sinks=None):
         """K/V are 4-D views; a cache without any token (so no request has kv) gets o = 0,

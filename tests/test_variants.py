@@ -169,3 +169,26 @@ def test_variant_specs_compile_in_a_separate_process(tmp_path):
         assert all(r["instructions"].values()), r
         assert r["resources"].get("local", 0) == 0, r
     assert recs[0]["resources"].get("registers") in (None, 236), recs[0]  # the plain decode path, unchanged
+
+
+def test_variant_binding_selects_module_and_values():
+    """The wrappers' run(): the plan's module with values computed once in plan(); run(*args)
+    values; with sinks, the variant + AttentionSink module, loaded once."""
+    import torch
+
+    from cute_attn.variants import ALiBi
+    from cute_attn.variants.binding import VariantBinding
+
+    info = {"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 64, "sm_scale": 0.125, "device": "cpu", "batch": 1}
+    loads = []
+    b = VariantBinding(ALiBi(), info, "plan-module", lambda v: loads.append(type(v).__name__) or "sink-module")
+    module, vals = b.select()
+    assert module == "plan-module" and len(vals) == 1 and vals is b.values  # precomputed, not recomputed
+    sinks = torch.zeros(4)
+    for _ in range(2):
+        module, vals = b.select((), sinks)
+        assert module == "sink-module" and len(vals) == 2 and vals[-1] is sinks
+    assert len(loads) == 1  # the sink module is loaded once
+    none = VariantBinding(None, info, "plain", lambda v: "sink-only")
+    assert none.select() == ("plain", [])
+    assert none.select((), sinks)[0] == "sink-only"
