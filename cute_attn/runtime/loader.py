@@ -271,8 +271,9 @@ _BY_PARAMS: Dict[tuple, Module] = {}
 
 def kernel(family: str, arch: str, **params) -> Module:
     """``get_module(Spec.make(family, arch, **params))``, a dict lookup after the first call
-    (the ops call this on every launch; each call site passes its params in one order)."""
-    key = (family, arch, *params.values())
+    (the ops call this on every plan; names are part of the lookup key, so two call sites that
+    pass the same values under other names never share a module)."""
+    key = (family, arch, *params.items())
     mod = _BY_PARAMS.get(key)
     if mod is None:
         mod = _BY_PARAMS[key] = get_module(Spec.make(family, arch, **params))
