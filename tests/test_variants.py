@@ -192,3 +192,18 @@ def test_variant_binding_selects_module_and_values():
     none = VariantBinding(None, info, "plain", lambda v: "sink-only")
     assert none.select() == ("plain", [])
     assert none.select((), sinks)[0] == "sink-only"
+
+
+def test_ctx_float_position_follows_kv_pos():
+    """``kv_pos_f32`` is what the kernel supplied, and a new ``kv_pos`` without one drops it (a
+    stale float position would silently shift a positional bias)."""
+    from cute_attn.variants.base import Ctx
+
+    c = Ctx(batch=0, kv_pos=5, kv_pos_f32="f5")
+    assert c.kv_pos_f32 == "f5"
+    assert c.replace(batch=1).kv_pos_f32 == "f5"
+    assert c.replace(kv_pos=6, kv_pos_f32="f6").kv_pos_f32 == "f6"
+    moved = c.replace(kv_pos=7)
+    assert moved._kv_pos_f32 is None and moved.kv_pos == 7
+    with pytest.raises(TypeError):
+        Ctx(kv_pos_f=1.0)

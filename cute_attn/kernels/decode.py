@@ -132,6 +132,10 @@ class PagedDecode:
         tScS = _mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_Q, 16))))
         tOcO = _mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_Q, D))))
         n_rows_thr = cute.size(tScS, mode=[0])
+        # column c is key tScS[0, 0] + _trace_col_off[c] for every thread (thread 0's coordinates
+        # are compile-time numbers): ctx.kv_pos_f32 costs one conversion per block, not per score
+        tS0 = _mn_view(tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((TILE_Q, 16))))
+        self._trace_col_off = [tS0[0, c][1] - tS0[0, 0][1] for c in range(cute.size(tS0, mode=[1]))]
         # per variant component: its runtime arguments (kernel values), read by the hook helpers
         # below while this kernel is traced (kept off the kernel's locals: the DSL's loop
         # analysis only admits DSL values there)
@@ -357,9 +361,10 @@ class PagedDecode:
             lo, hi = H.kv_range(rctx, va)
         fill = -Float32.inf if H.softmax else Float32(0.0)
         m_blk = -Float32.inf
+        kv_f0 = (key0 + tScS[0, 0][1]).to(Float32)
         for c in range(cute.size(acc_S_mn, mode=[1])):
             kv_pos = key0 + tScS[0, c][1]
-            ectx = rctx.replace(kv_pos=kv_pos)
+            ectx = rctx.replace(kv_pos=kv_pos, kv_pos_f32=kv_f0 + Float32(self._trace_col_off[c]))
             ok = kv_pos < blk_end
             if H.has_logits:
                 v = H.logits(ectx, va, acc_S_mn[r, c] * self._trace_sm_scale)

@@ -58,6 +58,7 @@ from cutlass.utils import LayoutEnum
 
 from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry
+from .fastmath import exp2_fma
 from .decode import W_DEST, W_KV_END, W_KV_HEAD, W_KV_LEN, W_KV_START, W_NUM_ROWS, W_QO_LEN, W_QO_OFFSET, \
     W_REQ, W_ROW_START, _quad_max, _quad_sum
 
@@ -79,12 +80,14 @@ REGS = {(2, False): (24, 240), (2, True): (56, 224), (1, False): (56, 256), (1, 
 # named barriers (0 is __syncthreads): per consumer WG, and the two ping-pong barriers
 BAR_WG0, BAR_PINGPONG0, BAR_PRODUCER = 1, 3, 5
 ROW_RING = 3  # blocks of page lookups staged in smem by the gather producer (see _produce)
+BOX_WARPS = 4  # paged TMA: producer warps issuing the boxes of a block (see _produce)
+EX2_FMA_SOFT_CAP = 2  # soft-cap: score columns (of every 4) whose exponential skips MUFU
 
 
 class BatchPrefillSm90:
     def __init__(self, dtype, head_dim: int, tile_q: int, paged: bool, causal: bool, soft_cap: bool,
                  window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1, page_box: int = 0,
-                 variant=None):
+                 box_warps: int = 0, ex2_fma: int = -1, variant=None):
         assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
         self.dtype = dtype
         self.head_dim = head_dim
@@ -100,10 +103,16 @@ class BatchPrefillSm90:
         # a TMA write cannot be followed by a producer pass without another barrier).
         self.page_box = page_box if paged and not H.has_transform_k else 0
         self.gather = (paged and not self.page_box) or H.has_transform_k
+        # paged TMA: producer warps that issue a block's boxes (box b by warp b % box_warps)
+        self.box_warps = box_warps or BOX_WARPS
         self.causal = causal
         self.soft_cap = soft_cap
         self.window = window
         self.logits_transform = soft_cap or H.has_logits  # row_m in base-2 logits, not raw q·k
+        # of every 4 score columns, how many take 2^x on the FMA pipe (fastmath.exp2_fma) instead
+        # of MUFU: soft-cap spends a MUFU op (tanh) per score on top of the exponential, which
+        # makes MUFU, not the tensor cores, the bound
+        self.ex2_fma = ex2_fma if ex2_fma >= 0 else (EX2_FMA_SOFT_CAP if soft_cap else 0)
         self.mask_all = H.has_mask or H.has_kv_range  # masked path on every block
         dn, ds = KV_TILES[head_dim, self.gather]
         self.tile_n = tile_n or dn
@@ -300,7 +309,13 @@ class BatchPrefillSm90:
             kv_end = mWork[item, W_KV_END]
             first, n_blocks = self._block_range(mWork, item, group, window_left)
             if const_expr(self.page_box):
-                if warp_idx == 0:
+                # A block is TN / page_box boxes, and one warp issuing all of them (a shuffle, the
+                # coordinates and a TMA each) is slower than the consumers use them: the boxes are
+                # shared out over box_warps warps.  Each warp waits for the stage itself; warp 0
+                # alone arms the full barrier with the whole block's bytes (boxes landing before
+                # that only drive its transaction count below zero, which an mbarrier allows:
+                # the phase cannot complete before warp 0's arrival).
+                if warp_idx < self.box_warps:
                     # lane b looks up the page of box b (all boxes of a block in one round trip),
                     # one block ahead of its use; the TMA issue reads it with a shuffle
                     page_base = mKvIndptr[req]
@@ -318,14 +333,16 @@ class BatchPrefillSm90:
                             pg_next = self._box_page(mKvIndices, lane, kv_start + (n_blocks - 2 - j) * TN, kv_end,
                                                      page_base, page_size)
                         if j < nb:
-                            pipe_k.producer_acquire(k_state)
+                            self._acquire_boxes(pipe_k, k_state, warp_idx)
                             self._load_pages(tma_k, tK, sK, pipe_k.producer_get_barrier(k_state), k_state.index,
-                                             pg_k, kv_start + (n_blocks - 1 - j) * TN, kv_end, page_size, kv_head)
+                                             pg_k, kv_start + (n_blocks - 1 - j) * TN, kv_end, page_size, kv_head,
+                                             warp_idx)
                             k_state.advance()
                         if j > 0:
-                            pipe_v.producer_acquire(v_state)
+                            self._acquire_boxes(pipe_v, v_state, warp_idx)
                             self._load_pages(tma_v, tV, sV, pipe_v.producer_get_barrier(v_state), v_state.index,
-                                             pg_v, kv_start + (n_blocks - j) * TN, kv_end, page_size, kv_head)
+                                             pg_v, kv_start + (n_blocks - j) * TN, kv_end, page_size, kv_head,
+                                             warp_idx)
                             v_state.advance()
                         pg_v = pg_k
                         pg_k = pg_next
@@ -410,21 +427,29 @@ class BatchPrefillSm90:
             cute.arch.cp_async_wait_group(0)  # no copy of this thread outlives it
 
     @cute.jit
-    def _load_pages(self, tma, tX, sX, bar, stage, pg, blk, kv_end, page_size, kv_head):
-        """TMA one block as TN / page_box boxes, each from its own page (lane b of ``pg`` holds
-        box b's page, see ``_box_page``).  Boxes past kv_end re-read the last valid box; the
-        unused slots of the last page are zeroed in smem by the consumers before P V
-        (``_zero_v_tail``)."""
+    def _acquire_boxes(self, pipe, state, warp_idx):
+        """Every box-issuing warp waits for the stage to be free; warp 0 arms its full barrier."""
+        pipe.sync_object_empty.wait(state.index, state.phase)
+        if warp_idx == 0:
+            pipe.sync_object_full.arrive(state.index, pipe.producer_mask)
+
+    @cute.jit
+    def _load_pages(self, tma, tX, sX, bar, stage, pg, blk, kv_end, page_size, kv_head, warp_idx):
+        """This warp's share of one block's TN / page_box TMA boxes (box b by warp b % box_warps),
+        each from its own page (lane b of ``pg`` holds box b's page, see ``_box_page``).  Boxes
+        past kv_end re-read the last valid box; the unused slots of the last page are zeroed in
+        smem by the consumers before P V (``_zero_v_tail``)."""
         PB, D = self.page_box, self.head_dim
         for b in cutlass.range_constexpr(self.tile_n // PB):
-            p = blk + b * PB
-            p = p if p < kv_end else kv_end - 1
-            page = cute.arch.shuffle_sync(pg, b)
-            g = cute.local_tile(tX[None, None, kv_head, page], (PB, D), ((p % page_size) // PB, 0))
-            s_ = cute.local_tile(sX[None, None, stage], (PB, D), (b, 0))
-            ts, tg = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_, 0, 2),
-                                           cute.group_modes(g, 0, 2))
-            cute.copy(tma, tg, ts, tma_bar_ptr=bar)
+            if warp_idx == b % self.box_warps:
+                p = blk + b * PB
+                p = p if p < kv_end else kv_end - 1
+                page = cute.arch.shuffle_sync(pg, b)
+                g = cute.local_tile(tX[None, None, kv_head, page], (PB, D), ((p % page_size) // PB, 0))
+                s_ = cute.local_tile(sX[None, None, stage], (PB, D), (b, 0))
+                ts, tg = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_, 0, 2),
+                                               cute.group_modes(g, 0, 2))
+                cute.copy(tma, tg, ts, tma_bar_ptr=bar)
 
     @cute.jit
     def _box_page(self, mKvIndices, lane, blk, kv_end, page_base, page_size):
@@ -551,10 +576,10 @@ class BatchPrefillSm90:
             out.append((ctx, lo, hi))
         self._trace_rows = out
 
-    def _hook_logits(self, r, kv_pos, s):
+    def _hook_logits(self, r, kv_pos, s, kv_pos_f32):
         """Raw q·k -> the variant's logit in base 2 (softmax) or its weight (no softmax)."""
         H = self.hooks
-        ctx = self._trace_rows[r][0].replace(kv_pos=kv_pos)
+        ctx = self._trace_rows[r][0].replace(kv_pos=kv_pos, kv_pos_f32=kv_pos_f32)
         v = H.logits(ctx, self._trace_vargs, s * self._trace_sm_scale)
         return v * LOG2E if H.softmax else v
 
@@ -658,6 +683,10 @@ class BatchPrefillSm90:
         sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
         tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
         tScS = _rowcol(thr_qk.partition_C(cute.make_identity_tensor((TQ, TN))))
+        # column c of a thread's scores is key tScS[0, 0] + _trace_col_off[c] (the same static
+        # offsets for every thread; thread 0's coordinates are compile-time numbers)
+        tS0 = _rowcol(mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((TQ, TN))))
+        self._trace_col_off = [tS0[0, c][1] - tS0[0, 0][1] for c in range(cute.size(tS0, mode=[1]))]
         tOcO = _rowcol(thr_pv.partition_C(cute.make_identity_tensor((TQ, D))))
         n_rows = cute.size(tScS, mode=[0])  # rows this thread holds (2)
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
@@ -879,13 +908,16 @@ class BatchPrefillSm90:
         if const_expr(self.logits_transform):
             scale = Float32(1.0)
         H = self.hooks
+        kv_f0 = Float32(0.0)
+        if const_expr(H.has_logits):
+            kv_f0 = (blk + tScS[0, 0][1]).to(Float32)  # ctx.kv_pos_f32 = kv_f0 + a constant per column
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
             if const_expr(self.soft_cap or masked or H.has_logits):
                 for c in cutlass.range_constexpr(ncol):
                     v = S[r, c]
                     kv_pos = blk + tScS[0, c][1]
                     if const_expr(H.has_logits):
-                        v = self._hook_logits(r, kv_pos, v)
+                        v = self._hook_logits(r, kv_pos, v, kv_f0 + Float32(self._trace_col_off[c]))
                     elif const_expr(self.soft_cap):
                         v = self._logits(v, scale_log2, cap_log2, inv_cap_scaled)
                     if const_expr(masked):
@@ -906,7 +938,10 @@ class BatchPrefillSm90:
                 m_scaled = m_use * scale
                 corr[r] = cute.math.exp2(row_m[r] * scale - m_scaled, fastmath=True)
                 for c in cutlass.range_constexpr(ncol):
-                    S[r, c] = cute.math.exp2(S[r, c] * scale - m_scaled, fastmath=True)
+                    if const_expr(c % 4 < self.ex2_fma):
+                        S[r, c] = exp2_fma(S[r, c] * scale - m_scaled)
+                    else:
+                        S[r, c] = cute.math.exp2(S[r, c] * scale - m_scaled, fastmath=True)
                 part = [S[r, c] for c in range(4)]
                 for c in cutlass.range_constexpr(4, ncol):
                     part[c % 4] = part[c % 4] + S[r, c]
@@ -1023,5 +1058,5 @@ def build_batch_prefill_sm90(spec):
     variant = _spec_variant(p)
     k = BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"], p["soft_cap"],
                          p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1),
-                         p.get("page_box", 0), variant)
+                         p.get("page_box", 0), p.get("box_warps", 0), p.get("ex2_fma", -1), variant)
     return make_entry(k, _prefill_abi_fixed(p), abi_args(variant))

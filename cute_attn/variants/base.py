@@ -348,14 +348,19 @@ class Ctx:
     ``args`` (this component's runtime arguments by name).
 
     ``ctx.once(key, fn)`` evaluates ``fn()`` once per query row and reuses the value for every
-    element of the row (e.g. a per-head slope loaded from global memory)."""
+    element of the row (e.g. a per-head slope loaded from global memory).
+
+    ``ctx.kv_pos_f32`` is ``kv_pos`` as a Float32 (exact below 2^24).  Use it instead of
+    converting ``kv_pos`` yourself in a per-element hook: the kernels derive it from one
+    conversion per block (a per-element int->float conversion runs at a quarter of the FP32
+    rate on Hopper, as slow as the softmax's exponential)."""
 
     _FIELDS = ("batch", "qo_head", "kv_head", "q_pos", "qo_len", "kv_len", "kv_pos", "first_chunk",
-               "head_dim", "sm_scale", "args")
+               "head_dim", "sm_scale", "args", "kv_pos_f32")
 
     def __init__(self, **kw):
         for f in self._FIELDS:
-            setattr(self, f, kw.pop(f, None))
+            setattr(self, "_kv_pos_f32" if f == "kv_pos_f32" else f, kw.pop(f, None))
         self._cache = kw.pop("_cache", None)
         if self._cache is None:
             self._cache = {}
@@ -366,9 +371,20 @@ class Ctx:
     def q_idx(self):
         return self.q_pos - (self.kv_len - self.qo_len)
 
+    @property
+    def kv_pos_f32(self):
+        if self._kv_pos_f32 is not None:
+            return self._kv_pos_f32
+        from . import dsl
+
+        return dsl.f32(self.kv_pos)
+
     def replace(self, _fresh: bool = False, **kw) -> "Ctx":
-        """A copy with some fields changed; it shares the ``once`` cache unless ``_fresh``."""
-        d = {f: getattr(self, f) for f in self._FIELDS}
+        """A copy with some fields changed; it shares the ``once`` cache unless ``_fresh``.  A new
+        ``kv_pos`` without a ``kv_pos_f32`` drops the old float position."""
+        d = {f: getattr(self, "_kv_pos_f32" if f == "kv_pos_f32" else f) for f in self._FIELDS}
+        if "kv_pos" in kw and "kv_pos_f32" not in kw:
+            d["kv_pos_f32"] = None
         d.update(kw)
         d["_cache"] = None if _fresh else self._cache
         return Ctx(**d)

@@ -76,7 +76,8 @@ class ALiBi(Variant):
 
     def logits(self, ctx, s):
         slope = ctx.once("slope", lambda: ctx.args.alibi_slopes[ctx.qo_head])
-        return s + slope * dsl.f32(ctx.kv_pos - ctx.q_pos)
+        q_pos = ctx.once("q_pos_f32", lambda: dsl.f32(ctx.q_pos))
+        return s + slope * (ctx.kv_pos_f32 - q_pos)
 
 
 @register_builtin
