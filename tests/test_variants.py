@@ -194,16 +194,17 @@ def test_variant_binding_selects_module_and_values():
     assert none.select((), sinks)[0] == "sink-only"
 
 
-def test_ctx_float_position_follows_kv_pos():
-    """``kv_pos_f32`` is what the kernel supplied, and a new ``kv_pos`` without one drops it (a
-    stale float position would silently shift a positional bias)."""
+def test_ctx_float_positions_follow_the_positions():
+    """``kv_pos_f32`` / ``rel_pos_f32`` are what the kernel supplied, and a new ``kv_pos`` or
+    ``q_pos`` without them drops them (a stale float position would silently shift a bias)."""
     from cute_attn.variants.base import Ctx
 
-    c = Ctx(batch=0, kv_pos=5, kv_pos_f32="f5")
-    assert c.kv_pos_f32 == "f5"
-    assert c.replace(batch=1).kv_pos_f32 == "f5"
-    assert c.replace(kv_pos=6, kv_pos_f32="f6").kv_pos_f32 == "f6"
-    moved = c.replace(kv_pos=7)
-    assert moved._kv_pos_f32 is None and moved.kv_pos == 7
+    c = Ctx(batch=0, q_pos=3, kv_pos=5, kv_pos_f32="f5", rel_pos_f32="r2")
+    assert (c.kv_pos_f32, c.rel_pos_f32) == ("f5", "r2")
+    assert (c.replace(batch=1).kv_pos_f32, c.replace(batch=1).rel_pos_f32) == ("f5", "r2")
+    assert c.replace(kv_pos=6, kv_pos_f32="f6", rel_pos_f32="r3").rel_pos_f32 == "r3"
+    for moved in (c.replace(kv_pos=7), c.replace(q_pos=1)):
+        assert moved._kv_pos_f32 is None and moved._rel_pos_f32 is None
+    assert c.replace(kv_pos=7, kv_pos_f32="f7")._rel_pos_f32 is None
     with pytest.raises(TypeError):
         Ctx(kv_pos_f=1.0)

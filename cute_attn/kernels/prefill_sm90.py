@@ -58,7 +58,6 @@ from cutlass.utils import LayoutEnum
 
 from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry
-from .fastmath import exp2_fma
 from .decode import W_DEST, W_KV_END, W_KV_HEAD, W_KV_LEN, W_KV_START, W_NUM_ROWS, W_QO_LEN, W_QO_OFFSET, \
     W_REQ, W_ROW_START, _quad_max, _quad_sum
 
@@ -81,13 +80,12 @@ REGS = {(2, False): (24, 240), (2, True): (56, 224), (1, False): (56, 256), (1, 
 BAR_WG0, BAR_PINGPONG0, BAR_PRODUCER = 1, 3, 5
 ROW_RING = 3  # blocks of page lookups staged in smem by the gather producer (see _produce)
 BOX_WARPS = 4  # paged TMA: producer warps issuing the boxes of a block (see _produce)
-EX2_FMA_SOFT_CAP = 2  # soft-cap: score columns (of every 4) whose exponential skips MUFU
 
 
 class BatchPrefillSm90:
     def __init__(self, dtype, head_dim: int, tile_q: int, paged: bool, causal: bool, soft_cap: bool,
                  window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1, page_box: int = 0,
-                 box_warps: int = 0, ex2_fma: int = -1, variant=None):
+                 box_warps: int = 0, variant=None):
         assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
         self.dtype = dtype
         self.head_dim = head_dim
@@ -108,11 +106,6 @@ class BatchPrefillSm90:
         self.causal = causal
         self.soft_cap = soft_cap
         self.window = window
-        self.logits_transform = soft_cap or H.has_logits  # row_m in base-2 logits, not raw q·k
-        # of every 4 score columns, how many take 2^x on the FMA pipe (fastmath.exp2_fma) instead
-        # of MUFU: soft-cap spends a MUFU op (tanh) per score on top of the exponential, which
-        # makes MUFU, not the tensor cores, the bound
-        self.ex2_fma = ex2_fma if ex2_fma >= 0 else (EX2_FMA_SOFT_CAP if soft_cap else 0)
         self.mask_all = H.has_mask or H.has_kv_range  # masked path on every block
         dn, ds = KV_TILES[head_dim, self.gather]
         self.tile_n = tile_n or dn
@@ -134,6 +127,17 @@ class BatchPrefillSm90:
         self.own_o = head_dim <= 128
 
     # ---- variant hook points -------------------------------------------------------------
+    def _row_scale(self, scale_log2):
+        """What turns S (and row_m, kept in S's units) into base-2 logits: sm_scale·log2 e for
+        raw q·k, 1 after the soft-cap (``_logits`` returns base 2), log2 e after a variant's
+        logits (natural units; the factor folds into the softmax's FFMA, not a multiply per
+        score)."""
+        if const_expr(self.soft_cap):
+            return Float32(1.0)
+        if const_expr(self.hooks.has_logits):
+            return Float32(LOG2E)
+        return scale_log2
+
     @cute.jit
     def _logits(self, s: Float32, scale_log2: Float32, cap_log2: Float32, inv_cap_scaled: Float32) -> Float32:
         """Raw q·k -> logit in base 2.  Soft-cap: cap * tanh(q·k * sm_scale / cap)."""
@@ -202,7 +206,7 @@ class BatchPrefillSm90:
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout) if self.own_o else 8], 1024]
-            sRows: cute.struct.MemRange[Int32, 2 * TN * ROW_RING]  # gather: (page, slot) of each row
+            sRows: cute.struct.MemRange[cutlass.Int64, 2 * TN * ROW_RING]  # gather: K / V row addresses
 
         if const_expr(Smem.size_in_bytes() > SMEM_MAX):
             raise ValueError(f"{Smem.size_in_bytes()} bytes of shared memory > {SMEM_MAX}: fewer stages or keys per block")
@@ -302,6 +306,14 @@ class BatchPrefillSm90:
         ring = Int32(0)  # gather: blocks staged so far (selects the lookup ring slot)
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
                                   num_bits_per_copy=128)
+        dK = dV = None
+        if const_expr(self.gather):
+            # thread t copies 16-byte chunk t % chunks of rows t // chunks + i * (WG / chunks): its
+            # destinations in the swizzled stage tiles are one base plus static offsets
+            rows = WG // self.chunks
+            thr = cute.make_tiled_copy_tv(g2s, cute.make_layout((rows, self.chunks), stride=(self.chunks, 1)),
+                                          cute.make_layout((1, 8))).get_slice(tidx)
+            dK, dV = thr.partition_D(sK), thr.partition_D(sV)
         for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1], unroll=1):
             req = mWork[item, W_REQ]
             kv_head = mWork[item, W_KV_HEAD]
@@ -370,41 +382,43 @@ class BatchPrefillSm90:
                             v_state.advance()
             else:
                 # Page lookups are staged in smem one block ahead: thread t < TN looks up row t of
-                # the next block (a global load whose latency hides behind this block's copies),
-                # every thread then reads its rows' (page, slot) from smem, and K(j) and V(j)
-                # share one lookup.  Ring of ROW_RING blocks: K(j), V(j-1) and the lookup of
-                # j+1 are in flight together.
+                # the next block (a global load whose latency hides behind this block's copies)
+                # and stores the global addresses of its K and V rows; every thread then reads its
+                # rows' addresses from smem (one 8-byte load per 16-byte copy: this loop is the
+                # producer's whole work, and with the page arithmetic in it the producer, not the
+                # tensor cores, set the pace).  Ring of ROW_RING blocks: K(j), V(j-1) and the
+                # lookup of j+1 are in flight together.
                 page_base = mKvIndptr[req]
                 page_size = mK.shape[1]
-                c = tidx % self.chunks
                 nb = n_blocks - first
                 if nb > 0:
-                    pg, sl = self._lookup(mKvIndices, tidx, kv_start + (n_blocks - 1) * TN, kv_end, page_base, page_size)
+                    ak, av = self._row_addrs(mK, mV, mKvIndices, tidx, kv_start + (n_blocks - 1) * TN, kv_end,
+                                             page_base, page_size, kv_head)
                     if tidx < TN:
-                        sRows[0, tidx, ring % ROW_RING] = pg
-                        sRows[1, tidx, ring % ROW_RING] = sl
+                        sRows[0, tidx, ring % ROW_RING] = ak
+                        sRows[1, tidx, ring % ROW_RING] = av
                     cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=WG)
                 for j in cutlass.range(nb + 1, unroll=1):
-                    pg = Int32(0)
-                    sl = Int32(0)
+                    ak = cutlass.Int64(0)
+                    av = cutlass.Int64(0)
                     k_idx = k_state.index  # the stage K(j) goes to (rotated below with transform_k)
                     if j + 1 < nb:
-                        pg, sl = self._lookup(mKvIndices, tidx, kv_start + (n_blocks - 2 - j) * TN, kv_end, page_base,
-                                              page_size)
+                        ak, av = self._row_addrs(mK, mV, mKvIndices, tidx, kv_start + (n_blocks - 2 - j) * TN, kv_end,
+                                                 page_base, page_size, kv_head)
                     if j < nb:
                         pipe_k.producer_acquire(k_state)
                         if const_expr(self.hooks.has_transform_k):
                             # each thread copies both halves (dims d, d + D/2) of its rows, so it can
                             # rotate them itself once its own copies land: no producer barrier
-                            self._gather_pairs(mK, sK, sRows, g2s, tidx, kv_head, k_state.index, (ring + j) % ROW_RING)
+                            self._gather_pairs(sK, sRows, g2s, tidx, k_state.index, (ring + j) % ROW_RING)
                             cute.arch.cp_async_commit_group()
                         else:
-                            self._gather(mK, sK, sRows, g2s, tidx, c, kv_head, k_state.index, (ring + j) % ROW_RING)
+                            self._gather(dK, sRows, g2s, tidx, 0, k_state.index, (ring + j) % ROW_RING)
                             pipe_k.producer_commit(k_state)
                         k_state.advance()
                     if j > 0:
                         pipe_v.producer_acquire(v_state)
-                        self._gather(mV, sV, sRows, g2s, tidx, c, kv_head, v_state.index, (ring + j - 1) % ROW_RING)
+                        self._gather(dV, sRows, g2s, tidx, 1, v_state.index, (ring + j - 1) % ROW_RING)
                         pipe_v.producer_commit(v_state)
                         v_state.advance()
                     if const_expr(self.hooks.has_transform_k):
@@ -418,8 +432,8 @@ class BatchPrefillSm90:
                             pipe_k.sync_object_full.arrive_mbarrier(k_idx)
                     if j + 1 < nb:
                         if tidx < TN:
-                            sRows[0, tidx, (ring + j + 1) % ROW_RING] = pg
-                            sRows[1, tidx, (ring + j + 1) % ROW_RING] = sl
+                            sRows[0, tidx, (ring + j + 1) % ROW_RING] = ak
+                            sRows[1, tidx, (ring + j + 1) % ROW_RING] = av
                     cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=WG)
                 ring = ring + nb
         if const_expr(self.gather):
@@ -460,37 +474,45 @@ class BatchPrefillSm90:
         return mKvIndices[page_base + p // page_size]
 
     @cute.jit
-    def _lookup(self, mKvIndices, tidx, blk, kv_end, page_base, page_size):
-        """(page, slot) of row tidx of the block starting at token blk; rows past kv_end re-read
-        the last token (finite data, masked later: a NaN there would survive 0 * NaN in P V)."""
+    def _row_addrs(self, mK, mV, mKvIndices, tidx, blk, kv_end, page_base, page_size, kv_head):
+        """Global byte addresses of the K and V rows (this kv head) of row tidx of the block
+        starting at token blk; rows past kv_end re-read the last token (finite data, masked
+        later: a NaN there would survive 0 * NaN in P V)."""
         p = blk + tidx
         p = p if p < kv_end else kv_end - 1
-        if const_expr(not self.paged):  # ragged KV gathered (transform_k): page 0, token kv_indptr[req] + p
-            return Int32(0), page_base + p
-        return mKvIndices[page_base + p // page_size], p % page_size
+        page, slot = Int32(0), page_base + p  # ragged KV gathered (transform_k): token kv_indptr[req] + p
+        if const_expr(self.paged):
+            page, slot = mKvIndices[page_base + p // page_size], p % page_size
+        return mK[page, slot, kv_head, None].iterator.toint(), mV[page, slot, kv_head, None].iterator.toint()
+
+    def _chunk(self, addr):
+        """The 16 bytes at global byte address ``addr`` as a tensor (a cp.async source)."""
+        return cute.make_tensor(cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16),
+                                cute.make_layout((8,)))
 
     @cute.jit
-    def _gather(self, mX, sX, sRows, g2s, tidx, c, kv_head, stage, buf):
-        """cp.async this thread's 16-byte chunks of a block's rows, rows looked up in sRows."""
+    def _gather(self, tXs, sRows, g2s, tidx, which, stage, buf):
+        """cp.async this thread's 16-byte chunks of a block's K (which = 0) or V rows, row
+        addresses from sRows; ``tXs``: this thread's partition of the stage tiles."""
         rows_per_pass = WG // self.chunks
+        c16 = (tidx % self.chunks) * 16
         for r in cutlass.range(self.tile_n // rows_per_pass, unroll=4):  # bounded unroll: 56 registers
-            row = tidx // self.chunks + r * rows_per_pass
-            cute.copy(g2s, cute.local_tile(mX[sRows[0, row, buf], sRows[1, row, buf], kv_head, None], (8,), (c,)),
-                      cute.local_tile(sX[row, None, stage], (8,), (c,)))
+            addr = sRows[which, tidx // self.chunks + r * rows_per_pass, buf] + c16
+            dst = tXs[None, r, 0, stage]
+            cute.copy(g2s, cute.make_tensor(self._chunk(addr).iterator, cute.make_layout(cute.shape(dst))), dst)
 
     @cute.jit
-    def _gather_pairs(self, mX, sX, sRows, g2s, tidx, kv_head, stage, buf):
-        """As ``_gather``, but thread t copies chunks c and c + chunks/2 (dims d and d + D/2) of
-        its rows, c = t % (chunks/2): the pairs a transform_k rotates are all its own."""
+    def _gather_pairs(self, sX, sRows, g2s, tidx, stage, buf):
+        """As ``_gather`` for K, but thread t copies chunks c and c + chunks/2 (dims d and d + D/2)
+        of its rows, c = t % (chunks/2): the pairs a transform_k rotates are all its own."""
         half = self.chunks // 2
         rows_per_pass = WG // half
         c = tidx % half
         for r in cutlass.range(self.tile_n // rows_per_pass, unroll=2):
             row = tidx // half + r * rows_per_pass
-            src = mX[sRows[0, row, buf], sRows[1, row, buf], kv_head, None]
-            cute.copy(g2s, cute.local_tile(src, (8,), (c,)), cute.local_tile(sX[row, None, stage], (8,), (c,)))
-            cute.copy(g2s, cute.local_tile(src, (8,), (c + half,)),
-                      cute.local_tile(sX[row, None, stage], (8,), (c + half,)))
+            addr = sRows[0, row, buf]
+            cute.copy(g2s, self._chunk(addr + c * 16), cute.local_tile(sX[row, None, stage], (8,), (c,)))
+            cute.copy(g2s, self._chunk(addr + (c + half) * 16), cute.local_tile(sX[row, None, stage], (8,), (c + half,)))
 
     @cute.jit
     def _rotate_k(self, sK, tidx, stage, blk, req, kv_head, qo_len, kv_len):
@@ -576,12 +598,11 @@ class BatchPrefillSm90:
             out.append((ctx, lo, hi))
         self._trace_rows = out
 
-    def _hook_logits(self, r, kv_pos, s, kv_pos_f32):
-        """Raw q·k -> the variant's logit in base 2 (softmax) or its weight (no softmax)."""
-        H = self.hooks
-        ctx = self._trace_rows[r][0].replace(kv_pos=kv_pos, kv_pos_f32=kv_pos_f32)
-        v = H.logits(ctx, self._trace_vargs, s * self._trace_sm_scale)
-        return v * LOG2E if H.softmax else v
+    def _hook_logits(self, r, kv_pos, s, kv_pos_f32, rel_pos_f32):
+        """Raw q·k -> the variant's logit (natural units: the softmax's scale is log2 e, see
+        ``_row_scale``) or its weight (no softmax)."""
+        ctx = self._trace_rows[r][0].replace(kv_pos=kv_pos, kv_pos_f32=kv_pos_f32, rel_pos_f32=rel_pos_f32)
+        return self.hooks.logits(ctx, self._trace_vargs, s * self._trace_sm_scale)
 
     def _hook_visible(self, r, kv_pos, ok):
         H = self.hooks
@@ -899,25 +920,28 @@ class BatchPrefillSm90:
                  inv_cap_scaled, window_left, masked: cutlass.Constexpr):
         """Online softmax of one block in place: S -> P = exp2(S * scale - m * scale), l rescaled;
         the factor O must be rescaled by goes to ``corr`` (O may still be in use by a wgmma).
-        ``row_m`` is kept in S's units (raw q·k, or base-2 logits after a logits transform) so the
-        scale folds into one FFMA per element.  Max and sum use 4 partial accumulators per row:
+        ``row_m`` is kept in S's units (raw q·k, or the logits after a soft-cap or a variant's
+        logits, see ``_row_scale``) so the scale folds into one FFMA per element.  Max and sum use 4 partial accumulators per row:
         one warp runs this alone while the other WG's GEMMs run, so its latency chains matter."""
         S = _rowcol(acc_S)
         ncol = cute.size(S, mode=[1])
-        scale = scale_log2
-        if const_expr(self.logits_transform):
-            scale = Float32(1.0)
+        scale = self._row_scale(scale_log2)
         H = self.hooks
         kv_f0 = Float32(0.0)
         if const_expr(H.has_logits):
-            kv_f0 = (blk + tScS[0, 0][1]).to(Float32)  # ctx.kv_pos_f32 = kv_f0 + a constant per column
+            # the float positions of ctx: a value per block (per row) plus a constant per column
+            kv_f0 = (blk + tScS[0, 0][1]).to(Float32)
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
             if const_expr(self.soft_cap or masked or H.has_logits):
+                rel_f0 = Float32(0.0)
+                if const_expr(H.has_logits):
+                    rel_f0 = kv_f0 - q_pos[r].to(Float32)
                 for c in cutlass.range_constexpr(ncol):
                     v = S[r, c]
                     kv_pos = blk + tScS[0, c][1]
                     if const_expr(H.has_logits):
-                        v = self._hook_logits(r, kv_pos, v, kv_f0 + Float32(self._trace_col_off[c]))
+                        off = Float32(self._trace_col_off[c])
+                        v = self._hook_logits(r, kv_pos, v, kv_f0 + off, rel_f0 + off)
                     elif const_expr(self.soft_cap):
                         v = self._logits(v, scale_log2, cap_log2, inv_cap_scaled)
                     if const_expr(masked):
@@ -938,10 +962,7 @@ class BatchPrefillSm90:
                 m_scaled = m_use * scale
                 corr[r] = cute.math.exp2(row_m[r] * scale - m_scaled, fastmath=True)
                 for c in cutlass.range_constexpr(ncol):
-                    if const_expr(c % 4 < self.ex2_fma):
-                        S[r, c] = exp2_fma(S[r, c] * scale - m_scaled)
-                    else:
-                        S[r, c] = cute.math.exp2(S[r, c] * scale - m_scaled, fastmath=True)
+                    S[r, c] = cute.math.exp2(S[r, c] * scale - m_scaled, fastmath=True)
                 part = [S[r, c] for c in range(4)]
                 for c in cutlass.range_constexpr(4, ncol):
                     part[c % 4] = part[c % 4] + S[r, c]
@@ -957,9 +978,7 @@ class BatchPrefillSm90:
         O = _rowcol(acc_O)
         n_rows = cute.size(O, mode=[0])
         lse = cute.make_rmem_tensor((n_rows,), Float32)
-        scale = scale_log2  # row_m is in S's units (see _softmax)
-        if const_expr(self.logits_transform):
-            scale = Float32(1.0)
+        scale = self._row_scale(scale_log2)  # row_m is in S's units (see _softmax)
         H = self.hooks
         if const_expr(H.has_finalize or not H.softmax):
             # variant statistics (sinks) / weights without softmax: plain-Python helper
@@ -1058,5 +1077,5 @@ def build_batch_prefill_sm90(spec):
     variant = _spec_variant(p)
     k = BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"], p["soft_cap"],
                          p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1),
-                         p.get("page_box", 0), p.get("box_warps", 0), p.get("ex2_fma", -1), variant)
+                         p.get("page_box", 0), p.get("box_warps", 0), variant)
     return make_entry(k, _prefill_abi_fixed(p), abi_args(variant))

@@ -350,17 +350,19 @@ class Ctx:
     ``ctx.once(key, fn)`` evaluates ``fn()`` once per query row and reuses the value for every
     element of the row (e.g. a per-head slope loaded from global memory).
 
-    ``ctx.kv_pos_f32`` is ``kv_pos`` as a Float32 (exact below 2^24).  Use it instead of
-    converting ``kv_pos`` yourself in a per-element hook: the kernels derive it from one
-    conversion per block (a per-element int->float conversion runs at a quarter of the FP32
-    rate on Hopper, as slow as the softmax's exponential)."""
+    ``ctx.kv_pos_f32`` is ``kv_pos`` and ``ctx.rel_pos_f32`` is ``kv_pos - q_pos``, both as
+    Float32 (exact below 2^24).  Use them instead of converting positions yourself in a
+    per-element hook: the kernels derive them with one addition per score from values computed
+    once per block (a per-element int->float conversion runs at a quarter of the FP32 rate on
+    Hopper, as slow as the softmax's exponential)."""
 
     _FIELDS = ("batch", "qo_head", "kv_head", "q_pos", "qo_len", "kv_len", "kv_pos", "first_chunk",
-               "head_dim", "sm_scale", "args", "kv_pos_f32")
+               "head_dim", "sm_scale", "args", "kv_pos_f32", "rel_pos_f32")
+    _LAZY = ("kv_pos_f32", "rel_pos_f32")  # stored as _name; the properties fall back to a conversion
 
     def __init__(self, **kw):
         for f in self._FIELDS:
-            setattr(self, "_kv_pos_f32" if f == "kv_pos_f32" else f, kw.pop(f, None))
+            setattr(self, "_" + f if f in self._LAZY else f, kw.pop(f, None))
         self._cache = kw.pop("_cache", None)
         if self._cache is None:
             self._cache = {}
@@ -379,12 +381,22 @@ class Ctx:
 
         return dsl.f32(self.kv_pos)
 
+    @property
+    def rel_pos_f32(self):
+        if self._rel_pos_f32 is not None:
+            return self._rel_pos_f32
+        from . import dsl
+
+        return dsl.f32(self.kv_pos - self.q_pos)
+
     def replace(self, _fresh: bool = False, **kw) -> "Ctx":
         """A copy with some fields changed; it shares the ``once`` cache unless ``_fresh``.  A new
-        ``kv_pos`` without a ``kv_pos_f32`` drops the old float position."""
-        d = {f: getattr(self, "_kv_pos_f32" if f == "kv_pos_f32" else f) for f in self._FIELDS}
-        if "kv_pos" in kw and "kv_pos_f32" not in kw:
-            d["kv_pos_f32"] = None
+        ``kv_pos`` or ``q_pos`` drops the float positions not given with it."""
+        d = {f: getattr(self, "_" + f if f in self._LAZY else f) for f in self._FIELDS}
+        if "kv_pos" in kw or "q_pos" in kw:
+            for f in self._LAZY:
+                if f not in kw:
+                    d[f] = None
         d.update(kw)
         d["_cache"] = None if _fresh else self._cache
         return Ctx(**d)

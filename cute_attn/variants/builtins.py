@@ -76,8 +76,7 @@ class ALiBi(Variant):
 
     def logits(self, ctx, s):
         slope = ctx.once("slope", lambda: ctx.args.alibi_slopes[ctx.qo_head])
-        q_pos = ctx.once("q_pos_f32", lambda: dsl.f32(ctx.q_pos))
-        return s + slope * (ctx.kv_pos_f32 - q_pos)
+        return s + slope * ctx.rel_pos_f32
 
 
 @register_builtin

@@ -73,11 +73,9 @@ def tanh(x):
 
 
 def sigmoid(x):
-    """1 / (1 + e^-x): the exponential on the FMA pipe (``kernels.fastmath.exp2_fma``, relative
-    error < 1e-4) and one MUFU reciprocal -- as many MUFU ops as a softmax score costs."""
-    from ..kernels.fastmath import exp2_fma
-
-    return _cute().arch.rcp_approx(1.0 + exp2_fma(-x * LOG2E))
+    """1 / (1 + e^-x): one EX2 and one RCP."""
+    cute = _cute()
+    return cute.arch.rcp_approx(1.0 + cute.math.exp2(-x * LOG2E, fastmath=True))
 
 
 def fmax(a, b):
