@@ -121,10 +121,11 @@ class BatchPrefillSm90:
         # tensor cores are busy enough with one WG's GEMMs (as FA3)
         self.pingpong = self.num_mma_wg == 2 and (head_dim <= 128 if pingpong < 0 else bool(pingpong))
         self.rescale_before_pv = head_dim > 128
-        # own output staging tile (coalesced 16-byte stores) where shared memory allows; then the
-        # next item's Q is prefetched into sQ during this item's last PV and epilogue.  At hd256
-        # the output is staged in sQ and Q is loaded at the start of each item.
-        self.own_o = head_dim <= 128
+        # The output goes out through its own staging tile (coalesced 16-byte stores), so the
+        # next item's Q can be prefetched into sQ during this item's last PV and epilogue.  At
+        # hd256 only half of O's columns fit next to Q and the K/V stages: it is staged in two
+        # passes of o_cols columns.
+        self.o_cols = head_dim if head_dim <= 128 else head_dim // 2
 
     # ---- variant hook points -------------------------------------------------------------
     def _row_scale(self, scale_log2):
@@ -168,6 +169,9 @@ class BatchPrefillSm90:
         D, TN, TQ, dt = self.head_dim, self.tile_n, self.tile_q, self.dtype
         atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, D), dt)
         sQ_layout = cute.tile_to_shape(atom, (TQ, D), (0, 1))
+        o_atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, self.o_cols),
+                                                 dt)
+        sO_layout = cute.tile_to_shape(o_atom, (TQ, self.o_cols), (0, 1))
         sKV_layout = cute.tile_to_shape(atom, (TN, D, self.stages), (0, 1, 2))
         mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
                                                    Float32, (self.num_mma_wg, 1, 1), (64, TN))
@@ -205,8 +209,9 @@ class BatchPrefillSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout) if self.own_o else 8], 1024]
-            sRows: cute.struct.MemRange[cutlass.Int64, 2 * TN * ROW_RING]  # gather: K / V row addresses
+            sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
+            # gather: K / V row addresses
+            sRows: cute.struct.MemRange[cutlass.Int64, 2 * TN * ROW_RING if self.gather else 1]
 
         if const_expr(Smem.size_in_bytes() > SMEM_MAX):
             raise ValueError(f"{Smem.size_in_bytes()} bytes of shared memory > {SMEM_MAX}: fewer stages or keys per block")
@@ -214,7 +219,7 @@ class BatchPrefillSm90:
         cap = soft_cap if soft_cap > Float32(0.0) else Float32(1.0)
         self.kernel(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse,
                     tma_k, tK, tma_v, tV, var_tensors, group, scale_log2, cap * LOG2E, sm_scale / cap, window_left,
-                    sm_scale, var_scalars, sQ_layout, sKV_layout, mma_qk, mma_pv, Smem).launch(
+                    sm_scale, var_scalars, sQ_layout, sO_layout, sKV_layout, mma_qk, mma_pv, Smem).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     # ---- device side --------------------------------------------------------------------
@@ -226,7 +231,7 @@ class BatchPrefillSm90:
                tV: Optional[cute.Tensor], var_tensors: tuple,
                group: Int32, scale_log2: Float32, cap_log2: Float32, inv_cap_scaled: Float32,
                window_left: Int32, sm_scale: Float32, var_scalars: tuple, sQ_layout: cute.ComposedLayout,
-               sKV_layout: cute.ComposedLayout, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+               sO_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                Smem: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -247,8 +252,10 @@ class BatchPrefillSm90:
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = st.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = st.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sO = st.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(self.own_o) else sQ
-        sRows = st.sRows.get_tensor(cute.make_layout((2, self.tile_n, ROW_RING), stride=(1, 2, 2 * self.tile_n)))
+        sO = st.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sRows = None
+        if const_expr(self.gather):
+            sRows = st.sRows.get_tensor(cute.make_layout((2, self.tile_n, ROW_RING), stride=(1, 2, 2 * self.tile_n)))
 
         T = pipeline.Agent.Thread
         mma_threads = WG * self.num_mma_wg
@@ -709,6 +716,8 @@ class BatchPrefillSm90:
         tS0 = _rowcol(mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((TQ, TN))))
         self._trace_col_off = [tS0[0, c][1] - tS0[0, 0][1] for c in range(cute.size(tS0, mode=[1]))]
         tOcO = _rowcol(thr_pv.partition_C(cute.make_identity_tensor((TQ, D))))
+        tO0 = _rowcol(mma_pv.get_slice(0).partition_C(cute.make_identity_tensor((TQ, D))))
+        self._o_col_off = [tO0[0, c][1] - tO0[0, 0][1] for c in range(cute.size(tO0, mode=[1]))]
         n_rows = cute.size(tScS, mode=[0])  # rows this thread holds (2)
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
                                   num_bits_per_copy=128)
@@ -719,9 +728,8 @@ class BatchPrefillSm90:
 
         H = self.hooks
         item_end = mWorkIndptr[cta + 1]
-        if const_expr(self.own_o):
-            if mWorkIndptr[cta] < item_end:
-                    self._load_q(mQ, mWork, sQ, g2s, mWorkIndptr[cta], wg, tw, group)
+        if mWorkIndptr[cta] < item_end:
+            self._load_q(mQ, mWork, sQ, g2s, mWorkIndptr[cta], wg, tw, group)
         for item in cutlass.range(mWorkIndptr[cta], item_end, unroll=1):
             kv_head = mWork[item, W_KV_HEAD]
             row_start = mWork[item, W_ROW_START]
@@ -733,10 +741,7 @@ class BatchPrefillSm90:
             qpos_base = mWork[item, W_KV_LEN] - mWork[item, W_QO_LEN]
             first, n_blocks = self._block_range(mWork, item, group, window_left)
 
-            # this WG's Q rows: prefetched (before the loop, or during the previous item), or
-            # loaded now when sQ also stages the output
-            if const_expr(not self.own_o):
-                self._load_q(mQ, mWork, sQ, g2s, item, wg, tw, group)
+            # this WG's Q rows: prefetched before the loop or during the previous item
             cute.arch.cp_async_wait_group(0)
             if const_expr(H.has_transform_q):  # rotate the WG's Q rows in place once all landed
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
@@ -802,9 +807,8 @@ class BatchPrefillSm90:
                     rP.store(acc_S.load().to(self.dtype))
                     if const_expr(not self.rescale_before_pv and H.softmax):
                         _rescale(acc_O, corr)
-                if const_expr(self.own_o):
-                    if item + 1 < item_end:  # every QK of this item is done: sQ is free
-                        self._load_q(mQ, mWork, sQ, g2s, item + 1, wg, tw, group)
+                if item + 1 < item_end:  # every QK of this item is done: sQ is free
+                    self._load_q(mQ, mWork, sQ, g2s, item + 1, wg, tw, group)
                 if const_expr(self.rescale_before_pv and H.softmax):
                     _rescale(acc_O, corr)
                 pipe_v.consumer_wait(state)
@@ -815,9 +819,8 @@ class BatchPrefillSm90:
                 pipe_v.consumer_release(state)
                 state.advance()
             else:
-                if const_expr(self.own_o):
-                    if item + 1 < item_end:  # no KV block: this item's Q is not used at all
-                        self._load_q(mQ, mWork, sQ, g2s, item + 1, wg, tw, group)
+                if item + 1 < item_end:  # no KV block: this item's Q is not used at all
+                    self._load_q(mQ, mWork, sQ, g2s, item + 1, wg, tw, group)
 
             self._epilogue(acc_O, row_m, row_l, tOcO, sO, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
                            row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2, mWork, item)
@@ -1000,28 +1003,35 @@ class BatchPrefillSm90:
         if const_expr(H.has_output):  # final rows only: plan() disables split-KV for such variants
             self._output_rows(O, tOcO, mWork, item, n_rows)
         if dest < 0:
-            # through shared memory: 16-byte stores, each row to its own (token, head) address
-            for r in cutlass.range_constexpr(n_rows):
-                j = tOcO[r, 0][0]
-                for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                    sO[j, tOcO[0, c][1]] = O[r, c].to(self.dtype)
-                if lane % 4 == 0 and j < num_rows:
-                    row = row_start + j
-                    mLse[qo_offset + row // group, kv_head * group + row % group] = lse[r]
-            cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
-            for i in cutlass.range_constexpr(64 * self.chunks // WG):
-                idx = tw + i * WG
-                j = wg * 64 + idx // self.chunks
-                c = idx % self.chunks
-                if j < num_rows:
-                    row = row_start + j
-                    frag = cute.make_rmem_tensor((8,), self.dtype)
-                    cute.autovec_copy(cute.local_tile(sO[j, None], (8,), (c,)), frag)
-                    cute.autovec_copy(frag, cute.local_tile(mO[qo_offset + row // group, kv_head * group + row % group,
-                                                               None], (8,), (c,)))
-            if const_expr(not self.own_o):
-                # sO is this WG's Q tile, overwritten by the next item's Q: everyone must be done
+            # through shared memory: 16-byte stores, each row to its own (token, head) address;
+            # o_cols columns per pass (column c of a thread is at the static offset
+            # _o_col_off[c] from its first, which is < 8: the pass of c is known at trace time)
+            OC = self.o_cols
+            oc_chunks = OC // 8
+            for h in cutlass.range_constexpr(D // OC):
+                if const_expr(h > 0):
+                    cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)  # pass h-1's reads done
+                for r in cutlass.range_constexpr(n_rows):
+                    j = tOcO[r, 0][0]
+                    for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                        if const_expr(self._o_col_off[c] // OC == h):
+                            sO[j, tOcO[0, c][1] - h * OC] = O[r, c].to(self.dtype)
+                    if const_expr(h == 0):
+                        if lane % 4 == 0 and j < num_rows:
+                            row = row_start + j
+                            mLse[qo_offset + row // group, kv_head * group + row % group] = lse[r]
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
+                for i in cutlass.range_constexpr(64 * oc_chunks // WG):
+                    idx = tw + i * WG
+                    j = wg * 64 + idx // oc_chunks
+                    c = idx % oc_chunks
+                    if j < num_rows:
+                        row = row_start + j
+                        frag = cute.make_rmem_tensor((8,), self.dtype)
+                        cute.autovec_copy(cute.local_tile(sO[j, None], (8,), (c,)), frag)
+                        cute.autovec_copy(frag, cute.local_tile(mO[qo_offset + row // group,
+                                                                   kv_head * group + row % group, None],
+                                                                (8,), (h * oc_chunks + c,)))
         else:
             for r in cutlass.range_constexpr(n_rows):
                 j = tOcO[r, 0][0]
