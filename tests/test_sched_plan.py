@@ -400,3 +400,26 @@ def test_lognormal_decode_few_items_per_cta_and_few_splits(tol, alpha):
         loads = p.cta_cost
         assert loads.max() <= loads.mean() + cost.max() + 1e-6  # the LPT bound
         assert loads.max() / loads.mean() <= 1.05, (seed, loads.max() / loads.mean())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_prefill_items_ordered_for_l2_reuse(causal):
+    """Within every CTA, items run by (request, kv head), last tile first: the CTAs then walk
+    the heads roughly in step, so few heads' K/V are in flight at once (L2 reuse).  The order
+    changes no CTA's load and the plan stays a valid exact cover."""
+    s, h = 8192, 16
+    qo = np.array([0, s, 2 * s])
+    lim = Limits(max_batch=2, max_total_q_tokens=2 * s, num_qo_heads=h, num_kv_heads=h, head_dim=128,
+                 max_partial_rows=128 * 132)
+    p = Planner(lim, 132, 1).plan(qo, np.array([s, s]), causal=causal, num_qo_heads=h, num_kv_heads=h,
+                                  cta_tile_q=128)
+    verify_plan(p, qo, np.array([s, s]), h)
+    w, ind = p.work_items[:p.num_work_items], p.work_indptr
+    for c in range(132):
+        seg = w[ind[c]:ind[c + 1]]
+        key = [(r[ws.W_REQ], r[ws.W_KV_HEAD], -r[ws.W_ROW_START]) for r in seg]
+        assert key == sorted(key)
+    # at the k-th item of every CTA, only a few (request, head) pairs are in use (was 16-32)
+    for k in range(int(np.diff(ind).min())):
+        pairs = {(w[ind[c] + k][ws.W_REQ], w[ind[c] + k][ws.W_KV_HEAD]) for c in range(132)}
+        assert len(pairs) <= 12, (k, len(pairs))

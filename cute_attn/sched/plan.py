@@ -50,6 +50,25 @@ class Plan:
         return self.merge_tasks.shape[0] > 0
 
 
+def locality_order(w: np.ndarray, indptr: np.ndarray) -> np.ndarray:
+    """Each CTA's items re-ordered by (request, kv head, last tile first); the order within a
+    CTA does not change its load.  Assignment spreads a head's tiles over many CTAs, and in
+    dealing order every CTA works on a different head at a time: all heads' K/V in flight at
+    once (32 heads x 4 MiB for 2 x 8k tokens x 16 heads at head dim 128) thrash the 50 MB L2,
+    and every tile re-reads its KV from DRAM.  Sorted, the CTAs walk the heads roughly in step
+    (4-12 heads in flight in that example), so the tiles of a head share its K/V in L2."""
+    if w.shape[0] < 2:
+        return w
+    cta = np.repeat(np.arange(indptr.shape[0] - 1, dtype=np.int64), np.diff(indptr))
+    rs = w[:, ws.W_ROW_START].astype(np.int64)
+    pair = w[:, ws.W_REQ].astype(np.int64) * (int(w[:, ws.W_KV_HEAD].max()) + 1) + w[:, ws.W_KV_HEAD]
+    key = pair * (int(rs.max()) + 1) + (int(rs.max()) - rs)  # last tile first within a pair
+    span = int(key.max()) + 1
+    if span * (int(cta[-1]) + 1) < 2**62:  # one int64 key: a single argsort, ~4x faster than lexsort
+        return w.take(np.argsort(cta * span + key, kind="stable"), axis=0)
+    return w.take(np.lexsort((key, cta)), axis=0)
+
+
 def limit_of(loads, tol: float) -> float:
     """``C * max load`` may be up to this for ``loads`` to count as balanced within tol."""
     return (1.0 + tol) * int(loads.sum())
@@ -212,6 +231,8 @@ class Planner:
             p = self._plan_balanced(ext, hk, tile, int(page_size), rec_args)
         else:
             p = self._plan_invariant(ext, hk, tile, int(kv_split_size), rec_args)
+        if not one_each:  # several tiles per request share its K/V: order for L2 reuse
+            p.work_items = locality_order(p.work_items, p.work_indptr)
         self._stage(p, b, total_q, hq, hk)
         if workspace is not None:
             self.upload(workspace)
