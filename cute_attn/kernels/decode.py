@@ -155,7 +155,9 @@ class PagedDecode:
             kv_len = mWork[item, W_KV_LEN]
             qpos_base = kv_len - qo_len
             page_base = mKvIndptr[req]
-            page_size = mK.shape[1]
+            # p // page_size and p % page_size by multiply-high and shift (a runtime integer
+            # division is ~25 instructions, and every gathered row needs one)
+            page_size = cute.FastDivmodDivisorV2(mK.shape[1])
             # blk_start/blk_end: the KV range whose blocks are read; a variant's kv_range clips it
             # (bounds non-decreasing in q_pos: the first row gives lo, the last row hi)
             blk_start = kv_start
@@ -398,7 +400,7 @@ class PagedDecode:
 
     @cute.jit
     def _lookup(self, mKvIndices: cute.Tensor, rows: cute.Tensor, tidx: Int32, page_base: Int32,
-                page_size: Int32, blk_start: Int32, kv_end: Int32):
+                page_size: cute.FastDivmodDivisorV2, blk_start: Int32, kv_end: Int32):
         """Global token offset (page * page_size + slot) of each KV row this thread gathers in a
         block: token p lives in page kv_indices[page_base + p // page_size].  Tokens past kv_end
         re-read the last valid token (finite data; masked to -inf later)."""
@@ -406,19 +408,20 @@ class PagedDecode:
         for i in cutlass.range_constexpr(self.rows_per_thread):
             p = blk_start + tidx // self.chunks + i * rows_per_pass
             p = p if p < kv_end else kv_end - 1
-            rows[i] = mKvIndices[page_base + p // page_size] * page_size + p % page_size
+            page, slot = divmod(p, page_size)
+            rows[i] = mKvIndices[page_base + page] * page_size.divisor + slot
 
     @cute.jit
     def _issue_kv(self, mK: cute.Tensor, mV: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                  g2s: cute.CopyAtom, rows: cute.Tensor, tidx: Int32, page_size: Int32, kv_head: Int32,
+                  g2s: cute.CopyAtom, rows: cute.Tensor, tidx: Int32, page_size: cute.FastDivmodDivisorV2,
+                  kv_head: Int32,
                   stage: Int32):
         """cp.async this thread's 16-byte chunks of the looked-up K and V rows into a stage."""
         rows_per_pass = THREADS // self.chunks
         c = tidx % self.chunks
         for i in cutlass.range_constexpr(self.rows_per_thread):
             r = tidx // self.chunks + i * rows_per_pass
-            page = rows[i] // page_size
-            off = rows[i] - page * page_size
+            page, off = divmod(rows[i], page_size)
             cute.copy(g2s, cute.local_tile(mK[page, off, kv_head, None], (8,), (c,)),
                       cute.local_tile(sK[r, None, stage], (8,), (c,)))
             cute.copy(g2s, cute.local_tile(mV[page, off, kv_head, None], (8,), (c,)),

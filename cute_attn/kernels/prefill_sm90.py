@@ -173,6 +173,8 @@ class BatchPrefillSm90:
                                                  dt)
         sO_layout = cute.tile_to_shape(o_atom, (TQ, self.o_cols), (0, 1))
         sKV_layout = cute.tile_to_shape(atom, (TN, D, self.stages), (0, 1, 2))
+        if const_expr(self.gather):
+            _check_gather_swizzle(sKV_layout, TN, D)
         mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
                                                    Float32, (self.num_mma_wg, 1, 1), (64, TN))
         mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
@@ -313,14 +315,12 @@ class BatchPrefillSm90:
         ring = Int32(0)  # gather: blocks staged so far (selects the lookup ring slot)
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
                                   num_bits_per_copy=128)
-        dK = dV = None
+        # p // page_size and p % page_size by multiply-high and shift: a runtime integer division
+        # is ~25 instructions, and the issue path does one per box or row
+        pdiv = cute.FastDivmodDivisorV2(mK.shape[1])
+        dst = None
         if const_expr(self.gather):
-            # thread t copies 16-byte chunk t % chunks of rows t // chunks + i * (WG / chunks): its
-            # destinations in the swizzled stage tiles are one base plus static offsets
-            rows = WG // self.chunks
-            thr = cute.make_tiled_copy_tv(g2s, cute.make_layout((rows, self.chunks), stride=(self.chunks, 1)),
-                                          cute.make_layout((1, 8))).get_slice(tidx)
-            dK, dV = thr.partition_D(sK), thr.partition_D(sV)
+            dst = self._gather_dst(sK, sV, tidx)
         for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1], unroll=1):
             req = mWork[item, W_REQ]
             kv_head = mWork[item, W_KV_HEAD]
@@ -338,7 +338,7 @@ class BatchPrefillSm90:
                     # lane b looks up the page of box b (all boxes of a block in one round trip),
                     # one block ahead of its use; the TMA issue reads it with a shuffle
                     page_base = mKvIndptr[req]
-                    page_size = mK.shape[1]
+                    page_size = pdiv
                     lane = cute.arch.lane_idx()
                     nb = n_blocks - first
                     pg_k = Int32(0)
@@ -396,7 +396,7 @@ class BatchPrefillSm90:
                 # tensor cores, set the pace).  Ring of ROW_RING blocks: K(j), V(j-1) and the
                 # lookup of j+1 are in flight together.
                 page_base = mKvIndptr[req]
-                page_size = mK.shape[1]
+                page_size = pdiv
                 nb = n_blocks - first
                 if nb > 0:
                     ak, av = self._row_addrs(mK, mV, mKvIndices, tidx, kv_start + (n_blocks - 1) * TN, kv_end,
@@ -420,12 +420,12 @@ class BatchPrefillSm90:
                             self._gather_pairs(sK, sRows, g2s, tidx, k_state.index, (ring + j) % ROW_RING)
                             cute.arch.cp_async_commit_group()
                         else:
-                            self._gather(dK, sRows, g2s, tidx, 0, k_state.index, (ring + j) % ROW_RING)
+                            self._gather(dst, sRows, g2s, tidx, 0, k_state.index, (ring + j) % ROW_RING)
                             pipe_k.producer_commit(k_state)
                         k_state.advance()
                     if j > 0:
                         pipe_v.producer_acquire(v_state)
-                        self._gather(dV, sRows, g2s, tidx, 1, v_state.index, (ring + j - 1) % ROW_RING)
+                        self._gather(dst, sRows, g2s, tidx, 1, v_state.index, (ring + j - 1) % ROW_RING)
                         pipe_v.producer_commit(v_state)
                         v_state.advance()
                     if const_expr(self.hooks.has_transform_k):
@@ -489,7 +489,8 @@ class BatchPrefillSm90:
         p = p if p < kv_end else kv_end - 1
         page, slot = Int32(0), page_base + p  # ragged KV gathered (transform_k): token kv_indptr[req] + p
         if const_expr(self.paged):
-            page, slot = mKvIndices[page_base + p // page_size], p % page_size
+            q, slot = divmod(p, page_size)
+            page = mKvIndices[page_base + q]
         return mK[page, slot, kv_head, None].iterator.toint(), mV[page, slot, kv_head, None].iterator.toint()
 
     def _chunk(self, addr):
@@ -497,16 +498,37 @@ class BatchPrefillSm90:
         return cute.make_tensor(cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16),
                                 cute.make_layout((8,)))
 
+    def _gather_dst(self, sK, sV, tidx):
+        """Where this thread's gathered chunks go: thread t copies 16-byte chunk c = t % chunks of
+        rows t // chunks + r * (WG / chunks).  The stage tiles are swizzled (element offset x ->
+        x ^ ((x >> 7) & 7) << 4, checked against the layout in ``host``), which repeats every 16
+        rows, so row r's offset is one of 16 / (WG / chunks) per-thread bases plus a static
+        multiple of 16 rows: no swizzle arithmetic per copy.  Returns (K base, V base, bases) in
+        bytes."""
+        TN, D, rpp = self.tile_n, self.head_dim, WG // self.chunks
+        col = (tidx % self.chunks) * 8
+        bases = []
+        for k in range(max(1, 16 // rpp)):
+            x = (col // 64) * (TN * 64) + (tidx // self.chunks + k * rpp) * 64 + col % 64
+            bases.append((x ^ (((x >> 7) & 7) << 4)) * 2)
+        return sK.iterator.toint(), sV.iterator.toint(), bases
+
     @cute.jit
-    def _gather(self, tXs, sRows, g2s, tidx, which, stage, buf):
-        """cp.async this thread's 16-byte chunks of a block's K (which = 0) or V rows, row
-        addresses from sRows; ``tXs``: this thread's partition of the stage tiles."""
-        rows_per_pass = WG // self.chunks
+    def _gather(self, dst, sRows, g2s, tidx, which, stage, buf):
+        """cp.async this thread's 16-byte chunks of a block's K (which = 0) or V rows into a
+        stage: row addresses from sRows, destinations from ``_gather_dst``."""
+        TN, D, rpp = self.tile_n, self.head_dim, WG // self.chunks
+        nb = max(1, 16 // rpp)
         c16 = (tidx % self.chunks) * 16
-        for r in cutlass.range(self.tile_n // rows_per_pass, unroll=4):  # bounded unroll: 56 registers
-            addr = sRows[which, tidx // self.chunks + r * rows_per_pass, buf] + c16
-            dst = tXs[None, r, 0, stage]
-            cute.copy(g2s, cute.make_tensor(self._chunk(addr).iterator, cute.make_layout(cute.shape(dst))), dst)
+        s_base = dst[which] + stage * (TN * D * 2)
+        # all row addresses first: a cp.async writes shared memory, so the compiler keeps each
+        # smem load behind the copies before it, and the load -> copy chains would serialize
+        addrs = [sRows[which, tidx // self.chunks + r * rpp, buf] for r in range(TN // rpp)]
+        for r in cutlass.range_constexpr(TN // rpp):
+            d = s_base + dst[2][r % nb] + (r // nb) * (16 * 64 * 2)
+            cute.copy(g2s, self._chunk(addrs[r] + c16),
+                      cute.make_tensor(cute.make_ptr(self.dtype, d, cute.AddressSpace.smem, assumed_align=16),
+                                       cute.make_layout((8,))))
 
     @cute.jit
     def _gather_pairs(self, sX, sRows, g2s, tidx, stage, buf):
@@ -1044,6 +1066,16 @@ class BatchPrefillSm90:
                         cute.autovec_copy(pair, cute.local_tile(mPartO[slot_row, None], (2,), (tOcO[0, c][1] // 2,)))
                     if lane % 4 == 0:
                         mPartLse[slot_row] = lse[r]
+
+
+def _check_gather_swizzle(layout, TN: int, D: int):
+    """``_gather_dst`` computes stage-tile offsets itself: verify its formula against the
+    layout at trace time (a DSL change to the smem atom must fail the build, not the output)."""
+    for row in range(min(TN, 32)):
+        for col in range(0, D, 8):
+            x = (col // 64) * (TN * 64) + row * 64 + col % 64
+            if cute.crd2idx((row, col, 0), layout) != x ^ (((x >> 7) & 7) << 4):
+                raise ValueError(f"gather: the stage tile's swizzle is not the one _gather_dst assumes ({layout})")
 
 
 @cute.jit
