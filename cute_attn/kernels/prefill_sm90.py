@@ -500,17 +500,17 @@ class BatchPrefillSm90:
 
     def _gather_dst(self, sK, sV, tidx):
         """Where this thread's gathered chunks go: thread t copies 16-byte chunk c = t % chunks of
-        rows t // chunks + r * (WG / chunks).  The stage tiles are swizzled (element offset x ->
-        x ^ ((x >> 7) & 7) << 4, checked against the layout in ``host``), which repeats every 16
-        rows, so row r's offset is one of 16 / (WG / chunks) per-thread bases plus a static
-        multiple of 16 rows: no swizzle arithmetic per copy.  Returns (K base, V base, bases) in
-        bytes."""
-        TN, D, rpp = self.tile_n, self.head_dim, WG // self.chunks
+        rows t // chunks + r * (WG / chunks).  A stage tile is the linear layout x(row, col)
+        (elements, checked in ``host``) under the 128-byte swizzle on byte addresses, b -> b ^
+        ((b >> 7) & 7) << 4, which repeats every 8 rows (1024 bytes): row r's address is one of
+        8 / (WG / chunks) per-thread bases plus a static multiple of 1024 bytes, no swizzle
+        arithmetic per copy.  Returns (K base, V base, bases), bytes."""
+        TN, rpp = self.tile_n, WG // self.chunks
         col = (tidx % self.chunks) * 8
         bases = []
-        for k in range(max(1, 16 // rpp)):
-            x = (col // 64) * (TN * 64) + (tidx // self.chunks + k * rpp) * 64 + col % 64
-            bases.append((x ^ (((x >> 7) & 7) << 4)) * 2)
+        for k in range(max(1, 8 // rpp)):
+            b = ((col // 64) * (TN * 64) + (tidx // self.chunks + k * rpp) * 64 + col % 64) * 2
+            bases.append(b ^ (((b >> 7) & 7) << 4))
         return sK.iterator.toint(), sV.iterator.toint(), bases
 
     @cute.jit
@@ -518,14 +518,14 @@ class BatchPrefillSm90:
         """cp.async this thread's 16-byte chunks of a block's K (which = 0) or V rows into a
         stage: row addresses from sRows, destinations from ``_gather_dst``."""
         TN, D, rpp = self.tile_n, self.head_dim, WG // self.chunks
-        nb = max(1, 16 // rpp)
+        nb = max(1, 8 // rpp)
         c16 = (tidx % self.chunks) * 16
         s_base = dst[which] + stage * (TN * D * 2)
         # all row addresses first: a cp.async writes shared memory, so the compiler keeps each
         # smem load behind the copies before it, and the load -> copy chains would serialize
         addrs = [sRows[which, tidx // self.chunks + r * rpp, buf] for r in range(TN // rpp)]
         for r in cutlass.range_constexpr(TN // rpp):
-            d = s_base + dst[2][r % nb] + (r // nb) * (16 * 64 * 2)
+            d = s_base + dst[2][r % nb] + (r // nb) * 1024
             cute.copy(g2s, self._chunk(addrs[r] + c16),
                       cute.make_tensor(cute.make_ptr(self.dtype, d, cute.AddressSpace.smem, assumed_align=16),
                                        cute.make_layout((8,))))
@@ -1069,13 +1069,19 @@ class BatchPrefillSm90:
 
 
 def _check_gather_swizzle(layout, TN: int, D: int):
-    """``_gather_dst`` computes stage-tile offsets itself: verify its formula against the
-    layout at trace time (a DSL change to the smem atom must fail the build, not the output)."""
-    for row in range(min(TN, 32)):
+    """``_gather_dst`` computes stage-tile addresses itself: verify at trace time that the tile is
+    what it assumes -- the linear map x(row, col, stage) in elements under the 128-byte swizzle
+    Swizzle<3,4,3> (which CuTe applies to byte addresses) -- so a DSL change to the smem atom
+    fails the build, not the output."""
+    sw = layout.inner
+    if (sw.num_bits, sw.num_base, sw.num_shift) != (3, 4, 3):
+        raise ValueError(f"gather: the stage tile's swizzle is not the one _gather_dst assumes ({layout})")
+    for row in range(TN):
         for col in range(0, D, 8):
-            x = (col // 64) * (TN * 64) + row * 64 + col % 64
-            if cute.crd2idx((row, col, 0), layout) != x ^ (((x >> 7) & 7) << 4):
-                raise ValueError(f"gather: the stage tile's swizzle is not the one _gather_dst assumes ({layout})")
+            for stage in range(2):
+                x = stage * TN * D + (col // 64) * (TN * 64) + row * 64 + col % 64
+                if cute.crd2idx((row, col, stage), layout.outer) != x:
+                    raise ValueError(f"gather: the stage tile's layout is not the one _gather_dst assumes ({layout})")
 
 
 @cute.jit
