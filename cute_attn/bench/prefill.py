@@ -19,6 +19,9 @@ soft-cap over plain attention):
   tanh score_mod).
 
 A baseline that is unavailable (backend missing, shape unsupported) is reported as a skip.
+Ours and the SDPA baselines of the s8192 cases are each measured twice, alternating (ours,
+cuDNN, flash, ours, cuDNN, flash), and the lower median is kept: the H200's clocks drift under
+sustained load, and a kernel measured right after a long run of another read up to ~10 % slow.
 """
 from __future__ import annotations
 
@@ -94,6 +97,13 @@ def _sdpa(backend, q4, k4, v4, causal):
         return None, f"{type(e).__name__}: {str(e)[:120]}"
 
 
+def _best(results):
+    """The fastest of several (time, None) / (None, why) measurements of one baseline."""
+    results = list(results)
+    ok = [t for t, _ in results if t is not None]
+    return (min(ok), None) if ok else results[0]
+
+
 _FLEX = {}
 
 
@@ -160,9 +170,10 @@ def bench_prefill(res, quick: bool) -> None:
         for causal in (False, True):
             case = f"prefill/hd{d}/{'causal' if causal else 'noncausal'}/s{S}"
             flops = _flops(lens, H, d, causal)
-            t = _ours_ragged(ws, lens, q, k, v, causal, d)
-            base = [("sdpa_cudnn", _sdpa("cudnn", q4, k4, v4, causal)),
-                    ("sdpa_flash", _sdpa("flash", q4, k4, v4, causal))]
+            rounds = [(_ours_ragged(ws, lens, q, k, v, causal, d), _sdpa("cudnn", q4, k4, v4, causal),
+                       _sdpa("flash", q4, k4, v4, causal)) for _ in range(2)]
+            t = min(r[0] for r in rounds)
+            base = [("sdpa_cudnn", _best(r[1] for r in rounds)), ("sdpa_flash", _best(r[2] for r in rounds))]
             if not quick:
                 base.append(("flex", _flex(q4, k4, v4, _causal_mask if causal else None)))
             _row(res, case, flops, t, base)
