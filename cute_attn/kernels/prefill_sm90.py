@@ -85,7 +85,7 @@ BOX_WARPS = 4  # paged TMA: producer warps issuing the boxes of a block (see _pr
 class BatchPrefillSm90:
     def __init__(self, dtype, head_dim: int, tile_q: int, paged: bool, causal: bool, soft_cap: bool,
                  window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1, page_box: int = 0,
-                 box_warps: int = 0, variant=None):
+                 box_warps: int = 0, producer_regs: int = 0, variant=None):
         assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
         self.dtype = dtype
         self.head_dim = head_dim
@@ -117,6 +117,8 @@ class BatchPrefillSm90:
             # paged TMA: the page lookups want a few more producer registers (24 spills a little);
             # hd256 consumers need all 240 (at 232 ptxas serializes the wgmmas)
             self.producer_regs, self.mma_regs = 32, 232
+        if producer_regs and self.num_mma_wg == 2:  # knob: 3 warpgroups share 504 registers per lane
+            self.producer_regs, self.mma_regs = producer_regs, (504 - producer_regs) // 2 // 8 * 8
         # ping-pong between the two consumer WGs pays off while O is small; with head_dim 256 the
         # tensor cores are busy enough with one WG's GEMMs (as FA3)
         self.pingpong = self.num_mma_wg == 2 and (head_dim <= 128 if pingpong < 0 else bool(pingpong))
@@ -503,8 +505,8 @@ class BatchPrefillSm90:
         rows t // chunks + r * (WG / chunks).  A stage tile is the linear layout x(row, col)
         (elements, checked in ``host``) under the 128-byte swizzle on byte addresses, b -> b ^
         ((b >> 7) & 7) << 4, which repeats every 8 rows (1024 bytes): row r's address is one of
-        8 / (WG / chunks) per-thread bases plus a static multiple of 1024 bytes, no swizzle
-        arithmetic per copy.  Returns (K base, V base, bases), bytes."""
+        max(1, 8 / (WG / chunks)) per-thread bases plus a static multiple of whole periods, no
+        swizzle arithmetic per copy.  Returns (K base, V base, bases), bytes."""
         TN, rpp = self.tile_n, WG // self.chunks
         col = (tidx % self.chunks) * 8
         bases = []
@@ -525,7 +527,7 @@ class BatchPrefillSm90:
         # smem load behind the copies before it, and the load -> copy chains would serialize
         addrs = [sRows[which, tidx // self.chunks + r * rpp, buf] for r in range(TN // rpp)]
         for r in cutlass.range_constexpr(TN // rpp):
-            d = s_base + dst[2][r % nb] + (r // nb) * 1024
+            d = s_base + dst[2][r % nb] + (r // nb) * (nb * rpp * 128)  # nb * rpp rows: a whole 1 KB period
             cute.copy(g2s, self._chunk(addrs[r] + c16),
                       cute.make_tensor(cute.make_ptr(self.dtype, d, cute.AddressSpace.smem, assumed_align=16),
                                        cute.make_layout((8,))))
@@ -1125,5 +1127,5 @@ def build_batch_prefill_sm90(spec):
     variant = _spec_variant(p)
     k = BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"], p["soft_cap"],
                          p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1),
-                         p.get("page_box", 0), p.get("box_warps", 0), variant)
+                         p.get("page_box", 0), p.get("box_warps", 0), p.get("producer_regs", 0), variant)
     return make_entry(k, _prefill_abi_fixed(p), abi_args(variant))
