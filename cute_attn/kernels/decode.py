@@ -38,6 +38,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry, transform_fragment
+from .work import WorkItem
 
 TILE_Q = 16  # packed query rows per work item (one m16 MMA tile)
 BLOCK_N = 64  # KV tokens per pipeline stage: 4 warps x 16 keys
@@ -45,8 +46,6 @@ NUM_WARPS = 4
 THREADS = 32 * NUM_WARPS
 LOG2E = math.log2(math.e)
 
-# work item fields (cute_attn.sched.workspace W_*)
-W_REQ, W_KV_HEAD, W_ROW_START, W_NUM_ROWS, W_KV_START, W_KV_END, W_DEST, W_QO_OFFSET, W_QO_LEN, W_KV_LEN = range(10)
 
 
 class PagedDecode:
@@ -143,17 +142,10 @@ class PagedDecode:
         self._trace_sm_scale = sm_scale
 
         for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1]):
-            req = mWork[item, W_REQ]
-            kv_head = mWork[item, W_KV_HEAD]
-            row_start = mWork[item, W_ROW_START]
-            num_rows = mWork[item, W_NUM_ROWS]
-            kv_start = mWork[item, W_KV_START]
-            kv_end = mWork[item, W_KV_END]
-            dest = mWork[item, W_DEST]
-            qo_offset = mWork[item, W_QO_OFFSET]
-            qo_len = mWork[item, W_QO_LEN]
-            kv_len = mWork[item, W_KV_LEN]
-            qpos_base = kv_len - qo_len
+            w = WorkItem(mWork, item)
+            req, kv_head, row_start, num_rows = w.req, w.kv_head, w.row_start, w.num_rows
+            kv_start, kv_end, dest, qo_offset = w.kv_start, w.kv_end, w.dest, w.qo_offset
+            qo_len, kv_len, qpos_base = w.qo_len, w.kv_len, w.qpos_base
             page_base = mKvIndptr[req]
             # p // page_size and p % page_size by multiply-high and shift (a runtime integer
             # division is ~25 instructions, and every gathered row needs one)

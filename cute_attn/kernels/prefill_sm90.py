@@ -58,8 +58,8 @@ from cutlass.utils import LayoutEnum
 
 from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry
-from .decode import W_DEST, W_KV_END, W_KV_HEAD, W_KV_LEN, W_KV_START, W_NUM_ROWS, W_QO_LEN, W_QO_OFFSET, \
-    W_REQ, W_ROW_START, _quad_max, _quad_sum
+from .decode import _quad_max, _quad_sum
+from .work import WorkItem
 
 LOG2E = math.log2(math.e)
 WG = 128  # threads per warpgroup
@@ -291,20 +291,20 @@ class BatchPrefillSm90:
                           window_left)
 
     @cute.jit
-    def _block_range(self, mWork: cute.Tensor, item: Int32, group: Int32, window_left: Int32):
+    def _block_range(self, w: WorkItem, group: Int32, window_left: Int32):
         """(first block, number of blocks) of an item; both roles walk the same blocks.
         Block i covers kv [KV_START + i*TN, min(KV_START + (i+1)*TN, KV_END)).  With a window,
         blocks entirely left of what the tile's first row may see are skipped."""
-        kv_start = mWork[item, W_KV_START]
-        n_blocks = (mWork[item, W_KV_END] - kv_start + self.tile_n - 1) // self.tile_n
+        kv_start = w.kv_start
+        n_blocks = (w.kv_end - kv_start + self.tile_n - 1) // self.tile_n
         first = Int32(0)
         if const_expr(self.window):
-            q_lo = mWork[item, W_KV_LEN] - mWork[item, W_QO_LEN] + mWork[item, W_ROW_START] // group
+            q_lo = w.qpos_base + w.row_start // group
             lo_key = q_lo - window_left
             if lo_key > kv_start:
                 first = cutlass.min((lo_key - kv_start) // self.tile_n, n_blocks)
         if const_expr(self.hooks.has_kv_range):
-            first, n_blocks = self._clip_blocks(mWork, item, kv_start, first, n_blocks)
+            first, n_blocks = self._clip_blocks(w, kv_start, first, n_blocks)
         return first, n_blocks
 
     # ---- producer ------------------------------------------------------------------------
@@ -324,11 +324,9 @@ class BatchPrefillSm90:
         if const_expr(self.gather):
             dst = self._gather_dst(sK, sV, tidx)
         for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1], unroll=1):
-            req = mWork[item, W_REQ]
-            kv_head = mWork[item, W_KV_HEAD]
-            kv_start = mWork[item, W_KV_START]
-            kv_end = mWork[item, W_KV_END]
-            first, n_blocks = self._block_range(mWork, item, group, window_left)
+            w = WorkItem(mWork, item)
+            req, kv_head, kv_start, kv_end = w.req, w.kv_head, w.kv_start, w.kv_end
+            first, n_blocks = self._block_range(w, group, window_left)
             if const_expr(self.page_box):
                 # A block is TN / page_box boxes, and one warp issuing all of them (a shuffle, the
                 # coordinates and a TMA each) is slower than the consumers use them: the boxes are
@@ -436,7 +434,7 @@ class BatchPrefillSm90:
                             cute.arch.cp_async_commit_group()
                             cute.arch.cp_async_wait_group(1)
                             self._rotate_k(sK, tidx, k_idx, kv_start + (n_blocks - 1 - j) * TN, req, kv_head,
-                                           mWork[item, W_QO_LEN], mWork[item, W_KV_LEN])
+                                           w.qo_len, w.kv_len)
                             cute.arch.fence_view_async_shared()  # generic writes -> read by wgmma
                             pipe_k.sync_object_full.arrive_mbarrier(k_idx)
                     if j + 1 < nb:
@@ -594,13 +592,11 @@ class BatchPrefillSm90:
             lo[e] = a.to(self.dtype)
             hi[e] = b.to(self.dtype)
 
-    def _clip_blocks(self, mWork, item, kv_start, first, n_blocks):
+    def _clip_blocks(self, w, kv_start, first, n_blocks):
         """Blocks of an item clipped to the variant's kv_range (bounds non-decreasing in q_pos:
         the tile's first row gives the lower bound, its last row the upper)."""
         H, va, TN = self.hooks, self._trace_vargs, self.tile_n
-        req, kv_head = mWork[item, W_REQ], mWork[item, W_KV_HEAD]
-        row0, nrows = mWork[item, W_ROW_START], mWork[item, W_NUM_ROWS]
-        qo_len, kv_len = mWork[item, W_QO_LEN], mWork[item, W_KV_LEN]
+        req, kv_head, row0, nrows, qo_len, kv_len = w.req, w.kv_head, w.row_start, w.num_rows, w.qo_len, w.kv_len
         lo, _ = H.kv_range(self._row_ctx(req, kv_head, row0, qo_len, kv_len), va)
         _, hi = H.kv_range(self._row_ctx(req, kv_head, row0 + nrows - 1, qo_len, kv_len), va)
         if hi is not None:
@@ -646,21 +642,20 @@ class BatchPrefillSm90:
             ok = ok & (kv_pos < hi)
         return ok
 
-    def _finalize_rows(self, row_m, row_l, tOcO, inv_t, lse, scale, mWork, item, dest, n_rows):
+    def _finalize_rows(self, row_m, row_l, tOcO, inv_t, lse, scale, w, dest, n_rows):
         """Per row of this thread: the factor O is scaled by and the LSE, with the variant's
         ``finalize`` (first_chunk: the item that starts at kv 0) or, without softmax, the
         weights' state: o = Σ w·v as is for a final row (LSE 0, -inf without keys); a split
         item writes (o / s, log2 s) with s its share of the tile's kv extent (as the planner
         cuts it: causal tiles end at their last row's diagonal), so the ⊕ merge sums them."""
         H, va, g = self.hooks, self._trace_vargs, self._trace_group
-        req, kv_head, row_start = mWork[item, W_REQ], mWork[item, W_KV_HEAD], mWork[item, W_ROW_START]
-        qo_len, kv_len = mWork[item, W_QO_LEN], mWork[item, W_KV_LEN]
-        kv_start, kv_end = mWork[item, W_KV_START], mWork[item, W_KV_END]
+        req, kv_head, row_start, qo_len, kv_len = w.req, w.kv_head, w.row_start, w.qo_len, w.kv_len
+        kv_start, kv_end = w.kv_start, w.kv_end
         ninf, zero = -Float32.inf, Float32(0.0)
         if not H.softmax:
             ext = kv_len
             if self.causal:
-                last_tok = (row_start + mWork[item, W_NUM_ROWS] - 1) // g
+                last_tok = (row_start + w.num_rows - 1) // g
                 ext = kv_len - qo_len + last_tok + 1
                 ext = cutlass.select_(ext < kv_len, ext, kv_len)
                 ext = cutlass.select_(ext > 0, ext, Int32(0))
@@ -687,10 +682,9 @@ class BatchPrefillSm90:
             lse[r] = cutlass.select_(ok, m2 + cute.math.log2(cutlass.select_(ok, l2, Float32(1.0)), fastmath=True),
                                      ninf)
 
-    def _output_rows(self, O, tOcO, mWork, item, n_rows):
+    def _output_rows(self, O, tOcO, w, n_rows):
         H, va = self.hooks, self._trace_vargs
-        req, kv_head, row_start = mWork[item, W_REQ], mWork[item, W_KV_HEAD], mWork[item, W_ROW_START]
-        qo_len, kv_len = mWork[item, W_QO_LEN], mWork[item, W_KV_LEN]
+        req, kv_head, row_start, qo_len, kv_len = w.req, w.kv_head, w.row_start, w.qo_len, w.kv_len
         for r in range(n_rows):
             ctx = self._row_ctx(req, kv_head, row_start + tOcO[r, 0][0], qo_len, kv_len)
             for c in range(cute.size(O, mode=[1])):
@@ -753,24 +747,18 @@ class BatchPrefillSm90:
         H = self.hooks
         item_end = mWorkIndptr[cta + 1]
         if mWorkIndptr[cta] < item_end:
-            self._load_q(mQ, mWork, sQ, g2s, mWorkIndptr[cta], wg, tw, group)
+            self._load_q(mQ, WorkItem(mWork, mWorkIndptr[cta]), sQ, g2s, wg, tw, group)
         for item in cutlass.range(mWorkIndptr[cta], item_end, unroll=1):
-            kv_head = mWork[item, W_KV_HEAD]
-            row_start = mWork[item, W_ROW_START]
-            num_rows = mWork[item, W_NUM_ROWS]
-            kv_start = mWork[item, W_KV_START]
-            kv_end = mWork[item, W_KV_END]
-            dest = mWork[item, W_DEST]
-            qo_offset = mWork[item, W_QO_OFFSET]
-            qpos_base = mWork[item, W_KV_LEN] - mWork[item, W_QO_LEN]
-            first, n_blocks = self._block_range(mWork, item, group, window_left)
+            w = WorkItem(mWork, item)
+            kv_head, row_start, num_rows, kv_start, kv_end = w.kv_head, w.row_start, w.num_rows, w.kv_start, w.kv_end
+            dest, qo_offset, qpos_base = w.dest, w.qo_offset, w.qpos_base
+            first, n_blocks = self._block_range(w, group, window_left)
 
             # this WG's Q rows: prefetched before the loop or during the previous item
             cute.arch.cp_async_wait_group(0)
             if const_expr(H.has_transform_q):  # rotate the WG's Q rows in place once all landed
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
-                self._rotate_q(sQ, tw, wg, mWork[item, W_REQ], kv_head, row_start, mWork[item, W_QO_LEN],
-                               mWork[item, W_KV_LEN])
+                self._rotate_q(sQ, tw, wg, w.req, kv_head, row_start, w.qo_len, w.kv_len)
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> read by wgmma (async proxy)
             cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
 
@@ -782,8 +770,7 @@ class BatchPrefillSm90:
             q_hi = qpos_base + (row_start + num_rows - 1) // group
             if const_expr(H.per_row):  # (stored by the helper: an assignment to self here would make
                 # the DSL carry self through the loop)
-                self._item_rows(mWork[item, W_REQ], kv_head, row_start, tScS, q_pos, mWork[item, W_QO_LEN],
-                                mWork[item, W_KV_LEN], n_rows)
+                self._item_rows(w.req, kv_head, row_start, tScS, q_pos, w.qo_len, w.kv_len, n_rows)
             row_m = cute.make_rmem_tensor((n_rows,), Float32)
             row_l = cute.make_rmem_tensor((n_rows,), Float32)
             row_m.fill(-Float32.inf)
@@ -832,7 +819,7 @@ class BatchPrefillSm90:
                     if const_expr(not self.rescale_before_pv and H.softmax):
                         _rescale(acc_O, corr)
                 if item + 1 < item_end:  # every QK of this item is done: sQ is free
-                    self._load_q(mQ, mWork, sQ, g2s, item + 1, wg, tw, group)
+                    self._load_q(mQ, WorkItem(mWork, item + 1), sQ, g2s, wg, tw, group)
                 if const_expr(self.rescale_before_pv and H.softmax):
                     _rescale(acc_O, corr)
                 pipe_v.consumer_wait(state)
@@ -844,10 +831,10 @@ class BatchPrefillSm90:
                 state.advance()
             else:
                 if item + 1 < item_end:  # no KV block: this item's Q is not used at all
-                    self._load_q(mQ, mWork, sQ, g2s, item + 1, wg, tw, group)
+                    self._load_q(mQ, WorkItem(mWork, item + 1), sQ, g2s, wg, tw, group)
 
             self._epilogue(acc_O, row_m, row_l, tOcO, sO, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
-                           row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2, mWork, item)
+                           row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2, w)
 
     @cute.jit
     def _zero_v_tail(self, sV, state, valid, tw, bar_wg):
@@ -868,14 +855,11 @@ class BatchPrefillSm90:
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
 
     @cute.jit
-    def _load_q(self, mQ, mWork, sQ, g2s, item, wg, tw, group):
+    def _load_q(self, mQ, w, sQ, g2s, wg, tw, group):
         """cp.async this WG's 64 packed Q rows of ``item`` into smem (GQA: packed row r is token
         r // group of head kv_head * group + r % group); rows past NUM_ROWS re-read the tile's
         row 0 (finite, never stored).  Waited for at the top of the item loop."""
-        kv_head = mWork[item, W_KV_HEAD]
-        row_start = mWork[item, W_ROW_START]
-        num_rows = mWork[item, W_NUM_ROWS]
-        qo_offset = mWork[item, W_QO_OFFSET]
+        kv_head, row_start, num_rows, qo_offset = w.kv_head, w.row_start, w.num_rows, w.qo_offset
         for i in cutlass.range_constexpr(64 * self.chunks // WG):
             idx = tw + i * WG
             j = wg * 64 + idx // self.chunks
@@ -998,7 +982,7 @@ class BatchPrefillSm90:
 
     @cute.jit
     def _epilogue(self, acc_O, row_m, row_l, tOcO, sO, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
-                  row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2, mWork, item):
+                  row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2, w):
         """Normalize and store: final rows (value dtype + LSE) through the staging tile sO, or a
         partial slot (fp32) straight from registers."""
         D, TQ = self.head_dim, self.tile_q
@@ -1010,7 +994,7 @@ class BatchPrefillSm90:
         if const_expr(H.has_finalize or not H.softmax):
             # variant statistics (sinks) / weights without softmax: plain-Python helper
             inv_t = cute.make_rmem_tensor((n_rows,), Float32)
-            self._finalize_rows(row_m, row_l, tOcO, inv_t, lse, scale, mWork, item, dest, n_rows)
+            self._finalize_rows(row_m, row_l, tOcO, inv_t, lse, scale, w, dest, n_rows)
             for r in cutlass.range_constexpr(n_rows):
                 for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
                     O[r, c] = O[r, c] * inv_t[r]
@@ -1025,7 +1009,7 @@ class BatchPrefillSm90:
                 for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
                     O[r, c] = O[r, c] * inv
         if const_expr(H.has_output):  # final rows only: plan() disables split-KV for such variants
-            self._output_rows(O, tOcO, mWork, item, n_rows)
+            self._output_rows(O, tOcO, w, n_rows)
         if dest < 0:
             # through shared memory: 16-byte stores, each row to its own (token, head) address;
             # o_cols columns per pass (column c of a thread is at the static offset
