@@ -3,7 +3,7 @@
 Importing the package needs neither a GPU nor the CuTe DSL: the DSL is only needed to compile
 kernels (see ``python -m cute_attn compile``); running them needs the CUDA runtime.
 """
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401
 
 from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache  # noqa: E402,F401
 from .merge import merge_state, merge_state_in_place, merge_states  # noqa: E402,F401

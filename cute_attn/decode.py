@@ -14,20 +14,16 @@ any other variant, whose runtime arguments follow the cache in ``run(q, kv, *arg
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
 
-from .merge import MERGE_EXPECT
-from .runtime.abi import ScalarArg, TensorArg
 from .runtime.arch import arch_of_index, sm_count_of_index
 from .runtime.loader import kernel
-from .runtime.family import KernelFamily, register
+from .families import PAGED_DECODE, decode_abi, decode_abi_fixed, spec_variant, variant_params  # noqa: F401
 from .sched import Limits, Planner
-from .sched import workspace as ws
 from .variants import base as vbase
 from .variants.binding import VariantBinding
 from .variants.builtins import ALiBi, AttentionSink, CustomMask, RoPE, SlidingWindow, SoftCap
@@ -37,85 +33,11 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _STAGES = {64: 4, 128: 3, 256: 2}  # KV pipeline depth that fits shared memory
 _CTAS_PER_SM = {64: 2, 128: 2, 256: 1}  # what shared memory (and 248 registers/thread) allow
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
-_ARCHS = ("sm_90a", "sm_100a")
 
 
-def _decode_abi_fixed(p):
-    d, dt = p["head_dim"], p["dtype"]
-    row = lambda name: TensorArg(name, dt, (None, None, d), (None, None, 1), 8, 16)  # noqa: E731
-    cache = lambda name: TensorArg(name, dt, (None, None, None, d), (None, None, None, 1), 8, 16)  # noqa: E731
-    i32 = lambda name: TensorArg(name, "i32", (None,), (1,), 1, 4)  # noqa: E731
-    return [row("mQ"), cache("mK"), cache("mV"), i32("mKvIndptr"), i32("mKvIndices"), row("mO"),
-            TensorArg("mLse", "f32", (None, None), (None, None), 1, 4),
-            TensorArg("mWork", "i32", (None, ws.WORK_FIELDS), (ws.WORK_FIELDS, 1), 1, 4), i32("mWorkIndptr"),
-            TensorArg("mPartO", "f32", (None, d), (d, 1), 1, 16), TensorArg("mPartLse", "f32", (None,), (1,), 1, 4),
-            ScalarArg("group", "i32"), ScalarArg("sm_scale", "f32"), ScalarArg("num_ctas", "i32")]
-
-
-def _decode_abi(p):
-    """The family's arguments, then the variant's (``variants.base.abi_args``)."""
-    return _decode_abi_fixed(p) + vbase.abi_args(_spec_variant(p))
-
-
-@functools.lru_cache(maxsize=None)
-def _variant_from(text: str, fp: str):
-    v = vbase.decode(text)
-    got = vbase.fingerprint(v)
-    if got != fp:
-        raise ValueError(f"variant {text}: its code or static parameters changed since the spec was made "
-                         f"(fingerprint {got}, spec says {fp}); make the spec again from the variant object")
-    return v
-
-
-def _spec_variant(p):
-    """The variant object of a ``paged_decode`` spec's parameters (checked against its fingerprint)."""
-    return _variant_from(p.get("variant", "none"), p.get("variant_fp", _NO_VARIANT_FP))
-
-
-_FP_CACHE: dict = {}
-
-
-def variant_params(v) -> dict:
-    """Spec parameters naming a variant: ``variant`` (:func:`variants.encode`) and ``variant_fp``
-    (:func:`variants.fingerprint`, cached per class and static parameters for this process)."""
-    text = vbase.encode(v)
-    key = (text, tuple(type(c) for c in vbase.components(v)))
-    fp = _FP_CACHE.get(key)
-    if fp is None:
-        fp = _FP_CACHE[key] = vbase.fingerprint(v)
-    return {"variant": text, "variant_fp": fp}
-
-
-_NO_VARIANT_FP = vbase.fingerprint(None)
-
-
-def _merge_partials_abi(p):
-    d, dt = p["head_dim"], p["dtype"]
-    return [TensorArg("mPartO", "f32", (None, d), (d, 1), 1, 16), TensorArg("mPartLse", "f32", (None,), (1,), 1, 4),
-            TensorArg("mTasks", "i32", (None, ws.MERGE_FIELDS), (ws.MERGE_FIELDS, 1), 1, 4),
-            TensorArg("mMeta", "i32", (ws.META_FIELDS,), (1,), 1, 4),
-            TensorArg("mO", dt, (None, None, d), (None, None, 1), 4, 8),
-            TensorArg("mLse", "f32", (None, None), (None, None), 1, 4),
-            ScalarArg("group", "i32"), ScalarArg("num_ctas", "i32")]
-
-
-PAGED_DECODE = register(KernelFamily(
-    name="paged_decode",
-    builder="cute_attn.kernels.decode:build_paged_decode",
-    abi=_decode_abi,
-    expect={a: {"mma.sync m16n8k16 (PTX)": r"ptx:mma\.sync\.aligned\.m16n8k16",
-                "cp.async (PTX)": r"ptx:cp\.async\.c[ag]\.shared",
-                "HMMA.16816 (SASS)": r"sass:HMMA\.16816", "LDGSTS (SASS)": r"sass:LDGSTS"} for a in _ARCHS},
-))
-
-MERGE_PARTIALS = register(KernelFamily(
-    name="merge_partials",
-    builder="cute_attn.kernels.merge:build_merge_partials",
-    abi=_merge_partials_abi,
-    expect=MERGE_EXPECT,
-))
-
-assert ws.META_NUM_MERGE_TASKS == 1, "kernels/merge.py reads the merge-task count at meta[1]"
+# the family (ABI, builder, expectations) and the variant spec helpers live in families.py,
+# away from the planner this module imports (see there); the old names stay importable here
+_decode_abi_fixed, _decode_abi, _spec_variant = decode_abi_fixed, decode_abi, spec_variant
 
 
 def decode_spec(arch: str, dtype: str, head_dim: int, variant=None):

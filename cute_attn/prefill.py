@@ -43,11 +43,10 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import torch
 
-from .decode import (_DTYPES, SUPPORTED_HEAD_DIMS, _arange, _as_dtype, _decode_abi_fixed, _kv_views, _spec_variant,
-                     variant_params)
-from .runtime.abi import ScalarArg, TensorArg
+from .decode import _DTYPES, SUPPORTED_HEAD_DIMS, _arange, _as_dtype, _kv_views
+from .families import variant_params
 from .runtime.arch import arch_of_index, sm_count_of_index
-from .runtime.family import KernelFamily, register
+from .families import BATCH_PREFILL_SM90, PREFILL_ARCH, prefill_abi, prefill_abi_fixed  # noqa: F401
 from .runtime.loader import kernel
 from .sched import Limits, Planner, WorkspaceLayout
 from .sched.cost import choose_cta_tile_q
@@ -56,7 +55,6 @@ from .variants import base as vbase
 from .variants.binding import VariantBinding
 from .variants.builtins import ALiBi, AttentionSink, Causal, CustomMask, RoPE, SoftCap
 
-PREFILL_ARCH = "sm_90a"       # wgmma: Hopper only (no sm_100a specializations, see presets.py)
 PREFILL_TILES = (64, 128)     # packed query rows per work item: one or two consumer warpgroups
 _FIXED_SPLIT_TILE = 128       # fixed_split_size: a tile that does not depend on the batch
 PAGE_BOX = 16                 # paged K/V by TMA, one box per 16 rows of a page (page sizes k*16)
@@ -66,31 +64,7 @@ _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8
 
 
 
-def _prefill_abi_fixed(p):
-    """decode's fixed tensor arguments (``decode._decode_abi_fixed``: one host signature for
-    both kernels), then the prefill kernel's scalars (spelled out: decode's scalars differ)."""
-    return [a for a in _decode_abi_fixed(p) if isinstance(a, TensorArg)] + [
-        ScalarArg("group", "i32"), ScalarArg("sm_scale", "f32"), ScalarArg("soft_cap", "f32"),
-        ScalarArg("window_left", "i32"), ScalarArg("num_ctas", "i32")]
-
-
-def _prefill_abi(p):
-    """The fixed arguments, then the variant's (``variants.base.abi_args``: tensors, then scalars)."""
-    return _prefill_abi_fixed(p) + vbase.abi_args(_spec_variant(p))
-
-
-# The contract with kernels/prefill_sm90.py: the ABI above, spec params dtype, head_dim,
-# tile_q, paged, causal, soft_cap, window and, for a traced variant, variant / variant_fp.
-BATCH_PREFILL_SM90 = register(KernelFamily(
-    name="batch_prefill_sm90",
-    builder="cute_attn.kernels.prefill_sm90:build_batch_prefill_sm90",
-    abi=_prefill_abi,
-    expect={PREFILL_ARCH: {"wgmma (PTX)": r"ptx:wgmma\.mma_async", "HGMMA (SASS)": r"sass:HGMMA\.64x",
-                           "setmaxnreg (PTX)": r"ptx:setmaxnreg",
-                           # ptxas silently serializes every wgmma when registers run short (C7512):
-                           # then each HGMMA gets its own WARPGROUP.ARRIVE
-                           "wgmma async (SASS)": r"sass%HGMMA/WARPGROUP\.ARRIVE>=3"}},
-))
+_prefill_abi_fixed, _prefill_abi = prefill_abi_fixed, prefill_abi  # the family: families.py
 
 
 def page_box_for(paged: bool, page_size: int) -> int:

@@ -164,3 +164,30 @@ def test_concurrent_compile_from_two_processes(tmp_cache):
     entries = [d for d in (tmp_cache / "sm_90a").iterdir() if not d.name.startswith(".")]
     assert len(entries) == 1
     assert cache.lookup(Spec.parse(spec_text, "sm_90a")).meta is not None
+
+
+def test_kernel_keys_do_not_hash_the_planner_or_the_wrappers():
+    """A family's cache key covers what its kernels are built from, not the planner or the
+    wrappers (editing those must not force a full recompile), but it does cover the work-record
+    layout the kernels read (sched/workspace.py)."""
+    import cute_attn.decode  # noqa: F401  (registers the families)
+    import cute_attn.prefill  # noqa: F401
+    from cute_attn.runtime import spec as S
+    from cute_attn.runtime.family import get_family
+
+    for name in ("paged_decode", "batch_prefill_sm90", "merge_partials"):
+        fam = get_family(name)
+        todo = [fam.builder.split(":")[0], fam.abi.__module__]
+        seen, files = set(), set()
+        while todo:
+            mod = todo.pop()
+            if mod in seen:
+                continue
+            seen.add(mod)
+            path = S._module_file(mod)
+            if path is not None:
+                files.add(path.relative_to(S._PKG_ROOT).as_posix())
+                todo.extend(S._imports(path, mod) - seen)
+        assert "sched/workspace.py" in files, (name, sorted(files))
+        bad = {"__init__.py", "decode.py", "prefill.py", "sched/plan.py", "sched/assign.py", "sched/cost.py"} & files
+        assert not bad, (name, sorted(bad))

@@ -498,7 +498,7 @@ def build_paged_decode(spec):
     """The jit entry for a ``paged_decode`` spec: its variant is re-created from the spec's
     ``variant`` text and must still have the spec's fingerprint (else the class changed since
     the spec was made and the module would be cached under the wrong key)."""
-    from ..decode import _decode_abi_fixed, _spec_variant
+    from ..families import decode_abi_fixed as _decode_abi_fixed, spec_variant as _spec_variant
     from ..variants.base import abi_args
 
     p = spec.pdict

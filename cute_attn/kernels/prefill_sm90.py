@@ -1103,8 +1103,7 @@ _DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
 def build_batch_prefill_sm90(spec):
     """The jit entry for a ``batch_prefill_sm90`` spec: the variant (if any) is re-created from
     the spec's ``variant`` text and must still have the spec's fingerprint."""
-    from ..decode import _spec_variant
-    from ..prefill import _prefill_abi_fixed
+    from ..families import prefill_abi_fixed as _prefill_abi_fixed, spec_variant as _spec_variant
     from ..variants.base import abi_args
 
     p = spec.pdict

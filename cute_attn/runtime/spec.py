@@ -154,7 +154,7 @@ class Spec:
 
     @functools.cached_property
     def key(self) -> str:
-        from .. import __version__
+        from .._version import __version__
         from .family import get_family
 
         fam = get_family(self.family)
