@@ -600,18 +600,23 @@ def _emulate_merge(p, part_o, part_lse, tasks, meta, out, lse, group, num_ctas):
 
 
 class _Emulated:
-    def __init__(self, family, params, calls):
+    """A kernel module stand-in: the real argument packer (ranks, static extents/strides,
+    divisibility, alignment, variant arguments), then ``prefill`` (the attention emulation; the
+    variant tests pass their own) or the merge emulation."""
+
+    def __init__(self, family, params, calls, prefill=None):
         from cute_attn.runtime.family import get_family
         from cute_attn.runtime.loader import make_packer
 
         self.family, self.params, self.calls = family, params, calls
         self.pack = make_packer(get_family(family).abi(params))
+        self.prefill = prefill or _emulate_prefill
 
     def __call__(self, *args):
         args = [_plain(a) for a in args]
-        self.pack(*args)  # the real per-launch checks: ranks, static extents/strides, divisibility, alignment
+        self.pack(*args)
         self.calls.append((self.family, dict(self.params)))
-        fn = _emulate_prefill if self.family == "batch_prefill_sm90" else _emulate_merge
+        fn = self.prefill if self.family == "batch_prefill_sm90" else _emulate_merge
         fn(self.params, *args)
 
 

@@ -22,7 +22,6 @@ the runtime values the wrappers pass (ALiBi slopes, RoPE scalars, packed mask + 
 the example's table) and the split-KV semantics of sinks and sigmoid.
 """
 import math
-import random
 
 import numpy as np
 import pytest
@@ -31,8 +30,8 @@ import torch
 from cute_attn.testing.reference import LOG2E, rope_reference, variant_reference
 from cute_attn.variants import Causal, FlashSigmoid, get_alibi_slopes
 from cute_attn.variants.examples import RelativePositionBias
-from test_prefill_gpu import (DTYPES, _cumsum, _cpu_ws, _emulate_merge, _FakeEvent, _gen, _plain, _ws, check,
-                              make_paged, make_ragged)
+from test_prefill_gpu import (DTYPES, _cumsum, _cpu_ws, _Emulated, _FakeEvent, _gen, _ws, check, make_paged,
+                              make_ragged)
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -393,22 +392,6 @@ def _emulate_variant_prefill(p, q, k4, v4, kv_indptr, kv_indices, out, lse, work
                 part_lse[dest * tile:dest * tile + nr] = row_lse.float()
 
 
-class _EmulatedV:
-    def __init__(self, family, params, calls):
-        from cute_attn.runtime.family import get_family
-        from cute_attn.runtime.loader import make_packer
-
-        self.family, self.params, self.calls = family, params, calls
-        self.pack = make_packer(get_family(family).abi(params))
-
-    def __call__(self, *args):
-        args = [_plain(a) for a in args]
-        self.pack(*args)  # the real per-launch checks of the ABI, variant arguments included
-        self.calls.append((self.family, dict(self.params)))
-        fn = _emulate_variant_prefill if self.family == "batch_prefill_sm90" else _emulate_merge
-        fn(self.params, *args)
-
-
 @pytest.fixture
 def emu(monkeypatch):
     import cute_attn.prefill as P
@@ -416,7 +399,7 @@ def emu(monkeypatch):
     calls = []
     monkeypatch.setattr(P, "arch_of_index", lambda i: "sm_90a")
     monkeypatch.setattr(P, "sm_count_of_index", lambda i: 8)
-    monkeypatch.setattr(P, "kernel", lambda family, arch, **params: _EmulatedV(family, params, calls))
+    monkeypatch.setattr(P, "kernel", lambda family, arch, **params: _Emulated(family, params, calls, _emulate_variant_prefill))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)

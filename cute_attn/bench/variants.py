@@ -38,6 +38,20 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
+
+def _record(res, case, row, t, t_plain, f, f_plain, flag_bar: bool):
+    """Record one variant row (ours, and FlexAttention's time and ratio when it has the variant)
+    and print it; ``flag_bar`` marks ratios over the 1.05x bar."""
+    res.add(case, "cute_attn", "us", t)
+    res.add(case, "cute_attn", "x_plain", t / t_plain)
+    fx = ""
+    if f is not None and f_plain:
+        res.add(case, "flex", "us", f)
+        res.add(case, "flex", "x_plain", f / f_plain)
+        fx = f"{f:9.1f} {f / f_plain:7.3f}"
+    flag = "  > 1.05" if flag_bar and t / t_plain > 1.05 else ""
+    print(f"{row.name:<42} {t:7.1f} {t / t_plain:8.3f} {fx or 'n/a':>17}  {row.note}{flag}")
+
 def _decode_rows():
     from ..variants import Causal, FlashSigmoid, get_alibi_slopes
     from ..variants.examples import RelativePositionBias
@@ -163,15 +177,7 @@ def _decode_rows_bench(res, quick: bool) -> None:
         else:
             f = _flex(qd, kd, vd, row.flex_score(t_in) if row.flex_score else None,
                       row.flex_mask(t_in) if row.flex_mask else None)
-        case = f"variants/decode/bs64x4k/{row.name.split()[0]}"
-        res.add(case, "cute_attn", "us", t)
-        res.add(case, "cute_attn", "x_plain", t / t_plain)
-        fx = ""
-        if f is not None and f_plain:
-            res.add(case, "flex", "us", f)
-            res.add(case, "flex", "x_plain", f / f_plain)
-            fx = f"{f:9.1f} {f / f_plain:7.3f}"
-        print(f"{row.name:<42} {t:7.1f} {t / t_plain:8.3f} {fx or 'n/a':>17}  {row.note}")
+        _record(res, f"variants/decode/bs64x4k/{row.name.split()[0]}", row, t, t_plain, f, f_plain, flag_bar=False)
 
     # fused RoPE vs a separate RoPE pass over q and the whole KV cache (torch ops) + plain decode
     k, v = cache
@@ -289,7 +295,7 @@ def _prefill_rows_bench(res, quick: bool) -> None:
         rows = rows[:4]
     t_plain = _time_prefill(ws, q, k, v, ind, True, {}, (), {})
     t_plain_nc = _time_prefill(ws, q, k, v, ind, False, {}, (), {})
-    f_plain = f_plain_nc = None
+    f_plain = None
     print(f"{'prefill 2 x 8k causal, bf16 16/16 d128 ragged':<42} {'us':>7} {'x plain':>8} {'flex us':>9} {'flex x':>7}")
     for row in rows:
         t_in = {}
@@ -313,16 +319,8 @@ def _prefill_rows_bench(res, quick: bool) -> None:
                 f_plain = _flex_prefill(q4, k4, v4, mask_mod=lambda b, h, qi, kvi: qi >= kvi)
             f = _flex_prefill(q4, k4, v4, row.flex_score(t_in) if row.flex_score else None,
                               row.flex_mask(t_in) if row.flex_mask else None)
-        case = f"variants/prefill/hd128/causal/s8192/{row.name.split()[0]}"
-        res.add(case, "cute_attn", "us", t)
-        res.add(case, "cute_attn", "x_plain", t / base)
-        fx = ""
-        if f is not None and f_plain:
-            res.add(case, "flex", "us", f)
-            res.add(case, "flex", "x_plain", f / f_plain)
-            fx = f"{f:9.1f} {f / f_plain:7.3f}"
-        flag = "" if t / base <= 1.05 else "  > 1.05"
-        print(f"{row.name:<42} {t:7.1f} {t / base:8.3f} {fx or 'n/a':>17}  {row.note}{flag}")
+        _record(res, f"variants/prefill/hd128/causal/s8192/{row.name.split()[0]}", row, t, base, f, f_plain,
+                flag_bar=True)
         del t_in
 
     # fused RoPE vs a separate RoPE pass (torch ops over q and k) + plain causal prefill
