@@ -375,6 +375,16 @@ def _arange(n: int, device) -> torch.Tensor:
     return t[:n]
 
 
+def _single_kv_nhd(q, k, v, kv_layout, q_dim, q_shape):
+    """The single-request functions' shape and layout checks; k / v as [kv_len, heads, dim] views."""
+    if q.dim() != q_dim or k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"q must be {q_shape} and k/v equal 3-D tensors, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    return (k.transpose(0, 1), v.transpose(0, 1)) if kv_layout == "HND" else (k, v)
+
+
 def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str = "NHD",
                                 pos_encoding_mode: str = "NONE", use_tensor_cores: bool = False,
                                 q_scale=None, k_scale=None, v_scale=None, window_left: int = -1,
@@ -385,13 +395,7 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     [kv_heads, kv_len, head_dim] (HND).  The KV is read in place, as kv_len pages of one token
     (page size 1 is a first-class path of the kernel), so a long request is still split across
     all SMs by the planner."""
-    if q.dim() != 2 or k.dim() != 3 or k.shape != v.shape:
-        raise ValueError(f"q must be [heads, dim] and k/v equal 3-D tensors, got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if kv_layout not in ("NHD", "HND"):
-        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
-    if kv_layout == "HND":
-        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    k, v = _single_kv_nhd(q, k, v, kv_layout, 2, "[heads, dim]")
     kv_len, hk = k.shape[0], k.shape[1]
     if kv_len == 0:
         o = torch.zeros_like(q)

@@ -43,7 +43,7 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import torch
 
-from .decode import _DTYPES, SUPPORTED_HEAD_DIMS, _arange, _as_dtype, _kv_views
+from .decode import _DTYPES, SUPPORTED_HEAD_DIMS, _arange, _as_dtype, _kv_views, _single_kv_nhd
 from .families import variant_params
 from .runtime.arch import arch_of_index, sm_count_of_index
 from .families import BATCH_PREFILL_SM90, PREFILL_ARCH, prefill_abi, prefill_abi_fixed  # noqa: F401
@@ -835,13 +835,7 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     _reject_unsupported(q_dtype=q.dtype, kv_dtype=k.dtype,
                         o_dtype=_dtype(o_dtype, "o_dtype"), fp8_scales=(scale_q, scale_k, scale_v, k_scale, v_scale),
                         extra=(("kv_cache_sf", kv_cache_sf),))
-    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
-        raise ValueError(f"q must be [qo_len, heads, dim] and k/v equal 3-D tensors, got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if kv_layout not in ("NHD", "HND"):
-        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
-    if kv_layout == "HND":
-        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    k, v = _single_kv_nhd(q, k, v, kv_layout, 3, "[qo_len, heads, dim]")
     if not q.is_cuda:
         raise ValueError(f"q must be a CUDA tensor, got one on {q.device}")
     qo_len, kv_len, hk = q.shape[0], k.shape[0], k.shape[1]
