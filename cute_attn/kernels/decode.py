@@ -56,9 +56,8 @@ class PagedDecode:
         self.hooks = Hooks(variant)
         self.chunks = head_dim // 8  # 16-byte chunks per row
         self.rows_per_thread = BLOCK_N * self.chunks // THREADS  # KV rows each thread gathers per block
-        kv_bytes = 2 * BLOCK_N * head_dim * stages * 2
-        o_bytes = NUM_WARPS * TILE_Q * (head_dim + 4) * 4
-        assert o_bytes <= kv_bytes, "epilogue buffer must fit in the KV stages it reuses"
+        # the epilogue gives each warp an fp32 [TILE_Q, D] buffer in half of a stage's K or V tile
+        assert 2 * TILE_Q * head_dim * 4 == BLOCK_N * head_dim * 2 and stages >= 2
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
@@ -75,13 +74,12 @@ class PagedDecode:
                                         cute.make_layout((8, atom_cols), stride=(atom_cols, 1)))
         sQ_layout = cute.tile_to_shape(swz, (TILE_Q, D), (0, 1))
         sKV_layout = cute.tile_to_shape(swz, (BLOCK_N, D, self.stages), (0, 1, 2))
-        sO_layout = cute.make_layout((TILE_Q, D + 4, NUM_WARPS), stride=(D + 4, 1, TILE_Q * (D + 4)))
 
         @cute.struct
         class Smem:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            # K stages then V stages; the epilogue's fp32 sO reuses this region once the KV
-            # loop is done (it fits: checked in __init__), so two CTAs fit an SM at head_dim <= 128
+            # K stages then V stages; the epilogue's fp32 O buffers live in the stage of the
+            # item's last block (``_o_buf``), so two CTAs fit an SM at head_dim <= 128
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, 2 * cute.cosize(sKV_layout)], 1024]
             sM: cute.struct.MemRange[Float32, NUM_WARPS * TILE_Q]
             sL: cute.struct.MemRange[Float32, NUM_WARPS * TILE_Q]
@@ -91,7 +89,7 @@ class PagedDecode:
         scale_log2 = sm_scale * LOG2E
         self.kernel(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse,
                     var_tensors, group, scale_log2, sm_scale, var_scalars,
-                    sQ_layout, sKV_layout, sO_layout, tiled_mma, Smem).launch(
+                    sQ_layout, sKV_layout, tiled_mma, Smem).launch(
             grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     # ---- device side --------------------------------------------------------------------
@@ -101,7 +99,7 @@ class PagedDecode:
                mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, var_tensors: tuple,
                group: Int32, scale_log2: Float32, sm_scale: Float32, var_scalars: tuple,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
-               sO_layout: cute.Layout, tiled_mma: cute.TiledMma, Smem: cutlass.Constexpr):
+               tiled_mma: cute.TiledMma, Smem: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         wid = tidx // 32
@@ -114,7 +112,6 @@ class PagedDecode:
         kv_ptr = st.sKV.data_ptr()
         sK = cute.make_tensor(kv_ptr, sKV_layout)
         sV = cute.make_tensor(kv_ptr + cute.cosize(sKV_layout), sKV_layout)
-        sO = cute.make_tensor(cute.recast_ptr(kv_ptr, dtype=Float32), sO_layout)
         sM = st.sM.get_tensor(cute.make_layout((TILE_Q, NUM_WARPS), stride=(1, TILE_Q)))
         sL = st.sL.get_tensor(cute.make_layout((TILE_Q, NUM_WARPS), stride=(1, TILE_Q)))
 
@@ -141,48 +138,26 @@ class PagedDecode:
         self._trace_vargs = self.hooks.bind(var_tensors, var_scalars)
         self._trace_sm_scale = sm_scale
 
-        for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1]):
+        # p // page_size and p % page_size by multiply-high and shift (a runtime integer
+        # division is ~25 instructions, and every gathered row needs one)
+        page_size = cute.FastDivmodDivisorV2(mK.shape[1])
+        rows = cute.make_rmem_tensor((self.rows_per_thread,), Int32)  # next block's looked-up rows
+        item_begin, item_end = mWorkIndptr[cta], mWorkIndptr[cta + 1]
+        # The stage ring runs across items: block b of an item goes to stage (g + b) % STAGES, g
+        # = blocks this CTA put in the ring before the item.  The next item's Q and first blocks
+        # are issued before this item's epilogue, so the loads never stop at item boundaries.
+        g = Int32(0)
+        if item_begin < item_end:
+            self._prefetch(mQ, mK, mV, mKvIndptr, mKvIndices, mWork, sQ, sK, sV, g2s, rows, tidx, page_size, group,
+                           item_begin, g)
+        for item in cutlass.range(item_begin, item_end):
             w = WorkItem(mWork, item)
             req, kv_head, row_start, num_rows = w.req, w.kv_head, w.row_start, w.num_rows
             kv_start, kv_end, dest, qo_offset = w.kv_start, w.kv_end, w.dest, w.qo_offset
             qo_len, kv_len, qpos_base = w.qo_len, w.kv_len, w.qpos_base
             page_base = mKvIndptr[req]
-            # p // page_size and p % page_size by multiply-high and shift (a runtime integer
-            # division is ~25 instructions, and every gathered row needs one)
-            page_size = cute.FastDivmodDivisorV2(mK.shape[1])
-            # blk_start/blk_end: the KV range whose blocks are read; a variant's kv_range clips it
-            # (bounds non-decreasing in q_pos: the first row gives lo, the last row hi)
-            blk_start = kv_start
-            blk_end = kv_end
-            if const_expr(self.hooks.has_kv_range):
-                blk_start, blk_end = self._clip_range(req, kv_head, row_start, num_rows, group, qpos_base, qo_len,
-                                                      kv_len, kv_start, kv_end)
+            blk_start, blk_end = self._kv_blocks(w, group)
             n_blocks = (blk_end - blk_start + BLOCK_N - 1) // BLOCK_N
-
-            # --- Q tile -> smem (rows past num_rows re-read row 0 and are never written out)
-            for i in cutlass.range_constexpr((TILE_Q * self.chunks + THREADS - 1) // THREADS):
-                idx = tidx + i * THREADS
-                if idx < TILE_Q * self.chunks:
-                    j = idx // self.chunks
-                    c = idx % self.chunks
-                    r = row_start + (j if j < num_rows else 0)
-                    tok = qo_offset + r // group
-                    head = kv_head * group + r % group
-                    cute.copy(g2s, cute.local_tile(mQ[tok, head, None], (8,), (c,)),
-                              cute.local_tile(sQ[j, None], (8,), (c,)))
-
-            # --- KV blocks: prologue fills STAGES-1 stages (Q rides in the first group); the
-            # page lookups of the next block to issue are always one iteration ahead, so the
-            # loop never waits on kv_indices before issuing its copies.
-            rows = cute.make_rmem_tensor((self.rows_per_thread,), Int32)
-            for s in cutlass.range_constexpr(self.stages - 1):
-                if s < n_blocks:
-                    self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + s * BLOCK_N, blk_end)
-                    self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, kv_head, s)
-                cute.arch.cp_async_commit_group()
-            if self.stages - 1 < n_blocks:
-                self._lookup(mKvIndices, rows, tidx, page_base, page_size,
-                             blk_start + (self.stages - 1) * BLOCK_N, blk_end)
 
             acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, D)), Float32)
             acc_O.fill(0.0)
@@ -201,13 +176,13 @@ class PagedDecode:
                         self._transform_q(tSrQ, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len)
                 nxt = nb + self.stages - 1
                 if nxt < n_blocks:
-                    self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, kv_head, nxt % self.stages)
+                    self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, kv_head, (g + nxt) % self.stages)
                     if nxt + 1 < n_blocks:
                         self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + (nxt + 1) * BLOCK_N,
                                      blk_end)
                 cute.arch.cp_async_commit_group()
 
-                stage = nb % self.stages
+                stage = (g + nb) % self.stages
                 key0 = blk_start + nb * BLOCK_N + wid * 16
                 sK_w = cute.local_tile(sK[None, None, stage], (16, D), (wid, 0))
                 sV_w = cute.local_tile(sV[None, None, stage], (16, D), (wid, 0))
@@ -260,8 +235,20 @@ class PagedDecode:
                 for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
                     cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
 
-            # --- epilogue: ⊕ of the four warp states through smem, then store
-            cute.arch.cp_async_wait_group(0)
+            # --- next item's loads, then the epilogue: ⊕ of the four warp states through the
+            # stage of this item's last block (the prefetch used the other stages), then store.
+            # This item's copies are all complete (the last block's wait covered them).
+            g = g + n_blocks
+            o_stage = (g + self.stages - 1) % self.stages
+            if item + 1 < item_end:
+                if n_blocks < 2:
+                    # sQ is rewritten: a warp may still be reading it in block 0, and with no
+                    # block its copy was never waited for
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.sync_threads()
+                self._prefetch(mQ, mK, mV, mKvIndptr, mKvIndices, mWork, sQ, sK, sV, g2s, rows, tidx, page_size,
+                               group, item + 1, g)
+            sO = self._o_buf(kv_ptr, o_stage, wid)
             acc_O_mn = _mn_view(acc_O)
             if const_expr(not self.hooks.softmax):
                 # weights were summed, not normalized: give each warp the state (m = 0,
@@ -297,16 +284,70 @@ class PagedDecode:
                 if l_all > Float32(0.0):
                     f = cute.math.exp2(row_m[r] - m_use, fastmath=True) * cute.arch.rcp_approx(l_all)
                 for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                    sO[j, tOcO[0, c][1], wid] = acc_O_mn[r, c] * f
+                    sO[j, tOcO[0, c][1]] = acc_O_mn[r, c] * f
                 if wid == 0 and lane % 4 == 0:
                     lse = -Float32.inf
                     if l_all > Float32(0.0):
                         lse = m_all + cute.math.log2(l_all, fastmath=True)
                     sM[j, 0] = lse  # reuse: this row's final LSE, read below
             cute.arch.sync_threads()
-            self._store(mO, mLse, mPartO, mPartLse, sO, sM, tidx, row_start, num_rows, dest, qo_offset,
+            self._store(mO, mLse, mPartO, mPartLse, kv_ptr, o_stage, sM, tidx, row_start, num_rows, dest, qo_offset,
                         kv_head, group, req, qpos_base, qo_len, kv_len)
             cute.arch.sync_threads()  # smem is reused by the next item
+
+    # ---- loads and buffers ------------------------------------------------------------------
+    def _kv_blocks(self, w: WorkItem, group):
+        """The KV range whose blocks an item reads: its token range, clipped by a variant's
+        kv_range (bounds non-decreasing in q_pos: the first row gives lo, the last row hi)."""
+        if self.hooks.has_kv_range:
+            return self._clip_range(w.req, w.kv_head, w.row_start, w.num_rows, group, w.qpos_base, w.qo_len,
+                                    w.kv_len, w.kv_start, w.kv_end)
+        return w.kv_start, w.kv_end
+
+    @cute.jit
+    def _prefetch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
+                  mKvIndices: cute.Tensor, mWork: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                  g2s: cute.CopyAtom, rows: cute.Tensor, tidx: Int32, page_size: cute.FastDivmodDivisorV2,
+                  group: Int32, item: Int32, g: Int32):
+        """Start work item ``item``: its Q tile into sQ and its first STAGES-1 KV blocks into
+        stages g, g+1, ... (one cp.async group each, Q riding in the first; empty groups past the
+        item's blocks keep the count the loop waits on), then look up its next block's rows.
+        The page lookups are always one block ahead, so the loop never waits on kv_indices."""
+        w = WorkItem(mWork, item)
+        blk_start, blk_end = self._kv_blocks(w, group)
+        n_blocks = (blk_end - blk_start + BLOCK_N - 1) // BLOCK_N
+        page_base = mKvIndptr[w.req]
+        # Q rows past num_rows re-read row 0 and are never written out
+        for i in cutlass.range_constexpr((TILE_Q * self.chunks + THREADS - 1) // THREADS):
+            idx = tidx + i * THREADS
+            if idx < TILE_Q * self.chunks:
+                j = idx // self.chunks
+                c = idx % self.chunks
+                r = w.row_start + (j if j < w.num_rows else 0)
+                tok = w.qo_offset + r // group
+                head = w.kv_head * group + r % group
+                cute.copy(g2s, cute.local_tile(mQ[tok, head, None], (8,), (c,)),
+                          cute.local_tile(sQ[j, None], (8,), (c,)))
+        for s in cutlass.range_constexpr(self.stages - 1):
+            if s < n_blocks:
+                self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + s * BLOCK_N, blk_end)
+                self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, w.kv_head, (g + s) % self.stages)
+            cute.arch.cp_async_commit_group()
+        if self.stages - 1 < n_blocks:
+            self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + (self.stages - 1) * BLOCK_N,
+                         blk_end)
+
+    def _o_buf(self, kv_ptr, stage, wid):
+        """Warp ``wid``'s fp32 [TILE_Q, D] epilogue buffer: half of stage ``stage``'s K tile
+        (warps 0, 1) or V tile (warps 2, 3).  Column bits 3-4 are XOR-ed with row bits 0-1, so
+        the accumulator stores (8 rows x 4 column pairs per half-warp) hit 32 distinct banks
+        without padding, and 4-column groups stay contiguous for the reads."""
+        D = self.head_dim
+        tile = BLOCK_N * D  # elements of one stage's K (or V) tile; V stages follow the K stages
+        ptr = cute.recast_ptr(kv_ptr + ((wid // 2) * self.stages + stage) * tile + (wid % 2) * (tile // 2),
+                              dtype=Float32)
+        swz = cute.make_swizzle(2, 3, int(math.log2(D)) - 3)
+        return cute.make_tensor(ptr, cute.make_composed_layout(swz, 0, cute.make_layout((TILE_Q, D), stride=(D, 1))))
 
     # ---- variant hook helpers: plain Python, called while the kernel is traced --------------
     def _ctx(self, req, kv_head, row, group, qpos_base, qo_len, kv_len) -> Ctx:
@@ -421,7 +462,7 @@ class PagedDecode:
 
     @cute.jit
     def _store(self, mO: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
-               sO: cute.Tensor, sLse: cute.Tensor, tidx: Int32, row_start: Int32, num_rows: Int32,
+               kv_ptr: cute.Pointer, o_stage: Int32, sLse: cute.Tensor, tidx: Int32, row_start: Int32, num_rows: Int32,
                dest: Int32, qo_offset: Int32, kv_head: Int32, group: Int32, req: Int32, qpos_base: Int32,
                qo_len: Int32, kv_len: Int32):
         """Sum the four warps' scaled outputs per row; write final rows (value dtype) or a
@@ -435,8 +476,10 @@ class PagedDecode:
             if idx < TILE_Q * per_row and j < num_rows:
                 acc = cute.zeros_like(cute.make_rmem_tensor((4,), Float32).load())
                 for w in cutlass.range_constexpr(NUM_WARPS):
+                    buf = self._o_buf(kv_ptr, o_stage, w)
                     frag = cute.make_rmem_tensor((4,), Float32)
-                    cute.autovec_copy(cute.local_tile(sO[j, None, w], (4,), (c4,)), frag)
+                    for e in cutlass.range_constexpr(4):
+                        frag[e] = buf[j, c4 * 4 + e]
                     acc = acc + frag.load()
                 r = row_start + j
                 if dest < 0:
