@@ -56,6 +56,10 @@ class PagedDecode:
         self.hooks = Hooks(variant)
         self.chunks = head_dim // 8  # 16-byte chunks per row
         self.rows_per_thread = BLOCK_N * self.chunks // THREADS  # KV rows each thread gathers per block
+        # the next item's first lookup is made before this item's epilogue, its rows held in
+        # registers through it -- except at head_dim 256 (16 rows), where ptxas then spills
+        # the kernel wholesale (32 registers, 1.6 KB of stack); there it waits until block 0
+        self.lookup_ahead = True
         # the epilogue gives each warp an fp32 [TILE_Q, D] buffer in half of a stage's K or V tile
         assert 2 * TILE_Q * head_dim * 4 == BLOCK_N * head_dim * 2 and stages >= 2
 
@@ -147,153 +151,163 @@ class PagedDecode:
         # = blocks this CTA put in the ring before the item.  The next item's Q and first blocks
         # are issued before this item's epilogue, so the loads never stop at item boundaries.
         g = Int32(0)
+        # Iteration i runs item i's KV loop, starts item i+1's loads, then finishes item i; the
+        # first iteration (i = item_begin - 1) only starts item_begin (one prefetch call site:
+        # two made ptxas spill the hd256 kernel heavily).
         if item_begin < item_end:
-            self._prefetch(mQ, mK, mV, mKvIndptr, mKvIndices, mWork, sQ, sK, sV, g2s, rows, tidx, page_size, group,
-                           item_begin, g)
-        for item in cutlass.range(item_begin, item_end):
-            w = WorkItem(mWork, item)
-            req, kv_head, row_start, num_rows = w.req, w.kv_head, w.row_start, w.num_rows
-            kv_start, kv_end, dest, qo_offset = w.kv_start, w.kv_end, w.dest, w.qo_offset
-            qo_len, kv_len, qpos_base = w.qo_len, w.kv_len, w.qpos_base
-            page_base = mKvIndptr[req]
-            blk_start, blk_end = self._kv_blocks(w, group)
-            n_blocks = (blk_end - blk_start + BLOCK_N - 1) // BLOCK_N
+            for i in cutlass.range(item_begin - 1, item_end, unroll=1):
+                item = cutlass.max(i, item_begin)
+                w = WorkItem(mWork, item)
+                req, kv_head, row_start, num_rows = w.req, w.kv_head, w.row_start, w.num_rows
+                kv_start, kv_end, dest, qo_offset = w.kv_start, w.kv_end, w.dest, w.qo_offset
+                qo_len, kv_len, qpos_base = w.qo_len, w.kv_len, w.qpos_base
+                page_base = mKvIndptr[req]
+                blk_start, blk_end = self._kv_blocks(w, group)
+                n_blocks = (blk_end - blk_start + BLOCK_N - 1) // BLOCK_N
+                if i < item_begin:
+                    n_blocks = Int32(0)
 
-            acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, D)), Float32)
-            acc_O.fill(0.0)
-            row_m = cute.make_rmem_tensor((n_rows_thr,), Float32)
-            row_l = cute.make_rmem_tensor((n_rows_thr,), Float32)
-            row_m.fill(-Float32.inf)
-            row_l.fill(0.0)
-            tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+                acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, D)), Float32)
+                acc_O.fill(0.0)
+                row_m = cute.make_rmem_tensor((n_rows_thr,), Float32)
+                row_l = cute.make_rmem_tensor((n_rows_thr,), Float32)
+                row_m.fill(-Float32.inf)
+                row_l.fill(0.0)
+                tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
 
-            for nb in cutlass.range(n_blocks):
-                cute.arch.cp_async_wait_group(self.stages - 2)
-                cute.arch.sync_threads()
-                if nb == 0:
-                    cute.copy(s2r_q, s2r_q.partition_S(sQ), s2r_q.retile(tSrQ))
-                    if const_expr(self.hooks.has_transform_q):
-                        self._transform_q(tSrQ, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len)
-                nxt = nb + self.stages - 1
-                if nxt < n_blocks:
-                    self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, kv_head, (g + nxt) % self.stages)
-                    if nxt + 1 < n_blocks:
-                        self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + (nxt + 1) * BLOCK_N,
-                                     blk_end)
-                cute.arch.cp_async_commit_group()
-
-                stage = (g + nb) % self.stages
-                key0 = blk_start + nb * BLOCK_N + wid * 16
-                sK_w = cute.local_tile(sK[None, None, stage], (16, D), (wid, 0))
-                sV_w = cute.local_tile(sV[None, None, stage], (16, D), (wid, 0))
-                # S = Q K_wᵀ  (16 rows x 16 keys)
-                tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_w))
-                cute.copy(s2r_k, s2r_k.partition_S(sK_w), s2r_k.retile(tSrK))
-                if const_expr(self.hooks.has_transform_k):
-                    self._transform_k(tSrK, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len, key0)
-                acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, 16)), Float32)
-                acc_S.fill(0.0)
-                for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                    cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
-
-                # logits, mask, online softmax over this warp's 16 keys
-                acc_S_mn = _mn_view(acc_S)
-                acc_O_mn = _mn_view(acc_O)
-                for r in cutlass.range_constexpr(n_rows_thr):
-                    if const_expr(self.hooks.per_row):
-                        m_blk = self._row_scores(acc_S_mn, r, tScS, key0, blk_end, req, kv_head, row_start, group,
-                                                 qpos_base, qo_len, kv_len)
-                    else:
-                        m_blk = -Float32.inf
-                        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                            v = acc_S_mn[r, c] * scale_log2
-                            v = v if key0 + tScS[0, c][1] < blk_end else -Float32.inf
-                            acc_S_mn[r, c] = v
-                            m_blk = cute.arch.fmax(m_blk, v)
-                    if const_expr(self.hooks.softmax):
-                        m_blk = _quad_max(m_blk)
-                        m_new = cute.arch.fmax(row_m[r], m_blk)
-                        m_use = m_new if m_new != -Float32.inf else Float32(0.0)
-                        corr = cute.math.exp2(row_m[r] - m_use, fastmath=True)
-                        l_blk = Float32(0.0)
-                        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                            p = cute.math.exp2(acc_S_mn[r, c] - m_use, fastmath=True)
-                            acc_S_mn[r, c] = p
-                            l_blk = l_blk + p
-                        row_l[r] = row_l[r] * corr + l_blk  # per-thread partial sum; quad-reduced at the end
-                        row_m[r] = m_new
-                        for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                            acc_O_mn[r, c] = acc_O_mn[r, c] * corr
-
-                # O += P V_w
-                rP = cute.make_fragment_like(acc_S, self.dtype)
-                rP.store(acc_S.load().to(self.dtype))
-                tOrP = _acc_as_A(rP)
-                sVt_w = cute.composition(sV_w, cute.make_layout((D, 16), stride=(16, 1)))
-                tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_w))
-                cute.copy(s2r_v, s2r_v.partition_S(sVt_w), s2r_v.retile(tOrV))
-                for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                    cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
-
-            # --- next item's loads, then the epilogue: ⊕ of the four warp states through the
-            # stage of this item's last block (the prefetch used the other stages), then store.
-            # This item's copies are all complete (the last block's wait covered them).
-            g = g + n_blocks
-            o_stage = (g + self.stages - 1) % self.stages
-            if item + 1 < item_end:
-                if n_blocks < 2:
-                    # sQ is rewritten: a warp may still be reading it in block 0, and with no
-                    # block its copy was never waited for
-                    cute.arch.cp_async_wait_group(0)
+                for nb in cutlass.range(n_blocks):
+                    cute.arch.cp_async_wait_group(self.stages - 2)
                     cute.arch.sync_threads()
-                self._prefetch(mQ, mK, mV, mKvIndptr, mKvIndices, mWork, sQ, sK, sV, g2s, rows, tidx, page_size,
-                               group, item + 1, g)
-            sO = self._o_buf(kv_ptr, o_stage, wid)
-            acc_O_mn = _mn_view(acc_O)
-            if const_expr(not self.hooks.softmax):
-                # weights were summed, not normalized: give each warp the state (m = 0,
-                # l = w/4) with w = this item's share of the request's keys; the ⊕ below and
-                # the split-KV merge then return Σ w_i (Σ_j p_j v_j / w_i) / Σ w_i = Σ_j p_j v_j
-                w_item = Float32(0.0)
-                if kv_len > 0:
-                    w_item = Float32(kv_end - kv_start) / Float32(kv_len)
-            for r in cutlass.range_constexpr(n_rows_thr):
-                if const_expr(self.hooks.softmax):
-                    row_l[r] = _quad_sum(row_l[r])
-                else:
-                    row_m[r] = Float32(0.0)
-                    row_l[r] = w_item * 0.25
-                if lane % 4 == 0:
-                    sM[tScS[r, 0][0], wid] = row_m[r]
-                    sL[tScS[r, 0][0], wid] = row_l[r]
-            cute.arch.sync_threads()
-            for r in cutlass.range_constexpr(n_rows_thr):
-                j = tScS[r, 0][0]
-                m_all = -Float32.inf
-                for w in cutlass.range_constexpr(NUM_WARPS):
-                    m_all = cute.arch.fmax(m_all, sM[j, w])
-                m_use = m_all if m_all != -Float32.inf else Float32(0.0)
-                l_all = Float32(0.0)
-                for w in cutlass.range_constexpr(NUM_WARPS):
-                    l_all = l_all + sL[j, w] * cute.math.exp2(sM[j, w] - m_use, fastmath=True)
-                if const_expr(self.hooks.has_finalize):
-                    m_all, l_all = self._finalize(m_all, l_all, req, kv_head, row_start + j, group, qpos_base, qo_len,
-                                                  kv_len, kv_start)
-                    m_use = m_all if m_all != -Float32.inf else Float32(0.0)
-                f = Float32(0.0)
-                if l_all > Float32(0.0):
-                    f = cute.math.exp2(row_m[r] - m_use, fastmath=True) * cute.arch.rcp_approx(l_all)
-                for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                    sO[j, tOcO[0, c][1]] = acc_O_mn[r, c] * f
-                if wid == 0 and lane % 4 == 0:
-                    lse = -Float32.inf
-                    if l_all > Float32(0.0):
-                        lse = m_all + cute.math.log2(l_all, fastmath=True)
-                    sM[j, 0] = lse  # reuse: this row's final LSE, read below
-            cute.arch.sync_threads()
-            self._store(mO, mLse, mPartO, mPartLse, kv_ptr, o_stage, sM, tidx, row_start, num_rows, dest, qo_offset,
-                        kv_head, group, req, qpos_base, qo_len, kv_len)
-            cute.arch.sync_threads()  # smem is reused by the next item
+                    if nb == 0:
+                        cute.copy(s2r_q, s2r_q.partition_S(sQ), s2r_q.retile(tSrQ))
+                        if const_expr(self.hooks.has_transform_q):
+                            self._transform_q(tSrQ, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len)
+                    nxt = nb + self.stages - 1
+                    if const_expr(not self.lookup_ahead):
+                        if nb == 0 and nxt < n_blocks:
+                            self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + nxt * BLOCK_N,
+                                         blk_end)
+                    if nxt < n_blocks:
+                        self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, kv_head, (g + nxt) % self.stages)
+                        if nxt + 1 < n_blocks:
+                            self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + (nxt + 1) * BLOCK_N,
+                                         blk_end)
+                    cute.arch.cp_async_commit_group()
+
+                    stage = (g + nb) % self.stages
+                    key0 = blk_start + nb * BLOCK_N + wid * 16
+                    sK_w = cute.local_tile(sK[None, None, stage], (16, D), (wid, 0))
+                    sV_w = cute.local_tile(sV[None, None, stage], (16, D), (wid, 0))
+                    # S = Q K_wᵀ  (16 rows x 16 keys)
+                    tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_w))
+                    cute.copy(s2r_k, s2r_k.partition_S(sK_w), s2r_k.retile(tSrK))
+                    if const_expr(self.hooks.has_transform_k):
+                        self._transform_k(tSrK, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len, key0)
+                    acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, 16)), Float32)
+                    acc_S.fill(0.0)
+                    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                        cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+
+                    # logits, mask, online softmax over this warp's 16 keys
+                    acc_S_mn = _mn_view(acc_S)
+                    acc_O_mn = _mn_view(acc_O)
+                    for r in cutlass.range_constexpr(n_rows_thr):
+                        if const_expr(self.hooks.per_row):
+                            m_blk = self._row_scores(acc_S_mn, r, tScS, key0, blk_end, req, kv_head, row_start, group,
+                                                     qpos_base, qo_len, kv_len)
+                        else:
+                            m_blk = -Float32.inf
+                            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                                v = acc_S_mn[r, c] * scale_log2
+                                v = v if key0 + tScS[0, c][1] < blk_end else -Float32.inf
+                                acc_S_mn[r, c] = v
+                                m_blk = cute.arch.fmax(m_blk, v)
+                        if const_expr(self.hooks.softmax):
+                            m_blk = _quad_max(m_blk)
+                            m_new = cute.arch.fmax(row_m[r], m_blk)
+                            m_use = m_new if m_new != -Float32.inf else Float32(0.0)
+                            corr = cute.math.exp2(row_m[r] - m_use, fastmath=True)
+                            l_blk = Float32(0.0)
+                            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                                p = cute.math.exp2(acc_S_mn[r, c] - m_use, fastmath=True)
+                                acc_S_mn[r, c] = p
+                                l_blk = l_blk + p
+                            row_l[r] = row_l[r] * corr + l_blk  # per-thread partial sum; quad-reduced at the end
+                            row_m[r] = m_new
+                            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                                acc_O_mn[r, c] = acc_O_mn[r, c] * corr
+
+                    # O += P V_w
+                    rP = cute.make_fragment_like(acc_S, self.dtype)
+                    rP.store(acc_S.load().to(self.dtype))
+                    tOrP = _acc_as_A(rP)
+                    sVt_w = cute.composition(sV_w, cute.make_layout((D, 16), stride=(16, 1)))
+                    tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_w))
+                    cute.copy(s2r_v, s2r_v.partition_S(sVt_w), s2r_v.retile(tOrV))
+                    for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                        cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
+
+                # --- epilogue: ⊕ of the four warp states through the stage of this item's last
+                # block, while the next item's loads go to the other stages (issued once O is in
+                # smem: acc_O is dead by then, which keeps the registers for the prefetch), then
+                # the store.  This item's copies are all complete (the last block's wait covered them).
+                g = g + n_blocks
+                o_stage = (g + self.stages - 1) % self.stages
+                if i >= item_begin:
+                    sO = self._o_buf(kv_ptr, o_stage, wid)
+                    acc_O_mn = _mn_view(acc_O)
+                    if const_expr(not self.hooks.softmax):
+                        # weights were summed, not normalized: give each warp the state (m = 0,
+                        # l = w/4) with w = this item's share of the request's keys; the ⊕ below and
+                        # the split-KV merge then return Σ w_i (Σ_j p_j v_j / w_i) / Σ w_i = Σ_j p_j v_j
+                        w_item = Float32(0.0)
+                        if kv_len > 0:
+                            w_item = Float32(kv_end - kv_start) / Float32(kv_len)
+                    for r in cutlass.range_constexpr(n_rows_thr):
+                        if const_expr(self.hooks.softmax):
+                            row_l[r] = _quad_sum(row_l[r])
+                        else:
+                            row_m[r] = Float32(0.0)
+                            row_l[r] = w_item * 0.25
+                        if lane % 4 == 0:
+                            sM[tScS[r, 0][0], wid] = row_m[r]
+                            sL[tScS[r, 0][0], wid] = row_l[r]
+                    cute.arch.sync_threads()
+                    for r in cutlass.range_constexpr(n_rows_thr):
+                        j = tScS[r, 0][0]
+                        m_all = -Float32.inf
+                        for wq in cutlass.range_constexpr(NUM_WARPS):
+                            m_all = cute.arch.fmax(m_all, sM[j, wq])
+                        m_use = m_all if m_all != -Float32.inf else Float32(0.0)
+                        l_all = Float32(0.0)
+                        for wq in cutlass.range_constexpr(NUM_WARPS):
+                            l_all = l_all + sL[j, wq] * cute.math.exp2(sM[j, wq] - m_use, fastmath=True)
+                        if const_expr(self.hooks.has_finalize):
+                            m_all, l_all = self._finalize(m_all, l_all, req, kv_head, row_start + j, group, qpos_base, qo_len,
+                                                          kv_len, kv_start)
+                            m_use = m_all if m_all != -Float32.inf else Float32(0.0)
+                        f = Float32(0.0)
+                        if l_all > Float32(0.0):
+                            f = cute.math.exp2(row_m[r] - m_use, fastmath=True) * cute.arch.rcp_approx(l_all)
+                        for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                            sO[j, tOcO[0, c][1]] = acc_O_mn[r, c] * f
+                        if wid == 0 and lane % 4 == 0:
+                            lse = -Float32.inf
+                            if l_all > Float32(0.0):
+                                lse = m_all + cute.math.log2(l_all, fastmath=True)
+                            sM[j, 0] = lse  # reuse: this row's final LSE, read below
+                if i + 1 < item_end:
+                    # every warp is past this item's blocks (the barrier above), so sQ is free;
+                    # without blocks, this thread's Q copy into it was never waited for
+                    if n_blocks == 0:
+                        cute.arch.cp_async_wait_group(0)
+                    self._prefetch(mQ, mK, mV, mKvIndptr, mKvIndices, mWork, sQ, sK, sV, g2s, rows, tidx, page_size,
+                                   group, i + 1, g)
+                if i >= item_begin:
+                    cute.arch.sync_threads()
+                    self._store(mO, mLse, mPartO, mPartLse, kv_ptr, o_stage, sM, tidx, row_start, num_rows, dest, qo_offset,
+                                kv_head, group, req, qpos_base, qo_len, kv_len)
+                    cute.arch.sync_threads()  # smem is reused by the next item
 
     # ---- loads and buffers ------------------------------------------------------------------
     def _kv_blocks(self, w: WorkItem, group):
@@ -311,8 +325,9 @@ class PagedDecode:
                   group: Int32, item: Int32, g: Int32):
         """Start work item ``item``: its Q tile into sQ and its first STAGES-1 KV blocks into
         stages g, g+1, ... (one cp.async group each, Q riding in the first; empty groups past the
-        item's blocks keep the count the loop waits on), then look up its next block's rows.
-        The page lookups are always one block ahead, so the loop never waits on kv_indices."""
+        item's blocks keep the count the loop waits on), then look up its next block's rows
+        (``lookup_ahead``).  The page lookups are one block ahead, so the loop does not wait on
+        kv_indices."""
         w = WorkItem(mWork, item)
         blk_start, blk_end = self._kv_blocks(w, group)
         n_blocks = (blk_end - blk_start + BLOCK_N - 1) // BLOCK_N
@@ -333,21 +348,23 @@ class PagedDecode:
                 self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + s * BLOCK_N, blk_end)
                 self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, w.kv_head, (g + s) % self.stages)
             cute.arch.cp_async_commit_group()
-        if self.stages - 1 < n_blocks:
-            self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + (self.stages - 1) * BLOCK_N,
-                         blk_end)
+        if const_expr(self.lookup_ahead):
+            if self.stages - 1 < n_blocks:
+                self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + (self.stages - 1) * BLOCK_N,
+                             blk_end)
 
     def _o_buf(self, kv_ptr, stage, wid):
-        """Warp ``wid``'s fp32 [TILE_Q, D] epilogue buffer: half of stage ``stage``'s K tile
-        (warps 0, 1) or V tile (warps 2, 3).  Column bits 3-4 are XOR-ed with row bits 0-1, so
-        the accumulator stores (8 rows x 4 column pairs per half-warp) hit 32 distinct banks
-        without padding, and 4-column groups stay contiguous for the reads."""
+        """Warp ``wid``'s fp32 [TILE_Q, D] epilogue buffer, row-major: half of stage ``stage``'s
+        K tile (warps 0, 1) or V tile (warps 2, 3).  No padding fits there, so the accumulator
+        stores see 4-way bank conflicts; a swizzle would avoid them but makes ptxas keep every
+        element's swizzled column in registers (it spilled).  Once per item, and hidden behind
+        the next item's loads, which are already in flight."""
         D = self.head_dim
         tile = BLOCK_N * D  # elements of one stage's K (or V) tile; V stages follow the K stages
         ptr = cute.recast_ptr(kv_ptr + ((wid // 2) * self.stages + stage) * tile + (wid % 2) * (tile // 2),
                               dtype=Float32)
-        swz = cute.make_swizzle(2, 3, int(math.log2(D)) - 3)
-        return cute.make_tensor(ptr, cute.make_composed_layout(swz, 0, cute.make_layout((TILE_Q, D), stride=(D, 1))))
+        return cute.make_tensor(cute.make_ptr(Float32, ptr.toint(), cute.AddressSpace.smem, assumed_align=16),
+                                cute.make_layout((TILE_Q, D), stride=(D, 1)))
 
     # ---- variant hook helpers: plain Python, called while the kernel is traced --------------
     def _ctx(self, req, kv_head, row, group, qpos_base, qo_len, kv_len) -> Ctx:
@@ -476,10 +493,8 @@ class PagedDecode:
             if idx < TILE_Q * per_row and j < num_rows:
                 acc = cute.zeros_like(cute.make_rmem_tensor((4,), Float32).load())
                 for w in cutlass.range_constexpr(NUM_WARPS):
-                    buf = self._o_buf(kv_ptr, o_stage, w)
                     frag = cute.make_rmem_tensor((4,), Float32)
-                    for e in cutlass.range_constexpr(4):
-                        frag[e] = buf[j, c4 * 4 + e]
+                    cute.autovec_copy(cute.local_tile(self._o_buf(kv_ptr, o_stage, w)[j, None], (4,), (c4,)), frag)
                     acc = acc + frag.load()
                 r = row_start + j
                 if dest < 0:
