@@ -56,10 +56,6 @@ class PagedDecode:
         self.hooks = Hooks(variant)
         self.chunks = head_dim // 8  # 16-byte chunks per row
         self.rows_per_thread = BLOCK_N * self.chunks // THREADS  # KV rows each thread gathers per block
-        # the next item's first lookup is made before this item's epilogue, its rows held in
-        # registers through it -- except at head_dim 256 (16 rows), where ptxas then spills
-        # the kernel wholesale (32 registers, 1.6 KB of stack); there it waits until block 0
-        self.lookup_ahead = True
         # the epilogue gives each warp an fp32 [TILE_Q, D] buffer in half of a stage's K or V tile
         assert 2 * TILE_Q * head_dim * 4 == BLOCK_N * head_dim * 2 and stages >= 2
 
@@ -183,10 +179,6 @@ class PagedDecode:
                         if const_expr(self.hooks.has_transform_q):
                             self._transform_q(tSrQ, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len)
                     nxt = nb + self.stages - 1
-                    if const_expr(not self.lookup_ahead):
-                        if nb == 0 and nxt < n_blocks:
-                            self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + nxt * BLOCK_N,
-                                         blk_end)
                     if nxt < n_blocks:
                         self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, kv_head, (g + nxt) % self.stages)
                         if nxt + 1 < n_blocks:
@@ -325,9 +317,8 @@ class PagedDecode:
                   group: Int32, item: Int32, g: Int32):
         """Start work item ``item``: its Q tile into sQ and its first STAGES-1 KV blocks into
         stages g, g+1, ... (one cp.async group each, Q riding in the first; empty groups past the
-        item's blocks keep the count the loop waits on), then look up its next block's rows
-        (``lookup_ahead``).  The page lookups are one block ahead, so the loop does not wait on
-        kv_indices."""
+        item's blocks keep the count the loop waits on), then look up its next block's rows.
+        The page lookups are always one block ahead, so the loop never waits on kv_indices."""
         w = WorkItem(mWork, item)
         blk_start, blk_end = self._kv_blocks(w, group)
         n_blocks = (blk_end - blk_start + BLOCK_N - 1) // BLOCK_N
@@ -348,10 +339,9 @@ class PagedDecode:
                 self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + s * BLOCK_N, blk_end)
                 self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, w.kv_head, (g + s) % self.stages)
             cute.arch.cp_async_commit_group()
-        if const_expr(self.lookup_ahead):
-            if self.stages - 1 < n_blocks:
-                self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + (self.stages - 1) * BLOCK_N,
-                             blk_end)
+        if self.stages - 1 < n_blocks:
+            self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + (self.stages - 1) * BLOCK_N,
+                         blk_end)
 
     def _o_buf(self, kv_ptr, stage, wid):
         """Warp ``wid``'s fp32 [TILE_Q, D] epilogue buffer, row-major: half of stage ``stage``'s
