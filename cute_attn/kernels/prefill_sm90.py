@@ -405,11 +405,10 @@ class BatchPrefillSm90:
                         sRows[0, tidx, ring % ROW_RING] = ak
                         sRows[1, tidx, ring % ROW_RING] = av
                     cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=WG)
-                k_prev = Int32(0)  # transform_k: the stage of K(j-1), rotated in iteration j
                 for j in cutlass.range(nb + 1, unroll=1):
                     ak = cutlass.Int64(0)
                     av = cutlass.Int64(0)
-                    k_idx = k_state.index  # the stage K(j) goes to
+                    k_idx = k_state.index  # the stage K(j) goes to (rotated below with transform_k)
                     if j + 1 < nb:
                         ak, av = self._row_addrs(mK, mV, mKvIndices, tidx, kv_start + (n_blocks - 2 - j) * TN, kv_end,
                                                  page_base, page_size, kv_head)
@@ -419,29 +418,25 @@ class BatchPrefillSm90:
                             # each thread copies both halves (dims d, d + D/2) of its rows, so it can
                             # rotate them itself once its own copies land: no producer barrier
                             self._gather_pairs(sK, sRows, g2s, tidx, k_state.index, (ring + j) % ROW_RING)
+                            cute.arch.cp_async_commit_group()
                         else:
                             self._gather(dst, sRows, g2s, tidx, 0, k_state.index, (ring + j) % ROW_RING)
                             pipe_k.producer_commit(k_state)
                         k_state.advance()
-                    if const_expr(self.hooks.has_transform_k):
-                        cute.arch.cp_async_commit_group()  # K(j)'s copies (empty when j = nb)
                     if j > 0:
                         pipe_v.producer_acquire(v_state)
                         self._gather(dst, sRows, g2s, tidx, 1, v_state.index, (ring + j - 1) % ROW_RING)
                         pipe_v.producer_commit(v_state)
                         v_state.advance()
                     if const_expr(self.hooks.has_transform_k):
-                        cute.arch.cp_async_commit_group()  # V(j-1)'s copies (empty when j = 0)
-                        if j > 0:
-                            # K(j-1) is rotated in place one iteration after its copies went out (their
-                            # latency hides behind the issue of K(j) and V(j-1), which stay in flight:
-                            # the two newest groups), then released to the consumers
-                            cute.arch.cp_async_wait_group(2)
-                            self._rotate_k(sK, tidx, k_prev, kv_start + (n_blocks - j) * TN, req, kv_head,
+                        if j < nb:
+                            # K(j) rotated in place while V(j-1) is in flight, then released
+                            cute.arch.cp_async_commit_group()
+                            cute.arch.cp_async_wait_group(1)
+                            self._rotate_k(sK, tidx, k_idx, kv_start + (n_blocks - 1 - j) * TN, req, kv_head,
                                            w.qo_len, w.kv_len)
                             cute.arch.fence_view_async_shared()  # generic writes -> read by wgmma
-                            pipe_k.sync_object_full.arrive_mbarrier(k_prev)
-                        k_prev = k_idx
+                            pipe_k.sync_object_full.arrive_mbarrier(k_idx)
                     if j + 1 < nb:
                         if tidx < TN:
                             sRows[0, tidx, (ring + j + 1) % ROW_RING] = ak
