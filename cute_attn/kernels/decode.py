@@ -72,7 +72,7 @@ class PagedDecode:
         atom_cols = 64 if D % 64 == 0 else 32
         swz = cute.make_composed_layout(cute.make_swizzle(3 if atom_cols == 64 else 2, 3, 3), 0,
                                         cute.make_layout((8, atom_cols), stride=(atom_cols, 1)))
-        sQ_layout = cute.tile_to_shape(swz, (TILE_Q, D), (0, 1))
+        sQ_layout = cute.tile_to_shape(swz, (TILE_Q, D, self.stages), (0, 1, 2))  # one Q tile per stage
         sKV_layout = cute.tile_to_shape(swz, (BLOCK_N, D, self.stages), (0, 1, 2))
 
         @cute.struct
@@ -141,165 +141,159 @@ class PagedDecode:
         # p // page_size and p % page_size by multiply-high and shift (a runtime integer
         # division is ~25 instructions, and every gathered row needs one)
         page_size = cute.FastDivmodDivisorV2(mK.shape[1])
-        rows = cute.make_rmem_tensor((self.rows_per_thread,), Int32)  # next block's looked-up rows
+        rows = cute.make_rmem_tensor((self.rows_per_thread,), Int32)  # the cursor's next block's rows
         item_begin, item_end = mWorkIndptr[cta], mWorkIndptr[cta + 1]
-        # The stage ring runs across items: block b of an item goes to stage (g + b) % STAGES, g
-        # = blocks this CTA put in the ring before the item.  The next item's Q and first blocks
-        # are issued before this item's epilogue, so the loads never stop at item boundaries.
-        g = Int32(0)
-        # Iteration i runs item i's KV loop, starts item i+1's loads, then finishes item i; the
-        # first iteration (i = item_begin - 1) only starts item_begin (one prefetch call site:
-        # two made ptxas spill the hd256 kernel heavily).
-        if item_begin < item_end:
-            for i in cutlass.range(item_begin - 1, item_end, unroll=1):
-                item = cutlass.max(i, item_begin)
-                w = WorkItem(mWork, item)
-                req, kv_head, row_start, num_rows = w.req, w.kv_head, w.row_start, w.num_rows
-                kv_start, kv_end, dest, qo_offset = w.kv_start, w.kv_end, w.dest, w.qo_offset
-                qo_len, kv_len, qpos_base = w.qo_len, w.kv_len, w.qpos_base
-                page_base = mKvIndptr[req]
-                blk_start, blk_end = self._kv_blocks(w, group)
-                n_blocks = (blk_end - blk_start + BLOCK_N - 1) // BLOCK_N
-                if i < item_begin:
-                    n_blocks = Int32(0)
+        # The loads run as one stream over this CTA's items: a load cursor (c_*) issues the
+        # blocks of item after item, STAGES-1 blocks ahead of the compute, into a stage ring that
+        # does not restart at item boundaries (block t of the stream goes to stage t % STAGES).
+        # One cp.async group per block, one block issued per computed block: the wait for
+        # block t is always "all but the STAGES-2 newest groups".  Q rides in the group of its
+        # item's first block, in one of STAGES Q buffers (by count of items with blocks: the
+        # cursor is at most STAGES-1 such items ahead).
+        c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = self._cursor_next(
+            mWork, mKvIndptr, mKvIndices, rows, tidx, page_size, group, item_end, item_begin - 1, Int32(0),
+            Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(-1))
+        for s in cutlass.range_constexpr(self.stages - 1):
+            c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = self._cursor_issue(
+                mQ, mK, mV, mWork, mKvIndptr, mKvIndices, sQ, sK, sV, g2s, rows, tidx, page_size, group,
+                item_end, s, c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q)
+        g = Int32(0)  # blocks computed so far (the stream position of this item's block 0)
+        q_cnt = Int32(0)  # items with blocks computed so far (selects the Q buffer)
+        for item in cutlass.range(item_begin, item_end, unroll=1):
+            w = WorkItem(mWork, item)
+            req, kv_head, row_start, num_rows = w.req, w.kv_head, w.row_start, w.num_rows
+            kv_start, kv_end, dest, qo_offset = w.kv_start, w.kv_end, w.dest, w.qo_offset
+            qo_len, kv_len, qpos_base = w.qo_len, w.kv_len, w.qpos_base
+            blk_start, blk_end = self._kv_blocks(w, group)
+            n_blocks = (blk_end - blk_start + BLOCK_N - 1) // BLOCK_N
+            sQ_i = sQ[None, None, q_cnt % self.stages]
 
-                acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, D)), Float32)
-                acc_O.fill(0.0)
-                row_m = cute.make_rmem_tensor((n_rows_thr,), Float32)
-                row_l = cute.make_rmem_tensor((n_rows_thr,), Float32)
-                row_m.fill(-Float32.inf)
-                row_l.fill(0.0)
-                tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+            acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, D)), Float32)
+            acc_O.fill(0.0)
+            row_m = cute.make_rmem_tensor((n_rows_thr,), Float32)
+            row_l = cute.make_rmem_tensor((n_rows_thr,), Float32)
+            row_m.fill(-Float32.inf)
+            row_l.fill(0.0)
+            tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ_i))
 
-                for nb in cutlass.range(n_blocks):
-                    cute.arch.cp_async_wait_group(self.stages - 2)
-                    cute.arch.sync_threads()
-                    if nb == 0:
-                        cute.copy(s2r_q, s2r_q.partition_S(sQ), s2r_q.retile(tSrQ))
-                        if const_expr(self.hooks.has_transform_q):
-                            self._transform_q(tSrQ, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len)
-                    nxt = nb + self.stages - 1
-                    if nxt < n_blocks:
-                        self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, kv_head, (g + nxt) % self.stages)
-                        if nxt + 1 < n_blocks:
-                            self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + (nxt + 1) * BLOCK_N,
-                                         blk_end)
-                    cute.arch.cp_async_commit_group()
+            for nb in cutlass.range(n_blocks):
+                cute.arch.cp_async_wait_group(self.stages - 2)
+                cute.arch.sync_threads()
+                if nb == 0:
+                    cute.copy(s2r_q, s2r_q.partition_S(sQ_i), s2r_q.retile(tSrQ))
+                    if const_expr(self.hooks.has_transform_q):
+                        self._transform_q(tSrQ, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len)
+                c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = self._cursor_issue(
+                    mQ, mK, mV, mWork, mKvIndptr, mKvIndices, sQ, sK, sV, g2s, rows, tidx, page_size, group,
+                    item_end, (g + nb + self.stages - 1) % self.stages, c_item, c_nb, c_n, c_start, c_end, c_base,
+                    c_head, c_q)
 
-                    stage = (g + nb) % self.stages
-                    key0 = blk_start + nb * BLOCK_N + wid * 16
-                    sK_w = cute.local_tile(sK[None, None, stage], (16, D), (wid, 0))
-                    sV_w = cute.local_tile(sV[None, None, stage], (16, D), (wid, 0))
-                    # S = Q K_wᵀ  (16 rows x 16 keys)
-                    tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_w))
-                    cute.copy(s2r_k, s2r_k.partition_S(sK_w), s2r_k.retile(tSrK))
-                    if const_expr(self.hooks.has_transform_k):
-                        self._transform_k(tSrK, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len, key0)
-                    acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, 16)), Float32)
-                    acc_S.fill(0.0)
-                    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                        cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+                stage = (g + nb) % self.stages
+                key0 = blk_start + nb * BLOCK_N + wid * 16
+                sK_w = cute.local_tile(sK[None, None, stage], (16, D), (wid, 0))
+                sV_w = cute.local_tile(sV[None, None, stage], (16, D), (wid, 0))
+                # S = Q K_wᵀ  (16 rows x 16 keys)
+                tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_w))
+                cute.copy(s2r_k, s2r_k.partition_S(sK_w), s2r_k.retile(tSrK))
+                if const_expr(self.hooks.has_transform_k):
+                    self._transform_k(tSrK, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len, key0)
+                acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, 16)), Float32)
+                acc_S.fill(0.0)
+                for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                    cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
 
-                    # logits, mask, online softmax over this warp's 16 keys
-                    acc_S_mn = _mn_view(acc_S)
-                    acc_O_mn = _mn_view(acc_O)
-                    for r in cutlass.range_constexpr(n_rows_thr):
-                        if const_expr(self.hooks.per_row):
-                            m_blk = self._row_scores(acc_S_mn, r, tScS, key0, blk_end, req, kv_head, row_start, group,
-                                                     qpos_base, qo_len, kv_len)
-                        else:
-                            m_blk = -Float32.inf
-                            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                                v = acc_S_mn[r, c] * scale_log2
-                                v = v if key0 + tScS[0, c][1] < blk_end else -Float32.inf
-                                acc_S_mn[r, c] = v
-                                m_blk = cute.arch.fmax(m_blk, v)
-                        if const_expr(self.hooks.softmax):
-                            m_blk = _quad_max(m_blk)
-                            m_new = cute.arch.fmax(row_m[r], m_blk)
-                            m_use = m_new if m_new != -Float32.inf else Float32(0.0)
-                            corr = cute.math.exp2(row_m[r] - m_use, fastmath=True)
-                            l_blk = Float32(0.0)
-                            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                                p = cute.math.exp2(acc_S_mn[r, c] - m_use, fastmath=True)
-                                acc_S_mn[r, c] = p
-                                l_blk = l_blk + p
-                            row_l[r] = row_l[r] * corr + l_blk  # per-thread partial sum; quad-reduced at the end
-                            row_m[r] = m_new
-                            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                                acc_O_mn[r, c] = acc_O_mn[r, c] * corr
-
-                    # O += P V_w
-                    rP = cute.make_fragment_like(acc_S, self.dtype)
-                    rP.store(acc_S.load().to(self.dtype))
-                    tOrP = _acc_as_A(rP)
-                    sVt_w = cute.composition(sV_w, cute.make_layout((D, 16), stride=(16, 1)))
-                    tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_w))
-                    cute.copy(s2r_v, s2r_v.partition_S(sVt_w), s2r_v.retile(tOrV))
-                    for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                        cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
-
-                # --- epilogue: ⊕ of the four warp states through the stage of this item's last
-                # block, while the next item's loads go to the other stages (issued once O is in
-                # smem: acc_O is dead by then, which keeps the registers for the prefetch), then
-                # the store.  This item's copies are all complete (the last block's wait covered them).
-                g = g + n_blocks
-                o_stage = (g + self.stages - 1) % self.stages
-                if i >= item_begin:
-                    sO = self._o_buf(kv_ptr, o_stage, wid)
-                    acc_O_mn = _mn_view(acc_O)
-                    if const_expr(not self.hooks.softmax):
-                        # weights were summed, not normalized: give each warp the state (m = 0,
-                        # l = w/4) with w = this item's share of the request's keys; the ⊕ below and
-                        # the split-KV merge then return Σ w_i (Σ_j p_j v_j / w_i) / Σ w_i = Σ_j p_j v_j
-                        w_item = Float32(0.0)
-                        if kv_len > 0:
-                            w_item = Float32(kv_end - kv_start) / Float32(kv_len)
-                    for r in cutlass.range_constexpr(n_rows_thr):
-                        if const_expr(self.hooks.softmax):
-                            row_l[r] = _quad_sum(row_l[r])
-                        else:
-                            row_m[r] = Float32(0.0)
-                            row_l[r] = w_item * 0.25
-                        if lane % 4 == 0:
-                            sM[tScS[r, 0][0], wid] = row_m[r]
-                            sL[tScS[r, 0][0], wid] = row_l[r]
-                    cute.arch.sync_threads()
-                    for r in cutlass.range_constexpr(n_rows_thr):
-                        j = tScS[r, 0][0]
-                        m_all = -Float32.inf
-                        for wq in cutlass.range_constexpr(NUM_WARPS):
-                            m_all = cute.arch.fmax(m_all, sM[j, wq])
-                        m_use = m_all if m_all != -Float32.inf else Float32(0.0)
-                        l_all = Float32(0.0)
-                        for wq in cutlass.range_constexpr(NUM_WARPS):
-                            l_all = l_all + sL[j, wq] * cute.math.exp2(sM[j, wq] - m_use, fastmath=True)
-                        if const_expr(self.hooks.has_finalize):
-                            m_all, l_all = self._finalize(m_all, l_all, req, kv_head, row_start + j, group, qpos_base, qo_len,
-                                                          kv_len, kv_start)
-                            m_use = m_all if m_all != -Float32.inf else Float32(0.0)
-                        f = Float32(0.0)
-                        if l_all > Float32(0.0):
-                            f = cute.math.exp2(row_m[r] - m_use, fastmath=True) * cute.arch.rcp_approx(l_all)
+                # logits, mask, online softmax over this warp's 16 keys
+                acc_S_mn = _mn_view(acc_S)
+                acc_O_mn = _mn_view(acc_O)
+                for r in cutlass.range_constexpr(n_rows_thr):
+                    if const_expr(self.hooks.per_row):
+                        m_blk = self._row_scores(acc_S_mn, r, tScS, key0, blk_end, req, kv_head, row_start, group,
+                                                 qpos_base, qo_len, kv_len)
+                    else:
+                        m_blk = -Float32.inf
+                        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                            v = acc_S_mn[r, c] * scale_log2
+                            v = v if key0 + tScS[0, c][1] < blk_end else -Float32.inf
+                            acc_S_mn[r, c] = v
+                            m_blk = cute.arch.fmax(m_blk, v)
+                    if const_expr(self.hooks.softmax):
+                        m_blk = _quad_max(m_blk)
+                        m_new = cute.arch.fmax(row_m[r], m_blk)
+                        m_use = m_new if m_new != -Float32.inf else Float32(0.0)
+                        corr = cute.math.exp2(row_m[r] - m_use, fastmath=True)
+                        l_blk = Float32(0.0)
+                        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                            p = cute.math.exp2(acc_S_mn[r, c] - m_use, fastmath=True)
+                            acc_S_mn[r, c] = p
+                            l_blk = l_blk + p
+                        row_l[r] = row_l[r] * corr + l_blk  # per-thread partial sum; quad-reduced at the end
+                        row_m[r] = m_new
                         for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                            sO[j, tOcO[0, c][1]] = acc_O_mn[r, c] * f
-                        if wid == 0 and lane % 4 == 0:
-                            lse = -Float32.inf
-                            if l_all > Float32(0.0):
-                                lse = m_all + cute.math.log2(l_all, fastmath=True)
-                            sM[j, 0] = lse  # reuse: this row's final LSE, read below
-                if i + 1 < item_end:
-                    # every warp is past this item's blocks (the barrier above), so sQ is free;
-                    # without blocks, this thread's Q copy into it was never waited for
-                    if n_blocks == 0:
-                        cute.arch.cp_async_wait_group(0)
-                    self._prefetch(mQ, mK, mV, mKvIndptr, mKvIndices, mWork, sQ, sK, sV, g2s, rows, tidx, page_size,
-                                   group, i + 1, g)
-                if i >= item_begin:
-                    cute.arch.sync_threads()
-                    self._store(mO, mLse, mPartO, mPartLse, kv_ptr, o_stage, sM, tidx, row_start, num_rows, dest, qo_offset,
-                                kv_head, group, req, qpos_base, qo_len, kv_len)
-                    cute.arch.sync_threads()  # smem is reused by the next item
+                            acc_O_mn[r, c] = acc_O_mn[r, c] * corr
+
+                # O += P V_w
+                rP = cute.make_fragment_like(acc_S, self.dtype)
+                rP.store(acc_S.load().to(self.dtype))
+                tOrP = _acc_as_A(rP)
+                sVt_w = cute.composition(sV_w, cute.make_layout((D, 16), stride=(16, 1)))
+                tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_w))
+                cute.copy(s2r_v, s2r_v.partition_S(sVt_w), s2r_v.retile(tOrV))
+                for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                    cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
+
+            # --- epilogue: ⊕ of the four warp states through the stage of this item's last
+            # block (the blocks in flight are in the other stages; the next one to go into
+            # this stage is issued after the next block's barrier), then the store
+            if n_blocks > 0:
+                q_cnt = q_cnt + 1
+            g = g + n_blocks
+            o_stage = (g + self.stages - 1) % self.stages
+            sO = self._o_buf(kv_ptr, o_stage, wid)
+            acc_O_mn = _mn_view(acc_O)
+            if const_expr(not self.hooks.softmax):
+                # weights were summed, not normalized: give each warp the state (m = 0,
+                # l = w/4) with w = this item's share of the request's keys; the ⊕ below and
+                # the split-KV merge then return Σ w_i (Σ_j p_j v_j / w_i) / Σ w_i = Σ_j p_j v_j
+                w_item = Float32(0.0)
+                if kv_len > 0:
+                    w_item = Float32(kv_end - kv_start) / Float32(kv_len)
+            for r in cutlass.range_constexpr(n_rows_thr):
+                if const_expr(self.hooks.softmax):
+                    row_l[r] = _quad_sum(row_l[r])
+                else:
+                    row_m[r] = Float32(0.0)
+                    row_l[r] = w_item * 0.25
+                if lane % 4 == 0:
+                    sM[tScS[r, 0][0], wid] = row_m[r]
+                    sL[tScS[r, 0][0], wid] = row_l[r]
+            cute.arch.sync_threads()
+            for r in cutlass.range_constexpr(n_rows_thr):
+                j = tScS[r, 0][0]
+                m_all = -Float32.inf
+                for wq in cutlass.range_constexpr(NUM_WARPS):
+                    m_all = cute.arch.fmax(m_all, sM[j, wq])
+                m_use = m_all if m_all != -Float32.inf else Float32(0.0)
+                l_all = Float32(0.0)
+                for wq in cutlass.range_constexpr(NUM_WARPS):
+                    l_all = l_all + sL[j, wq] * cute.math.exp2(sM[j, wq] - m_use, fastmath=True)
+                if const_expr(self.hooks.has_finalize):
+                    m_all, l_all = self._finalize(m_all, l_all, req, kv_head, row_start + j, group, qpos_base, qo_len,
+                                                  kv_len, kv_start)
+                    m_use = m_all if m_all != -Float32.inf else Float32(0.0)
+                f = Float32(0.0)
+                if l_all > Float32(0.0):
+                    f = cute.math.exp2(row_m[r] - m_use, fastmath=True) * cute.arch.rcp_approx(l_all)
+                for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                    sO[j, tOcO[0, c][1]] = acc_O_mn[r, c] * f
+                if wid == 0 and lane % 4 == 0:
+                    lse = -Float32.inf
+                    if l_all > Float32(0.0):
+                        lse = m_all + cute.math.log2(l_all, fastmath=True)
+                    sM[j, 0] = lse  # reuse: this row's final LSE, read below
+            cute.arch.sync_threads()
+            self._store(mO, mLse, mPartO, mPartLse, kv_ptr, o_stage, sM, tidx, row_start, num_rows, dest, qo_offset,
+                        kv_head, group, req, qpos_base, qo_len, kv_len)
+            cute.arch.sync_threads()  # smem is reused by the next item
 
     # ---- loads and buffers ------------------------------------------------------------------
     def _kv_blocks(self, w: WorkItem, group):
@@ -310,20 +304,58 @@ class PagedDecode:
                                     w.kv_len, w.kv_start, w.kv_end)
         return w.kv_start, w.kv_end
 
-    @cute.jit
-    def _prefetch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
-                  mKvIndices: cute.Tensor, mWork: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                  g2s: cute.CopyAtom, rows: cute.Tensor, tidx: Int32, page_size: cute.FastDivmodDivisorV2,
-                  group: Int32, item: Int32, g: Int32):
-        """Start work item ``item``: its Q tile into sQ and its first STAGES-1 KV blocks into
-        stages g, g+1, ... (one cp.async group each, Q riding in the first; empty groups past the
-        item's blocks keep the count the loop waits on), then look up its next block's rows.
-        The page lookups are always one block ahead, so the loop never waits on kv_indices."""
+    def _cursor_item(self, mWork, mKvIndptr, item, group):
+        """(first key, end key, page_base, kv head) of the blocks item ``item`` reads."""
         w = WorkItem(mWork, item)
-        blk_start, blk_end = self._kv_blocks(w, group)
-        n_blocks = (blk_end - blk_start + BLOCK_N - 1) // BLOCK_N
-        page_base = mKvIndptr[w.req]
-        # Q rows past num_rows re-read row 0 and are never written out
+        start, end = self._kv_blocks(w, group)
+        return start, end, mKvIndptr[w.req], w.kv_head
+
+    @cute.jit
+    def _cursor_next(self, mWork: cute.Tensor, mKvIndptr: cute.Tensor, mKvIndices: cute.Tensor, rows: cute.Tensor,
+                     tidx: Int32, page_size: cute.FastDivmodDivisorV2, group: Int32, item_end: Int32,
+                     c_item: Int32, c_nb: Int32, c_n: Int32, c_start: Int32, c_end: Int32, c_base: Int32,
+                     c_head: Int32, c_q: Int32):
+        """The load cursor past an exhausted item moves on to the next item that has blocks (or
+        to the end of the list), then looks up the rows of its next block (the lookups stay one
+        block ahead of the copies).  State: item, next block, blocks, key range, page_base, kv
+        head, and c_q = index of the cursor's item among the items with blocks."""
+        while (c_nb >= c_n) & (c_item + 1 < item_end):
+            c_item = c_item + 1
+            c_start, c_end, c_base, c_head = self._cursor_item(mWork, mKvIndptr, c_item, group)
+            c_n = (c_end - c_start + BLOCK_N - 1) // BLOCK_N
+            c_nb = Int32(0)
+            if c_n > 0:
+                c_q = c_q + 1
+        if c_nb < c_n:
+            self._lookup(mKvIndices, rows, tidx, c_base, page_size, c_start + c_nb * BLOCK_N, c_end)
+        return c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q
+
+    @cute.jit
+    def _cursor_issue(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mWork: cute.Tensor,
+                      mKvIndptr: cute.Tensor, mKvIndices: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
+                      sV: cute.Tensor, g2s: cute.CopyAtom, rows: cute.Tensor, tidx: Int32,
+                      page_size: cute.FastDivmodDivisorV2, group: Int32, item_end: Int32, stage: Int32,
+                      c_item: Int32, c_nb: Int32, c_n: Int32, c_start: Int32, c_end: Int32, c_base: Int32,
+                      c_head: Int32, c_q: Int32):
+        """Issue the cursor's next block into ``stage`` (with its item's Q tile when it is the
+        item's first block), advance the cursor, and commit one cp.async group (empty once the
+        CTA's items are all issued, so the count the compute waits on stays exact)."""
+        if c_nb < c_n:
+            if c_nb == 0:
+                self._issue_q(mQ, mWork, sQ, g2s, tidx, group, c_item, c_q % self.stages)
+            self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, c_head, stage)
+            c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = self._cursor_next(
+                mWork, mKvIndptr, mKvIndices, rows, tidx, page_size, group, item_end, c_item, c_nb + 1, c_n,
+                c_start, c_end, c_base, c_head, c_q)
+        cute.arch.cp_async_commit_group()
+        return c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q
+
+    @cute.jit
+    def _issue_q(self, mQ: cute.Tensor, mWork: cute.Tensor, sQ: cute.Tensor, g2s: cute.CopyAtom, tidx: Int32,
+                 group: Int32, item: Int32, buf: Int32):
+        """cp.async item ``item``'s Q tile into Q buffer ``buf``; rows past num_rows re-read row 0
+        and are never written out."""
+        w = WorkItem(mWork, item)
         for i in cutlass.range_constexpr((TILE_Q * self.chunks + THREADS - 1) // THREADS):
             idx = tidx + i * THREADS
             if idx < TILE_Q * self.chunks:
@@ -333,15 +365,7 @@ class PagedDecode:
                 tok = w.qo_offset + r // group
                 head = w.kv_head * group + r % group
                 cute.copy(g2s, cute.local_tile(mQ[tok, head, None], (8,), (c,)),
-                          cute.local_tile(sQ[j, None], (8,), (c,)))
-        for s in cutlass.range_constexpr(self.stages - 1):
-            if s < n_blocks:
-                self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + s * BLOCK_N, blk_end)
-                self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, w.kv_head, (g + s) % self.stages)
-            cute.arch.cp_async_commit_group()
-        if self.stages - 1 < n_blocks:
-            self._lookup(mKvIndices, rows, tidx, page_base, page_size, blk_start + (self.stages - 1) * BLOCK_N,
-                         blk_end)
+                          cute.local_tile(sQ[j, None, buf], (8,), (c,)))
 
     def _o_buf(self, kv_ptr, stage, wid):
         """Warp ``wid``'s fp32 [TILE_Q, D] epilogue buffer, row-major: half of stage ``stage``'s
