@@ -38,6 +38,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry, transform_fragment
+from .copy import cp_async_16
 from .work import WorkItem
 
 TILE_Q = 16  # packed query rows per work item (one m16 MMA tile)
@@ -74,6 +75,8 @@ class PagedDecode:
                                         cute.make_layout((8, atom_cols), stride=(atom_cols, 1)))
         sQ_layout = cute.tile_to_shape(swz, (TILE_Q, D, self.stages), (0, 1, 2))  # one Q tile per stage
         sKV_layout = cute.tile_to_shape(swz, (BLOCK_N, D, self.stages), (0, 1, 2))
+        self._check_smem_off(sQ_layout, TILE_Q)
+        self._check_smem_off(sKV_layout, BLOCK_N)
 
         @cute.struct
         class Smem:
@@ -364,8 +367,18 @@ class PagedDecode:
                 r = w.row_start + (j if j < w.num_rows else 0)
                 tok = w.qo_offset + r // group
                 head = w.kv_head * group + r % group
-                cute.copy(g2s, cute.local_tile(mQ[tok, head, None], (8,), (c,)),
-                          cute.local_tile(sQ[j, None, buf], (8,), (c,)))
+                cp_async_16(sQ.iterator.toint() + self._smem_off(j, c, buf, TILE_Q) * 2,
+                            mQ[tok, head, None].iterator.toint() + c * 16)
+
+    def _check_smem_off(self, layout, rows: int):
+        """Trace time: ``_smem_off`` agrees with the layout's own offsets (crd2idx applies this
+        swizzle to element offsets, which is right here: it is declared on elements)."""
+        for r in range(rows):
+            for c in range(self.chunks):
+                for s in range(2):
+                    want = cute.crd2idx((r, c * 8, s), layout)
+                    if want != self._smem_off(r, c, s, rows):
+                        raise AssertionError(f"_smem_off({r}, {c}, {s}) = {self._smem_off(r, c, s, rows)}, layout {want}")
 
     def _o_buf(self, kv_ptr, stage, wid):
         """Warp ``wid``'s fp32 [TILE_Q, D] epilogue buffer, row-major: half of stage ``stage``'s
@@ -483,13 +496,19 @@ class PagedDecode:
         """cp.async this thread's 16-byte chunks of the looked-up K and V rows into a stage."""
         rows_per_pass = THREADS // self.chunks
         c = tidx % self.chunks
+        k_base, v_base = sK.iterator.toint(), sV.iterator.toint()
         for i in cutlass.range_constexpr(self.rows_per_thread):
             r = tidx // self.chunks + i * rows_per_pass
             page, off = divmod(rows[i], page_size)
-            cute.copy(g2s, cute.local_tile(mK[page, off, kv_head, None], (8,), (c,)),
-                      cute.local_tile(sK[r, None, stage], (8,), (c,)))
-            cute.copy(g2s, cute.local_tile(mV[page, off, kv_head, None], (8,), (c,)),
-                      cute.local_tile(sV[r, None, stage], (8,), (c,)))
+            d = self._smem_off(r, c, stage, BLOCK_N) * 2
+            cp_async_16(k_base + d, mK[page, off, kv_head, None].iterator.toint() + c * 16)
+            cp_async_16(v_base + d, mV[page, off, kv_head, None].iterator.toint() + c * 16)
+
+    def _smem_off(self, r, c, s, rows: int):
+        """Element offset of row r, 16-byte chunk c, slice s of a (rows, D, n) tile in this
+        kernel's shared layout (8 x 64 atoms under the 128-byte swizzle, which on 2-byte elements
+        XORs the chunk index within the atom with the row index mod 8; see ``_check_smem_off``)."""
+        return s * (rows * self.head_dim) + (c // 8) * (rows * 64) + r * 64 + ((c % 8) ^ (r % 8)) * 8
 
     @cute.jit
     def _store(self, mO: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,

@@ -59,6 +59,7 @@ from cutlass.utils import LayoutEnum
 from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry
 from .decode import _quad_max, _quad_sum
+from .copy import cp_async_16
 from .work import WorkItem
 
 LOG2E = math.log2(math.e)
@@ -85,7 +86,7 @@ BOX_WARPS = 4  # paged TMA: producer warps issuing the boxes of a block (see _pr
 class BatchPrefillSm90:
     def __init__(self, dtype, head_dim: int, tile_q: int, paged: bool, causal: bool, soft_cap: bool,
                  window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1, page_box: int = 0,
-                 box_warps: int = 0, producer_regs: int = 0, variant=None):
+                 box_warps: int = 0, producer_regs: int = 0, l2_hint: int = 1, variant=None):
         assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
         self.dtype = dtype
         self.head_dim = head_dim
@@ -103,6 +104,8 @@ class BatchPrefillSm90:
         self.gather = (paged and not self.page_box) or H.has_transform_k
         # paged TMA: producer warps that issue a block's boxes (box b by warp b % box_warps)
         self.box_warps = box_warps or BOX_WARPS
+        # gather copies with the L2 128-byte prefetch hint (``copy.cp_async_16``); 0: plain cp.async
+        self.l2_hint = bool(l2_hint)
         self.causal = causal
         self.soft_cap = soft_cap
         self.window = window
@@ -526,9 +529,12 @@ class BatchPrefillSm90:
         addrs = [sRows[which, tidx // self.chunks + r * rpp, buf] for r in range(TN // rpp)]
         for r in cutlass.range_constexpr(TN // rpp):
             d = s_base + dst[2][r % nb] + (r // nb) * (nb * rpp * 128)  # nb * rpp rows: a whole 1 KB period
-            cute.copy(g2s, self._chunk(addrs[r] + c16),
-                      cute.make_tensor(cute.make_ptr(self.dtype, d, cute.AddressSpace.smem, assumed_align=16),
-                                       cute.make_layout((8,))))
+            if const_expr(self.l2_hint):
+                cp_async_16(d, addrs[r] + c16)
+            else:
+                cute.copy(g2s, self._chunk(addrs[r] + c16),
+                          cute.make_tensor(cute.make_ptr(self.dtype, d, cute.AddressSpace.smem, assumed_align=16),
+                                           cute.make_layout((8,))))
 
     @cute.jit
     def _gather_pairs(self, sX, sRows, g2s, tidx, stage, buf):
@@ -1110,5 +1116,6 @@ def build_batch_prefill_sm90(spec):
     variant = _spec_variant(p)
     k = BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"], p["soft_cap"],
                          p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1),
-                         p.get("page_box", 0), p.get("box_warps", 0), p.get("producer_regs", 0), variant)
+                         p.get("page_box", 0), p.get("box_warps", 0), p.get("producer_regs", 0), p.get("l2_hint", 1),
+                         variant)
     return make_entry(k, _prefill_abi_fixed(p), abi_args(variant))
