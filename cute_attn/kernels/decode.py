@@ -34,7 +34,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
 
 from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry, transform_fragment
@@ -118,8 +118,6 @@ class PagedDecode:
         sM = st.sM.get_tensor(cute.make_layout((TILE_Q, NUM_WARPS), stride=(1, TILE_Q)))
         sL = st.sL.get_tensor(cute.make_layout((TILE_Q, NUM_WARPS), stride=(1, TILE_Q)))
 
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
-                                  num_bits_per_copy=128)
         thr_mma = tiled_mma.get_slice(lane)
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
@@ -158,7 +156,7 @@ class PagedDecode:
             Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(-1))
         for s in cutlass.range_constexpr(self.stages - 1):
             c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = self._cursor_issue(
-                mQ, mK, mV, mWork, mKvIndptr, mKvIndices, sQ, sK, sV, g2s, rows, tidx, page_size, group,
+                mQ, mK, mV, mWork, mKvIndptr, mKvIndices, sQ, sK, sV, rows, tidx, page_size, group,
                 item_end, s, c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q)
         g = Int32(0)  # blocks computed so far (the stream position of this item's block 0)
         q_cnt = Int32(0)  # items with blocks computed so far (selects the Q buffer)
@@ -187,7 +185,7 @@ class PagedDecode:
                     if const_expr(self.hooks.has_transform_q):
                         self._transform_q(tSrQ, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len)
                 c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = self._cursor_issue(
-                    mQ, mK, mV, mWork, mKvIndptr, mKvIndices, sQ, sK, sV, g2s, rows, tidx, page_size, group,
+                    mQ, mK, mV, mWork, mKvIndptr, mKvIndices, sQ, sK, sV, rows, tidx, page_size, group,
                     item_end, (g + nb + self.stages - 1) % self.stages, c_item, c_nb, c_n, c_start, c_end, c_base,
                     c_head, c_q)
 
@@ -336,7 +334,7 @@ class PagedDecode:
     @cute.jit
     def _cursor_issue(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mWork: cute.Tensor,
                       mKvIndptr: cute.Tensor, mKvIndices: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
-                      sV: cute.Tensor, g2s: cute.CopyAtom, rows: cute.Tensor, tidx: Int32,
+                      sV: cute.Tensor, rows: cute.Tensor, tidx: Int32,
                       page_size: cute.FastDivmodDivisorV2, group: Int32, item_end: Int32, stage: Int32,
                       c_item: Int32, c_nb: Int32, c_n: Int32, c_start: Int32, c_end: Int32, c_base: Int32,
                       c_head: Int32, c_q: Int32):
@@ -345,8 +343,8 @@ class PagedDecode:
         CTA's items are all issued, so the count the compute waits on stays exact)."""
         if c_nb < c_n:
             if c_nb == 0:
-                self._issue_q(mQ, mWork, sQ, g2s, tidx, group, c_item, c_q % self.stages)
-            self._issue_kv(mK, mV, sK, sV, g2s, rows, tidx, page_size, c_head, stage)
+                self._issue_q(mQ, mWork, sQ, tidx, group, c_item, c_q % self.stages)
+            self._issue_kv(mK, mV, sK, sV, rows, tidx, page_size, c_head, c_start + c_nb * BLOCK_N, c_end, stage)
             c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = self._cursor_next(
                 mWork, mKvIndptr, mKvIndices, rows, tidx, page_size, group, item_end, c_item, c_nb + 1, c_n,
                 c_start, c_end, c_base, c_head, c_q)
@@ -354,7 +352,7 @@ class PagedDecode:
         return c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q
 
     @cute.jit
-    def _issue_q(self, mQ: cute.Tensor, mWork: cute.Tensor, sQ: cute.Tensor, g2s: cute.CopyAtom, tidx: Int32,
+    def _issue_q(self, mQ: cute.Tensor, mWork: cute.Tensor, sQ: cute.Tensor, tidx: Int32,
                  group: Int32, item: Int32, buf: Int32):
         """cp.async item ``item``'s Q tile into Q buffer ``buf``; rows past num_rows re-read row 0
         and are never written out."""
@@ -478,31 +476,35 @@ class PagedDecode:
     @cute.jit
     def _lookup(self, mKvIndices: cute.Tensor, rows: cute.Tensor, tidx: Int32, page_base: Int32,
                 page_size: cute.FastDivmodDivisorV2, blk_start: Int32, kv_end: Int32):
-        """Global token offset (page * page_size + slot) of each KV row this thread gathers in a
-        block: token p lives in page kv_indices[page_base + p // page_size].  Tokens past kv_end
-        re-read the last valid token (finite data; masked to -inf later)."""
-        rows_per_pass = THREADS // self.chunks
+        """The page of each KV row this thread gathers in the block starting at token blk_start
+        (token p lives in page kv_indices[page_base + p // page_size]; tokens past kv_end re-read
+        the last valid token: finite data, masked to -inf later).  Only the loads: their values
+        are first used by the copies of the next iteration (``_issue_kv``), so no instruction
+        here waits for them (the cursor's branches would otherwise stall on each lookup)."""
         for i in cutlass.range_constexpr(self.rows_per_thread):
-            p = blk_start + tidx // self.chunks + i * rows_per_pass
-            p = p if p < kv_end else kv_end - 1
-            page, slot = divmod(p, page_size)
-            rows[i] = mKvIndices[page_base + page] * page_size.divisor + slot
+            page, _ = divmod(self._row_pos(tidx, i, blk_start, kv_end), page_size)
+            rows[i] = mKvIndices[page_base + page]
+
+    def _row_pos(self, tidx, i, blk_start, kv_end):
+        """Token of this thread's i-th gathered row of the block starting at blk_start, clamped
+        to the last valid token."""
+        p = blk_start + tidx // self.chunks + i * (THREADS // self.chunks)
+        return cutlass.select_(p < kv_end, p, kv_end - 1)
 
     @cute.jit
     def _issue_kv(self, mK: cute.Tensor, mV: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                  g2s: cute.CopyAtom, rows: cute.Tensor, tidx: Int32, page_size: cute.FastDivmodDivisorV2,
-                  kv_head: Int32,
-                  stage: Int32):
-        """cp.async this thread's 16-byte chunks of the looked-up K and V rows into a stage."""
-        rows_per_pass = THREADS // self.chunks
+                  rows: cute.Tensor, tidx: Int32, page_size: cute.FastDivmodDivisorV2, kv_head: Int32,
+                  blk_start: Int32, kv_end: Int32, stage: Int32):
+        """cp.async this thread's 16-byte chunks of the block's K and V rows (pages looked up in
+        ``rows``) into a stage."""
         c = tidx % self.chunks
         k_base, v_base = sK.iterator.toint(), sV.iterator.toint()
         for i in cutlass.range_constexpr(self.rows_per_thread):
-            r = tidx // self.chunks + i * rows_per_pass
-            page, off = divmod(rows[i], page_size)
+            r = tidx // self.chunks + i * (THREADS // self.chunks)
+            _, slot = divmod(self._row_pos(tidx, i, blk_start, kv_end), page_size)
             d = self._smem_off(r, c, stage, BLOCK_N) * 2
-            cp_async_16(k_base + d, mK[page, off, kv_head, None].iterator.toint() + c * 16)
-            cp_async_16(v_base + d, mV[page, off, kv_head, None].iterator.toint() + c * 16)
+            cp_async_16(k_base + d, mK[rows[i], slot, kv_head, None].iterator.toint() + c * 16)
+            cp_async_16(v_base + d, mV[rows[i], slot, kv_head, None].iterator.toint() + c * 16)
 
     def _smem_off(self, r, c, s, rows: int):
         """Element offset of row r, 16-byte chunk c, slice s of a (rows, D, n) tile in this
