@@ -52,7 +52,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass import Float32, Int32, Uint32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
@@ -627,8 +627,8 @@ class BatchPrefillSm90:
             if H.has_logits:
                 H.logits(ctx.replace(kv_pos=q_pos[r]), va, Float32(0.0))
             if H.has_mask:
-                H.mask(ctx.replace(kv_pos=q_pos[r]), va, True)
-            out.append((ctx, lo, hi))
+                H.mask(ctx.replace(kv_pos=q_pos[r]), va, True, bits=False)
+            out.append((ctx, lo, hi, H.mask_bits(ctx, va)))
         self._trace_rows = out
 
     def _hook_logits(self, r, kv_pos, s, kv_pos_f32, rel_pos_f32):
@@ -639,13 +639,48 @@ class BatchPrefillSm90:
 
     def _hook_visible(self, r, kv_pos, ok):
         H = self.hooks
-        ctx, lo, hi = self._trace_rows[r]
+        ctx, lo, hi, _ = self._trace_rows[r]
         if H.has_mask:
-            ok = H.mask(ctx.replace(kv_pos=kv_pos), self._trace_vargs, ok)
+            ok = H.mask(ctx.replace(kv_pos=kv_pos), self._trace_vargs, ok, bits=False)
         if lo is not None:
             ok = ok & (kv_pos >= lo)
         if hi is not None:
             ok = ok & (kv_pos < hi)
+        return ok
+
+    def _mask_words(self, r, blk, tScS, masked: bool):
+        """Per ``mask_bits`` component of row r: the bits of this thread's keys of the block at
+        blk as 32-bit words, bit j of word k = key blk + col0 + 32k + j (col0: the thread's first
+        column), so that each element's test has a static word and bit (``_trace_col_off``).
+        Read a byte at a time (a row's bits start anywhere), clamped to the tensor: bytes past
+        it would only hold keys past kv_len, which the bounds mask anyway."""
+        out = []
+        if not (masked and self.hooks.has_mask_bits):
+            return out
+        span = self._trace_col_off[-1] + 1
+        nbytes, nwords = (7 + span + 7) // 8, (span + 31) // 32
+        for t, off in self._trace_rows[r][3]:
+            start = off + blk + tScS[0, 0][1]
+            b0, sh = start // 8, (start % 8).to(Uint32)
+            last = t.shape[0] - 1
+            by = [t[cutlass.min(b0 + i, last)].to(Uint32) for i in range(nbytes)]
+            raw = []
+            for k in range(nwords + 1):
+                w = Uint32(0)
+                for j in range(4):
+                    if 4 * k + j < nbytes:
+                        w = w | (by[4 * k + j] << Uint32(8 * j))
+                raw.append(w)
+            # funnel shift by sh (0..7); the second term is written so sh = 0 shifts by 32 safely
+            out.append([(raw[k] >> sh) | ((raw[k + 1] << Uint32(1)) << (Uint32(31) - sh)) for k in range(nwords)])
+        return out
+
+    def _mask_bits_ok(self, bitmaps, c, ok):
+        """``ok`` and this thread's column c in every bitmap of ``_mask_words`` (a static word
+        and bit per column: one AND and one compare)."""
+        off = self._trace_col_off[c]
+        for words in bitmaps:
+            ok = ok & ((words[off // 32] & Uint32(1 << (off % 32))) != Uint32(0))
         return ok
 
     def _finalize_rows(self, row_m, row_l, tOcO, inv_t, lse, scale, w, dest, n_rows):
@@ -953,6 +988,7 @@ class BatchPrefillSm90:
                 rel_f0 = Float32(0.0)
                 if const_expr(H.has_logits):
                     rel_f0 = kv_f0 - q_pos[r].to(Float32)
+                bitmaps = self._mask_words(r, blk, tScS, masked)
                 for c in cutlass.range_constexpr(ncol):
                     v = S[r, c]
                     kv_pos = blk + tScS[0, c][1]
@@ -965,6 +1001,7 @@ class BatchPrefillSm90:
                         ok = self._visible(kv_pos, kv_end, q_pos[r], window_left)
                         if const_expr(self.mask_all):
                             ok = self._hook_visible(r, kv_pos, ok)
+                        ok = self._mask_bits_ok(bitmaps, c, ok)
                         v = cutlass.select_(ok, v, -Float32.inf if H.softmax else Float32(0.0))
                     S[r, c] = v
             if const_expr(not H.softmax):

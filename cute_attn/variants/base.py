@@ -16,6 +16,11 @@ Hook points (``ctx`` is a :class:`Ctx`; all positions are token indices of the r
   in the attention *weight* (e.g. FlashSigmoid's ``sigmoid(s + bias)``): weights are summed,
   ``out = Σ w·v``, with no normalization.
 * ``mask(ctx) -> Boolean``: per element, True keeps the key.  Applied without block skipping.
+* ``mask_bits(ctx) -> (bits, offset)``: the same as a bitmap, per query row: key ``kv_pos`` is
+  kept iff bit ``offset + kv_pos`` of ``bits`` (a uint8 tensor, little bit order within a
+  byte) is 1 (FlashInfer's ``packed_custom_mask``).  Evaluated once per row of a work item; a
+  kernel may read a block's bits a byte at a time and test them per element in registers
+  (the prefill kernel does), or fall back to one byte load per element (``Hooks.mask``).
 * ``kv_range(ctx) -> (lo, hi)``: per query row, keys outside ``[lo, hi)`` are masked (either
   bound may be ``None``).  Both bounds must be non-decreasing in ``ctx.q_pos``; kernels use the
   range to skip whole KV blocks (causal, sliding window).
@@ -103,6 +108,7 @@ class Variant:
     transform_k = None
     logits = None
     mask = None
+    mask_bits = None
     kv_range = None
     finalize = None
     output = None
@@ -418,7 +424,8 @@ class Hooks:
         self.has_transform_q = has("transform_q")
         self.has_transform_k = has("transform_k")
         self.has_logits = has("logits")
-        self.has_mask = has("mask")
+        self.has_mask_bits = has("mask_bits")
+        self.has_mask = has("mask") or self.has_mask_bits  # (a kernel without a bitmap path: per element)
         self.has_kv_range = has("kv_range")
         self.has_finalize = has("finalize")
         self.has_output = has("output")
@@ -466,10 +473,23 @@ class Hooks:
             s = fn(ctx.replace(args=a), s)
         return s
 
-    def mask(self, ctx, args, ok):
+    def mask(self, ctx, args, ok, bits: bool = True):
+        """``ok`` and every component's mask at ``ctx.kv_pos``; ``bits``: the ``mask_bits``
+        components too, one byte load per element (False: the kernel tests those itself, see
+        :meth:`mask_bits`)."""
         for fn, a in self._each("mask", args):
             ok = ok & fn(ctx.replace(args=a))
+        if bits:
+            from . import dsl
+
+            for t, off in self.mask_bits(ctx, args):
+                b = off + ctx.kv_pos
+                ok = ok & (((t[b // 8].to(dsl.Int32) >> (b % 8)) & 1) != 0)
         return ok
+
+    def mask_bits(self, ctx, args) -> list:
+        """Per ``mask_bits`` component of the row of ``ctx``: (uint8 tensor, bit offset of key 0)."""
+        return [fn(ctx.replace(args=a)) for fn, a in self._each("mask_bits", args)]
 
     def kv_range(self, ctx, args):
         """(lo, hi) intersected over components; None for an open side."""

@@ -97,15 +97,15 @@ class AttentionSink(Variant):
 class CustomMask(Variant):
     """A boolean mask per request, bit-packed as FlashInfer's ``packed_custom_mask``: request
     ``b``'s ``[qo_len, kv_len]`` row-major bits start at byte ``mask_indptr[b]``, little bit
-    order.  Applied per element (no block skipping)."""
+    order.  A bitmap (``mask_bits``): the prefill kernel tests a block's bits in registers, the
+    decode kernel loads a byte per element.  No block skipping."""
 
     runtime = (TensorParam("packed_custom_mask", "u8", 1), TensorParam("mask_indptr", "i32", 1))
 
-    def mask(self, ctx):
-        base = ctx.once("mask_base", lambda: ctx.args.mask_indptr[ctx.batch])
-        bit = ctx.q_idx * ctx.kv_len + ctx.kv_pos
-        byte = ctx.args.packed_custom_mask[base + bit // 8].to(dsl.Int32)
-        return ((byte >> (bit % 8)) & 1) != 0
+    def mask_bits(self, ctx):
+        a = ctx.args
+        row = ctx.once("mask_row", lambda: a.mask_indptr[ctx.batch] * 8 + ctx.q_idx * ctx.kv_len)
+        return a.packed_custom_mask, row
 
 
 @register_builtin
