@@ -38,6 +38,7 @@ from cutlass.cute.nvgpu import warp
 
 from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry, transform_fragment
+from .bitmask import bit_set, load_words
 from .copy import cp_async_16
 from .work import WorkItem
 
@@ -436,6 +437,9 @@ class PagedDecode:
         lo = hi = None
         if H.has_kv_range:
             lo, hi = H.kv_range(rctx, va)
+        # bitmap masks: this row's bits of the warp's 16 keys, tested per element in registers
+        bitmaps = [load_words(t, off + key0 + tScS[0, 0][1], self._trace_col_off[-1] + 1)
+                   for t, off in H.mask_bits(rctx, va)]
         fill = -Float32.inf if H.softmax else Float32(0.0)
         m_blk = -Float32.inf
         kv_f0 = (key0 + tScS[0, 0][1]).to(Float32)  # float positions: per block + a constant per column
@@ -452,7 +456,9 @@ class PagedDecode:
             else:
                 v = acc_S_mn[r, c] * (self._trace_sm_scale * LOG2E)
             if H.has_mask:
-                ok = H.mask(ectx, va, ok)
+                ok = H.mask(ectx, va, ok, bits=False)
+            for words in bitmaps:
+                ok = ok & bit_set(words, self._trace_col_off[c])
             if lo is not None:
                 ok = ok & (kv_pos >= lo)
             if hi is not None:

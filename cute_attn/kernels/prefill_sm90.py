@@ -52,13 +52,14 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Uint32, const_expr, pipeline
+from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry
 from .decode import _quad_max, _quad_sum
+from .bitmask import bit_set, load_words
 from .copy import cp_async_16
 from .work import WorkItem
 
@@ -643,44 +644,27 @@ class BatchPrefillSm90:
         if H.has_mask:
             ok = H.mask(ctx.replace(kv_pos=kv_pos), self._trace_vargs, ok, bits=False)
         if lo is not None:
-            ok = ok & (kv_pos >= lo)
+            ok = _and(ok, kv_pos >= lo)
         if hi is not None:
-            ok = ok & (kv_pos < hi)
+            ok = _and(ok, kv_pos < hi)
         return ok
 
     def _mask_words(self, r, blk, tScS, masked: bool):
         """Per ``mask_bits`` component of row r: the bits of this thread's keys of the block at
-        blk as 32-bit words, bit j of word k = key blk + col0 + 32k + j (col0: the thread's first
-        column), so that each element's test has a static word and bit (``_trace_col_off``).
-        Read a byte at a time (a row's bits start anywhere), clamped to the tensor: bytes past
-        it would only hold keys past kv_len, which the bounds mask anyway."""
-        out = []
+        blk as words (``bitmask.load_words``), bit j of word k = key blk + col0 + 32k + j."""
         if not (masked and self.hooks.has_mask_bits):
-            return out
-        span = self._trace_col_off[-1] + 1
-        nbytes, nwords = (7 + span + 7) // 8, (span + 31) // 32
-        for t, off in self._trace_rows[r][3]:
-            start = off + blk + tScS[0, 0][1]
-            b0, sh = start // 8, (start % 8).to(Uint32)
-            last = t.shape[0] - 1
-            by = [t[cutlass.min(b0 + i, last)].to(Uint32) for i in range(nbytes)]
-            raw = []
-            for k in range(nwords + 1):
-                w = Uint32(0)
-                for j in range(4):
-                    if 4 * k + j < nbytes:
-                        w = w | (by[4 * k + j] << Uint32(8 * j))
-                raw.append(w)
-            # funnel shift by sh (0..7); the second term is written so sh = 0 shifts by 32 safely
-            out.append([(raw[k] >> sh) | ((raw[k + 1] << Uint32(1)) << (Uint32(31) - sh)) for k in range(nwords)])
-        return out
+            return []
+        return [load_words(t, off + blk + tScS[0, 0][1], self._trace_col_off[-1] + 1)
+                for t, off in self._trace_rows[r][3]]
+
+    def _bounds_ok(self, bounds: bool, kv_pos, kv_end, q_pos, window_left):
+        """The item-end / causal / window test of a score, or None in a block they do not cut."""
+        return self._visible(kv_pos, kv_end, q_pos, window_left) if bounds else None
 
     def _mask_bits_ok(self, bitmaps, c, ok):
-        """``ok`` and this thread's column c in every bitmap of ``_mask_words`` (a static word
-        and bit per column: one AND and one compare)."""
-        off = self._trace_col_off[c]
+        """``ok`` and this thread's column c in every bitmap of ``_mask_words``."""
         for words in bitmaps:
-            ok = ok & ((words[off // 32] & Uint32(1 << (off % 32))) != Uint32(0))
+            ok = _and(ok, bit_set(words, self._trace_col_off[c]))
         return ok
 
     def _finalize_rows(self, row_m, row_l, tOcO, inv_t, lse, scale, w, dest, n_rows):
@@ -951,25 +935,23 @@ class BatchPrefillSm90:
                       cap_log2, inv_cap_scaled, window_left):
         """Masked softmax only where some key of the block may be invisible to some row of the
         tile (the partial last block, the causal diagonal, the window's left edge)."""
-        if const_expr(self.mask_all):  # a variant mask / range: every block is masked per element
+        need_mask = blk + self.tile_n > kv_end
+        if const_expr(self.causal):
+            need_mask = need_mask | (blk + self.tile_n - 1 > q_lo)
+        if const_expr(self.window):
+            need_mask = need_mask | (blk < q_hi - window_left)
+        # a variant mask / range masks every block per element; the bounds (item end, causal,
+        # window) only where they cut the block
+        if need_mask:
             self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
-                          inv_cap_scaled, window_left, True)
+                          inv_cap_scaled, window_left, True, True)
         else:
-            need_mask = blk + self.tile_n > kv_end
-            if const_expr(self.causal):
-                need_mask = need_mask | (blk + self.tile_n - 1 > q_lo)
-            if const_expr(self.window):
-                need_mask = need_mask | (blk < q_hi - window_left)
-            if need_mask:
-                self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
-                              inv_cap_scaled, window_left, True)
-            else:
-                self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
-                              inv_cap_scaled, window_left, False)
+            self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
+                          inv_cap_scaled, window_left, self.mask_all, False)
 
     @cute.jit
     def _softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
-                 inv_cap_scaled, window_left, masked: cutlass.Constexpr):
+                 inv_cap_scaled, window_left, masked: cutlass.Constexpr, bounds: cutlass.Constexpr):
         """Online softmax of one block in place: S -> P = exp2(S * scale - m * scale), l rescaled;
         the factor O must be rescaled by goes to ``corr`` (O may still be in use by a wgmma).
         ``row_m`` is kept in S's units (raw q·k, or the logits after a soft-cap or a variant's
@@ -998,11 +980,10 @@ class BatchPrefillSm90:
                     elif const_expr(self.soft_cap):
                         v = self._logits(v, scale_log2, cap_log2, inv_cap_scaled)
                     if const_expr(masked):
-                        ok = self._visible(kv_pos, kv_end, q_pos[r], window_left)
+                        ok = self._bounds_ok(bounds, kv_pos, kv_end, q_pos[r], window_left)
                         if const_expr(self.mask_all):
                             ok = self._hook_visible(r, kv_pos, ok)
-                        ok = self._mask_bits_ok(bitmaps, c, ok)
-                        v = cutlass.select_(ok, v, -Float32.inf if H.softmax else Float32(0.0))
+                        v = _keep(self._mask_bits_ok(bitmaps, c, ok), v, -Float32.inf if H.softmax else Float32(0.0))
                     S[r, c] = v
             if const_expr(not H.softmax):
                 corr[r] = Float32(1.0)  # weights as they are (FlashSigmoid): nothing to rescale
@@ -1111,6 +1092,16 @@ def _check_gather_swizzle(layout, TN: int, D: int):
                 x = stage * TN * D + (col // 64) * (TN * 64) + row * 64 + col % 64
                 if cute.crd2idx((row, col, stage), layout.outer) != x:
                     raise ValueError(f"gather: the stage tile's layout is not the one _gather_dst assumes ({layout})")
+
+
+def _and(ok, x):
+    """``ok & x`` where ``ok`` may be None (nothing masked yet)."""
+    return x if ok is None else ok & x
+
+
+def _keep(ok, v, fill):
+    """v where ok, else fill; v itself where nothing was masked (ok None)."""
+    return v if ok is None else cutlass.select_(ok, v, fill)
 
 
 @cute.jit

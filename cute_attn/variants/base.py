@@ -477,14 +477,17 @@ class Hooks:
         """``ok`` and every component's mask at ``ctx.kv_pos``; ``bits``: the ``mask_bits``
         components too, one byte load per element (False: the kernel tests those itself, see
         :meth:`mask_bits`)."""
+        def conj(x):
+            return x if ok is None else ok & x  # ok None: nothing masked yet (a kernel's mask-free block)
+
         for fn, a in self._each("mask", args):
-            ok = ok & fn(ctx.replace(args=a))
+            ok = conj(fn(ctx.replace(args=a)))
         if bits:
             from . import dsl
 
             for t, off in self.mask_bits(ctx, args):
                 b = off + ctx.kv_pos
-                ok = ok & (((t[b // 8].to(dsl.Int32) >> (b % 8)) & 1) != 0)
+                ok = conj(((t[b // 8].to(dsl.Int32) >> (b % 8)) & 1) != 0)
         return ok
 
     def mask_bits(self, ctx, args) -> list:
