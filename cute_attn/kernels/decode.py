@@ -9,7 +9,9 @@ token range of one request's paged KV.
 Per KV block of BLOCK_N tokens:
 - every thread gathers 16-byte chunks of K and V rows with ``cp.async`` into a swizzled shared
   tile, looking each token's page up in ``kv_indices`` (any page size, 1 included: sparse
-  load, dense compute), STAGES blocks in flight;
+  load, dense compute), STAGES blocks in flight.  The loads are one stream over the CTA's
+  items: a load cursor issues block after block STAGES-1 ahead of the compute and moves to the
+  next item as soon as one is exhausted, so the pipeline never drains at item boundaries;
 - warp w owns keys [16w, 16w+16) of the block: S = Q Kᵀ and O += P V on tensor cores
   (``mma.sync`` m16n8k16, fragments via ``ldmatrix``), with its own online-softmax state;
 - the four warp states are ⊕-merged through shared memory at the end of the item, and the
@@ -169,6 +171,8 @@ class PagedDecode:
             blk_start, blk_end = self._kv_blocks(w, group)
             n_blocks = (blk_end - blk_start + BLOCK_N - 1) // BLOCK_N
             sQ_i = sQ[None, None, q_cnt % self.stages]
+            if const_expr(self.hooks.per_row):
+                self._item_rows(req, kv_head, row_start, group, qpos_base, qo_len, kv_len, tScS, n_rows_thr)
 
             acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, D)), Float32)
             acc_O.fill(0.0)
@@ -428,18 +432,34 @@ class PagedDecode:
             lambda ctx, lo, hi, d: self.hooks.transform_k(ctx, va, lo, hi, d),
             lambda n: base.replace(kv_pos=key0 + n, _fresh=True), self.dtype)
 
+    def _item_rows(self, req, kv_head, row_start, group, qpos_base, qo_len, kv_len, tScS, n_rows):
+        """``self._trace_rows``: per accumulator row of this thread, (ctx, kv_range lo, hi,
+        mask_bits) for the item, with the once-values of the logits / mask hooks evaluated here
+        by a dummy call, so the blocks reuse them (a slope or a mask row offset is a load per row
+        per item, not per block).  Set by this helper: an assignment to self inside the kernel's
+        loops would make the DSL carry self through them."""
+        H, va = self.hooks, self._trace_vargs
+        out = []
+        for r in range(n_rows):
+            rctx = self._ctx(req, kv_head, row_start + tScS[r, 0][0], group, qpos_base, qo_len, kv_len)
+            lo = hi = None
+            if H.has_kv_range:
+                lo, hi = H.kv_range(rctx, va)
+            if H.has_logits:
+                H.logits(rctx.replace(kv_pos=rctx.q_pos), va, Float32(0.0))
+            if H.has_mask:
+                H.mask(rctx.replace(kv_pos=rctx.q_pos), va, None, bits=False)
+            out.append((rctx, lo, hi, H.mask_bits(rctx, va)))
+        self._trace_rows = out
+
     def _row_scores(self, acc_S_mn, r, tScS, key0, blk_end, req, kv_head, row_start, group, qpos_base, qo_len,
                     kv_len):
         """Logits (base 2) or weights of one accumulator row with the variant's logits, mask
         and kv_range applied; returns the row's max over this thread's columns."""
         H, va = self.hooks, self._trace_vargs
-        rctx = self._ctx(req, kv_head, row_start + tScS[r, 0][0], group, qpos_base, qo_len, kv_len)
-        lo = hi = None
-        if H.has_kv_range:
-            lo, hi = H.kv_range(rctx, va)
+        rctx, lo, hi, bits = self._trace_rows[r]
         # bitmap masks: this row's bits of the warp's 16 keys, tested per element in registers
-        bitmaps = [load_words(t, off + key0 + tScS[0, 0][1], self._trace_col_off[-1] + 1)
-                   for t, off in H.mask_bits(rctx, va)]
+        bitmaps = [load_words(t, off + key0 + tScS[0, 0][1], self._trace_col_off[-1] + 1) for t, off in bits]
         fill = -Float32.inf if H.softmax else Float32(0.0)
         m_blk = -Float32.inf
         kv_f0 = (key0 + tScS[0, 0][1]).to(Float32)  # float positions: per block + a constant per column
