@@ -30,7 +30,6 @@ def main(out_path):
     cases = [("bs256/kv1024", [1024] * 256), ("bs64/kv4096", [4096] * 64),
              ("lognormal/bs128", [max(1, min(32768, int(rng.lognormvariate(7.0, 1.0)))) for _ in range(128)]),
              ("skew", [32768] + [512] * 63)]
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     res = []
     for name, lens in cases:
         cache, indptr, indices, last = _paged(lens, 16, gen)
@@ -40,6 +39,9 @@ def main(out_path):
         graphs, outs = {}, {}
         for tag, a, mk in SETTINGS:
             Dm.Planner = make(a, mk)
+            # a workspace per setting: the plan lives in it, and a shared one would make every
+            # captured graph replay the last plan written
+            ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
             w = Dm.BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True, paged_kv_indptr_buffer=indptr.cuda(),
                                                       paged_kv_indices_buffer=indices.cuda(),
                                                       paged_kv_last_page_len_buffer=last.cuda())
