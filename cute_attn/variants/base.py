@@ -20,7 +20,8 @@ Hook points (``ctx`` is a :class:`Ctx`; all positions are token indices of the r
   kept iff bit ``offset + kv_pos`` of ``bits`` (a uint8 tensor, little bit order within a
   byte) is 1 (FlashInfer's ``packed_custom_mask``).  Evaluated once per row of a work item; a
   kernel may read a block's bits a byte at a time and test them per element in registers
-  (the prefill kernel does), or fall back to one byte load per element (``Hooks.mask``).
+  (both kernels here do: ``kernels/bitmask.py``), or fall back to one byte load per element
+  (``Hooks.mask``).
 * ``kv_range(ctx) -> (lo, hi)``: per query row, keys outside ``[lo, hi)`` are masked (either
   bound may be ``None``).  Both bounds must be non-decreasing in ``ctx.q_pos``; kernels use the
   range to skip whole KV blocks (causal, sliding window).
