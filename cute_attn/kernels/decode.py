@@ -448,7 +448,7 @@ class PagedDecode:
             if H.has_logits:
                 H.logits(rctx.replace(kv_pos=rctx.q_pos), va, Float32(0.0))
             if H.has_mask:
-                H.mask(rctx.replace(kv_pos=rctx.q_pos), va, None, bits=False)
+                H.mask(rctx.replace(kv_pos=rctx.q_pos), va, None)
             out.append((rctx, lo, hi, H.mask_bits(rctx, va)))
         self._trace_rows = out
 
@@ -476,7 +476,7 @@ class PagedDecode:
             else:
                 v = acc_S_mn[r, c] * (self._trace_sm_scale * LOG2E)
             if H.has_mask:
-                ok = H.mask(ectx, va, ok, bits=False)
+                ok = H.mask(ectx, va, ok)
             for words in bitmaps:
                 ok = ok & bit_set(words, self._trace_col_off[c])
             if lo is not None:

@@ -628,7 +628,7 @@ class BatchPrefillSm90:
             if H.has_logits:
                 H.logits(ctx.replace(kv_pos=q_pos[r]), va, Float32(0.0))
             if H.has_mask:
-                H.mask(ctx.replace(kv_pos=q_pos[r]), va, True, bits=False)
+                H.mask(ctx.replace(kv_pos=q_pos[r]), va, True)
             out.append((ctx, lo, hi, H.mask_bits(ctx, va)))
         self._trace_rows = out
 
@@ -642,7 +642,7 @@ class BatchPrefillSm90:
         H = self.hooks
         ctx, lo, hi, _ = self._trace_rows[r]
         if H.has_mask:
-            ok = H.mask(ctx.replace(kv_pos=kv_pos), self._trace_vargs, ok, bits=False)
+            ok = H.mask(ctx.replace(kv_pos=kv_pos), self._trace_vargs, ok)
         if lo is not None:
             ok = _and(ok, kv_pos >= lo)
         if hi is not None:

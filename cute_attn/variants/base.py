@@ -18,10 +18,9 @@ Hook points (``ctx`` is a :class:`Ctx`; all positions are token indices of the r
 * ``mask(ctx) -> Boolean``: per element, True keeps the key.  Applied without block skipping.
 * ``mask_bits(ctx) -> (bits, offset)``: the same as a bitmap, per query row: key ``kv_pos`` is
   kept iff bit ``offset + kv_pos`` of ``bits`` (a uint8 tensor, little bit order within a
-  byte) is 1 (FlashInfer's ``packed_custom_mask``).  Evaluated once per row of a work item; a
-  kernel may read a block's bits a byte at a time and test them per element in registers
-  (both kernels here do: ``kernels/bitmask.py``), or fall back to one byte load per element
-  (``Hooks.mask``).
+  byte) is 1 (FlashInfer's ``packed_custom_mask``).  Evaluated once per row of a work item;
+  kernels read a block's bits a byte at a time and test them per element in registers
+  (``kernels/bitmask.py``).
 * ``kv_range(ctx) -> (lo, hi)``: per query row, keys outside ``[lo, hi)`` are masked (either
   bound may be ``None``).  Both bounds must be non-decreasing in ``ctx.q_pos``; kernels use the
   range to skip whole KV blocks (causal, sliding window).
@@ -426,7 +425,7 @@ class Hooks:
         self.has_transform_k = has("transform_k")
         self.has_logits = has("logits")
         self.has_mask_bits = has("mask_bits")
-        self.has_mask = has("mask") or self.has_mask_bits  # (a kernel without a bitmap path: per element)
+        self.has_mask = has("mask") or self.has_mask_bits  # either: a masked path on every block
         self.has_kv_range = has("kv_range")
         self.has_finalize = has("finalize")
         self.has_output = has("output")
@@ -474,21 +473,13 @@ class Hooks:
             s = fn(ctx.replace(args=a), s)
         return s
 
-    def mask(self, ctx, args, ok, bits: bool = True):
-        """``ok`` and every component's mask at ``ctx.kv_pos``; ``bits``: the ``mask_bits``
-        components too, one byte load per element (False: the kernel tests those itself, see
-        :meth:`mask_bits`)."""
-        def conj(x):
-            return x if ok is None else ok & x  # ok None: nothing masked yet (a kernel's mask-free block)
-
+    def mask(self, ctx, args, ok):
+        """``ok`` and every ``mask`` component at ``ctx.kv_pos`` (``ok`` None: nothing masked yet,
+        e.g. in a block no bound cuts).  ``mask_bits`` components are the kernel's: see
+        :meth:`mask_bits`."""
         for fn, a in self._each("mask", args):
-            ok = conj(fn(ctx.replace(args=a)))
-        if bits:
-            from . import dsl
-
-            for t, off in self.mask_bits(ctx, args):
-                b = off + ctx.kv_pos
-                ok = conj(((t[b // 8].to(dsl.Int32) >> (b % 8)) & 1) != 0)
+            m = fn(ctx.replace(args=a))
+            ok = m if ok is None else ok & m
         return ok
 
     def mask_bits(self, ctx, args) -> list:

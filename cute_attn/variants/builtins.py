@@ -97,8 +97,7 @@ class AttentionSink(Variant):
 class CustomMask(Variant):
     """A boolean mask per request, bit-packed as FlashInfer's ``packed_custom_mask``: request
     ``b``'s ``[qo_len, kv_len]`` row-major bits start at byte ``mask_indptr[b]``, little bit
-    order.  A bitmap (``mask_bits``): the prefill kernel tests a block's bits in registers, the
-    decode kernel loads a byte per element.  No block skipping."""
+    order.  A bitmap (``mask_bits``), tested in registers by both kernels.  No block skipping."""
 
     runtime = (TensorParam("packed_custom_mask", "u8", 1), TensorParam("mask_indptr", "i32", 1))
 
@@ -119,11 +118,7 @@ class FlashSigmoid(Variant):
     runtime = (ScalarParam("sigmoid_bias", "f32", default=0.0),)
 
     def logits(self, ctx, s):
-        # sigmoid(x) = (1 + tanh(x / 2)) / 2: one MUFU (tanh.approx, absolute error ~5e-4, so
-        # ~2.5e-4 per weight) and two FFMAs, where 1 / (1 + 2^(-x log2 e)) takes two MUFUs (EX2,
-        # RCP) in a prefill softmax loop that is bound by issue and MUFU
-        half_bias = ctx.once("half_bias", lambda: ctx.args.sigmoid_bias * 0.5)
-        return dsl.tanh(s * 0.5 + half_bias) * 0.5 + 0.5
+        return dsl.sigmoid(s, ctx.args.sigmoid_bias)  # the bias folded into the tanh's FFMA
 
 
 @register_builtin
