@@ -434,22 +434,12 @@ class PagedDecode:
 
     def _item_rows(self, req, kv_head, row_start, group, qpos_base, qo_len, kv_len, tScS, n_rows):
         """``self._trace_rows``: per accumulator row of this thread, (ctx, kv_range lo, hi,
-        mask_bits) for the item, with the once-values of the logits / mask hooks evaluated here
-        by a dummy call, so the blocks reuse them (a slope or a mask row offset is a load per row
-        per item, not per block).  Set by this helper: an assignment to self inside the kernel's
-        loops would make the DSL carry self through them."""
-        H, va = self.hooks, self._trace_vargs
+        mask_bits) for the item (``Hooks.row_values``).  Set by this helper: an assignment to
+        self inside the kernel's loops would make the DSL carry self through them."""
         out = []
         for r in range(n_rows):
             rctx = self._ctx(req, kv_head, row_start + tScS[r, 0][0], group, qpos_base, qo_len, kv_len)
-            lo = hi = None
-            if H.has_kv_range:
-                lo, hi = H.kv_range(rctx, va)
-            if H.has_logits:
-                H.logits(rctx.replace(kv_pos=rctx.q_pos), va, Float32(0.0))
-            if H.has_mask:
-                H.mask(rctx.replace(kv_pos=rctx.q_pos), va, None)
-            out.append((rctx, lo, hi, H.mask_bits(rctx, va)))
+            out.append((rctx, *self.hooks.row_values(rctx, self._trace_vargs)))
         self._trace_rows = out
 
     def _row_scores(self, acc_S_mn, r, tScS, key0, blk_end, req, kv_head, row_start, group, qpos_base, qo_len,

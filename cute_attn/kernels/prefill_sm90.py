@@ -614,22 +614,14 @@ class BatchPrefillSm90:
             first = cutlass.select_(f > first, f, first)
         return cutlass.select_(first < n_blocks, first, n_blocks), n_blocks
 
-    def _item_rows(self, req, kv_head, row_start, tScS, q_pos, qo_len, kv_len, n_rows):
-        """``self._trace_rows``: per accumulator row of this thread, (ctx, lo, hi) with the once-values of the
-        logits / mask hooks and the row's kv_range evaluated here, once per item (a dummy call
-        at the item level: the per-block calls then reuse them instead of recomputing)."""
-        H, va = self.hooks, self._trace_vargs
+    def _item_rows(self, req, kv_head, row_start, tScS, qo_len, kv_len, n_rows):
+        """``self._trace_rows``: per accumulator row of this thread, (ctx, kv_range lo, hi,
+        mask_bits) for the item (``Hooks.row_values``: once-values evaluated here, once per
+        item, and reused by the per-block calls)."""
         out = []
         for r in range(n_rows):
             ctx = self._row_ctx(req, kv_head, row_start + tScS[r, 0][0], qo_len, kv_len)
-            lo = hi = None
-            if H.has_kv_range:
-                lo, hi = H.kv_range(ctx, va)
-            if H.has_logits:
-                H.logits(ctx.replace(kv_pos=q_pos[r]), va, Float32(0.0))
-            if H.has_mask:
-                H.mask(ctx.replace(kv_pos=q_pos[r]), va, True)
-            out.append((ctx, lo, hi, H.mask_bits(ctx, va)))
+            out.append((ctx, *self.hooks.row_values(ctx, self._trace_vargs)))
         self._trace_rows = out
 
     def _hook_logits(self, r, kv_pos, s, kv_pos_f32, rel_pos_f32):
@@ -795,7 +787,7 @@ class BatchPrefillSm90:
             q_hi = qpos_base + (row_start + num_rows - 1) // group
             if const_expr(H.per_row):  # (stored by the helper: an assignment to self here would make
                 # the DSL carry self through the loop)
-                self._item_rows(w.req, kv_head, row_start, tScS, q_pos, w.qo_len, w.kv_len, n_rows)
+                self._item_rows(w.req, kv_head, row_start, tScS, w.qo_len, w.kv_len, n_rows)
             row_m = cute.make_rmem_tensor((n_rows,), Float32)
             row_l = cute.make_rmem_tensor((n_rows,), Float32)
             row_m.fill(-Float32.inf)

@@ -482,6 +482,22 @@ class Hooks:
             ok = m if ok is None else ok & m
         return ok
 
+    def row_values(self, ctx, args):
+        """Per query row, once per work item: ``(lo, hi, mask_bits)`` (its ``kv_range`` and its
+        bitmaps), with the ``once`` values of the logits and mask hooks evaluated by a dummy call
+        (its result unused), so the per-block calls on ``ctx``'s copies reuse them: a slope or a
+        mask row offset is one load per row per item, not per block."""
+        from . import dsl
+
+        lo = hi = None
+        if self.has_kv_range:
+            lo, hi = self.kv_range(ctx, args)
+        if self.has_logits:
+            self.logits(ctx.replace(kv_pos=ctx.q_pos), args, dsl.Float32(0.0))
+        if self.has_mask:
+            self.mask(ctx.replace(kv_pos=ctx.q_pos), args, None)
+        return lo, hi, self.mask_bits(ctx, args)
+
     def mask_bits(self, ctx, args) -> list:
         """Per ``mask_bits`` component of the row of ``ctx``: (uint8 tensor, bit offset of key 0)."""
         return [fn(ctx.replace(args=a)) for fn, a in self._each("mask_bits", args)]
