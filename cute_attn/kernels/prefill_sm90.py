@@ -87,7 +87,7 @@ BOX_WARPS = 4  # paged TMA: producer warps issuing the boxes of a block (see _pr
 class BatchPrefillSm90:
     def __init__(self, dtype, head_dim: int, tile_q: int, paged: bool, causal: bool, soft_cap: bool,
                  window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1, page_box: int = 0,
-                 box_warps: int = 0, producer_regs: int = 0, l2_hint: int = 1, variant=None):
+                 box_warps: int = 0, producer_regs: int = 0, variant=None):
         assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
         self.dtype = dtype
         self.head_dim = head_dim
@@ -105,8 +105,6 @@ class BatchPrefillSm90:
         self.gather = (paged and not self.page_box) or H.has_transform_k
         # paged TMA: producer warps that issue a block's boxes (box b by warp b % box_warps)
         self.box_warps = box_warps or BOX_WARPS
-        # gather copies with the L2 128-byte prefetch hint (``copy.cp_async_16``); 0: plain cp.async
-        self.l2_hint = bool(l2_hint)
         self.causal = causal
         self.soft_cap = soft_cap
         self.window = window
@@ -424,12 +422,12 @@ class BatchPrefillSm90:
                             self._gather_pairs(sK, sRows, g2s, tidx, k_state.index, (ring + j) % ROW_RING)
                             cute.arch.cp_async_commit_group()
                         else:
-                            self._gather(dst, sRows, g2s, tidx, 0, k_state.index, (ring + j) % ROW_RING)
+                            self._gather(dst, sRows, tidx, 0, k_state.index, (ring + j) % ROW_RING)
                             pipe_k.producer_commit(k_state)
                         k_state.advance()
                     if j > 0:
                         pipe_v.producer_acquire(v_state)
-                        self._gather(dst, sRows, g2s, tidx, 1, v_state.index, (ring + j - 1) % ROW_RING)
+                        self._gather(dst, sRows, tidx, 1, v_state.index, (ring + j - 1) % ROW_RING)
                         pipe_v.producer_commit(v_state)
                         v_state.advance()
                     if const_expr(self.hooks.has_transform_k):
@@ -518,7 +516,7 @@ class BatchPrefillSm90:
         return sK.iterator.toint(), sV.iterator.toint(), bases
 
     @cute.jit
-    def _gather(self, dst, sRows, g2s, tidx, which, stage, buf):
+    def _gather(self, dst, sRows, tidx, which, stage, buf):
         """cp.async this thread's 16-byte chunks of a block's K (which = 0) or V rows into a
         stage: row addresses from sRows, destinations from ``_gather_dst``."""
         TN, D, rpp = self.tile_n, self.head_dim, WG // self.chunks
@@ -530,12 +528,7 @@ class BatchPrefillSm90:
         addrs = [sRows[which, tidx // self.chunks + r * rpp, buf] for r in range(TN // rpp)]
         for r in cutlass.range_constexpr(TN // rpp):
             d = s_base + dst[2][r % nb] + (r // nb) * (nb * rpp * 128)  # nb * rpp rows: a whole 1 KB period
-            if const_expr(self.l2_hint):
-                cp_async_16(d, addrs[r] + c16)
-            else:
-                cute.copy(g2s, self._chunk(addrs[r] + c16),
-                          cute.make_tensor(cute.make_ptr(self.dtype, d, cute.AddressSpace.smem, assumed_align=16),
-                                           cute.make_layout((8,))))
+            cp_async_16(d, addrs[r] + c16)  # with the L2 128-byte prefetch hint
 
     @cute.jit
     def _gather_pairs(self, sX, sRows, g2s, tidx, stage, buf):
@@ -1136,6 +1129,6 @@ def build_batch_prefill_sm90(spec):
     variant = _spec_variant(p)
     k = BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"], p["soft_cap"],
                          p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1),
-                         p.get("page_box", 0), p.get("box_warps", 0), p.get("producer_regs", 0), p.get("l2_hint", 1),
+                         p.get("page_box", 0), p.get("box_warps", 0), p.get("producer_regs", 0),
                          variant)
     return make_entry(k, _prefill_abi_fixed(p), abi_args(variant))
