@@ -126,3 +126,27 @@ BATCH_PREFILL_SM90 = register(KernelFamily(
                            # then each HGMMA gets its own WARPGROUP.ARRIVE
                            "wgmma async (SASS)": r"sass%HGMMA/WARPGROUP\.ARRIVE>=3"}},
 ))
+
+
+# ---- the key-transform pass (prefill, ragged KV, a variant with transform_k) ----------------
+def key_transform_abi_fixed(p):
+    d, dt = p["head_dim"], p["dtype"]
+    cache = lambda name: TensorArg(name, dt, (None, None, None, d), (None, None, None, 1), 8, 16)  # noqa: E731
+    i32 = lambda name: TensorArg(name, "i32", (None,), (1,), 1, 4)  # noqa: E731
+    return [cache("mK"), cache("mKout"), i32("mQoIndptr"), i32("mKvIndptr"), ScalarArg("batch", "i32"),
+            ScalarArg("sm_scale", "f32"), ScalarArg("num_ctas", "i32")]
+
+
+def key_transform_abi(p):
+    return key_transform_abi_fixed(p) + vbase.abi_args(spec_variant(p))
+
+
+# Spec params dtype, head_dim, variant, variant_fp (kernels/key_transform.py).  Plain SIMT: it
+# would build for sm_100a too, but only the (Hopper) prefill wrappers launch it.
+KEY_TRANSFORM = register(KernelFamily(
+    name="key_transform",
+    builder="cute_attn.kernels.key_transform:build_key_transform",
+    abi=key_transform_abi,
+    expect={PREFILL_ARCH: {"16B ld.global (PTX)": r"ptx:ld\.global(\.\w+)*\.v4\.[bu]32",
+                           "LDG.E.128 (SASS)": r"sass:LDG\.E\.128", "STG.E.128 (SASS)": r"sass:STG\.E\.128"}},
+))

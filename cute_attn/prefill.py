@@ -59,6 +59,7 @@ PREFILL_TILES = (64, 128)     # packed query rows per work item: one or two cons
 _FIXED_SPLIT_TILE = 128       # fixed_split_size: a tile that does not depend on the batch
 PAGE_BOX = 16                 # paged K/V by TMA, one box per 16 rows of a page (page sizes k*16)
 _NO_SPLIT = 1 << 30           # disable_split_kv: a kv_split_size longer than any request
+_KEY_PASS_CTAS_PER_SM = 8     # the key-transform pass: 8 x 256 threads per SM, 32 bytes in flight each
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
              if hasattr(torch, n))
 
@@ -73,16 +74,34 @@ def page_box_for(paged: bool, page_size: int) -> int:
     return PAGE_BOX if paged and page_size % PAGE_BOX == 0 else 0
 
 
+def keys_pretransformed(paged: bool, variant) -> bool:
+    """Whether ``run()`` applies the variant's ``transform_k`` in the key-transform pass
+    (``kernels/key_transform.py``) before the prefill kernel, which then reads K by TMA (spec
+    ``keys_transformed``): ragged KV.  With a paged cache the kernel's producer transforms each
+    K block it gathers (no pass: its output would need a second, contiguous copy of V too)."""
+    return not paged and variant is not None and vbase.Hooks(variant).has_transform_k
+
+
+def key_transform_spec(arch: str, dtype: str, head_dim: int, variant):
+    """The key-transform pass for a plan's variant (the variant without run()'s sinks)."""
+    from .runtime.spec import Spec
+
+    return Spec.make("key_transform", arch, dtype=dtype, head_dim=head_dim, **variant_params(variant))
+
+
 def prefill_spec(arch: str, dtype: str, head_dim: int, tile_q: int, paged: bool, causal: bool = False,
                  soft_cap: bool = False, window: bool = False, variant=None, page_box: int = 0):
     """One ``batch_prefill_sm90`` specialization; ``variant``: the traced variant beyond the
     static flags (see :func:`resolve_variant`), None for the plain kernel; ``page_box``: see
-    :func:`page_box_for` (a parameter only when set)."""
+    :func:`page_box_for` (a parameter only when set); ``keys_transformed`` follows from the
+    rest (:func:`keys_pretransformed`)."""
     from .runtime.spec import Spec
 
     extra = variant_params(variant) if variant is not None else {}
     if paged and page_box:
         extra["page_box"] = int(page_box)
+    if keys_pretransformed(paged, variant):
+        extra["keys_transformed"] = True
     return Spec.make("batch_prefill_sm90", arch, dtype=dtype, head_dim=head_dim, tile_q=tile_q, paged=bool(paged),
                      causal=bool(causal), soft_cap=bool(soft_cap), window=bool(window), **extra)
 
@@ -176,10 +195,13 @@ def variant_prefill_specs(arch: str):
         # a sink case plans without its sinks (plan() picks that kernel) and runs with them
         for sinks in ((False, True) if kw.get("sinks") else (kw.get("sinks", False),)):
             c, cap, win, v = resolve_variant(causal=causal, **dict(kw, sinks=sinks))
-            spec = prefill_spec(arch, dt, d, 128, paged, c, cap, win, v, page_box_for(paged, page_size))
-            if spec not in seen:
-                seen.add(spec)
-                out.append(spec)
+            specs = [prefill_spec(arch, dt, d, 128, paged, c, cap, win, v, page_box_for(paged, page_size))]
+            if keys_pretransformed(paged, v) and not sinks:  # the pass is keyed by the plan's variant
+                specs.append(key_transform_spec(arch, dt, d, v))
+            for spec in specs:
+                if spec not in seen:
+                    seen.add(spec)
+                    out.append(spec)
     return out
 
 
@@ -388,6 +410,10 @@ class _BatchPrefillBase:
                        soft_cap=launch["soft_cap"], window=launch["window"])
         if launch["page_box"]:
             spec_kw["page_box"] = launch["page_box"]
+        key_pass = None
+        if keys_pretransformed(self._PAGED, var):
+            spec_kw["keys_transformed"] = True
+            key_pass = kernel("key_transform", PREFILL_ARCH, dtype=launch["dtype"], head_dim=d, **self._variant_kw(var))
         attn = kernel("batch_prefill_sm90", PREFILL_ARCH, **spec_kw, **self._variant_kw(var))
         merge = kernel("merge_partials", PREFILL_ARCH, dtype=launch["dtype"], head_dim=d, tile_q=tile)
         planner = self._get_planner(batch, total_q, hq, hk, d, num_ctas)
@@ -396,7 +422,8 @@ class _BatchPrefillBase:
         if self._use_cuda_graph and self._fixed is None:
             self._fixed = dict(launch, tile_q=tile)
         return dict(plan=plan, launch=launch, tile=tile, attn=attn, merge=merge, batch=batch, total_q=total_q,
-                    q_dtype=q_dtype, group=group, num_ctas=planner.num_ctas, variant=var, spec_kw=spec_kw)
+                    q_dtype=q_dtype, group=group, num_ctas=planner.num_ctas, variant=var, spec_kw=spec_kw,
+                    key_pass=key_pass)
 
     @staticmethod
     def _variant_kw(v) -> dict:
@@ -486,10 +513,12 @@ class _BatchPrefillBase:
         self._causal, self._sm_scale, self._soft_cap, self._window_left = (
             L["causal"], L["sm_scale"], L["soft_cap_value"], L["window_left"])
         self._variant, self._spec_kw = st["variant"], st["spec_kw"]
-        self._binding = VariantBinding(self._variant, {
-            "num_qo_heads": self._hq, "num_kv_heads": self._hk, "head_dim": self._d, "sm_scale": self._sm_scale,
-            "device": self._device, "batch": self._batch}, self._attn,
-            lambda v: kernel("batch_prefill_sm90", PREFILL_ARCH, **self._spec_kw, **self._variant_kw(v)))
+        info = {"num_qo_heads": self._hq, "num_kv_heads": self._hk, "head_dim": self._d, "sm_scale": self._sm_scale,
+                "device": self._device, "batch": self._batch}
+        self._binding = VariantBinding(self._variant, info, self._attn, lambda v: kernel(
+            "batch_prefill_sm90", PREFILL_ARCH, **self._spec_kw, **self._variant_kw(v)))
+        # the key-transform pass: the plan's variant (run()'s sinks do not touch keys)
+        self._key_pass = None if st["key_pass"] is None else VariantBinding(self._variant, info, st["key_pass"], None)
 
     def _to_device(self, t, buf, name):
         """An index array on the device: copied into ``buf`` (CUDA-graph mode) or a new tensor."""
@@ -559,6 +588,12 @@ class _BatchPrefillBase:
             if sinks is not None:
                 lse.copy_((sinks.float() * (1.0 / math.log(2.0)))[None, :].expand_as(lse))
             return
+        if self._key_pass is not None:  # ragged K through the variant's transform_k, once per key
+            pass_module, pass_vals = self._key_pass.select(args)
+            k_t = torch.empty((1, k4.shape[1], self._hk, self._d), dtype=k4.dtype, device=k4.device)
+            pass_module(k4, k_t, self._qo_indptr, kv_indptr, kv_indptr.numel() - 1, self._sm_scale,
+                        self._num_ctas * _KEY_PASS_CTAS_PER_SM, *pass_vals)
+            k4 = k_t
         vw = self._views
         module(q, k4, v4, kv_indptr, kv_indices, out, lse, vw["work_items"], vw["work_indptr"],
                vw["partial_o"], vw["partial_lse"], self._group, self._sm_scale, self._soft_cap,
@@ -620,10 +655,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
 
         Variants: ``pos_encoding_mode`` ``"ALIBI"`` (slopes as FlashInfer's ``get_alibi_slopes``)
         or ``"ROPE_LLAMA"`` (``rope_scale`` default 1, ``rope_theta`` default 1e4; query token i
-        at position ``kv_len - qo_len + i``, key j at j, Q and K rotated in the kernel, rounded
-        to the input dtype); ``custom_mask`` (flat bool: request b's row-major ``[qo_len,
-        kv_len]`` block after request b-1's) or ``packed_custom_mask`` (its bits, packed per
-        request, little bit order: FlashInfer's ``segment_packbits``) -- a custom mask
+        at position ``kv_len - qo_len + i``, key j at j, rotated in fp32 and rounded to the
+        input dtype: Q by the kernel, K by a pass over the keys before it (ragged KV; a paged
+        cache's K blocks are rotated by the kernel, for every query tile that reads them));
+        ``custom_mask`` (flat bool: request b's row-major ``[qo_len, kv_len]`` block after
+        request b-1's) or ``packed_custom_mask`` (its bits, packed per request, little bit order: FlashInfer's ``segment_packbits``) -- a custom mask
         replaces ``causal``, as in FlashInfer; ``variant`` (any ``cute_attn.variants.Variant``,
         applied after the built-ins; its runtime arguments not given to its constructor
         follow the KV in ``run()``)."""
@@ -648,8 +684,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                                rope_scale=rope_scale, rope_theta=rope_theta, custom_mask=custom_mask,
                                packed_custom_mask=packed_custom_mask, variant=variant)
         if self._use_cuda_graph:
-            self._to_device(qo_indptr, self._qo_indptr_buf, "qo_indptr")  # FlashInfer's buffer (unused here)
-        self._kv_indptr = self._to_device(kv_indptr, self._kv_indptr_buf, "kv_indptr")
+            # the buffers' unused tail repeats the last offset (empty requests): the key-transform
+            # pass walks every entry of the buffer a captured run() was given
+            pad = lambda h: np.concatenate([h, np.full(self._qo_indptr_buf.numel() - h.size, h[-1])])  # noqa: E731
+            self._qo_indptr = self._to_device(pad(qo_h), self._qo_indptr_buf, "qo_indptr")
+            self._kv_indptr = self._to_device(pad(kv_h), self._kv_indptr_buf, "kv_indptr")
+        else:  # qo_indptr: only the key-transform pass reads it
+            self._qo_indptr = self._to_device(qo_h, None, "qo_indptr") if st["key_pass"] is not None else None
+            self._kv_indptr = self._to_device(kv_indptr, None, "kv_indptr")
         self._kv_indices = _arange(1, self._device)  # the ABI's page-id array: unused for ragged KV
         self._kv_total = int(kv_h[-1])
         self._commit(st)

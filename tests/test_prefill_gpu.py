@@ -604,20 +604,20 @@ class _Emulated:
     divisibility, alignment, variant arguments), then ``prefill`` (the attention emulation; the
     variant tests pass their own) or the merge emulation."""
 
-    def __init__(self, family, params, calls, prefill=None):
+    def __init__(self, family, params, calls, prefill=None, key_transform=None):
         from cute_attn.runtime.family import get_family
         from cute_attn.runtime.loader import make_packer
 
         self.family, self.params, self.calls = family, params, calls
         self.pack = make_packer(get_family(family).abi(params))
-        self.prefill = prefill or _emulate_prefill
+        self.emulate = {"batch_prefill_sm90": prefill or _emulate_prefill, "merge_partials": _emulate_merge,
+                        "key_transform": key_transform}[family]
 
     def __call__(self, *args):
         args = [_plain(a) for a in args]
         self.pack(*args)
         self.calls.append((self.family, dict(self.params)))
-        fn = self.prefill if self.family == "batch_prefill_sm90" else _emulate_merge
-        fn(self.params, *args)
+        self.emulate(self.params, *args)
 
 
 @pytest.fixture

@@ -171,6 +171,50 @@ def test_variant_prefill_split_kv(name):
 
 
 @gpu
+def test_rope_ragged_cuda_graph_replay_with_new_plans():
+    """Ragged RoPE in a captured graph: the key-transform pass reads the request count and the
+    offsets from the indptr buffers, so later plans -- a smaller batch (the buffers' tail
+    repeats the last offset), other lengths, a split -- replay correctly."""
+    from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
+
+    hq, hk, d, max_b, t_max, kv_max = 32, 8, 128, 4, 2048, 12000
+    gen = _gen()
+    qo_buf = torch.zeros(max_b + 1, dtype=torch.int32, device=DEV)
+    kv_buf = torch.zeros(max_b + 1, dtype=torch.int32, device=DEV)
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(DEV), use_cuda_graph=True, qo_indptr_buf=qo_buf,
+                                             kv_indptr_buf=kv_buf)
+    q = torch.randn(t_max, hq, d, generator=gen).to(torch.bfloat16).to(DEV)
+    k = torch.randn(kv_max, hk, d, generator=gen).to(torch.bfloat16).to(DEV)
+    v = torch.randn(kv_max, hk, d, generator=gen).to(torch.bfloat16).to(DEV)
+    out = torch.empty_like(q)
+    lse = torch.empty(t_max, hq, device=DEV)
+    rope = dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5)
+
+    def plan(qo, kv):
+        qo_t, kv_t = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(kv), dtype=torch.int32)
+        w.plan(qo_t, kv_t, hq, hk, d, causal=True, q_data_type=torch.bfloat16, **rope)
+        return qo_t, kv_t
+
+    plan([1000, 24, 500, 524], [1000, 1024, 1007, 4072])  # the first plan fixes 2048 query tokens
+    w.run(q, k, v, out=out, lse=lse)  # warm-up: modules loaded outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(q, k, v, out=out, lse=lse)
+    for qo, kv in (([1, 1, 2, 2044], [1, 1, 9, 11000]),  # long: split by the planner
+                   ([300, 0, 77], [5000, 9, 77]),        # a smaller batch, a request without queries
+                   ([5, 7], [5, 3000])):
+        qo_t, kv_t = plan(qo, kv)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        n, nk = int(qo_t[-1]), int(kv_t[-1])
+        ref_o, ref_lse = _reference(q[:n], k[:nk], v[:nk], qo_t, kv_t, torch.bfloat16,
+                                    dict(rope=(2.0, 5e5), causal=True))
+        check(out[:n], lse[:n], ref_o, ref_lse, torch.bfloat16)
+
+
+@gpu
 def test_variant_single_prefill():
     from cute_attn.prefill import single_prefill_with_kv_cache
 
@@ -247,9 +291,19 @@ def test_variant_prefill_specs_and_abi():
     from cute_attn.runtime.abi import ScalarArg, TensorArg
     from cute_attn.variants import abi_args, fingerprint
 
-    specs = variant_prefill_specs(PREFILL_ARCH)
+    all_specs = variant_prefill_specs(PREFILL_ARCH)
     assert variant_prefill_specs("sm_100a") == []
-    assert len(specs) == len(set(specs)) and all(s.param("tile_q") == 128 for s in specs)
+    assert len(all_specs) == len(set(all_specs))
+    specs = [s for s in all_specs if s.family == "batch_prefill_sm90"]
+    passes = [s for s in all_specs if s.family == "key_transform"]
+    assert len(specs) + len(passes) == len(all_specs) and all(s.param("tile_q") == 128 for s in specs)
+    # ragged RoPE: the kernel reads the key-transform pass's keys; every such pass is listed
+    pre = [s for s in specs if s.pdict.get("keys_transformed")]
+    assert pre and all(not s.param("paged") and "RoPE" in s.param("variant") for s in pre)
+    assert all(bool(s.pdict.get("keys_transformed")) == (not s.param("paged"))
+               for s in specs if "RoPE" in s.pdict.get("variant", ""))
+    assert {(s.param("dtype"), s.param("head_dim"), s.param("variant")) for s in passes} == {
+        (s.param("dtype"), s.param("head_dim"), s.param("variant")) for s in pre if "Sink" not in s.param("variant")}
     fixed = _prefill_abi_fixed(specs[0].pdict)
     assert [a.name for a in fixed][-5:] == ["group", "sm_scale", "soft_cap", "window_left", "num_ctas"]
     fps = set()
@@ -329,7 +383,8 @@ def _emulate_variant_prefill(p, q, k4, v4, kv_indptr, kv_indices, out, lse, work
                     rs, rt = float(a["rope_scale"]), float(a["rope_theta"])
                     qv = torch.stack([rope_reference(qv[i:i + 1, None], qpos[i:i + 1], rs, rt)[0, 0]
                                       for i in range(nr)]).to(q.dtype).float() if nr else qv
-                    kk = rope_reference(kk[:, None], pos, rs, rt)[:, 0].to(q.dtype).float()
+                    if not p.get("keys_transformed"):  # else the key-transform pass did it
+                        kk = rope_reference(kk[:, None], pos, rs, rt)[:, 0].to(q.dtype).float()
             s = qv.double() @ kk.double().T * sm_scale
             if p["soft_cap"]:
                 s = soft_cap * torch.tanh(s / soft_cap)
@@ -392,6 +447,26 @@ def _emulate_variant_prefill(p, q, k4, v4, kv_indptr, kv_indices, out, lse, work
                 part_lse[dest * tile:dest * tile + nr] = row_lse.float()
 
 
+def _emulate_key_transform(p, k4, k_out, qo_indptr, kv_indptr, batch, sm_scale, num_ctas, *vargs):
+    """kernels/key_transform.py: each request's keys through the variant's transform_k (RoPE:
+    key j of a request at position j), rounded to the input dtype; other rows left alone."""
+    from cute_attn.decode import _spec_variant
+    from cute_attn.variants import RoPE, abi_args, components
+
+    v = _spec_variant(p)
+    names = [a.name for a in abi_args(v)]
+    val = dict(zip(names, vargs))
+    assert batch == kv_indptr.numel() - 1 and num_ctas > 0
+    for r in range(batch):
+        a, b = int(kv_indptr[r]), int(kv_indptr[r + 1])
+        kk = k4[0, a:b].float()
+        for i, comp in enumerate(components(v)):
+            if isinstance(comp, RoPE):
+                kk = rope_reference(kk, torch.arange(b - a), float(val[f"v{i}_rope_scale"]),
+                                    float(val[f"v{i}_rope_theta"]))
+        k_out[0, a:b] = kk.to(k_out.dtype)
+
+
 @pytest.fixture
 def emu(monkeypatch):
     import cute_attn.prefill as P
@@ -399,7 +474,8 @@ def emu(monkeypatch):
     calls = []
     monkeypatch.setattr(P, "arch_of_index", lambda i: "sm_90a")
     monkeypatch.setattr(P, "sm_count_of_index", lambda i: 8)
-    monkeypatch.setattr(P, "kernel", lambda family, arch, **params: _Emulated(family, params, calls, _emulate_variant_prefill))
+    monkeypatch.setattr(P, "kernel", lambda family, arch, **params: _Emulated(
+        family, params, calls, _emulate_variant_prefill, _emulate_key_transform))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
@@ -416,8 +492,13 @@ def test_cpu_variant_wiring(emu, name, config):
     qo, kv = [1, 17, 40, 0, 9], [1, 40, 90, 9, 9]
     run_variant(name, DTYPES[dt], d, paged, causal, hq, hk, ps, qo, kv, seed=11, device="cpu", workspace=_cpu_ws(),
                 packed=paged)
-    fam, params = emu[0]
-    assert fam == "batch_prefill_sm90"
+    fams = [c[0] for c in emu]
+    fam, params = emu[fams.index("batch_prefill_sm90")]
+    # RoPE over ragged KV: the key-transform pass, then a kernel that reads its keys
+    pre = "rope" in name and not paged
+    assert ("key_transform" in fams) == pre and bool(params.get("keys_transformed")) == pre
+    if pre:
+        assert fams.index("key_transform") < fams.index("batch_prefill_sm90")
     if name == "causal":
         assert "variant" not in params and params["causal"]
     else:

@@ -240,7 +240,7 @@ def _prefill_rows():
         Row("alibi", plan_kw=lambda t: dict(pos_encoding_mode="ALIBI"), flex_mask=lambda t: causal,
             flex_score=alibi_mod, extra=dict(slopes=lambda: get_alibi_slopes(PH).cuda())),
         Row("sink", run_kw=lambda t: dict(sinks=t["sinks"]), extra=dict(sinks=lambda: torch.randn(PH, device="cuda"))),
-        Row("rope", plan_kw=lambda t: dict(pos_encoding_mode="ROPE_LLAMA"), note="Q and K rotated in the kernel"),
+        Row("rope", plan_kw=lambda t: dict(pos_encoding_mode="ROPE_LLAMA"), note="K rotated by a pass first, Q in the kernel"),
         Row("custom_mask", plan_kw=lambda t: dict(custom_mask=t["mask"]),
             flex_mask=lambda t: (lambda m: lambda b, h, qi, kvi: m[b, qi, kvi])(t["mask_dense"]),
             extra=dict(mask=None), note="x over plain NON-causal (no block skipping with a custom mask)"),

@@ -32,11 +32,13 @@ variant is traced in through ``Hooks``, its calls kept in plain-Python helpers (
 - ``logits`` / ``mask`` / ``kv_range`` per score element in ``_softmax``; a variant with a mask or a
   range takes the masked path on every block; a ``kv_range`` also clips the item's blocks;
 - ``transform_q``: the consumer WG rotates its Q rows in shared memory once per item;
-  ``transform_k``: the producer rotates each K block in shared memory before releasing it to the
-  consumers (one extra pass over the block by the otherwise idle producer WG).  K then always
-  comes by cp.async (a TMA write cannot be followed by a producer pass without another
-  barrier), so such a spec uses the gather producer's tiles and registers even for ragged KV
-  and ``page_box`` caches;
+  ``transform_k``: ragged KV (spec ``keys_transformed``): the wrapper runs the key-transform
+  pass (``kernels/key_transform.py``) first, once per key, and this kernel reads its output by
+  TMA like plain K.  Paged KV: the producer rotates each K block in shared memory before
+  releasing it to the consumers (one extra pass over the block by the otherwise idle producer
+  WG, repeated for every query tile); K then always comes by cp.async (a TMA write cannot be
+  followed by a producer pass without another barrier), so such a spec uses the gather
+  producer's tiles and registers even for ``page_box`` caches;
 - ``finalize`` (attention sinks) on each row's statistics in the epilogue (``first_chunk``: the
   item starting at kv 0, so a split row adds the sink once); ``output`` on final rows;
 - ``softmax = False`` (FlashSigmoid): weights are accumulated as they are; a split item writes
@@ -57,7 +59,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from ..variants.base import Ctx, Hooks
-from ..variants.trace import make_entry
+from ..variants.trace import make_entry, transform_pairs
 from .decode import _quad_max, _quad_sum
 from .bitmask import bit_set, load_words
 from .copy import cp_async_16
@@ -87,7 +89,7 @@ BOX_WARPS = 4  # paged TMA: producer warps issuing the boxes of a block (see _pr
 class BatchPrefillSm90:
     def __init__(self, dtype, head_dim: int, tile_q: int, paged: bool, causal: bool, soft_cap: bool,
                  window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1, page_box: int = 0,
-                 box_warps: int = 0, producer_regs: int = 0, variant=None):
+                 box_warps: int = 0, producer_regs: int = 0, variant=None, keys_transformed: bool = False):
         assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
         self.dtype = dtype
         self.head_dim = head_dim
@@ -95,6 +97,9 @@ class BatchPrefillSm90:
         self.num_mma_wg = tile_q // 64
         self.paged = paged
         self.hooks = H = Hooks(variant)
+        if keys_transformed:  # K comes already transformed (kernels/key_transform.py): not again here
+            assert H.has_transform_k and not paged, "keys_transformed: a ragged spec whose variant has transform_k"
+            H.has_transform_k = False
         if soft_cap and H.has_logits:
             raise ValueError("soft_cap flag with a logits variant: put SoftCap into the variant (the order matters)")
         # How K/V reach shared memory: TMA -- one box per block (ragged) or one box per page_box
@@ -559,7 +564,8 @@ class BatchPrefillSm90:
             s_hi = cute.local_tile(sK[row, None, stage], (8,), (c + half,))
             cute.autovec_copy(s_lo, lo)
             cute.autovec_copy(s_hi, hi)
-            self._transform_pairs(base, blk + row, lo, hi, c * 8)
+            transform_pairs(self.hooks, self._trace_vargs, base.replace(kv_pos=blk + row), lo, hi, c * 8, self.dtype,
+                            query=False)
             cute.autovec_copy(lo, s_lo)
             cute.autovec_copy(hi, s_hi)
 
@@ -577,20 +583,6 @@ class BatchPrefillSm90:
                   sm_scale=self._trace_sm_scale)
         self.hooks.transform_k(ctx, self._trace_vargs, Float32(0.0), Float32(0.0), Int32(0))
         return ctx
-
-    def _transform_pairs(self, base, pos, lo, hi, d0, query=False):
-        """(lo[e], hi[e]) = transform(ctx at pos, lo[e], hi[e], dim d0 + e) for the 8 elements of
-        two 16-byte chunks (dims d0.. and d0 + D/2..), rounded back to the input dtype."""
-        H, va = self.hooks, self._trace_vargs
-        ctx = base.replace(**({"q_pos": pos} if query else {"kv_pos": pos}))
-        for e in range(8):
-            a, b = lo[e].to(Float32), hi[e].to(Float32)
-            if query:
-                a, b = H.transform_q(ctx, va, a, b, d0 + e)
-            else:
-                a, b = H.transform_k(ctx, va, a, b, d0 + e)
-            lo[e] = a.to(self.dtype)
-            hi[e] = b.to(self.dtype)
 
     def _clip_blocks(self, w, kv_start, first, n_blocks):
         """Blocks of an item clipped to the variant's kv_range (bounds non-decreasing in q_pos:
@@ -719,7 +711,8 @@ class BatchPrefillSm90:
             s_hi = cute.local_tile(sQ[j, None], (8,), (c + half,))
             cute.autovec_copy(s_lo, lo)
             cute.autovec_copy(s_hi, hi)
-            self._transform_pairs(ctx, kv_len - qo_len + row // g, lo, hi, c * 8, query=True)
+            transform_pairs(self.hooks, self._trace_vargs, ctx.replace(q_pos=kv_len - qo_len + row // g), lo, hi,
+                            c * 8, self.dtype, query=True)
             cute.autovec_copy(lo, s_lo)
             cute.autovec_copy(hi, s_hi)
 
@@ -1130,5 +1123,5 @@ def build_batch_prefill_sm90(spec):
     k = BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"], p["soft_cap"],
                          p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1),
                          p.get("page_box", 0), p.get("box_warps", 0), p.get("producer_regs", 0),
-                         variant)
+                         variant, p.get("keys_transformed", False))
     return make_entry(k, _prefill_abi_fixed(p), abi_args(variant))

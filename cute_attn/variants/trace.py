@@ -10,6 +10,8 @@ argument and ``runtime.abi.check_header`` can match it).  It forwards to the ker
 ``transform_fragment`` applies ``transform_q``/``transform_k`` to an MMA operand fragment in
 registers: for the m16n8k16 A/B layouts every thread holds dims ``d`` and ``d + D/2`` of the
 same row at k-blocks ``kb`` and ``kb + K/2``, so a RoPE-style pair rotation needs no shuffle.
+``transform_pairs`` does the same for two 16-byte chunks of one row (dims ``d0..d0+7`` and
+``d0 + D/2..``) held in registers: the prefill kernel's Q rows and the key-transform pass.
 """
 from __future__ import annotations
 
@@ -64,3 +66,14 @@ def transform_fragment(frag: cute.Tensor, coords: cute.Tensor, hook: Callable, c
                 lo, hi = hook(ctx_of(c[0]), lo, hi, c[1])
                 frag[i, m, kb] = lo.to(dtype)
                 frag[i, m, kb + half] = hi.to(dtype)
+
+
+def transform_pairs(hooks, vargs, ctx, lo: cute.Tensor, hi: cute.Tensor, d0, dtype, query: bool):
+    """In place: ``(lo[e], hi[e]) = transform(ctx, lo[e], hi[e], d0 + e)`` for the 8 elements of
+    two register chunks of one row (dims ``d0..`` and ``d0 + D/2..``), computed in fp32 and
+    rounded back to ``dtype``; ``transform_q`` if ``query`` else ``transform_k``."""
+    hook = hooks.transform_q if query else hooks.transform_k
+    for e in range(8):
+        a, b = hook(ctx, vargs, lo[e].to(Float32), hi[e].to(Float32), d0 + e)
+        lo[e] = a.to(dtype)
+        hi[e] = b.to(dtype)
