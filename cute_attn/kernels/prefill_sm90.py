@@ -63,6 +63,7 @@ from ..variants.trace import make_entry, transform_pairs
 from .decode import _quad_max, _quad_sum
 from .bitmask import bit_set, load_words
 from .copy import cp_async_16
+from .fastmath import exp2_fma
 from .work import WorkItem
 
 LOG2E = math.log2(math.e)
@@ -84,12 +85,14 @@ REGS = {(2, False): (24, 240), (2, True): (56, 224), (1, False): (56, 256), (1, 
 BAR_WG0, BAR_PINGPONG0, BAR_PRODUCER = 1, 3, 5
 ROW_RING = 3  # blocks of page lookups staged in smem by the gather producer (see _produce)
 BOX_WARPS = 4  # paged TMA: producer warps issuing the boxes of a block (see _produce)
+EXP_EMU_SOFT_CAP = 3  # soft-cap kernels: score columns (of every 8) whose 2^x avoids the MUFU
 
 
 class BatchPrefillSm90:
     def __init__(self, dtype, head_dim: int, tile_q: int, paged: bool, causal: bool, soft_cap: bool,
                  window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1, page_box: int = 0,
-                 box_warps: int = 0, producer_regs: int = 0, variant=None, keys_transformed: bool = False):
+                 box_warps: int = 0, producer_regs: int = 0, variant=None, keys_transformed: bool = False,
+                 exp_emu: int = -1):
         assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
         self.dtype = dtype
         self.head_dim = head_dim
@@ -130,6 +133,10 @@ class BatchPrefillSm90:
         # tensor cores are busy enough with one WG's GEMMs (as FA3)
         self.pingpong = self.num_mma_wg == 2 and (head_dim <= 128 if pingpong < 0 else bool(pingpong))
         self.rescale_before_pv = head_dim > 128
+        # exp_emu of every 8 score columns take 2^x from FMA-pipe arithmetic instead of the
+        # MUFU: worth it only where the MUFU is the bottleneck -- with the soft-cap's tanh it
+        # has as much work as the tensor cores (kernels/fastmath.py)
+        self.exp_emu = (EXP_EMU_SOFT_CAP if soft_cap else 0) if exp_emu < 0 else exp_emu
         # The output goes out through its own staging tile (coalesced 16-byte stores), so the
         # next item's Q can be prefetched into sQ during this item's last PV and epilogue.  At
         # hd256 only half of O's columns fit next to Q and the K/V stages: it is staged in two
@@ -138,23 +145,19 @@ class BatchPrefillSm90:
 
     # ---- variant hook points -------------------------------------------------------------
     def _row_scale(self, scale_log2):
-        """What turns S (and row_m, kept in S's units) into base-2 logits: sm_scale·log2 e for
-        raw q·k, 1 after the soft-cap (``_logits`` returns base 2), log2 e after a variant's
-        logits (natural units; the factor folds into the softmax's FFMA, not a multiply per
-        score)."""
-        if const_expr(self.soft_cap):
-            return Float32(1.0)
+        """What turns S (and row_m, kept in S's units) into base-2 logits: ``scale_log2`` --
+        sm_scale·log2 e for raw q·k, cap·log2 e after the soft-cap (S then holds tanh(q·k ·
+        sm_scale / cap), see ``host``) -- or log2 e after a variant's logits (natural units).
+        The factor folds into the softmax's FFMA, not a multiply per score."""
         if const_expr(self.hooks.has_logits):
             return Float32(LOG2E)
         return scale_log2
 
     @cute.jit
-    def _logits(self, s: Float32, scale_log2: Float32, cap_log2: Float32, inv_cap_scaled: Float32) -> Float32:
-        """Raw q·k -> logit in base 2.  Soft-cap: cap * tanh(q·k * sm_scale / cap)."""
-        out = s * scale_log2
-        if const_expr(self.soft_cap):
-            out = cap_log2 * cute.math.tanh(s * inv_cap_scaled, fastmath=True)
-        return out
+    def _logits(self, s: Float32, inv_cap_scaled: Float32) -> Float32:
+        """The soft-cap on raw q·k, in units of cap (``_row_scale`` has the factor): tanh(q·k ·
+        sm_scale / cap)."""
+        return cute.math.tanh(s * inv_cap_scaled, fastmath=True)
 
     @cute.jit
     def _visible(self, kv_pos: Int32, kv_end: Int32, q_pos: Int32, window_left: Int32):
@@ -226,10 +229,12 @@ class BatchPrefillSm90:
 
         if const_expr(Smem.size_in_bytes() > SMEM_MAX):
             raise ValueError(f"{Smem.size_in_bytes()} bytes of shared memory > {SMEM_MAX}: fewer stages or keys per block")
-        scale_log2 = sm_scale * LOG2E
         cap = soft_cap if soft_cap > Float32(0.0) else Float32(1.0)
+        scale_log2 = sm_scale * LOG2E  # S's units -> base-2 logits (see _row_scale)
+        if const_expr(self.soft_cap):
+            scale_log2 = cap * LOG2E
         self.kernel(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse,
-                    tma_k, tK, tma_v, tV, var_tensors, group, scale_log2, cap * LOG2E, sm_scale / cap, window_left,
+                    tma_k, tK, tma_v, tV, var_tensors, group, scale_log2, sm_scale / cap, window_left,
                     sm_scale, var_scalars, sQ_layout, sO_layout, sKV_layout, mma_qk, mma_pv, Smem).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
@@ -240,7 +245,7 @@ class BatchPrefillSm90:
                mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
                tma_k: Optional[cute.CopyAtom], tK: Optional[cute.Tensor], tma_v: Optional[cute.CopyAtom],
                tV: Optional[cute.Tensor], var_tensors: tuple,
-               group: Int32, scale_log2: Float32, cap_log2: Float32, inv_cap_scaled: Float32,
+               group: Int32, scale_log2: Float32, inv_cap_scaled: Float32,
                window_left: Int32, sm_scale: Float32, var_scalars: tuple, sQ_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                Smem: cutlass.Constexpr):
@@ -294,7 +299,7 @@ class BatchPrefillSm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._consume(mQ, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, sQ, sK, sV, sO, pipe_k, pipe_v,
-                          mma_qk, mma_pv, cta, tidx - WG, group, scale_log2, cap_log2, inv_cap_scaled,
+                          mma_qk, mma_pv, cta, tidx - WG, group, scale_log2, inv_cap_scaled,
                           window_left)
 
     @cute.jit
@@ -719,7 +724,7 @@ class BatchPrefillSm90:
     # ---- consumers -----------------------------------------------------------------------
     @cute.jit
     def _consume(self, mQ, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, sQ, sK, sV, sO, pipe_k, pipe_v,
-                 mma_qk, mma_pv, cta, ct, group, scale_log2, cap_log2, inv_cap_scaled, window_left):
+                 mma_qk, mma_pv, cta, ct, group, scale_log2, inv_cap_scaled, window_left):
         TN, D, TQ = self.tile_n, self.head_dim, self.tile_q
         wg = ct // WG  # consumer warpgroup 0 / 1: packed rows [64 wg, 64 wg + 64) of the tile
         tw = ct % WG
@@ -796,7 +801,7 @@ class BatchPrefillSm90:
                 warpgroup.wait_group(0)
                 pipe_k.consumer_release(state)
                 self._mask_softmax(acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
-                                   cap_log2, inv_cap_scaled, window_left)
+                                   inv_cap_scaled, window_left)
                 rP.store(acc_S.load().to(self.dtype))
                 for j in cutlass.range(1, n_blocks - first, unroll=1):
                     blk = kv_start + (n_blocks - 1 - j) * TN
@@ -815,7 +820,7 @@ class BatchPrefillSm90:
                     warpgroup.wait_group(1)  # S(j) is ready; PV(j-1) may still run
                     pipe_k.consumer_release(state)
                     self._mask_softmax(acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
-                                       cap_log2, inv_cap_scaled, window_left)
+                                       inv_cap_scaled, window_left)
                     warpgroup.wait_group(0)
                     pipe_v.consumer_release(v_state)
                     rP.store(acc_S.load().to(self.dtype))
@@ -910,7 +915,7 @@ class BatchPrefillSm90:
 
     @cute.jit
     def _mask_softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
-                      cap_log2, inv_cap_scaled, window_left):
+                      inv_cap_scaled, window_left):
         """Masked softmax only where some key of the block may be invisible to some row of the
         tile (the partial last block, the causal diagonal, the window's left edge)."""
         need_mask = blk + self.tile_n > kv_end
@@ -921,14 +926,14 @@ class BatchPrefillSm90:
         # a variant mask / range masks every block per element; the bounds (item end, causal,
         # window) only where they cut the block
         if need_mask:
-            self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
+            self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
                           inv_cap_scaled, window_left, True, True)
         else:
-            self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
+            self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
                           inv_cap_scaled, window_left, self.mask_all, False)
 
     @cute.jit
-    def _softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, cap_log2,
+    def _softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
                  inv_cap_scaled, window_left, masked: cutlass.Constexpr, bounds: cutlass.Constexpr):
         """Online softmax of one block in place: S -> P = exp2(S * scale - m * scale), l rescaled;
         the factor O must be rescaled by goes to ``corr`` (O may still be in use by a wgmma).
@@ -956,7 +961,7 @@ class BatchPrefillSm90:
                         off = Float32(self._trace_col_off[c])
                         v = self._hook_logits(r, kv_pos, v, kv_f0 + off, rel_f0 + off)
                     elif const_expr(self.soft_cap):
-                        v = self._logits(v, scale_log2, cap_log2, inv_cap_scaled)
+                        v = self._logits(v, inv_cap_scaled)
                     if const_expr(masked):
                         ok = self._bounds_ok(bounds, kv_pos, kv_end, q_pos[r], window_left)
                         if const_expr(self.mask_all):
@@ -975,7 +980,10 @@ class BatchPrefillSm90:
                 m_scaled = m_use * scale
                 corr[r] = cute.math.exp2(row_m[r] * scale - m_scaled, fastmath=True)
                 for c in cutlass.range_constexpr(ncol):
-                    S[r, c] = cute.math.exp2(S[r, c] * scale - m_scaled, fastmath=True)
+                    if const_expr(c % 8 < self.exp_emu):  # on the FMA pipe (kernels/fastmath.py)
+                        S[r, c] = exp2_fma(S[r, c] * scale - m_scaled)
+                    else:
+                        S[r, c] = cute.math.exp2(S[r, c] * scale - m_scaled, fastmath=True)
                 part = [S[r, c] for c in range(4)]
                 for c in cutlass.range_constexpr(4, ncol):
                     part[c % 4] = part[c % 4] + S[r, c]
@@ -1123,5 +1131,5 @@ def build_batch_prefill_sm90(spec):
     k = BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"], p["soft_cap"],
                          p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1),
                          p.get("page_box", 0), p.get("box_warps", 0), p.get("producer_regs", 0),
-                         variant, p.get("keys_transformed", False))
+                         variant, p.get("keys_transformed", False), p.get("exp_emu", -1))
     return make_entry(k, _prefill_abi_fixed(p), abi_args(variant))
