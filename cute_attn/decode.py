@@ -273,7 +273,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                         for b in range(len(kv_lens))] + [np.zeros(1, np.uint8)])
             packed = torch.from_numpy(packed_np)
         packed = packed.reshape(-1).to(device=self._device, dtype=torch.uint8)
-        return CustomMask(packed_custom_mask=packed,
+        return CustomMask(packed_custom_mask=CustomMask.words(packed),
                           mask_indptr=torch.from_numpy(mask_indptr).to(self._device))
 
     @staticmethod

@@ -456,10 +456,13 @@ class _BatchPrefillBase:
             if packed.numel() > mbuf.numel() or indptr_t.numel() > ibuf.numel():
                 raise ValueError(f"the packed mask ({packed.numel()} bytes, {indptr_t.numel()} offsets) exceeds "
                                  f"custom_mask_buf / mask_indptr_buf ({mbuf.numel()} / {ibuf.numel()})")
+            if getattr(self, "_mask_words_buf", None) is None:  # the kernel reads words: a fixed int32 twin
+                self._mask_words_buf = torch.zeros(mbuf.numel() // 4 + 1, dtype=torch.int32, device=self._device)
             mbuf[:packed.numel()].copy_(packed.to(torch.uint8), non_blocking=True)
             ibuf[:indptr_t.numel()].copy_(indptr_t, non_blocking=True)
-            return CustomMask(packed_custom_mask=mbuf, mask_indptr=ibuf)
-        return CustomMask(packed_custom_mask=packed.to(device=self._device, dtype=torch.uint8, non_blocking=True),
+            return CustomMask(packed_custom_mask=CustomMask.words(mbuf[:packed.numel()], self._mask_words_buf),
+                              mask_indptr=ibuf)
+        return CustomMask(packed_custom_mask=CustomMask.words(packed.to(device=self._device, dtype=torch.uint8)),
                           mask_indptr=indptr_t.to(self._device, non_blocking=True))
 
     def _get_planner(self, batch, total_q, hq, hk, d, num_ctas) -> Planner:

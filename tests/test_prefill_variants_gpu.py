@@ -407,7 +407,7 @@ def _emulate_variant_prefill(p, q, k4, v4, kv_indptr, kv_indices, out, lse, work
                 elif isinstance(comp, CustomMask):
                     base = int(a["mask_indptr"][b])
                     bit = (qpos - (klen - qlen))[:, None] * klen + pos[None, :]
-                    byte = a["packed_custom_mask"].long()[base + bit // 8]
+                    byte = a["packed_custom_mask"].view(torch.uint8).long()[base + bit // 8]
                     keep &= ((byte >> (bit % 8)) & 1) != 0
                 elif isinstance(comp, AttentionSink):
                     sink = a["sinks"].double()[heads] * LOG2E

@@ -631,13 +631,16 @@ class BatchPrefillSm90:
             ok = _and(ok, kv_pos < hi)
         return ok
 
-    def _mask_words(self, r, blk, tScS, masked: bool):
-        """Per ``mask_bits`` component of row r: the bits of this thread's keys of the block at
-        blk as words (``bitmask.load_words``), bit j of word k = key blk + col0 + 32k + j."""
-        if not (masked and self.hooks.has_mask_bits):
-            return []
-        return [load_words(t, off + blk + tScS[0, 0][1], self._trace_col_off[-1] + 1)
-                for t, off in self._trace_rows[r][3]]
+    def _mask_words(self, blk, tScS):
+        """Per row of this thread, per ``mask_bits`` component: the bits of its keys of the
+        block at blk as words (``bitmask.load_words``), bit j of word k = key blk + col0 + 32k +
+        j.  Loaded before the block's QK wait (a variant mask tests every block), so their
+        latency hides under the GEMM."""
+        if not self.hooks.has_mask_bits:
+            return None
+        n_rows = len(self._trace_rows)
+        return [[load_words(t, off + blk + tScS[0, 0][1], self._trace_col_off[-1] + 1)
+                 for t, off in self._trace_rows[r][3]] for r in range(n_rows)]
 
     def _bounds_ok(self, bounds: bool, kv_pos, kv_end, q_pos, window_left):
         """The item-end / causal / window test of a score, or None in a block they do not cut."""
@@ -796,17 +799,19 @@ class BatchPrefillSm90:
             acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((TQ, TN)), Float32)
             if n_blocks > first:
                 blk = kv_start + (n_blocks - 1) * TN
+                first_words = self._mask_words(blk, tScS)
                 pipe_k.consumer_wait(state)
                 self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
                 warpgroup.wait_group(0)
                 pipe_k.consumer_release(state)
                 self._mask_softmax(acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
-                                   inv_cap_scaled, window_left)
+                                   inv_cap_scaled, window_left, first_words)
                 rP.store(acc_S.load().to(self.dtype))
                 for j in cutlass.range(1, n_blocks - first, unroll=1):
                     blk = kv_start + (n_blocks - 1 - j) * TN
                     v_state = state.clone()
                     state.advance()
+                    blk_words = self._mask_words(blk, tScS)
                     pipe_k.consumer_wait(state)
                     self._pingpong_wait(wg)
                     self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
@@ -820,7 +825,7 @@ class BatchPrefillSm90:
                     warpgroup.wait_group(1)  # S(j) is ready; PV(j-1) may still run
                     pipe_k.consumer_release(state)
                     self._mask_softmax(acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
-                                       inv_cap_scaled, window_left)
+                                       inv_cap_scaled, window_left, blk_words)
                     warpgroup.wait_group(0)
                     pipe_v.consumer_release(v_state)
                     rP.store(acc_S.load().to(self.dtype))
@@ -915,7 +920,7 @@ class BatchPrefillSm90:
 
     @cute.jit
     def _mask_softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
-                      inv_cap_scaled, window_left):
+                      inv_cap_scaled, window_left, words):
         """Masked softmax only where some key of the block may be invisible to some row of the
         tile (the partial last block, the causal diagonal, the window's left edge)."""
         need_mask = blk + self.tile_n > kv_end
@@ -927,14 +932,14 @@ class BatchPrefillSm90:
         # window) only where they cut the block
         if need_mask:
             self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
-                          inv_cap_scaled, window_left, True, True)
+                          inv_cap_scaled, window_left, words, True, True)
         else:
             self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
-                          inv_cap_scaled, window_left, self.mask_all, False)
+                          inv_cap_scaled, window_left, words, self.mask_all, False)
 
     @cute.jit
     def _softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
-                 inv_cap_scaled, window_left, masked: cutlass.Constexpr, bounds: cutlass.Constexpr):
+                 inv_cap_scaled, window_left, words, masked: cutlass.Constexpr, bounds: cutlass.Constexpr):
         """Online softmax of one block in place: S -> P = exp2(S * scale - m * scale), l rescaled;
         the factor O must be rescaled by goes to ``corr`` (O may still be in use by a wgmma).
         ``row_m`` is kept in S's units (raw q·k, or the logits after a soft-cap or a variant's
@@ -953,7 +958,7 @@ class BatchPrefillSm90:
                 rel_f0 = Float32(0.0)
                 if const_expr(H.has_logits):
                     rel_f0 = kv_f0 - q_pos[r].to(Float32)
-                bitmaps = self._mask_words(r, blk, tScS, masked)
+                bitmaps = words[r] if masked and words is not None else []
                 for c in cutlass.range_constexpr(ncol):
                     v = S[r, c]
                     kv_pos = blk + tScS[0, c][1]

@@ -97,9 +97,28 @@ class AttentionSink(Variant):
 class CustomMask(Variant):
     """A boolean mask per request, bit-packed as FlashInfer's ``packed_custom_mask``: request
     ``b``'s ``[qo_len, kv_len]`` row-major bits start at byte ``mask_indptr[b]``, little bit
-    order.  A bitmap (``mask_bits``), tested in registers by both kernels.  No block skipping."""
+    order.  A bitmap (``mask_bits``), tested in registers by both kernels.  No block skipping.
+    ``packed_custom_mask`` is passed as int32 words holding those bytes (:meth:`words`): a
+    kernel then reads a row's bits of a block with a few word loads instead of a load per byte."""
 
-    runtime = (TensorParam("packed_custom_mask", "u8", 1), TensorParam("mask_indptr", "i32", 1))
+    runtime = (TensorParam("packed_custom_mask", "i32", 1), TensorParam("mask_indptr", "i32", 1))
+
+    @staticmethod
+    def words(packed, out=None):
+        """FlashInfer's packed mask bytes (uint8) as int32 words (zero-padded to whole words): a
+        new tensor, or written into ``out`` (an int32 buffer, e.g. one a CUDA graph captured)."""
+        import torch
+
+        n = packed.numel()
+        nw = n // 4 + 1
+        if out is None:
+            out = torch.zeros(nw, dtype=torch.int32, device=packed.device)
+        elif out.dtype != torch.int32 or out.numel() < nw:
+            raise ValueError(f"the mask needs {nw} int32 words, the buffer has {out.numel()} {out.dtype}")
+        else:
+            out[n // 4:nw].zero_()  # the last (partial) word's padding
+        out.view(torch.uint8)[:n].copy_(packed.reshape(-1), non_blocking=True)
+        return out
 
     def mask_bits(self, ctx):
         a = ctx.args
