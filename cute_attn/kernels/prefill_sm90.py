@@ -569,8 +569,7 @@ class BatchPrefillSm90:
             s_hi = cute.local_tile(sK[row, None, stage], (8,), (c + half,))
             cute.autovec_copy(s_lo, lo)
             cute.autovec_copy(s_hi, hi)
-            transform_pairs(self.hooks, self._trace_vargs, base.replace(kv_pos=blk + row), lo, hi, c * 8, self.dtype,
-                            query=False)
+            self._transform_key_pairs(base, blk + row, lo, hi, c * 8)
             cute.autovec_copy(lo, s_lo)
             cute.autovec_copy(hi, s_hi)
 
@@ -588,6 +587,11 @@ class BatchPrefillSm90:
                   sm_scale=self._trace_sm_scale)
         self.hooks.transform_k(ctx, self._trace_vargs, Float32(0.0), Float32(0.0), Int32(0))
         return ctx
+
+    def _transform_key_pairs(self, base, kv_pos, lo, hi, d0):
+        """``transform_pairs`` for key ``kv_pos`` (a helper: a ``base.replace`` written in the
+        caller's runtime loop would make the DSL carry the Ctx through it)."""
+        transform_pairs(self.hooks, self._trace_vargs, base.replace(kv_pos=kv_pos), lo, hi, d0, self.dtype, query=False)
 
     def _clip_blocks(self, w, kv_start, first, n_blocks):
         """Blocks of an item clipped to the variant's kv_range (bounds non-decreasing in q_pos:
