@@ -84,6 +84,13 @@ def _case(name, hq, gen, qo_lens, kv_lens, causal, dev, packed=False):
         mask = torch.rand(sum(q * k for q, k in zip(qo_lens, kv_lens)), generator=gen) < 0.7
         plan = dict(packed_custom_mask=_segment_packbits(mask, qo_lens, kv_lens)) if packed else dict(custom_mask=mask)
         return plan, (), {}, dict(custom_mask=mask)
+    if name == "custom_mask_docs":  # documents of 200 tokens, causal inside: large all-0 / all-1 regions
+        parts = []
+        for q, k in zip(qo_lens, kv_lens):
+            qpos, kpos = torch.arange(k - q, k)[:, None], torch.arange(k)[None, :]
+            parts.append(((qpos // 200 == kpos // 200) & (kpos <= qpos)).reshape(-1))
+        mask = torch.cat(parts)
+        return dict(custom_mask=mask), (), {}, dict(custom_mask=mask)
     if name == "sigmoid":
         return dict(variant=FlashSigmoid(sigmoid_bias=-1.5)), (), {}, dict(sigmoid_bias=-1.5, **ref_causal)
     if name == "rel_bias":  # the user-defined example: its table is run()'s extra argument
@@ -168,6 +175,15 @@ def test_variant_prefill_split_kv(name):
     w = run_variant(name, torch.bfloat16, 128, False, True, 32, 8, 0, [300, 1, 64], [5000, 2000, 64],
                     fixed_split_size=2048)[0]
     assert w._plan.has_split
+
+
+@gpu
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[3]], ids=lambda c: c[0])
+def test_custom_mask_uniform_blocks(config):
+    """A document-causal mask: most warps' bits of a block are all 0 (the softmax is skipped)
+    or all 1 (the mask-free path), the rest mixed; a request whose bits all fit one block."""
+    _, dt, d, paged, causal, hq, hk, ps = config
+    run_variant("custom_mask_docs", DTYPES[dt], d, paged, causal, hq, hk, ps, [600, 1, 333, 40], [900, 50, 1400, 40])
 
 
 @gpu

@@ -243,7 +243,7 @@ def _prefill_rows():
         Row("rope", plan_kw=lambda t: dict(pos_encoding_mode="ROPE_LLAMA"), note="K rotated by a pass first, Q in the kernel"),
         Row("custom_mask", plan_kw=lambda t: dict(custom_mask=t["mask"]),
             flex_mask=lambda t: (lambda m: lambda b, h, qi, kvi: m[b, qi, kvi])(t["mask_dense"]),
-            extra=dict(mask=None), note="x over plain NON-causal (no block skipping with a custom mask)"),
+            extra=dict(mask=None), note="x over plain NON-causal (warps skip the softmax of all-0 blocks; every GEMM runs)"),
         Row("sigmoid", plan_kw=lambda t: dict(variant=FlashSigmoid(sigmoid_bias=-2.0)), flex_mask=lambda t: causal,
             flex_score=sigmoid_mod, note="flex: log-sigmoid score_mod (normalized, not the same math)"),
         Row("rel_bias (user example)", plan_kw=lambda t: dict(variant=RelativePositionBias()),

@@ -9,10 +9,11 @@ key is read, transformed and written once (memory-bound: 2 x the K bytes), and t
 kernel (spec ``keys_transformed``) reads the result by TMA like plain K; only Q is transformed
 in the kernel, once per work item.
 
-Work split: a *unit* is chunks ``c`` and ``c + D/16`` of one key row (token, kv head): the 8
-pairs of dims (d, d + D/2) a RoPE-style transform combines, 2 x 16 bytes.  Units are numbered
-token-major and walked by a grid-stride loop, so each thread's tokens only increase and the
-request of a token is found by a cursor over ``kv_indptr`` that only moves forward.  The loop
+Work split: a thread takes chunks ``c`` and ``c + D/16`` of key rows (token, kv head): the 8
+pairs of dims (d, d + D/2) a RoPE-style transform combines, 2 x 16 bytes per row; ``c`` is
+fixed per thread.  Rows are numbered token-major and walked by a grid-stride loop, two per
+iteration, so each thread's tokens only increase and the request of a token is found by a
+cursor over ``kv_indptr`` that only moves forward.  The loop
 bound (``kv_indptr[batch]``) is read on the device: a captured graph replays any plan whose
 indptr lies in the same buffer (unused tail entries repeat the last offset: empty requests).
 Plain SIMT loads and stores, so nothing here is Hopper-specific.
@@ -36,7 +37,8 @@ class KeyTransform:
         if not self.hooks.has_transform_k:
             raise ValueError(f"key_transform: variant {variant!r} has no transform_k")
         self.dtype, self.head_dim = dtype, head_dim
-        self.half = head_dim // 16  # units per key row: 16-byte chunk pairs (c, c + half)
+        self.half = head_dim // 16  # threads per key row: each takes 16-byte chunks c and c + half
+        self.rows_per_cta = THREADS // self.half
 
     @cute.jit
     def host(self, mK: cute.Tensor, mKout: cute.Tensor, mQoIndptr: cute.Tensor, mKvIndptr: cute.Tensor,
@@ -56,31 +58,47 @@ class KeyTransform:
         nctas, _, _ = cute.arch.grid_dim()
         H, half = self.hooks, self.half
         vargs = H.bind(var_tensors, var_scalars)
-        kv_heads = mK.shape[2]
-        per_token = kv_heads * half
+        heads = cute.FastDivmodDivisorV2(mK.shape[2])  # row -> (token, head): multiply-high, no division
+        # thread t always takes chunk pair c = t % half of its rows (the stride is a multiple of
+        # the rows per CTA), so what a transform computes per dimension (RoPE's frequencies) is
+        # loop-invariant and computed once
+        c = tidx % half
+        stride = nctas * self.rows_per_cta
+        end = mKvIndptr[batch] * heads.divisor
         req = Int32(0)
         kv_start, kv_end = mKvIndptr[0], mKvIndptr[1]
-        first = kv_start * per_token + cta * THREADS + tidx
-        for u in cutlass.range(first, mKvIndptr[batch] * per_token, nctas * THREADS, unroll=1):
-            c = u % half
-            rest = u // half
-            token = rest // kv_heads
-            head = rest - token * kv_heads
-            while token >= kv_end:  # the next non-empty request (kv_indptr is non-decreasing)
-                req += 1
-                kv_start = kv_end
-                kv_end = mKvIndptr[req + 1]
-            ctx = Ctx(batch=req, kv_head=head, kv_pos=token - kv_start, qo_len=mQoIndptr[req + 1] - mQoIndptr[req],
-                      kv_len=kv_end - kv_start, head_dim=self.head_dim, sm_scale=sm_scale)
-            src = mK[0, token, head, None]
-            dst = mKout[0, token, head, None]
-            lo = cute.make_rmem_tensor((8,), self.dtype)
-            hi = cute.make_rmem_tensor((8,), self.dtype)
-            cute.autovec_copy(cute.local_tile(src, (8,), (c,)), lo)
-            cute.autovec_copy(cute.local_tile(src, (8,), (c + half,)), hi)
-            transform_pairs(H, vargs, ctx, lo, hi, c * 8, self.dtype, query=False)
-            cute.autovec_copy(lo, cute.local_tile(dst, (8,), (c,)))
-            cute.autovec_copy(hi, cute.local_tile(dst, (8,), (c + half,)))
+        # two rows per iteration, both loaded before either is transformed (more bytes in flight)
+        first = kv_start * heads.divisor + cta * self.rows_per_cta + tidx // half
+        for r0 in cutlass.range(first, end, 2 * stride, unroll=1):
+            rows = [r0, r0 + stride]
+            lo = [cute.make_rmem_tensor((8,), self.dtype) for _ in rows]
+            hi = [cute.make_rmem_tensor((8,), self.dtype) for _ in rows]
+            token, head = [], []
+            for i in cutlass.range_constexpr(2):
+                t, h = divmod(cutlass.min(rows[i], end - 1), heads)  # a past-the-end row re-reads the last
+                token.append(t)
+                head.append(h)
+                src = mK[0, t, h, None]
+                cute.autovec_copy(cute.local_tile(src, (8,), (c,)), lo[i])
+                cute.autovec_copy(cute.local_tile(src, (8,), (c + half,)), hi[i])
+            for i in cutlass.range_constexpr(2):
+                while token[i] >= kv_end:  # the next non-empty request (kv_indptr is non-decreasing)
+                    req += 1
+                    kv_start = kv_end
+                    kv_end = mKvIndptr[req + 1]
+                self._transform_row(req, head[i], token[i] - kv_start, mQoIndptr[req + 1] - mQoIndptr[req],
+                                    kv_end - kv_start, sm_scale, vargs, lo[i], hi[i], c)
+            for i in cutlass.range_constexpr(2):
+                if rows[i] < end:
+                    dst = mKout[0, token[i], head[i], None]
+                    cute.autovec_copy(lo[i], cute.local_tile(dst, (8,), (c,)))
+                    cute.autovec_copy(hi[i], cute.local_tile(dst, (8,), (c + half,)))
+
+    def _transform_row(self, req, head, kv_pos, qo_len, kv_len, sm_scale, vargs, lo, hi, c):
+        """transform_k on one row's chunk pair (a helper: the Ctx stays out of the kernel's loop)."""
+        ctx = Ctx(batch=req, kv_head=head, kv_pos=kv_pos, qo_len=qo_len, kv_len=kv_len, head_dim=self.head_dim,
+                  sm_scale=sm_scale)
+        transform_pairs(self.hooks, vargs, ctx, lo, hi, c * 8, self.dtype, query=False)
 
 
 _DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}

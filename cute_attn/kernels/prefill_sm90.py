@@ -54,7 +54,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass import Float32, Int32, Uint32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
@@ -63,7 +63,6 @@ from ..variants.trace import make_entry, transform_pairs
 from .decode import _quad_max, _quad_sum
 from .bitmask import bit_set, load_words
 from .copy import cp_async_16
-from .fastmath import exp2_fma
 from .work import WorkItem
 
 LOG2E = math.log2(math.e)
@@ -85,14 +84,12 @@ REGS = {(2, False): (24, 240), (2, True): (56, 224), (1, False): (56, 256), (1, 
 BAR_WG0, BAR_PINGPONG0, BAR_PRODUCER = 1, 3, 5
 ROW_RING = 3  # blocks of page lookups staged in smem by the gather producer (see _produce)
 BOX_WARPS = 4  # paged TMA: producer warps issuing the boxes of a block (see _produce)
-EXP_EMU_SOFT_CAP = 3  # soft-cap kernels: score columns (of every 8) whose 2^x avoids the MUFU
 
 
 class BatchPrefillSm90:
     def __init__(self, dtype, head_dim: int, tile_q: int, paged: bool, causal: bool, soft_cap: bool,
                  window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1, page_box: int = 0,
-                 box_warps: int = 0, producer_regs: int = 0, variant=None, keys_transformed: bool = False,
-                 exp_emu: int = -1):
+                 box_warps: int = 0, producer_regs: int = 0, variant=None, keys_transformed: bool = False):
         assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
         self.dtype = dtype
         self.head_dim = head_dim
@@ -133,10 +130,6 @@ class BatchPrefillSm90:
         # tensor cores are busy enough with one WG's GEMMs (as FA3)
         self.pingpong = self.num_mma_wg == 2 and (head_dim <= 128 if pingpong < 0 else bool(pingpong))
         self.rescale_before_pv = head_dim > 128
-        # exp_emu of every 8 score columns take 2^x from FMA-pipe arithmetic instead of the
-        # MUFU: worth it only where the MUFU is the bottleneck -- with the soft-cap's tanh it
-        # has as much work as the tensor cores (kernels/fastmath.py)
-        self.exp_emu = (EXP_EMU_SOFT_CAP if soft_cap else 0) if exp_emu < 0 else exp_emu
         # The output goes out through its own staging tile (coalesced 16-byte stores), so the
         # next item's Q can be prefetched into sQ during this item's last PV and epilogue.  At
         # hd256 only half of O's columns fit next to Q and the K/V stages: it is staged in two
@@ -646,6 +639,22 @@ class BatchPrefillSm90:
         return [[load_words(t, off + blk + tScS[0, 0][1], self._trace_col_off[-1] + 1)
                  for t, off in self._trace_rows[r][3]] for r in range(n_rows)]
 
+    def _bits_uniform(self, words):
+        """(no key visible, every key visible) to this warp's rows in the block by the bitmaps
+        of ``_mask_words`` (this thread's columns only; warp-uniform votes)."""
+        none_seen, all_seen = None, None
+        masks = [0] * ((self._trace_col_off[-1] + 32) // 32)
+        for off in self._trace_col_off:
+            masks[off // 32] |= 1 << (off % 32)
+        for per_row in words:
+            for bits in per_row:
+                for k, wd in enumerate(bits):
+                    m = Uint32(masks[k])
+                    x = wd & m
+                    none_seen = _and(none_seen, x == Uint32(0))
+                    all_seen = _and(all_seen, x == m)
+        return cute.arch.vote_all_sync(none_seen), cute.arch.vote_all_sync(all_seen)
+
     def _bounds_ok(self, bounds: bool, kv_pos, kv_end, q_pos, window_left):
         """The item-end / causal / window test of a score, or None in a block they do not cut."""
         return self._visible(kv_pos, kv_end, q_pos, window_left) if bounds else None
@@ -934,7 +943,24 @@ class BatchPrefillSm90:
             need_mask = need_mask | (blk < q_hi - window_left)
         # a variant mask / range masks every block per element; the bounds (item end, causal,
         # window) only where they cut the block
-        if need_mask:
+        if const_expr(self.hooks.bits_only):
+            # the variant masks by bitmaps alone: where a warp's bits of the block are all 0 it
+            # skips the softmax; where they are all 1 it takes the mask-free path (per warp:
+            # rows and columns of one warp share no reduction with another warp)
+            none_seen, all_seen = self._bits_uniform(words)
+            if none_seen:
+                acc_S.fill(0.0)
+                corr.fill(1.0)
+            elif need_mask:
+                self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
+                              inv_cap_scaled, window_left, words, True, True)
+            elif all_seen:
+                self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
+                              inv_cap_scaled, window_left, words, False, False)
+            else:
+                self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
+                              inv_cap_scaled, window_left, words, True, False)
+        elif need_mask:
             self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
                           inv_cap_scaled, window_left, words, True, True)
         else:
@@ -989,10 +1015,7 @@ class BatchPrefillSm90:
                 m_scaled = m_use * scale
                 corr[r] = cute.math.exp2(row_m[r] * scale - m_scaled, fastmath=True)
                 for c in cutlass.range_constexpr(ncol):
-                    if const_expr(c % 8 < self.exp_emu):  # on the FMA pipe (kernels/fastmath.py)
-                        S[r, c] = exp2_fma(S[r, c] * scale - m_scaled)
-                    else:
-                        S[r, c] = cute.math.exp2(S[r, c] * scale - m_scaled, fastmath=True)
+                    S[r, c] = cute.math.exp2(S[r, c] * scale - m_scaled, fastmath=True)
                 part = [S[r, c] for c in range(4)]
                 for c in cutlass.range_constexpr(4, ncol):
                     part[c % 4] = part[c % 4] + S[r, c]
@@ -1140,5 +1163,5 @@ def build_batch_prefill_sm90(spec):
     k = BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"], p["soft_cap"],
                          p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1),
                          p.get("page_box", 0), p.get("box_warps", 0), p.get("producer_regs", 0),
-                         variant, p.get("keys_transformed", False), p.get("exp_emu", -1))
+                         variant, p.get("keys_transformed", False))
     return make_entry(k, _prefill_abi_fixed(p), abi_args(variant))

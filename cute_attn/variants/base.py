@@ -427,6 +427,9 @@ class Hooks:
         self.has_mask_bits = has("mask_bits")
         self.has_mask = has("mask") or self.has_mask_bits  # either: a masked path on every block
         self.has_kv_range = has("kv_range")
+        # masking by bitmaps alone: a kernel may skip a block whose bits are all 0 and drop the
+        # per-score test where they are all 1
+        self.bits_only = self.has_mask_bits and not has("mask") and not self.has_kv_range
         self.has_finalize = has("finalize")
         self.has_output = has("output")
         self.softmax = all(c.softmax for c in self.parts)
