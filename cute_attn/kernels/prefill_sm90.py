@@ -28,7 +28,7 @@ kernel.
 Variants (``cute_attn/variants``, docs/variants.md): causal, the sliding window and soft-cap are
 static flags (block skipping, mask-free blocks, the soft-cap folded into ``_logits``); any other
 variant is traced in through ``Hooks``, its calls kept in plain-Python helpers (``_item_rows``,
-``_hook_logits``, ``_hook_visible``, ``_rotate_q`` / ``_rotate_k``, ``_finalize_rows``):
+``_hook_logits``, ``_hook_visible``, ``_prepare_q`` / ``_rotate_k``, ``_finalize_rows``):
 - ``logits`` / ``mask`` / ``kv_range`` per score element in ``_softmax``; a variant with a mask or a
   range takes the masked path on every block; a ``kv_range`` also clips the item's blocks;
 - ``transform_q``: the consumer WG rotates its Q rows in shared memory once per item;
@@ -147,10 +147,10 @@ class BatchPrefillSm90:
         return scale_log2
 
     @cute.jit
-    def _logits(self, s: Float32, inv_cap_scaled: Float32) -> Float32:
-        """The soft-cap on raw q·k, in units of cap (``_row_scale`` has the factor): tanh(q·k ·
-        sm_scale / cap)."""
-        return cute.math.tanh(s * inv_cap_scaled, fastmath=True)
+    def _logits(self, s: Float32) -> Float32:
+        """The soft-cap in units of cap (``_row_scale`` has the factor): tanh(q·k · sm_scale /
+        cap), the factor already in Q (``_prepare_q``)."""
+        return cute.math.tanh(s, fastmath=True)
 
     @cute.jit
     def _visible(self, kv_pos: Int32, kv_end: Int32, q_pos: Int32, window_left: Int32):
@@ -713,9 +713,12 @@ class BatchPrefillSm90:
             for c in range(cute.size(O, mode=[1])):
                 O[r, c] = H.output(ctx, va, O[r, c], tOcO[0, c][1])
 
-    def _rotate_q(self, sQ, tw, wg, req, kv_head, row_start, qo_len, kv_len):
-        """transform_q on this WG's 64 Q rows in shared memory (after the whole WG's copies
-        landed): thread tw takes chunks c, c + chunks/2 of rows tw // (chunks/2) + k·(WG / (chunks/2))."""
+    def _prepare_q(self, sQ, tw, wg, req, kv_head, row_start, qo_len, kv_len, q_scale):
+        """This WG's 64 Q rows in shared memory, once per item (after the whole WG's copies
+        landed): transform_q, then, with the soft-cap, a multiply by ``q_scale`` = sm_scale /
+        cap, so that S = Q·Kᵀ is already the tanh's argument (one FMUL per item row instead of
+        one per score; the extra rounding of Q is that of Q's own dtype).  Thread tw takes chunks
+        c, c + chunks/2 of rows tw // (chunks/2) + k·(WG / (chunks/2))."""
         half = self.chunks // 2
         rows_per_pass = WG // half
         c = tw % half
@@ -732,8 +735,12 @@ class BatchPrefillSm90:
             s_hi = cute.local_tile(sQ[j, None], (8,), (c + half,))
             cute.autovec_copy(s_lo, lo)
             cute.autovec_copy(s_hi, hi)
-            transform_pairs(self.hooks, self._trace_vargs, ctx.replace(q_pos=kv_len - qo_len + row // g), lo, hi,
-                            c * 8, self.dtype, query=True)
+            if const_expr(self.hooks.has_transform_q):
+                transform_pairs(self.hooks, self._trace_vargs, ctx.replace(q_pos=kv_len - qo_len + row // g), lo,
+                                hi, c * 8, self.dtype, query=True)
+            if const_expr(self.soft_cap):
+                lo.store((lo.load().to(Float32) * q_scale).to(self.dtype))
+                hi.store((hi.load().to(Float32) * q_scale).to(self.dtype))
             cute.autovec_copy(lo, s_lo)
             cute.autovec_copy(hi, s_hi)
 
@@ -780,9 +787,9 @@ class BatchPrefillSm90:
 
             # this WG's Q rows: prefetched before the loop or during the previous item
             cute.arch.cp_async_wait_group(0)
-            if const_expr(H.has_transform_q):  # rotate the WG's Q rows in place once all landed
+            if const_expr(H.has_transform_q or self.soft_cap):  # Q rows in place once all landed
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
-                self._rotate_q(sQ, tw, wg, w.req, kv_head, row_start, w.qo_len, w.kv_len)
+                self._prepare_q(sQ, tw, wg, w.req, kv_head, row_start, w.qo_len, w.kv_len, inv_cap_scaled)
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> read by wgmma (async proxy)
             cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
 
@@ -818,7 +825,7 @@ class BatchPrefillSm90:
                 warpgroup.wait_group(0)
                 pipe_k.consumer_release(state)
                 self._mask_softmax(acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
-                                   inv_cap_scaled, window_left, first_words)
+                                   window_left, first_words)
                 rP.store(acc_S.load().to(self.dtype))
                 for j in cutlass.range(1, n_blocks - first, unroll=1):
                     blk = kv_start + (n_blocks - 1 - j) * TN
@@ -838,7 +845,7 @@ class BatchPrefillSm90:
                     warpgroup.wait_group(1)  # S(j) is ready; PV(j-1) may still run
                     pipe_k.consumer_release(state)
                     self._mask_softmax(acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
-                                       inv_cap_scaled, window_left, blk_words)
+                                       window_left, blk_words)
                     warpgroup.wait_group(0)
                     pipe_v.consumer_release(v_state)
                     rP.store(acc_S.load().to(self.dtype))
@@ -933,7 +940,7 @@ class BatchPrefillSm90:
 
     @cute.jit
     def _mask_softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
-                      inv_cap_scaled, window_left, words):
+                      window_left, words):
         """Masked softmax only where some key of the block may be invisible to some row of the
         tile (the partial last block, the causal diagonal, the window's left edge)."""
         need_mask = blk + self.tile_n > kv_end
@@ -953,23 +960,23 @@ class BatchPrefillSm90:
                 corr.fill(1.0)
             elif need_mask:
                 self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
-                              inv_cap_scaled, window_left, words, True, True)
+                              window_left, words, True, True)
             elif all_seen:
                 self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
-                              inv_cap_scaled, window_left, words, False, False)
+                              window_left, words, False, False)
             else:
                 self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
-                              inv_cap_scaled, window_left, words, True, False)
+                              window_left, words, True, False)
         elif need_mask:
             self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
-                          inv_cap_scaled, window_left, words, True, True)
+                          window_left, words, True, True)
         else:
             self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
-                          inv_cap_scaled, window_left, words, self.mask_all, False)
+                          window_left, words, self.mask_all, False)
 
     @cute.jit
     def _softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
-                 inv_cap_scaled, window_left, words, masked: cutlass.Constexpr, bounds: cutlass.Constexpr):
+                 window_left, words, masked: cutlass.Constexpr, bounds: cutlass.Constexpr):
         """Online softmax of one block in place: S -> P = exp2(S * scale - m * scale), l rescaled;
         the factor O must be rescaled by goes to ``corr`` (O may still be in use by a wgmma).
         ``row_m`` is kept in S's units (raw q·k, or the logits after a soft-cap or a variant's
@@ -996,7 +1003,7 @@ class BatchPrefillSm90:
                         off = Float32(self._trace_col_off[c])
                         v = self._hook_logits(r, kv_pos, v, kv_f0 + off, rel_f0 + off)
                     elif const_expr(self.soft_cap):
-                        v = self._logits(v, inv_cap_scaled)
+                        v = self._logits(v)
                     if const_expr(masked):
                         ok = self._bounds_ok(bounds, kv_pos, kv_end, q_pos[r], window_left)
                         if const_expr(self.mask_all):
