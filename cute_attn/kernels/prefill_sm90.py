@@ -114,6 +114,9 @@ class BatchPrefillSm90:
         self.soft_cap = soft_cap
         self.window = window
         self.mask_all = H.has_mask or H.has_kv_range  # masked path on every block
+        # Q scaled in shared memory once per item, so the scores come out of the GEMM in the
+        # units the soft-cap's tanh / a logits hook takes (see _prepare_q)
+        self.q_scaled = soft_cap or H.has_logits
         dn, ds = KV_TILES[head_dim, self.gather]
         self.tile_n = tile_n or dn
         self.stages = stages or ds
@@ -140,7 +143,8 @@ class BatchPrefillSm90:
     def _row_scale(self, scale_log2):
         """What turns S (and row_m, kept in S's units) into base-2 logits: ``scale_log2`` --
         sm_scale·log2 e for raw q·k, cap·log2 e after the soft-cap (S then holds tanh(q·k ·
-        sm_scale / cap), see ``host``) -- or log2 e after a variant's logits (natural units).
+        sm_scale / cap), see ``host``) -- or log2 e after a variant's logits (natural units;
+        the hook gets q·k·sm_scale: Q is scaled, see ``_prepare_q``).
         The factor folds into the softmax's FFMA, not a multiply per score."""
         if const_expr(self.hooks.has_logits):
             return Float32(LOG2E)
@@ -238,7 +242,7 @@ class BatchPrefillSm90:
                mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
                tma_k: Optional[cute.CopyAtom], tK: Optional[cute.Tensor], tma_v: Optional[cute.CopyAtom],
                tV: Optional[cute.Tensor], var_tensors: tuple,
-               group: Int32, scale_log2: Float32, inv_cap_scaled: Float32,
+               group: Int32, scale_log2: Float32, q_scale: Float32,
                window_left: Int32, sm_scale: Float32, var_scalars: tuple, sQ_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                Smem: cutlass.Constexpr):
@@ -292,7 +296,7 @@ class BatchPrefillSm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._consume(mQ, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, sQ, sK, sV, sO, pipe_k, pipe_v,
-                          mma_qk, mma_pv, cta, tidx - WG, group, scale_log2, inv_cap_scaled,
+                          mma_qk, mma_pv, cta, tidx - WG, group, scale_log2, q_scale,
                           window_left)
 
     @cute.jit
@@ -612,10 +616,10 @@ class BatchPrefillSm90:
         self._trace_rows = out
 
     def _hook_logits(self, r, kv_pos, s, kv_pos_f32, rel_pos_f32):
-        """Raw q·k -> the variant's logit (natural units: the softmax's scale is log2 e, see
+        """q·k·sm_scale -> the variant's logit (natural units: the softmax's scale is log2 e, see
         ``_row_scale``) or its weight (no softmax)."""
         ctx = self._trace_rows[r][0].replace(kv_pos=kv_pos, kv_pos_f32=kv_pos_f32, rel_pos_f32=rel_pos_f32)
-        return self.hooks.logits(ctx, self._trace_vargs, s * self._trace_sm_scale)
+        return self.hooks.logits(ctx, self._trace_vargs, s)  # S = q·k·sm_scale: Q was scaled (_prepare_q)
 
     def _hook_visible(self, r, kv_pos, ok):
         H = self.hooks
@@ -715,9 +719,10 @@ class BatchPrefillSm90:
 
     def _prepare_q(self, sQ, tw, wg, req, kv_head, row_start, qo_len, kv_len, q_scale):
         """This WG's 64 Q rows in shared memory, once per item (after the whole WG's copies
-        landed): transform_q, then, with the soft-cap, a multiply by ``q_scale`` = sm_scale /
-        cap, so that S = Q·Kᵀ is already the tanh's argument (one FMUL per item row instead of
-        one per score; the extra rounding of Q is that of Q's own dtype).  Thread tw takes chunks
+        landed): transform_q, then (``q_scaled``) a multiply by ``q_scale`` -- sm_scale / cap
+        with the soft-cap, sm_scale for a logits variant -- so that S = Q·Kᵀ is already the
+        tanh's / the hook's argument: a multiply per Q element per item instead of one per
+        score (the extra rounding of Q is that of Q's own dtype).  Thread tw takes chunks
         c, c + chunks/2 of rows tw // (chunks/2) + k·(WG / (chunks/2))."""
         half = self.chunks // 2
         rows_per_pass = WG // half
@@ -738,7 +743,7 @@ class BatchPrefillSm90:
             if const_expr(self.hooks.has_transform_q):
                 transform_pairs(self.hooks, self._trace_vargs, ctx.replace(q_pos=kv_len - qo_len + row // g), lo,
                                 hi, c * 8, self.dtype, query=True)
-            if const_expr(self.soft_cap):
+            if const_expr(self.q_scaled):
                 lo.store((lo.load().to(Float32) * q_scale).to(self.dtype))
                 hi.store((hi.load().to(Float32) * q_scale).to(self.dtype))
             cute.autovec_copy(lo, s_lo)
@@ -747,7 +752,7 @@ class BatchPrefillSm90:
     # ---- consumers -----------------------------------------------------------------------
     @cute.jit
     def _consume(self, mQ, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, sQ, sK, sV, sO, pipe_k, pipe_v,
-                 mma_qk, mma_pv, cta, ct, group, scale_log2, inv_cap_scaled, window_left):
+                 mma_qk, mma_pv, cta, ct, group, scale_log2, q_scale, window_left):
         TN, D, TQ = self.tile_n, self.head_dim, self.tile_q
         wg = ct // WG  # consumer warpgroup 0 / 1: packed rows [64 wg, 64 wg + 64) of the tile
         tw = ct % WG
@@ -787,9 +792,9 @@ class BatchPrefillSm90:
 
             # this WG's Q rows: prefetched before the loop or during the previous item
             cute.arch.cp_async_wait_group(0)
-            if const_expr(H.has_transform_q or self.soft_cap):  # Q rows in place once all landed
+            if const_expr(H.has_transform_q or self.q_scaled):  # Q rows in place once all landed
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
-                self._prepare_q(sQ, tw, wg, w.req, kv_head, row_start, w.qo_len, w.kv_len, inv_cap_scaled)
+                self._prepare_q(sQ, tw, wg, w.req, kv_head, row_start, w.qo_len, w.kv_len, q_scale)
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> read by wgmma (async proxy)
             cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
 
