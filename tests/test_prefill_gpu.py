@@ -249,6 +249,25 @@ def test_softcap_window(soft_cap, window, causal):
 
 
 @gpu
+@pytest.mark.parametrize("soft_cap", [40.0, 45.0])  # cap·log2 e 57.7: the fixed shift; 64.9: the running max
+def test_softcap_saturated(soft_cap):
+    """Logits far past the cap (sm_scale 3: q·k·sm_scale ~ ±34 per std): tanh saturates at ±1 and
+    the weights span 2^(±2·cap·log2 e), the range the kernel's fixed shift must keep normal."""
+    from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
+
+    gen = _gen()
+    qo_lens, kv_lens = [77, 300, 5], [500, 300, 2000]
+    q, k, v, qo, kv, (k_ref, v_ref) = make_ragged(qo_lens, kv_lens, 16, 4, 128, torch.bfloat16, "NHD", gen, DEV)
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(DEV))
+    w.plan(qo, kv, 16, 4, 128, causal=True, q_data_type=torch.bfloat16, logits_soft_cap=soft_cap, sm_scale=3.0)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], 16), float("nan"), device=DEV)
+    w.run(q, k, v, out=out, lse=lse)
+    ref_o, ref_lse = ragged_reference(q, k_ref, v_ref, qo, kv, causal=True, logits_soft_cap=soft_cap, sm_scale=3.0)
+    check(out, lse, ref_o, ref_lse, torch.bfloat16)
+
+
+@gpu
 @pytest.mark.parametrize("soft_cap,window", [(30.0, -1), (None, 100)])
 def test_softcap_window_fp16(soft_cap, window):
     qo, kv = [100, 333, 1000], [100, 900, 1000]

@@ -84,6 +84,7 @@ REGS = {(2, False): (24, 240), (2, True): (56, 224), (1, False): (56, 256), (1, 
 BAR_WG0, BAR_PINGPONG0, BAR_PRODUCER = 1, 3, 5
 ROW_RING = 3  # blocks of page lookups staged in smem by the gather producer (see _produce)
 BOX_WARPS = 4  # paged TMA: producer warps issuing the boxes of a block (see _produce)
+FIXED_SHIFT_MAX_SCALE = 63.0  # soft-cap: the largest cap·log2 e whose weights stay >= 2^-126 (_running_max)
 
 
 class BatchPrefillSm90:
@@ -841,7 +842,7 @@ class BatchPrefillSm90:
                     self._pingpong_wait(wg)
                     self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
                     if const_expr(self.rescale_before_pv and H.softmax):
-                        _rescale(acc_O, corr)  # while QK runs: frees S's registers sooner (large O)
+                        self._rescale_o(acc_O, corr, scale_log2)  # while QK runs: frees S's registers sooner (large O)
                     pipe_v.consumer_wait(v_state)
                     if j == 1:
                         self._zero_v_tail(sV, v_state, kv_end - (kv_start + (n_blocks - 1) * TN), tw, bar_wg)
@@ -855,11 +856,11 @@ class BatchPrefillSm90:
                     pipe_v.consumer_release(v_state)
                     rP.store(acc_S.load().to(self.dtype))
                     if const_expr(not self.rescale_before_pv and H.softmax):
-                        _rescale(acc_O, corr)
+                        self._rescale_o(acc_O, corr, scale_log2)
                 if item + 1 < item_end:  # every QK of this item is done: sQ is free
                     self._load_q(mQ, WorkItem(mWork, item + 1), sQ, g2s, wg, tw, group)
                 if const_expr(self.rescale_before_pv and H.softmax):
-                    _rescale(acc_O, corr)
+                    self._rescale_o(acc_O, corr, scale_log2)
                 pipe_v.consumer_wait(state)
                 if n_blocks - first == 1:
                     self._zero_v_tail(sV, state, kv_end - (kv_start + (n_blocks - 1) * TN), tw, bar_wg)
@@ -1018,10 +1019,12 @@ class BatchPrefillSm90:
             if const_expr(not H.softmax):
                 corr[r] = Float32(1.0)  # weights as they are (FlashSigmoid): nothing to rescale
             else:
-                part = [S[r, c] for c in range(4)]
-                for c in cutlass.range_constexpr(4, ncol):
-                    part[c % 4] = cute.arch.fmax(part[c % 4], S[r, c])
-                m_blk = _quad_max(cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3])))
+                m_blk = Float32(1.0)  # soft-cap with a fixed shift: tanh <= 1 (see _running_max)
+                if const_expr(self.soft_cap):
+                    if self._running_max(scale):
+                        m_blk = self._block_max(S, r, ncol)
+                else:
+                    m_blk = self._block_max(S, r, ncol)
                 m_new = cute.arch.fmax(row_m[r], m_blk)
                 m_use = m_new if m_new != -Float32.inf else Float32(0.0)  # a row with nothing visible yet
                 m_scaled = m_use * scale
@@ -1033,6 +1036,31 @@ class BatchPrefillSm90:
                     part[c % 4] = part[c % 4] + S[r, c]
                 row_l[r] = row_l[r] * corr[r] + ((part[0] + part[1]) + (part[2] + part[3]))  # quad-reduced at the end
                 row_m[r] = m_new
+
+    def _block_max(self, S, r, ncol):
+        """Row r's maximum over the block (4 partial maxima: shorter dependency chains)."""
+        part = [S[r, c] for c in range(4)]
+        for c in range(4, ncol):  # a plain helper: unrolled at trace time
+            part[c % 4] = cute.arch.fmax(part[c % 4], S[r, c])
+        return _quad_max(cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3])))
+
+    def _running_max(self, scale_log2):
+        """Soft-cap: whether the softmax needs a running maximum.  S holds tanh values <= 1, so
+        it can subtract the bound 1 instead -- no max per score, no rescale of O per block -- as
+        long as no weight underflows: 2^((t - 1)·cap·log2 e) >= 2^-126 for every t >= -1 when
+        cap·log2 e <= 63 (cap <= 43.6).  Larger caps (Gemma 2's 50) keep the running max.  A
+        runtime test on a launch scalar: warp-uniform."""
+        return scale_log2 > Float32(FIXED_SHIFT_MAX_SCALE)
+
+    @cute.jit
+    def _rescale_o(self, acc_O, corr, scale_log2):
+        """O *= corr, except with the soft-cap's fixed shift (corr is then 1, or 0 on the first
+        block of a row while O is still 0)."""
+        if const_expr(self.soft_cap):
+            if self._running_max(scale_log2):
+                _rescale(acc_O, corr)
+        else:
+            _rescale(acc_O, corr)
 
     @cute.jit
     def _epilogue(self, acc_O, row_m, row_l, tOcO, sO, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
