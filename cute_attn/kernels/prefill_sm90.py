@@ -84,13 +84,15 @@ REGS = {(2, False): (24, 240), (2, True): (56, 224), (1, False): (56, 256), (1, 
 BAR_WG0, BAR_PINGPONG0, BAR_PRODUCER = 1, 3, 5
 ROW_RING = 3  # blocks of page lookups staged in smem by the gather producer (see _produce)
 BOX_WARPS = 4  # paged TMA: producer warps issuing the boxes of a block (see _produce)
+LAZY_RESCALE = 8.0  # base-2 units a row's block max may exceed its kept max by before O is rescaled
 FIXED_SHIFT_MAX_SCALE = 63.0  # soft-cap: the largest cap·log2 e whose weights stay >= 2^-126 (_running_max)
 
 
 class BatchPrefillSm90:
     def __init__(self, dtype, head_dim: int, tile_q: int, paged: bool, causal: bool, soft_cap: bool,
                  window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1, page_box: int = 0,
-                 box_warps: int = 0, producer_regs: int = 0, variant=None, keys_transformed: bool = False):
+                 box_warps: int = 0, producer_regs: int = 0, variant=None, keys_transformed: bool = False,
+                 lazy_rescale: int = 1):
         assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
         self.dtype = dtype
         self.head_dim = head_dim
@@ -134,6 +136,10 @@ class BatchPrefillSm90:
         # tensor cores are busy enough with one WG's GEMMs (as FA3)
         self.pingpong = self.num_mma_wg == 2 and (head_dim <= 128 if pingpong < 0 else bool(pingpong))
         self.rescale_before_pv = head_dim > 128
+        # the running max is only raised when a block's max exceeds it by more than LAZY_RESCALE
+        # (base 2), so most blocks skip the O rescale (64 FMULs per thread at hd128, 128 at
+        # hd256: as many as the block's scores); an idea from FA4
+        self.lazy_rescale = bool(lazy_rescale)
         # The output goes out through its own staging tile (coalesced 16-byte stores), so the
         # next item's Q can be prefetched into sQ during this item's last PV and epilogue.  At
         # hd256 only half of O's columns fit next to Q and the K/V stages: it is staged in two
@@ -842,7 +848,7 @@ class BatchPrefillSm90:
                     self._pingpong_wait(wg)
                     self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
                     if const_expr(self.rescale_before_pv and H.softmax):
-                        self._rescale_o(acc_O, corr, scale_log2)  # while QK runs: frees S's registers sooner (large O)
+                        self._rescale_o(acc_O, corr)  # while QK runs: frees S's registers sooner (large O)
                     pipe_v.consumer_wait(v_state)
                     if j == 1:
                         self._zero_v_tail(sV, v_state, kv_end - (kv_start + (n_blocks - 1) * TN), tw, bar_wg)
@@ -856,11 +862,11 @@ class BatchPrefillSm90:
                     pipe_v.consumer_release(v_state)
                     rP.store(acc_S.load().to(self.dtype))
                     if const_expr(not self.rescale_before_pv and H.softmax):
-                        self._rescale_o(acc_O, corr, scale_log2)
+                        self._rescale_o(acc_O, corr)
                 if item + 1 < item_end:  # every QK of this item is done: sQ is free
                     self._load_q(mQ, WorkItem(mWork, item + 1), sQ, g2s, wg, tw, group)
                 if const_expr(self.rescale_before_pv and H.softmax):
-                    self._rescale_o(acc_O, corr, scale_log2)
+                    self._rescale_o(acc_O, corr)
                 pipe_v.consumer_wait(state)
                 if n_blocks - first == 1:
                     self._zero_v_tail(sV, state, kv_end - (kv_start + (n_blocks - 1) * TN), tw, bar_wg)
@@ -1026,9 +1032,14 @@ class BatchPrefillSm90:
                 else:
                     m_blk = self._block_max(S, r, ncol)
                 m_new = cute.arch.fmax(row_m[r], m_blk)
+                if const_expr(self.lazy_rescale):
+                    # keep the running max while the block's exceeds it by at most LAZY_RESCALE
+                    # in base 2 (weights <= 2^8): corr is then exactly 1 and O is not rescaled
+                    m_new = cutlass.select_((m_blk - row_m[r]) * scale <= Float32(LAZY_RESCALE), row_m[r], m_new)
                 m_use = m_new if m_new != -Float32.inf else Float32(0.0)  # a row with nothing visible yet
                 m_scaled = m_use * scale
-                corr[r] = cute.math.exp2(row_m[r] * scale - m_scaled, fastmath=True)
+                # (row_m - m_use) first: exactly 0 when the max was kept, so corr is exactly 1
+                corr[r] = cute.math.exp2((row_m[r] - m_use) * scale, fastmath=True)
                 for c in cutlass.range_constexpr(ncol):
                     S[r, c] = cute.math.exp2(S[r, c] * scale - m_scaled, fastmath=True)
                 part = [S[r, c] for c in range(4)]
@@ -1053,11 +1064,14 @@ class BatchPrefillSm90:
         return scale_log2 > Float32(FIXED_SHIFT_MAX_SCALE)
 
     @cute.jit
-    def _rescale_o(self, acc_O, corr, scale_log2):
-        """O *= corr, except with the soft-cap's fixed shift (corr is then 1, or 0 on the first
-        block of a row while O is still 0)."""
-        if const_expr(self.soft_cap):
-            if self._running_max(scale_log2):
+    def _rescale_o(self, acc_O, corr):
+        """O *= corr; with ``lazy_rescale`` only when some row of the warp has corr != 1 (its
+        max moved by more than LAZY_RESCALE; the soft-cap's fixed shift never moves it)."""
+        if const_expr(self.lazy_rescale):
+            moved = corr[0] != Float32(1.0)
+            for r in cutlass.range_constexpr(1, cute.size(corr)):
+                moved = moved | (corr[r] != Float32(1.0))
+            if cute.arch.vote_any_sync(moved):
                 _rescale(acc_O, corr)
         else:
             _rescale(acc_O, corr)
@@ -1203,5 +1217,5 @@ def build_batch_prefill_sm90(spec):
     k = BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"], p["soft_cap"],
                          p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1),
                          p.get("page_box", 0), p.get("box_warps", 0), p.get("producer_regs", 0),
-                         variant, p.get("keys_transformed", False))
+                         variant, p.get("keys_transformed", False), p.get("lazy_rescale", 1))
     return make_entry(k, _prefill_abi_fixed(p), abi_args(variant))
