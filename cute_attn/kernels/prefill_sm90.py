@@ -28,7 +28,7 @@ kernel.
 Variants (``cute_attn/variants``, docs/variants.md): causal, the sliding window and soft-cap are
 static flags (block skipping, mask-free blocks, the soft-cap folded into ``_logits``); any other
 variant is traced in through ``Hooks``, its calls kept in plain-Python helpers (``_item_rows``,
-``_hook_logits``, ``_hook_visible``, ``_prepare_q`` / ``_rotate_k``, ``_finalize_rows``):
+``_hook_logits``, ``_hook_visible``, ``_rotate_q`` / ``_rotate_k``, ``_finalize_rows``):
 - ``logits`` / ``mask`` / ``kv_range`` per score element in ``_softmax``; a variant with a mask or a
   range takes the masked path on every block; a ``kv_range`` also clips the item's blocks;
 - ``transform_q``: the consumer WG rotates its Q rows in shared memory once per item;
@@ -117,9 +117,9 @@ class BatchPrefillSm90:
         self.soft_cap = soft_cap
         self.window = window
         self.mask_all = H.has_mask or H.has_kv_range  # masked path on every block
-        # Q scaled in shared memory once per item, so the scores come out of the GEMM in the
-        # units the soft-cap's tanh / a logits hook takes (see _prepare_q)
-        self.q_scaled = soft_cap or H.has_logits
+        # the soft-cap's fixed shift (see _running_max): its weights reach 2^-126, which a bf16
+        # P holds (fp32's exponent range) and an fp16 one does not (subnormal below 2^-14)
+        self.cap_fixed_shift = soft_cap and dtype is cutlass.BFloat16
         dn, ds = KV_TILES[head_dim, self.gather]
         self.tile_n = tile_n or dn
         self.stages = stages or ds
@@ -150,8 +150,7 @@ class BatchPrefillSm90:
     def _row_scale(self, scale_log2):
         """What turns S (and row_m, kept in S's units) into base-2 logits: ``scale_log2`` --
         sm_scale·log2 e for raw q·k, cap·log2 e after the soft-cap (S then holds tanh(q·k ·
-        sm_scale / cap), see ``host``) -- or log2 e after a variant's logits (natural units;
-        the hook gets q·k·sm_scale: Q is scaled, see ``_prepare_q``).
+        sm_scale / cap), see ``host``) -- or log2 e after a variant's logits (natural units).
         The factor folds into the softmax's FFMA, not a multiply per score."""
         if const_expr(self.hooks.has_logits):
             return Float32(LOG2E)
@@ -159,9 +158,9 @@ class BatchPrefillSm90:
 
     @cute.jit
     def _logits(self, s: Float32) -> Float32:
-        """The soft-cap in units of cap (``_row_scale`` has the factor): tanh(q·k · sm_scale /
-        cap), the factor already in Q (``_prepare_q``)."""
-        return cute.math.tanh(s, fastmath=True)
+        """The soft-cap on raw q·k, in units of cap (``_row_scale`` has the factor): tanh(q·k ·
+        sm_scale / cap)."""
+        return cute.math.tanh(s * self._trace_inv_cap, fastmath=True)
 
     @cute.jit
     def _visible(self, kv_pos: Int32, kv_end: Int32, q_pos: Int32, window_left: Int32):
@@ -249,7 +248,7 @@ class BatchPrefillSm90:
                mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
                tma_k: Optional[cute.CopyAtom], tK: Optional[cute.Tensor], tma_v: Optional[cute.CopyAtom],
                tV: Optional[cute.Tensor], var_tensors: tuple,
-               group: Int32, scale_log2: Float32, q_scale: Float32,
+               group: Int32, scale_log2: Float32, inv_cap_scaled: Float32,
                window_left: Int32, sm_scale: Float32, var_scalars: tuple, sQ_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                Smem: cutlass.Constexpr):
@@ -261,6 +260,7 @@ class BatchPrefillSm90:
         # only admits DSL values there)
         self._trace_vargs = self.hooks.bind(var_tensors, var_scalars)
         self._trace_sm_scale = sm_scale
+        self._trace_inv_cap = inv_cap_scaled  # sm_scale / cap: the soft-cap's tanh argument per raw q·k
         self._trace_group = group
         if const_expr(not self.gather):
             if warp_idx == 0:
@@ -303,7 +303,7 @@ class BatchPrefillSm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._consume(mQ, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, sQ, sK, sV, sO, pipe_k, pipe_v,
-                          mma_qk, mma_pv, cta, tidx - WG, group, scale_log2, q_scale,
+                          mma_qk, mma_pv, cta, tidx - WG, group, scale_log2,
                           window_left)
 
     @cute.jit
@@ -623,10 +623,10 @@ class BatchPrefillSm90:
         self._trace_rows = out
 
     def _hook_logits(self, r, kv_pos, s, kv_pos_f32, rel_pos_f32):
-        """q·k·sm_scale -> the variant's logit (natural units: the softmax's scale is log2 e, see
+        """Raw q·k -> the variant's logit (natural units: the softmax's scale is log2 e, see
         ``_row_scale``) or its weight (no softmax)."""
         ctx = self._trace_rows[r][0].replace(kv_pos=kv_pos, kv_pos_f32=kv_pos_f32, rel_pos_f32=rel_pos_f32)
-        return self.hooks.logits(ctx, self._trace_vargs, s)  # S = q·k·sm_scale: Q was scaled (_prepare_q)
+        return self.hooks.logits(ctx, self._trace_vargs, s * self._trace_sm_scale)
 
     def _hook_visible(self, r, kv_pos, ok):
         H = self.hooks
@@ -724,12 +724,11 @@ class BatchPrefillSm90:
             for c in range(cute.size(O, mode=[1])):
                 O[r, c] = H.output(ctx, va, O[r, c], tOcO[0, c][1])
 
-    def _prepare_q(self, sQ, tw, wg, req, kv_head, row_start, qo_len, kv_len, q_scale):
-        """This WG's 64 Q rows in shared memory, once per item (after the whole WG's copies
-        landed): transform_q, then (``q_scaled``) a multiply by ``q_scale`` -- sm_scale / cap
-        with the soft-cap, sm_scale for a logits variant -- so that S = Q·Kᵀ is already the
-        tanh's / the hook's argument: a multiply per Q element per item instead of one per
-        score (the extra rounding of Q is that of Q's own dtype).  Thread tw takes chunks
+    def _rotate_q(self, sQ, tw, wg, req, kv_head, row_start, qo_len, kv_len):
+        """transform_q on this WG's 64 Q rows in shared memory, once per item (after the whole
+        WG's copies landed).  (Scaling Q here by sm_scale / cap, to save the soft-cap's multiply
+        per score, was measured: the extra rounding of Q moved the LSE by up to 8e-3 at cap 30
+        and 0.2 with saturated logits, against the tests' 2e-3; an fp32 multiply per score it is.)  Thread tw takes chunks
         c, c + chunks/2 of rows tw // (chunks/2) + k·(WG / (chunks/2))."""
         half = self.chunks // 2
         rows_per_pass = WG // half
@@ -747,19 +746,15 @@ class BatchPrefillSm90:
             s_hi = cute.local_tile(sQ[j, None], (8,), (c + half,))
             cute.autovec_copy(s_lo, lo)
             cute.autovec_copy(s_hi, hi)
-            if const_expr(self.hooks.has_transform_q):
-                transform_pairs(self.hooks, self._trace_vargs, ctx.replace(q_pos=kv_len - qo_len + row // g), lo,
-                                hi, c * 8, self.dtype, query=True)
-            if const_expr(self.q_scaled):
-                lo.store((lo.load().to(Float32) * q_scale).to(self.dtype))
-                hi.store((hi.load().to(Float32) * q_scale).to(self.dtype))
+            transform_pairs(self.hooks, self._trace_vargs, ctx.replace(q_pos=kv_len - qo_len + row // g), lo, hi,
+                            c * 8, self.dtype, query=True)
             cute.autovec_copy(lo, s_lo)
             cute.autovec_copy(hi, s_hi)
 
     # ---- consumers -----------------------------------------------------------------------
     @cute.jit
     def _consume(self, mQ, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, sQ, sK, sV, sO, pipe_k, pipe_v,
-                 mma_qk, mma_pv, cta, ct, group, scale_log2, q_scale, window_left):
+                 mma_qk, mma_pv, cta, ct, group, scale_log2, window_left):
         TN, D, TQ = self.tile_n, self.head_dim, self.tile_q
         wg = ct // WG  # consumer warpgroup 0 / 1: packed rows [64 wg, 64 wg + 64) of the tile
         tw = ct % WG
@@ -799,9 +794,9 @@ class BatchPrefillSm90:
 
             # this WG's Q rows: prefetched before the loop or during the previous item
             cute.arch.cp_async_wait_group(0)
-            if const_expr(H.has_transform_q or self.q_scaled):  # Q rows in place once all landed
+            if const_expr(H.has_transform_q):  # rotate the WG's Q rows in place once all landed
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
-                self._prepare_q(sQ, tw, wg, w.req, kv_head, row_start, w.qo_len, w.kv_len, q_scale)
+                self._rotate_q(sQ, tw, wg, w.req, kv_head, row_start, w.qo_len, w.kv_len)
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> read by wgmma (async proxy)
             cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
 
@@ -1026,7 +1021,7 @@ class BatchPrefillSm90:
                 corr[r] = Float32(1.0)  # weights as they are (FlashSigmoid): nothing to rescale
             else:
                 m_blk = Float32(1.0)  # soft-cap with a fixed shift: tanh <= 1 (see _running_max)
-                if const_expr(self.soft_cap):
+                if const_expr(self.cap_fixed_shift):
                     if self._running_max(scale):
                         m_blk = self._block_max(S, r, ncol)
                 else:
@@ -1059,8 +1054,9 @@ class BatchPrefillSm90:
         """Soft-cap: whether the softmax needs a running maximum.  S holds tanh values <= 1, so
         it can subtract the bound 1 instead -- no max per score, no rescale of O per block -- as
         long as no weight underflows: 2^((t - 1)·cap·log2 e) >= 2^-126 for every t >= -1 when
-        cap·log2 e <= 63 (cap <= 43.6).  Larger caps (Gemma 2's 50) keep the running max.  A
-        runtime test on a launch scalar: warp-uniform."""
+        cap·log2 e <= 63 (cap <= 43.6), and a bf16 P holds such weights (``cap_fixed_shift``).
+        Larger caps (Gemma 2's 50) and fp16 keep the running max.  A runtime test on a launch
+        scalar: warp-uniform."""
         return scale_log2 > Float32(FIXED_SHIFT_MAX_SCALE)
 
     @cute.jit
