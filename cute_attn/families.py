@@ -53,15 +53,23 @@ def variant_params(v) -> dict:
     return {"variant": text, "variant_fp": fp}
 
 
+# ---- argument shapes several families share ---------------------------------------------------
+def _cache(name, p):
+    """K or V: ``[pages or 1, tokens, kv_heads, head_dim]``, any strides, head_dim contiguous."""
+    return TensorArg(name, p["dtype"], (None, None, None, p["head_dim"]), (None, None, None, 1), 8, 16)
+
+
+def _i32(name):
+    return TensorArg(name, "i32", (None,), (1,), 1, 4)
+
+
 # ---- paged decode ---------------------------------------------------------------------------
 def decode_abi_fixed(p):
     d, dt = p["head_dim"], p["dtype"]
     row = lambda name: TensorArg(name, dt, (None, None, d), (None, None, 1), 8, 16)  # noqa: E731
-    cache = lambda name: TensorArg(name, dt, (None, None, None, d), (None, None, None, 1), 8, 16)  # noqa: E731
-    i32 = lambda name: TensorArg(name, "i32", (None,), (1,), 1, 4)  # noqa: E731
-    return [row("mQ"), cache("mK"), cache("mV"), i32("mKvIndptr"), i32("mKvIndices"), row("mO"),
+    return [row("mQ"), _cache("mK", p), _cache("mV", p), _i32("mKvIndptr"), _i32("mKvIndices"), row("mO"),
             TensorArg("mLse", "f32", (None, None), (None, None), 1, 4),
-            TensorArg("mWork", "i32", (None, WORK_FIELDS), (WORK_FIELDS, 1), 1, 4), i32("mWorkIndptr"),
+            TensorArg("mWork", "i32", (None, WORK_FIELDS), (WORK_FIELDS, 1), 1, 4), _i32("mWorkIndptr"),
             TensorArg("mPartO", "f32", (None, d), (d, 1), 1, 16), TensorArg("mPartLse", "f32", (None,), (1,), 1, 4),
             ScalarArg("group", "i32"), ScalarArg("sm_scale", "f32"), ScalarArg("num_ctas", "i32")]
 
@@ -130,10 +138,7 @@ BATCH_PREFILL_SM90 = register(KernelFamily(
 
 # ---- the key-transform pass (prefill, ragged KV, a variant with transform_k) ----------------
 def key_transform_abi_fixed(p):
-    d, dt = p["head_dim"], p["dtype"]
-    cache = lambda name: TensorArg(name, dt, (None, None, None, d), (None, None, None, 1), 8, 16)  # noqa: E731
-    i32 = lambda name: TensorArg(name, "i32", (None,), (1,), 1, 4)  # noqa: E731
-    return [cache("mK"), cache("mKout"), i32("mQoIndptr"), i32("mKvIndptr"), ScalarArg("batch", "i32"),
+    return [_cache("mK", p), _cache("mKout", p), _i32("mQoIndptr"), _i32("mKvIndptr"), ScalarArg("batch", "i32"),
             ScalarArg("sm_scale", "f32"), ScalarArg("num_ctas", "i32")]
 
 
