@@ -63,7 +63,6 @@ from ..variants.trace import make_entry, transform_pairs
 from .decode import _quad_max, _quad_sum
 from .bitmask import bit_set, load_words
 from .copy import cp_async_16
-from .fastmath import exp2_fma
 from .work import WorkItem
 
 LOG2E = math.log2(math.e)
@@ -85,7 +84,6 @@ REGS = {(2, False): (24, 240), (2, True): (56, 224), (1, False): (56, 256), (1, 
 BAR_WG0, BAR_PINGPONG0, BAR_PRODUCER = 1, 3, 5
 ROW_RING = 3  # blocks of page lookups staged in smem by the gather producer (see _produce)
 BOX_WARPS = 4  # paged TMA: producer warps issuing the boxes of a block (see _produce)
-EXP_EMU_SOFT_CAP = 0  # soft-cap kernels: score columns (of every 8) whose 2^x avoids the MUFU
 LAZY_RESCALE = 8.0  # base-2 units a row's block max may exceed its kept max by before O is rescaled
 FIXED_SHIFT_MAX_SCALE = 63.0  # soft-cap: the largest cap·log2 e whose weights stay >= 2^-126 (_running_max)
 
@@ -94,7 +92,7 @@ class BatchPrefillSm90:
     def __init__(self, dtype, head_dim: int, tile_q: int, paged: bool, causal: bool, soft_cap: bool,
                  window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1, page_box: int = 0,
                  box_warps: int = 0, producer_regs: int = 0, variant=None, keys_transformed: bool = False,
-                 lazy_rescale: int = 1, exp_emu: int = -1):
+                 lazy_rescale: int = 1):
         assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
         self.dtype = dtype
         self.head_dim = head_dim
@@ -142,10 +140,6 @@ class BatchPrefillSm90:
         # (base 2), so most blocks skip the O rescale (64 FMULs per thread at hd128, 128 at
         # hd256: as many as the block's scores); an idea from FA4
         self.lazy_rescale = bool(lazy_rescale)
-        # exp_emu of every 8 score columns take 2^x from FMA-pipe arithmetic instead of the MUFU
-        # (kernels/fastmath.py): for the soft-cap, whose tanh makes the MUFU as busy as the
-        # tensor cores
-        self.exp_emu = (EXP_EMU_SOFT_CAP if soft_cap else 0) if exp_emu < 0 else exp_emu
         # The output goes out through its own staging tile (coalesced 16-byte stores), so the
         # next item's Q can be prefetched into sQ during this item's last PV and epilogue.  At
         # hd256 only half of O's columns fit next to Q and the K/V stages: it is staged in two
@@ -1042,10 +1036,7 @@ class BatchPrefillSm90:
                 # (row_m - m_use) first: exactly 0 when the max was kept, so corr is exactly 1
                 corr[r] = cute.math.exp2((row_m[r] - m_use) * scale, fastmath=True)
                 for c in cutlass.range_constexpr(ncol):
-                    if const_expr(c % 8 < self.exp_emu):  # on the FMA pipe (kernels/fastmath.py)
-                        S[r, c] = exp2_fma(S[r, c] * scale - m_scaled)
-                    else:
-                        S[r, c] = cute.math.exp2(S[r, c] * scale - m_scaled, fastmath=True)
+                    S[r, c] = cute.math.exp2(S[r, c] * scale - m_scaled, fastmath=True)
                 part = [S[r, c] for c in range(4)]
                 for c in cutlass.range_constexpr(4, ncol):
                     part[c % 4] = part[c % 4] + S[r, c]
@@ -1222,5 +1213,5 @@ def build_batch_prefill_sm90(spec):
     k = BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"], p["soft_cap"],
                          p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1),
                          p.get("page_box", 0), p.get("box_warps", 0), p.get("producer_regs", 0),
-                         variant, p.get("keys_transformed", False), p.get("lazy_rescale", 1), p.get("exp_emu", -1))
+                         variant, p.get("keys_transformed", False), p.get("lazy_rescale", 1))
     return make_entry(k, _prefill_abi_fixed(p), abi_args(variant))
