@@ -53,7 +53,7 @@ from .sched.cost import choose_cta_tile_q
 from .sched.inputs import as_index_array, check_indptr, kv_lens_from_paged, kv_lens_from_ragged
 from .variants import base as vbase
 from .variants.binding import VariantBinding
-from .variants.builtins import ALiBi, AttentionSink, Causal, CustomMask, RoPE, SoftCap
+from .variants.builtins import ALiBi, AttentionSink, Causal, CustomMask, RoPE, SoftCap, mask_kv_bounds
 
 PREFILL_TILES = (64, 128)     # packed query rows per work item: one or two consumer warpgroups
 _FIXED_SPLIT_TILE = 128       # fixed_split_size: a tile that does not depend on the batch
@@ -445,6 +445,7 @@ class _BatchPrefillBase:
             if packed.dtype != torch.uint8:
                 raise ValueError(f"packed_custom_mask must be uint8, got {packed.dtype}")
         indptr_t = torch.from_numpy(indptr.astype(np.int32))
+        qo_h = np.concatenate([[0], np.cumsum(qo_len)]).astype(np.int32)
         packed = packed.reshape(-1)
         if packed.numel() == 0:
             packed = torch.zeros(1, dtype=torch.uint8)
@@ -458,12 +459,23 @@ class _BatchPrefillBase:
                                  f"custom_mask_buf / mask_indptr_buf ({mbuf.numel()} / {ibuf.numel()})")
             if getattr(self, "_mask_words_buf", None) is None:  # the kernel reads words: a fixed int32 twin
                 self._mask_words_buf = torch.zeros(mbuf.numel() // 4 + 1, dtype=torch.int32, device=self._device)
+            if getattr(self, "_mask_bounds_buf", None) is None:  # the first plan fixes the query tokens
+                self._mask_bounds_buf = torch.zeros((max(int(qo_h[-1]), 1), 2), dtype=torch.int32, device=self._device)
+                self._mask_qo_buf = torch.zeros(self._qo_indptr_buf.numel(), dtype=torch.int32, device=self._device)
+            if qo_h[-1] > self._mask_bounds_buf.shape[0] or qo_h.size > self._mask_qo_buf.numel():
+                raise ValueError(f"use_cuda_graph=True: {int(qo_h[-1])} query tokens / batch {qo_h.size - 1} exceed "
+                                 f"the first plan's {self._mask_bounds_buf.shape[0]} / {self._mask_qo_buf.numel() - 1}")
             mbuf[:packed.numel()].copy_(packed.to(torch.uint8), non_blocking=True)
             ibuf[:indptr_t.numel()].copy_(indptr_t, non_blocking=True)
+            self._mask_qo_buf[:qo_h.size].copy_(torch.from_numpy(qo_h), non_blocking=True)
             return CustomMask(packed_custom_mask=CustomMask.words(mbuf[:packed.numel()], self._mask_words_buf),
-                              mask_indptr=ibuf)
-        return CustomMask(packed_custom_mask=CustomMask.words(packed.to(device=self._device, dtype=torch.uint8)),
-                          mask_indptr=indptr_t.to(self._device, non_blocking=True))
+                              mask_indptr=ibuf, qo_indptr=self._mask_qo_buf,
+                              kv_bounds=mask_kv_bounds(mbuf, indptr, qo_len, kv_lens, out=self._mask_bounds_buf))
+        dev_packed = packed.to(device=self._device, dtype=torch.uint8)
+        return CustomMask(packed_custom_mask=CustomMask.words(dev_packed),
+                          mask_indptr=indptr_t.to(self._device, non_blocking=True),
+                          qo_indptr=torch.from_numpy(qo_h).to(self._device, non_blocking=True),
+                          kv_bounds=mask_kv_bounds(dev_packed, indptr, qo_len, kv_lens))
 
     def _get_planner(self, batch, total_q, hq, hk, d, num_ctas) -> Planner:
         rows = _rows_per_cta(d) * num_ctas

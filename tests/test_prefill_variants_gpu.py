@@ -248,6 +248,48 @@ def test_variant_single_prefill():
 # =========================================================================== CPU tests
 
 
+def test_mask_kv_bounds():
+    """CustomMask's per-row kv bounds: no visible key outside [lo, hi), non-decreasing in the
+    row, exact where the raw bounds already are (a causal mask: [0, kv - qo + i + 1)), and
+    (kv_len, 0) for rows that see nothing."""
+    from cute_attn.prefill import pack_custom_mask
+    from cute_attn.variants.builtins import mask_kv_bounds
+
+    rng = np.random.default_rng(1)
+    qo, kv = np.array([3, 0, 40, 6, 5]), np.array([7, 4, 90, 6, 0])
+    parts = []
+    for q, k in zip(qo, kv):
+        m = torch.from_numpy(rng.random((q, k)) < 0.2)
+        if q == 6:  # causal, top-left = bottom-right here
+            m = torch.ones(q, k, dtype=torch.bool).tril()
+        if q == 3:
+            m[1] = False  # a row that sees nothing
+        parts.append(m.reshape(-1))
+    flat = torch.cat(parts)
+    packed, indptr = pack_custom_mask(flat, qo, kv)
+    b = mask_kv_bounds(packed, indptr, qo, kv)
+    assert b.dtype == torch.int32 and b.shape == (int(qo.sum()), 2)
+    row = off = 0
+    for q, k in zip(qo, kv):
+        m = flat[off:off + q * k].view(q, k)
+        off += q * k
+        lo, hi = b[row:row + q, 0], b[row:row + q, 1]
+        row += q
+        if q == 0:
+            continue
+        assert (lo[1:] >= lo[:-1]).all() and (hi[1:] >= hi[:-1]).all()
+        cols = torch.arange(k)
+        outside = (cols[None, :] < lo[:, None]) | (cols[None, :] >= hi[:, None])
+        assert not (m & outside).any()
+        if q == 6:
+            assert lo.tolist() == [0] * 6 and hi.tolist() == list(range(1, 7))
+        if k == 0:
+            assert b[row - q:row].tolist() == [[0, 0]] * q
+    only_empty = mask_kv_bounds(*pack_custom_mask(torch.zeros(8, dtype=torch.bool), np.array([2]), np.array([4])),
+                                np.array([2]), np.array([4]))
+    assert only_empty.tolist() == [[4, 0], [4, 0]]
+
+
 def test_pack_custom_mask_matches_segment_packbits():
     from cute_attn.prefill import pack_custom_mask
 

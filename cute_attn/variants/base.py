@@ -34,7 +34,9 @@ Hook points (``ctx`` is a :class:`Ctx`; all positions are token indices of the r
   split (the decode wrapper disables split-KV for such variants).
 
 Static properties (class attributes) kernels may rely on: ``causal`` (every visible key
-satisfies ``kv_pos <= q_pos``), ``softmax`` (False: no softmax, see ``logits``).
+satisfies ``kv_pos <= q_pos``), ``softmax`` (False: no softmax, see ``logits``),
+``range_in_bits`` (the component's ``kv_range`` only tells the kernels which blocks they may
+skip: its ``mask_bits`` already hide every key outside it, so no per-score range test).
 
 Parameters come in two kinds:
 
@@ -103,6 +105,7 @@ class Variant:
     runtime: Sequence = ()
     causal: bool = False
     softmax: bool = True
+    range_in_bits: bool = False  # kv_range only narrows the blocks: its mask_bits already hide the rest
 
     transform_q = None
     transform_k = None
@@ -429,7 +432,8 @@ class Hooks:
         self.has_kv_range = has("kv_range")
         # masking by bitmaps alone: a kernel may skip a block whose bits are all 0 and drop the
         # per-score test where they are all 1
-        self.bits_only = self.has_mask_bits and not has("mask") and not self.has_kv_range
+        self.bits_only = self.has_mask_bits and not has("mask") and all(
+            c.range_in_bits for c in self.parts if c.kv_range is not None)
         self.has_finalize = has("finalize")
         self.has_output = has("output")
         self.softmax = all(c.softmax for c in self.parts)
@@ -493,8 +497,8 @@ class Hooks:
         from . import dsl
 
         lo = hi = None
-        if self.has_kv_range:
-            lo, hi = self.kv_range(ctx, args)
+        if self.has_kv_range:  # (a range its own bitmap implies needs no per-score test)
+            lo, hi = self.kv_range(ctx, args, tested_only=True)
         if self.has_logits:
             self.logits(ctx.replace(kv_pos=ctx.q_pos), args, dsl.Float32(0.0))
         if self.has_mask:
@@ -505,10 +509,14 @@ class Hooks:
         """Per ``mask_bits`` component of the row of ``ctx``: (uint8 tensor, bit offset of key 0)."""
         return [fn(ctx.replace(args=a)) for fn, a in self._each("mask_bits", args)]
 
-    def kv_range(self, ctx, args):
-        """(lo, hi) intersected over components; None for an open side."""
+    def kv_range(self, ctx, args, tested_only: bool = False):
+        """(lo, hi) intersected over components; None for an open side.  ``tested_only``: only
+        the components whose range is not implied by their bitmap (``range_in_bits``)."""
         lo = hi = None
-        for fn, a in self._each("kv_range", args):
+        for c, a in zip(self.parts, args):
+            fn = c.kv_range
+            if fn is None or (tested_only and c.range_in_bits):
+                continue
             l2, h2 = fn(ctx.replace(args=a))
             if l2 is not None:
                 lo = l2 if lo is None else _imax(lo, l2)

@@ -97,11 +97,27 @@ class AttentionSink(Variant):
 class CustomMask(Variant):
     """A boolean mask per request, bit-packed as FlashInfer's ``packed_custom_mask``: request
     ``b``'s ``[qo_len, kv_len]`` row-major bits start at byte ``mask_indptr[b]``, little bit
-    order.  A bitmap (``mask_bits``), tested in registers by both kernels.  No block skipping.
+    order.  A bitmap (``mask_bits``), tested in registers by both kernels.
     ``packed_custom_mask`` is passed as int32 words holding those bytes (:meth:`words`): a
-    kernel then reads a row's bits of a block with a few word loads instead of a load per byte."""
+    kernel then reads a row's bits of a block with a few word loads instead of a load per byte.
+    ``kv_bounds[qo_indptr[b] + i]`` = (lo, hi) of query row i of request b: no key outside
+    ``[lo, hi)`` is visible to it, and both are non-decreasing in i (:func:`mask_kv_bounds`);
+    as a ``kv_range`` it lets the kernels skip the blocks outside (block sparsity: a causal or
+    document mask visits only its own blocks), implied by the bits (``range_in_bits``)."""
 
-    runtime = (TensorParam("packed_custom_mask", "i32", 1), TensorParam("mask_indptr", "i32", 1))
+    runtime = (TensorParam("packed_custom_mask", "i32", 1), TensorParam("mask_indptr", "i32", 1),
+               TensorParam("kv_bounds", "i32", 2), TensorParam("qo_indptr", "i32", 1))
+    range_in_bits = True
+
+    def mask_bits(self, ctx):
+        a = ctx.args
+        row = ctx.once("mask_row", lambda: a.mask_indptr[ctx.batch] * 8 + ctx.q_idx * ctx.kv_len)
+        return a.packed_custom_mask, row
+
+    def kv_range(self, ctx):
+        a = ctx.args
+        row = a.qo_indptr[ctx.batch] + ctx.q_idx
+        return a.kv_bounds[row, 0], a.kv_bounds[row, 1]
 
     @staticmethod
     def words(packed, out=None):
@@ -120,10 +136,42 @@ class CustomMask(Variant):
         out.view(torch.uint8)[:n].copy_(packed.reshape(-1), non_blocking=True)
         return out
 
-    def mask_bits(self, ctx):
-        a = ctx.args
-        row = ctx.once("mask_row", lambda: a.mask_indptr[ctx.batch] * 8 + ctx.q_idx * ctx.kv_len)
-        return a.packed_custom_mask, row
+
+def mask_kv_bounds(packed, mask_indptr, qo_lens, kv_lens, out=None):
+    """``CustomMask.kv_bounds`` from the packed bytes (uint8, on any device; ``mask_indptr``,
+    ``qo_lens``, ``kv_lens``: per request, host ints): int32 ``[sum(qo_lens), 2]`` on
+    ``packed``'s device, or written into ``out``.  Row i of a request gets lo = its first
+    visible key, hi = its last + 1 (an empty row: kv_len, 0), then lo = the minimum over rows
+    >= i and hi = the maximum over rows <= i: non-decreasing in i (the kernels clip a tile by
+    its first row's lo and its last row's hi), still no visible key outside."""
+    import torch
+
+    dev = packed.device
+    shifts = torch.arange(8, device=dev, dtype=torch.uint8)
+    parts = []
+    for b in range(len(qo_lens)):
+        q, k = int(qo_lens[b]), int(kv_lens[b])
+        if q == 0:
+            continue
+        if k == 0:
+            parts.append(torch.zeros((q, 2), dtype=torch.int32, device=dev))
+            continue
+        start = int(mask_indptr[b])
+        by = packed[start:start + (q * k + 7) // 8]
+        bits = ((by[:, None] >> shifts) & 1).reshape(-1)[:q * k].view(q, k)
+        seen = bits.bool().any(1)
+        lo = torch.where(seen, bits.argmax(1), k)
+        hi = torch.where(seen, k - bits.flip(1).argmax(1), 0)
+        lo = lo.flip(0).cummin(0).values.flip(0)
+        hi = hi.cummax(0).values
+        parts.append(torch.stack([lo, hi], 1).to(torch.int32))
+    res = torch.cat(parts) if parts else torch.zeros((1, 2), dtype=torch.int32, device=dev)
+    if out is None:
+        return res
+    if out.dtype != torch.int32 or out.dim() != 2 or out.shape[0] < res.shape[0]:
+        raise ValueError(f"the mask's kv bounds need an int32 [{res.shape[0]}, 2] buffer, got {tuple(out.shape)}")
+    out[:res.shape[0]].copy_(res)
+    return out
 
 
 @register_builtin
