@@ -187,6 +187,49 @@ def test_custom_mask_uniform_blocks(config):
 
 
 @gpu
+def test_custom_mask_cuda_graph_replay_with_new_plans():
+    """A captured run() with a custom mask: later plans write new bits, offsets and per-row kv
+    bounds into the same buffers (a smaller batch, other lengths, another pattern)."""
+    from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
+
+    hq, hk, d, max_b, t_max, kv_max = 32, 8, 128, 3, 1024, 4096
+    gen = _gen()
+    bufs = dict(qo_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device=DEV),
+                kv_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device=DEV),
+                custom_mask_buf=torch.zeros(1 << 20, dtype=torch.uint8, device=DEV),
+                mask_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device=DEV))
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(DEV), use_cuda_graph=True, **bufs)
+    q = torch.randn(t_max, hq, d, generator=gen).to(torch.bfloat16).to(DEV)
+    k = torch.randn(kv_max, hk, d, generator=gen).to(torch.bfloat16).to(DEV)
+    v = torch.randn(kv_max, hk, d, generator=gen).to(torch.bfloat16).to(DEV)
+    out = torch.empty_like(q)
+    lse = torch.empty(t_max, hq, device=DEV)
+
+    def plan(qo, kv, doc):
+        mask = torch.cat([((torch.arange(b - a, b)[:, None] // doc == torch.arange(b)[None, :] // doc)
+                           & (torch.arange(b)[None, :] <= torch.arange(b - a, b)[:, None])).reshape(-1)
+                          for a, b in zip(qo, kv)])
+        qo_t, kv_t = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(kv), dtype=torch.int32)
+        w.plan(qo_t, kv_t, hq, hk, d, custom_mask=mask, q_data_type=torch.bfloat16)
+        return qo_t, kv_t, mask
+
+    plan([500, 24, 500], [1000, 100, 2900], 300)  # the first plan fixes 1024 query tokens
+    w.run(q, k, v, out=out, lse=lse)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(q, k, v, out=out, lse=lse)
+    for qo, kv, doc in (([1000, 24], [3000, 24], 200), ([7, 900, 100], [7, 900, 3000], 1000), ([1], [1], 5)):
+        qo_t, kv_t, mask = plan(qo, kv, doc)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        n, nk = int(qo_t[-1]), int(kv_t[-1])
+        ref_o, ref_lse = _reference(q[:n], k[:nk], v[:nk], qo_t, kv_t, torch.bfloat16, dict(custom_mask=mask))
+        check(out[:n], lse[:n], ref_o, ref_lse, torch.bfloat16)
+
+
+@gpu
 def test_rope_ragged_cuda_graph_replay_with_new_plans():
     """Ragged RoPE in a captured graph: the key-transform pass reads the request count and the
     offsets from the indptr buffers, so later plans -- a smaller batch (the buffers' tail
