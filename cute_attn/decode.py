@@ -201,8 +201,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if window_left >= 0:
             parts.append(SlidingWindow(window_left=int(window_left)))
         if custom_mask is not None or packed_custom_mask is not None:
-            if self._use_cuda_graph:  # its tensors are made per plan: a captured run() would keep the first
-                raise NotImplementedError("a custom mask in decode is not supported with use_cuda_graph=True yet")
             parts.append(self._custom_mask(custom_mask, packed_custom_mask, indptr_h, last_page_len, page_size))
         parts.extend(vbase.components(variant))
         self._variant = parts[0] if len(parts) == 1 else (vbase.Compose(*parts) if parts else None)
@@ -275,11 +273,25 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                         for b in range(len(kv_lens))] + [np.zeros(1, np.uint8)])
             packed = torch.from_numpy(packed_np)
         packed = packed.reshape(-1).to(device=self._device, dtype=torch.uint8)
-        ones = np.ones(len(kv_lens), dtype=np.int64)  # one query row per request
-        return CustomMask(packed_custom_mask=CustomMask.words(packed),
-                          mask_indptr=torch.from_numpy(mask_indptr).to(self._device),
-                          qo_indptr=torch.arange(len(kv_lens) + 1, dtype=torch.int32, device=self._device),
-                          kv_bounds=mask_kv_bounds(packed, mask_indptr, ones, kv_lens))
+        batch = len(kv_lens)
+        ones = np.ones(batch, dtype=np.int64)  # one query row per request
+        vals = dict(packed_custom_mask=CustomMask.words(packed), mask_indptr=torch.from_numpy(mask_indptr),
+                    qo_indptr=torch.arange(batch + 1, dtype=torch.int32),
+                    kv_bounds=mask_kv_bounds(packed, mask_indptr, ones, kv_lens))
+        if self._use_cuda_graph:
+            # a captured run() keeps the tensors of the plan it was captured with: later plans
+            # write theirs into the same buffers, sized by the first plan (an extension: FlashInfer's
+            # decode has no custom mask, hence no user buffers for it)
+            bufs = getattr(self, "_mask_bufs", None)
+            if bufs is None:
+                bufs = self._mask_bufs = {k: torch.zeros_like(t, device=self._device) for k, t in vals.items()}
+            for k, t in vals.items():
+                if t.shape[0] > bufs[k].shape[0]:
+                    raise ValueError(f"use_cuda_graph=True: this plan's custom mask needs {t.shape[0]} entries of "
+                                     f"{k}, the first plan fixed {bufs[k].shape[0]}")
+                bufs[k][:t.shape[0]].copy_(t, non_blocking=True)
+            return CustomMask(**bufs)
+        return CustomMask(**{k: t.to(self._device, non_blocking=True) for k, t in vals.items()})
 
     @staticmethod
     def _split_tokens(fixed_split_size, disable_split_kv, page_size) -> Optional[int]:
