@@ -137,35 +137,56 @@ class CustomMask(Variant):
         return out
 
 
-def mask_kv_bounds(packed, mask_indptr, qo_lens, kv_lens, out=None):
+def mask_kv_bounds(packed, mask_indptr, qo_lens, kv_lens, out=None, chunk_bits: int = 1 << 23):
     """``CustomMask.kv_bounds`` from the packed bytes (uint8, on any device; ``mask_indptr``,
     ``qo_lens``, ``kv_lens``: per request, host ints): int32 ``[sum(qo_lens), 2]`` on
     ``packed``'s device, or written into ``out``.  Row i of a request gets lo = its first
     visible key, hi = its last + 1 (an empty row: kv_len, 0), then lo = the minimum over rows
     >= i and hi = the maximum over rows <= i: non-decreasing in i (the kernels clip a tile by
-    its first row's lo and its last row's hi), still no visible key outside."""
+    its first row's lo and its last row's hi), still no visible key outside.
+
+    The same dozen tensor ops for any batch (decode plans every step): rows are gathered as a
+    padded [rows, max kv_len] bit matrix, ``chunk_bits`` at a time, and the per-request running
+    min / max run over all rows at once, each request's values lifted above the previous one's."""
+    import numpy as np
     import torch
 
     dev = packed.device
-    shifts = torch.arange(8, device=dev, dtype=torch.uint8)
-    parts = []
-    for b in range(len(qo_lens)):
-        q, k = int(qo_lens[b]), int(kv_lens[b])
-        if q == 0:
-            continue
-        if k == 0:
-            parts.append(torch.zeros((q, 2), dtype=torch.int32, device=dev))
-            continue
-        start = int(mask_indptr[b])
-        by = packed[start:start + (q * k + 7) // 8]
-        bits = ((by[:, None] >> shifts) & 1).reshape(-1)[:q * k].view(q, k)
-        seen = bits.bool().any(1)
-        lo = torch.where(seen, bits.argmax(1), k)
-        hi = torch.where(seen, k - bits.flip(1).argmax(1), 0)
-        lo = lo.flip(0).cummin(0).values.flip(0)
-        hi = hi.cummax(0).values
-        parts.append(torch.stack([lo, hi], 1).to(torch.int32))
-    res = torch.cat(parts) if parts else torch.zeros((1, 2), dtype=torch.int32, device=dev)
+    qo = np.asarray(qo_lens, dtype=np.int64).reshape(-1)
+    kv = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
+    rows = int(qo.sum())
+    if rows == 0:
+        res = torch.zeros((1, 2), dtype=torch.int32, device=dev)
+    else:
+        req = np.repeat(np.arange(qo.size), qo)
+        row_in_req = np.arange(rows) - np.repeat(np.cumsum(qo) - qo, qo)
+        klen = kv[req]
+        start = np.asarray(mask_indptr, dtype=np.int64).reshape(-1)[req] * 8 + row_in_req * klen
+        lo = torch.as_tensor(klen).to(dev)  # rows that see nothing: (kv_len, 0)
+        hi = torch.zeros(rows, dtype=torch.int64, device=dev)
+        kmax = max(int(klen.max()), 1)
+        step = max(1, chunk_bits // kmax)
+        nbits = packed.numel() * 8
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            k = torch.as_tensor(klen[r0:r1]).to(dev)
+            cols = torch.arange(int(klen[r0:r1].max()) if r1 > r0 else 0, device=dev)
+            if cols.numel() == 0:
+                continue
+            bit = torch.as_tensor(start[r0:r1]).to(dev)[:, None] + cols[None, :]
+            valid = (cols[None, :] < k[:, None]) & (bit < nbits)
+            bit = torch.where(valid, bit, 0)
+            bits = ((packed[bit >> 3] >> (bit & 7).to(torch.uint8)) & 1).bool() & valid
+            seen = bits.any(1)
+            b8 = bits.to(torch.uint8)
+            lo[r0:r1] = torch.where(seen, b8.argmax(1), k)
+            hi[r0:r1] = torch.where(seen, cols.numel() - b8.flip(1).argmax(1), 0)  # last visible + 1
+        # non-decreasing within each request: lift request b's values by b * (kmax + 1), so a
+        # running max / (reversed) min over all rows never crosses a request boundary
+        lift = torch.as_tensor(req * (kmax + 1)).to(dev)
+        hi = (hi + lift).cummax(0).values - lift
+        lo = (lo + lift).flip(0).cummin(0).values.flip(0) - lift
+        res = torch.stack([lo, hi], 1).to(torch.int32)
     if out is None:
         return res
     if out.dtype != torch.int32 or out.dim() != 2 or out.shape[0] < res.shape[0]:
