@@ -674,8 +674,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         input dtype: Q by the kernel, K by a pass over the keys before it (ragged KV; a paged
         cache's K blocks are rotated by the kernel, for every query tile that reads them));
         ``custom_mask`` (flat bool: request b's row-major ``[qo_len, kv_len]`` block after
-        request b-1's) or ``packed_custom_mask`` (its bits, packed per request, little bit order: FlashInfer's ``segment_packbits``) -- a custom mask
-        replaces ``causal``, as in FlashInfer; ``variant`` (any ``cute_attn.variants.Variant``,
+        request b-1's) or ``packed_custom_mask`` (its bits, packed per request, little bit
+        order: FlashInfer's ``segment_packbits``) -- a custom mask replaces ``causal``, as in
+        FlashInfer; ``variant`` (any ``cute_attn.variants.Variant``,
         applied after the built-ins; its runtime arguments not given to its constructor
         follow the KV in ``run()``)."""
         q_dtype, d = self._check_common(
