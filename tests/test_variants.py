@@ -209,3 +209,18 @@ def test_ctx_float_positions_follow_the_positions():
     assert c.replace(kv_pos=7, kv_pos_f32="f7")._rel_pos_f32 is None
     with pytest.raises(TypeError):
         Ctx(kv_pos_f=1.0)
+
+
+def test_ctx_float_positions_as_base_plus_column_offset():
+    """Kernels may give a float position as (per-block base, column constant): the properties
+    return the sum, and ``rel_pos_times(x)`` is ``x * rel_pos`` written as ``x * offset + x *
+    base`` (one FFMA per score in a kernel), also for offset 0 and for a plain value."""
+    from cute_attn.variants.base import Ctx
+
+    c = Ctx(kv_pos=13, q_pos=20, kv_pos_f32=(8.0, 5.0), rel_pos_f32=(-12.0, 5.0))
+    assert (c.kv_pos_f32, c.rel_pos_f32) == (13.0, -7.0)
+    assert c.rel_pos_times(0.25) == -1.75
+    assert c.replace(batch=2).rel_pos_times(2.0) == -14.0  # the pair survives a replace
+    z = Ctx(rel_pos_f32=(-3.0, 0.0))
+    assert (z.rel_pos_f32, z.rel_pos_times(0.5)) == (-3.0, -1.5)
+    assert Ctx(rel_pos_f32=6.0).rel_pos_times(0.5) == 3.0

@@ -456,8 +456,8 @@ class PagedDecode:
         rel_f0 = kv_f0 - rctx.q_pos.to(Float32)
         for c in range(cute.size(acc_S_mn, mode=[1])):
             kv_pos = key0 + tScS[0, c][1]
-            off = Float32(self._trace_col_off[c])
-            ectx = rctx.replace(kv_pos=kv_pos, kv_pos_f32=kv_f0 + off, rel_pos_f32=rel_f0 + off)
+            off = float(self._trace_col_off[c])
+            ectx = rctx.replace(kv_pos=kv_pos, kv_pos_f32=(kv_f0, off), rel_pos_f32=(rel_f0, off))
             ok = kv_pos < blk_end
             if H.has_logits:
                 v = H.logits(ectx, va, acc_S_mn[r, c] * self._trace_sm_scale)

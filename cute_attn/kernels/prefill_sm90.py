@@ -624,7 +624,8 @@ class BatchPrefillSm90:
 
     def _hook_logits(self, r, kv_pos, s, kv_pos_f32, rel_pos_f32):
         """Raw q·k -> the variant's logit (natural units: the softmax's scale is log2 e, see
-        ``_row_scale``) or its weight (no softmax)."""
+        ``_row_scale``) or its weight (no softmax).  The float positions come as (per-block
+        base, column constant) pairs (``Ctx``)."""
         ctx = self._trace_rows[r][0].replace(kv_pos=kv_pos, kv_pos_f32=kv_pos_f32, rel_pos_f32=rel_pos_f32)
         return self.hooks.logits(ctx, self._trace_vargs, s * self._trace_sm_scale)
 
@@ -1007,8 +1008,8 @@ class BatchPrefillSm90:
                     v = S[r, c]
                     kv_pos = blk + tScS[0, c][1]
                     if const_expr(H.has_logits):
-                        off = Float32(self._trace_col_off[c])
-                        v = self._hook_logits(r, kv_pos, v, kv_f0 + off, rel_f0 + off)
+                        off = float(self._trace_col_off[c])
+                        v = self._hook_logits(r, kv_pos, v, (kv_f0, off), (rel_f0, off))
                     elif const_expr(self.soft_cap):
                         v = self._logits(v)
                     if const_expr(masked):

@@ -363,7 +363,12 @@ class Ctx:
     Float32 (exact below 2^24).  Use them instead of converting positions yourself in a
     per-element hook: the kernels derive them with one addition per score from values computed
     once per block (a per-element int->float conversion runs at a quarter of the FP32 rate on
-    Hopper, as slow as the softmax's exponential)."""
+    Hopper, as slow as the softmax's exponential).  For a bias linear in the position, write
+    ``ctx.rel_pos_times(x)`` rather than ``x * ctx.rel_pos_f32``: one FFMA per score instead of
+    an addition and an FFMA (see there).
+
+    Kernels give the float positions either as values or as ``(base, offset)`` pairs: a DSL
+    value per row and block plus a Python float per column of the thread's fragment."""
 
     _FIELDS = ("batch", "qo_head", "kv_head", "q_pos", "qo_len", "kv_len", "kv_pos", "first_chunk",
                "head_dim", "sm_scale", "args", "kv_pos_f32", "rel_pos_f32")
@@ -385,7 +390,7 @@ class Ctx:
     @property
     def kv_pos_f32(self):
         if self._kv_pos_f32 is not None:
-            return self._kv_pos_f32
+            return _value(self._kv_pos_f32)
         from . import dsl
 
         return dsl.f32(self.kv_pos)
@@ -393,10 +398,22 @@ class Ctx:
     @property
     def rel_pos_f32(self):
         if self._rel_pos_f32 is not None:
-            return self._rel_pos_f32
+            return _value(self._rel_pos_f32)
         from . import dsl
 
         return dsl.f32(self.kv_pos - self.q_pos)
+
+    def rel_pos_times(self, x):
+        """``x * rel_pos_f32``.  Where the kernel gives ``rel_pos`` as a per-block base plus a
+        per-column constant (the per-element hooks of both kernels), this is ``x * offset + x *
+        base``: ``x * base`` is the same value for every column of a row (computed once), so a
+        score costs one FFMA with an immediate, where ``x * (base + offset)`` costs an addition
+        and the multiply (ALiBi: one instruction per score less)."""
+        v = self._rel_pos_f32
+        if isinstance(v, tuple):
+            base, off = v
+            return x * off + x * base if off else x * base
+        return x * self.rel_pos_f32
 
     def replace(self, _fresh: bool = False, **kw) -> "Ctx":
         """A copy with some fields changed; it shares the ``once`` cache unless ``_fresh``.  A new
@@ -415,6 +432,13 @@ class Ctx:
         if k not in self._cache:
             self._cache[k] = fn()
         return self._cache[k]
+
+
+def _value(v):
+    """A float position as a value: ``(base, offset)`` pairs (see :class:`Ctx`) summed."""
+    if isinstance(v, tuple):
+        return v[0] + v[1] if v[1] else v[0]
+    return v
 
 
 class Hooks:
