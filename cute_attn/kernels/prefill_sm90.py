@@ -351,36 +351,36 @@ class BatchPrefillSm90:
                 # that only drive its transaction count below zero, which an mbarrier allows:
                 # the phase cannot complete before warp 0's arrival).
                 if warp_idx < self.box_warps:
-                    # lane b looks up the page of box b (all boxes of a block in one round trip),
-                    # one block ahead of its use; the TMA issue reads it with a shuffle
+                    # lane b looks up the page of box b and its 16-row slot in the page (all boxes
+                    # of a block in one round trip), one block ahead of its use; the TMA issue
+                    # reads them with shuffles, as warp-uniform values (see _load_pages)
                     page_base = mKvIndptr[req]
                     page_size = pdiv
                     lane = cute.arch.lane_idx()
+                    head = cute.arch.make_warp_uniform(kv_head)
                     nb = n_blocks - first
-                    pg_k = Int32(0)
-                    pg_v = Int32(0)
+                    pg_k, rw_k = Int32(0), Int32(0)
+                    pg_v, rw_v = Int32(0), Int32(0)
                     if nb > 0:
-                        pg_k = self._box_page(mKvIndices, lane, kv_start + (n_blocks - 1) * TN, kv_end, page_base,
-                                              page_size)
+                        pg_k, rw_k = self._box_page(mKvIndices, lane, kv_start + (n_blocks - 1) * TN, kv_end,
+                                                    page_base, page_size)
                     for j in cutlass.range(nb + 1, unroll=1):
-                        pg_next = Int32(0)
+                        pg_next, rw_next = Int32(0), Int32(0)
                         if j + 1 < nb:
-                            pg_next = self._box_page(mKvIndices, lane, kv_start + (n_blocks - 2 - j) * TN, kv_end,
-                                                     page_base, page_size)
+                            pg_next, rw_next = self._box_page(mKvIndices, lane, kv_start + (n_blocks - 2 - j) * TN,
+                                                              kv_end, page_base, page_size)
                         if j < nb:
+                            boxes = self._box_coords(pg_k, rw_k, warp_idx)  # before the wait
                             self._acquire_boxes(pipe_k, k_state, warp_idx)
-                            self._load_pages(tma_k, tK, sK, pipe_k.producer_get_barrier(k_state), k_state.index,
-                                             pg_k, kv_start + (n_blocks - 1 - j) * TN, kv_end, page_size, kv_head,
-                                             warp_idx)
+                            self._load_pages(tma_k, tK, sK, pipe_k, k_state.index, boxes, head)
                             k_state.advance()
                         if j > 0:
+                            boxes = self._box_coords(pg_v, rw_v, warp_idx)
                             self._acquire_boxes(pipe_v, v_state, warp_idx)
-                            self._load_pages(tma_v, tV, sV, pipe_v.producer_get_barrier(v_state), v_state.index,
-                                             pg_v, kv_start + (n_blocks - j) * TN, kv_end, page_size, kv_head,
-                                             warp_idx)
+                            self._load_pages(tma_v, tV, sV, pipe_v, v_state.index, boxes, head)
                             v_state.advance()
-                        pg_v = pg_k
-                        pg_k = pg_next
+                        pg_v, rw_v = pg_k, rw_k
+                        pg_k, rw_k = pg_next, rw_next
             elif const_expr(not self.gather):
                 if warp_idx == 0:
                     row0 = mKvIndptr[req] + kv_start
@@ -470,19 +470,30 @@ class BatchPrefillSm90:
         if warp_idx == 0:
             pipe.sync_object_full.arrive(state.index, pipe.producer_mask)
 
+    def _box_coords(self, pg, rw, warp_idx):
+        """(box, page, slot) of this warp's boxes of a block (box b by warp b % box_warps) as
+        warp-uniform values, from lane b of ``pg`` / ``rw`` (``_box_page``).  TMA operands must
+        sit in uniform registers; for a value the compiler cannot prove uniform (a shuffle's
+        result) it converts per issue.  Computed before the stage wait, off the issue path."""
+        out = []
+        for k in range((self.tile_n // self.page_box + self.box_warps - 1) // self.box_warps):
+            b = cute.arch.make_warp_uniform(warp_idx + k * self.box_warps)
+            out.append((b, cute.arch.make_warp_uniform(cute.arch.shuffle_sync(pg, b)),
+                        cute.arch.make_warp_uniform(cute.arch.shuffle_sync(rw, b))))
+        return out
+
     @cute.jit
-    def _load_pages(self, tma, tX, sX, bar, stage, pg, blk, kv_end, page_size, kv_head, warp_idx):
-        """This warp's share of one block's TN / page_box TMA boxes (box b by warp b % box_warps),
-        each from its own page (lane b of ``pg`` holds box b's page, see ``_box_page``).  Boxes
-        past kv_end re-read the last valid box; the unused slots of the last page are zeroed in
-        smem by the consumers before P V (``_zero_v_tail``)."""
+    def _load_pages(self, tma, tX, sX, pipe, stage, boxes, kv_head):
+        """This warp's boxes of one block (``boxes``: ``_box_coords``), each from its own page.
+        Boxes past kv_end re-read the last valid box; the unused slots of the last page are
+        zeroed in smem by the consumers before P V (``_zero_v_tail``)."""
         PB, D = self.page_box, self.head_dim
-        for b in cutlass.range_constexpr(self.tile_n // PB):
-            if warp_idx == b % self.box_warps:
-                p = blk + b * PB
-                p = p if p < kv_end else kv_end - 1
-                page = cute.arch.shuffle_sync(pg, b)
-                g = cute.local_tile(tX[None, None, kv_head, page], (PB, D), ((p % page_size) // PB, 0))
+        stage = cute.arch.make_warp_uniform(stage)
+        bar = pipe.sync_object_full.get_barrier(stage)
+        for k in cutlass.range_constexpr(len(boxes)):
+            b, page, row = boxes[k]
+            if b < self.tile_n // PB:
+                g = cute.local_tile(tX[None, None, kv_head, page], (PB, D), (row, 0))
                 s_ = cute.local_tile(sX[None, None, stage], (PB, D), (b, 0))
                 ts, tg = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_, 0, 2),
                                                cute.group_modes(g, 0, 2))
@@ -490,11 +501,12 @@ class BatchPrefillSm90:
 
     @cute.jit
     def _box_page(self, mKvIndices, lane, blk, kv_end, page_base, page_size):
-        """Page of box ``lane`` of the block starting at token blk (clamped to the last valid
-        token, so every lane reads a valid index)."""
+        """(page, page_box-row slot in the page) of box ``lane`` of the block starting at token blk
+        (clamped to the last valid token, so every lane reads a valid index)."""
         p = blk + lane * self.page_box
         p = p if p < kv_end else kv_end - 1
-        return mKvIndices[page_base + p // page_size]
+        q, r = divmod(p, page_size)
+        return mKvIndices[page_base + q], r // self.page_box
 
     @cute.jit
     def _row_addrs(self, mK, mV, mKvIndices, tidx, blk, kv_end, page_base, page_size, kv_head):
