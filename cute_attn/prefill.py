@@ -152,7 +152,9 @@ def resolve_variant(*, causal: bool = False, window_left: int = -1, logits_soft_
     if sinks:
         tail.append(AttentionSink())
     soft_cap = bool(logits_soft_cap)
-    if soft_cap and any(c.logits is not None for c in head + tail):
+    # the kernels' soft-cap flag caps raw q·k plus the biases they seed (ALiBi's): a later logits
+    # hook, or a bias meant to follow the cap, needs the cap in the chain
+    if soft_cap and (any(c.logits is not None for c in head + tail) or any(c.bias is not None for c in tail)):
         head.append(SoftCap(logits_soft_cap=float(logits_soft_cap)))
         soft_cap = False
     parts = head + tail

@@ -211,6 +211,42 @@ def test_ctx_float_positions_follow_the_positions():
         Ctx(kv_pos_f=1.0)
 
 
+def test_bias_hooks_seeded_before_the_first_logits_hook():
+    """``bias`` components before the first ``logits`` one are the kernel's to seed (prefill:
+    into the QK accumulator) when it asks (``seed_bias``); a bias after a logits hook, or any
+    bias in a kernel that does not seed, is applied by ``logits`` in component order."""
+    from cute_attn.variants import Hooks
+    from cute_attn.variants.base import Ctx
+
+    class B(Variant):
+        static = {"b": 1.0}
+
+        def bias(self, ctx, scale):
+            return self.b * scale
+
+    class Twice(Variant):
+        def logits(self, ctx, s):
+            return 2.0 * s
+
+    ctx, args = Ctx(), [None] * 3
+    h = Hooks(ALiBi(), seed_bias=True)
+    assert h.has_bias and not h.has_logits and h.per_row
+    h = Hooks(B(b=3.0) + Twice() + B(b=5.0), seed_bias=True)  # 2 (s + 3) + 5, the 3 seeded
+    assert h.has_bias and h.has_logits
+    assert h.bias(ctx, args, 0.5) == 1.5 and h.logits(ctx, args, 10.0 + 3.0) == 31.0
+    h = Hooks(B(b=3.0) + Twice() + B(b=5.0))  # nothing seeded: all in the logits chain
+    assert not h.has_bias and h.has_logits and h.logits(ctx, args, 10.0) == 31.0
+    h = Hooks(Twice() + B(b=3.0), seed_bias=True)
+    assert not h.has_bias and h.logits(ctx, args, 10.0) == 23.0
+    # soft-cap stays the prefill kernel's flag next to a seeded bias (it caps q·k + bias), and
+    # joins the chain when a bias is meant to follow it
+    from cute_attn.prefill import resolve_variant
+
+    assert resolve_variant(pos_encoding_mode="ALIBI", logits_soft_cap=5.0)[1] is True
+    _, cap, _, v = resolve_variant(pos_encoding_mode="ALIBI", logits_soft_cap=5.0, variant=B())
+    assert cap is False and [type(c).__name__ for c in v.parts] == ["ALiBi", "SoftCap", "B"]
+
+
 def test_ctx_float_positions_as_base_plus_column_offset():
     """Kernels may give a float position as (per-block base, column constant): the properties
     return the sum, and ``rel_pos_times(x)`` is ``x * rel_pos`` written as ``x * offset + x *

@@ -99,7 +99,7 @@ class BatchPrefillSm90:
         self.tile_q = tile_q
         self.num_mma_wg = tile_q // 64
         self.paged = paged
-        self.hooks = H = Hooks(variant)
+        self.hooks = H = Hooks(variant, seed_bias=True)  # biases seed the Q·Kᵀ accumulator (_seed_bias)
         if keys_transformed:  # K comes already transformed (kernels/key_transform.py): not again here
             assert H.has_transform_k and not paged, "keys_transformed: a ragged spec whose variant has transform_k"
             H.has_transform_k = False
@@ -260,6 +260,7 @@ class BatchPrefillSm90:
         # only admits DSL values there)
         self._trace_vargs = self.hooks.bind(var_tensors, var_scalars)
         self._trace_sm_scale = sm_scale
+        self._trace_inv_sm_scale = Float32(1.0) / sm_scale if self.hooks.has_bias else None
         self._trace_inv_cap = inv_cap_scaled  # sm_scale / cap: the soft-cap's tanh argument per raw q·k
         self._trace_group = group
         if const_expr(not self.gather):
@@ -641,6 +642,21 @@ class BatchPrefillSm90:
         ctx = self._trace_rows[r][0].replace(kv_pos=kv_pos, kv_pos_f32=kv_pos_f32, rel_pos_f32=rel_pos_f32)
         return self.hooks.logits(ctx, self._trace_vargs, s * self._trace_sm_scale)
 
+    def _seed_bias(self, acc_S, tScS, blk, q_pos):
+        """S := the variant's bias / sm_scale for the block at blk (``Hooks.bias``), so the QK
+        GEMM accumulates onto it and the softmax sees q·k + bias in q·k's units, at no cost per
+        score there.  Called before the block's QK wait (a bias load's latency hides under it);
+        float positions as (per-block base, column constant) pairs (``Ctx``)."""
+        S = _rowcol(acc_S)
+        kv_f0 = (blk + tScS[0, 0][1]).to(Float32)
+        for r in range(cute.size(S, mode=[0])):
+            ctx = self._trace_rows[r][0]
+            rel_f0 = kv_f0 - q_pos[r].to(Float32)
+            for c in range(cute.size(S, mode=[1])):
+                off = float(self._trace_col_off[c])
+                cc = ctx.replace(kv_pos=blk + tScS[0, c][1], kv_pos_f32=(kv_f0, off), rel_pos_f32=(rel_f0, off))
+                S[r, c] = self.hooks.bias(cc, self._trace_vargs, self._trace_inv_sm_scale)
+
     def _hook_visible(self, r, kv_pos, ok):
         H = self.hooks
         ctx, lo, hi, _ = self._trace_rows[r]
@@ -840,6 +856,8 @@ class BatchPrefillSm90:
             if n_blocks > first:
                 blk = kv_start + (n_blocks - 1) * TN
                 first_words = self._mask_words(blk, tScS)
+                if const_expr(H.has_bias):
+                    self._seed_bias(acc_S, tScS, blk, q_pos)
                 pipe_k.consumer_wait(state)
                 self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
                 warpgroup.wait_group(0)
@@ -852,6 +870,8 @@ class BatchPrefillSm90:
                     v_state = state.clone()
                     state.advance()
                     blk_words = self._mask_words(blk, tScS)
+                    if const_expr(H.has_bias):  # S(j-1) is in rP by now
+                        self._seed_bias(acc_S, tScS, blk, q_pos)
                     pipe_k.consumer_wait(state)
                     self._pingpong_wait(wg)
                     self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
@@ -924,7 +944,8 @@ class BatchPrefillSm90:
 
     @cute.jit
     def _qk(self, mma_qk, acc_S, tSrQ, tSrK, state):
-        """Issue S = Q K(stage)^T (async; the caller waits)."""
+        """Issue S = Q K(stage)^T (async; the caller waits); S += Q K^T onto the seeded biases
+        when the variant has them (``_seed_bias``)."""
         if const_expr(self.gather):
             cute.arch.fence_view_async_shared()  # cp.async (generic proxy) data read by wgmma
         warpgroup.fence()
@@ -932,7 +953,7 @@ class BatchPrefillSm90:
         # loop (setting it on a tiled MMA made outside the loop is a value escaping its region)
         atom = cute.make_mma_atom(mma_qk.op)
         for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            atom.set(warpgroup.Field.ACCUMULATE, k != 0)
+            atom.set(warpgroup.Field.ACCUMULATE, k != 0 or self.hooks.has_bias)
             cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, state.index], acc_S)
         warpgroup.commit_group()
 

@@ -15,6 +15,12 @@ Hook points (``ctx`` is a :class:`Ctx`; all positions are token indices of the r
   log2(e) itself).  In a variant with ``softmax = False`` the chain of logits hooks must end
   in the attention *weight* (e.g. FlashSigmoid's ``sigmoid(s + bias)``): weights are summed,
   ``out = Σ w·v``, with no normalization.
+* ``bias(ctx, scale) -> b``: an additive logit that does not depend on ``s`` (ALiBi, a position
+  bias table), returned multiplied by ``scale``: the same as ``logits(ctx, s) = s + b / scale``.
+  The prefill kernel seeds its Q·Kᵀ accumulator with it (``scale = 1 / sm_scale``: q·k's
+  units), so it costs no instruction in the softmax and a bias load is not waited on there;
+  elsewhere it is added as a logit (``scale = 1``).  Biases of components before the first
+  ``logits`` component are seeded; a bias after one is applied in order, as a logit.
 * ``mask(ctx) -> Boolean``: per element, True keeps the key.  Applied without block skipping.
 * ``mask_bits(ctx) -> (bits, offset)``: the same as a bitmap, per query row: key ``kv_pos`` is
   kept iff bit ``offset + kv_pos`` of ``bits`` (a uint8 tensor, little bit order within a
@@ -109,6 +115,7 @@ class Variant:
 
     transform_q = None
     transform_k = None
+    bias = None
     logits = None
     mask = None
     mask_bits = None
@@ -445,12 +452,20 @@ class Hooks:
     """The kernel's view of a (possibly composed) variant: which hooks exist (static facts for
     ``const_expr``) and how to call them with per-component argument namespaces."""
 
-    def __init__(self, v: Optional[Variant]):
+    def __init__(self, v: Optional[Variant], seed_bias: bool = False):
+        """``seed_bias``: the kernel adds the ``bias`` of the components before the first
+        ``logits`` component through :meth:`bias` (prefill: into the Q·Kᵀ accumulator);
+        every other bias is applied by :meth:`logits` as ``s + bias``."""
         self.parts = components(v)
         has = lambda name: any(getattr(c, name) is not None for c in self.parts)  # noqa: E731
         self.has_transform_q = has("transform_q")
         self.has_transform_k = has("transform_k")
-        self.has_logits = has("logits")
+        first_logits = next((i for i, c in enumerate(self.parts) if c.logits is not None), len(self.parts))
+        # per component: its bias is seeded (True), a logit (False), or it has none (None)
+        self._seeded = [None if c.bias is None else seed_bias and i <= first_logits
+                        for i, c in enumerate(self.parts)]
+        self.has_bias = any(self._seeded)  # the kernel must call bias()
+        self.has_logits = has("logits") or False in self._seeded
         self.has_mask_bits = has("mask_bits")
         self.has_mask = has("mask") or self.has_mask_bits  # either: a masked path on every block
         self.has_kv_range = has("kv_range")
@@ -462,7 +477,7 @@ class Hooks:
         self.has_output = has("output")
         self.softmax = all(c.softmax for c in self.parts)
         self.causal = any(c.causal for c in self.parts)
-        self.per_row = self.has_logits or self.has_mask or self.has_kv_range
+        self.per_row = self.has_logits or self.has_bias or self.has_mask or self.has_kv_range
         self.num_tensors = sum(isinstance(p, TensorParam) for c in self.parts for p in c.runtime)
         self.num_scalars = sum(isinstance(p, ScalarParam) for c in self.parts for p in c.runtime)
         if not self.softmax and (self.has_finalize or self.has_output):
@@ -499,9 +514,22 @@ class Hooks:
             lo, hi = fn(ctx.replace(args=a), lo, hi, i)
         return lo, hi
 
+    def bias(self, ctx, args, scale):
+        """The sum of the seeded components' ``bias(ctx, scale)`` (see ``seed_bias``)."""
+        b = None
+        for c, a, seeded in zip(self.parts, args, self._seeded):
+            if seeded:
+                x = c.bias(ctx.replace(args=a), scale)
+                b = x if b is None else b + x
+        return b
+
     def logits(self, ctx, args, s):
-        for fn, a in self._each("logits", args):
-            s = fn(ctx.replace(args=a), s)
+        """The chain of ``logits`` hooks, with the biases not seeded added in component order."""
+        for c, a, seeded in zip(self.parts, args, self._seeded):
+            if seeded is False:
+                s = s + c.bias(ctx.replace(args=a), 1.0)
+            if c.logits is not None:
+                s = c.logits(ctx.replace(args=a), s)
         return s
 
     def mask(self, ctx, args, ok):
@@ -525,6 +553,8 @@ class Hooks:
             lo, hi = self.kv_range(ctx, args, tested_only=True)
         if self.has_logits:
             self.logits(ctx.replace(kv_pos=ctx.q_pos), args, dsl.Float32(0.0))
+        if self.has_bias:
+            self.bias(ctx.replace(kv_pos=ctx.q_pos), args, dsl.Float32(1.0))
         if self.has_mask:
             self.mask(ctx.replace(kv_pos=ctx.q_pos), args, None)
         return lo, hi, self.mask_bits(ctx, args)

@@ -74,9 +74,9 @@ class ALiBi(Variant):
             _SLOPES[key] = get_alibi_slopes(info["num_qo_heads"]).to(info["device"])
         return {"alibi_slopes": _SLOPES[key]}
 
-    def logits(self, ctx, s):
+    def bias(self, ctx, scale):
         slope = ctx.once("slope", lambda: ctx.args.alibi_slopes[ctx.qo_head])
-        return s + ctx.rel_pos_times(slope)  # one FFMA per score (see Ctx.rel_pos_times)
+        return ctx.rel_pos_times(slope * scale)  # one FFMA per score (see Ctx.rel_pos_times)
 
 
 @register_builtin

@@ -14,8 +14,8 @@ class RelativePositionBias(Variant):
     static = {"bucket_size": 16, "num_buckets": 32}
     runtime = (TensorParam("bias_table", "f32", 2),)  # [num_qo_heads, num_buckets]
 
-    def logits(self, ctx, s):
+    def bias(self, ctx, scale):  # an additive logit: the prefill kernel loads it before the QK wait
         dist = ctx.q_pos - ctx.kv_pos  # >= 0 for causal/decode keys
         bucket = dsl.select(dist < 0, 0, dist // self.bucket_size)
         bucket = dsl.select(bucket > self.num_buckets - 1, self.num_buckets - 1, bucket)
-        return s + ctx.args.bias_table[ctx.qo_head, bucket]
+        return ctx.args.bias_table[ctx.qo_head, bucket] * scale
