@@ -83,7 +83,6 @@ REGS = {(2, False): (24, 240), (2, True): (56, 224), (1, False): (56, 256), (1, 
 # named barriers (0 is __syncthreads): per consumer WG, and the two ping-pong barriers
 BAR_WG0, BAR_PINGPONG0, BAR_PRODUCER = 1, 3, 5
 ROW_RING = 3  # blocks of page lookups staged in smem by the gather producer (see _produce)
-GATHER_CHUNKS = 4  # 16-byte chunks of a row one gather thread copies per row address (_gather_dst)
 BOX_WARPS = 4  # paged TMA: producer warps issuing the boxes of a block (see _produce)
 LAZY_RESCALE = 8.0  # base-2 units a row's block max may exceed its kept max by before O is rescaled
 FIXED_SHIFT_MAX_SCALE = 63.0  # soft-cap: the largest cap·log2 e whose weights stay >= 2^-126 (_running_max)
@@ -529,39 +528,34 @@ class BatchPrefillSm90:
                                 cute.make_layout((8,)))
 
     def _gather_dst(self, sK, sV, tidx):
-        """Where this thread's gathered chunks go.  Rows are copied GATHER_CHUNKS 16-byte chunks
-        per thread: T = chunks / GATHER_CHUNKS threads share a row, thread q = t % T taking
-        chunks q + T·i (i < GATHER_CHUNKS: each copy instruction of a warp reads whole 64-byte
-        runs of 8 rows), of rows t // T + p·(WG / T).  One row address (a shared-memory load)
-        then serves GATHER_CHUNKS copies, whose global offsets are immediates.  A stage tile is
-        the linear layout x(row, col) (elements, checked in ``host``) under the 128-byte swizzle
-        on byte addresses, b -> b ^ ((b >> 7) & 7) << 4, which repeats every 8 rows: WG / T is a
-        multiple of 8, so chunk i of the thread's rows sits at a per-thread base plus a static
-        multiple of whole periods, no swizzle arithmetic per copy.  Returns (K base, V base,
-        per-i bases), bytes."""
-        TN, T = self.tile_n, self.chunks // GATHER_CHUNKS
-        assert (WG // T) % 8 == 0 and TN % (WG // T) == 0, (TN, T)
-        row, q = tidx // T, tidx % T
+        """Where this thread's gathered chunks go: thread t copies 16-byte chunk c = t % chunks of
+        rows t // chunks + r * (WG / chunks).  A stage tile is the linear layout x(row, col)
+        (elements, checked in ``host``) under the 128-byte swizzle on byte addresses, b -> b ^
+        ((b >> 7) & 7) << 4, which repeats every 8 rows (1024 bytes): row r's address is one of
+        max(1, 8 / (WG / chunks)) per-thread bases plus a static multiple of whole periods, no
+        swizzle arithmetic per copy.  Returns (K base, V base, bases), bytes."""
+        TN, rpp = self.tile_n, WG // self.chunks
+        col = (tidx % self.chunks) * 8
         bases = []
-        for i in range(GATHER_CHUNKS):
-            col = (q + T * i) * 8
-            b = ((col // 64) * (TN * 64) + row * 64 + col % 64) * 2
+        for k in range(max(1, 8 // rpp)):
+            b = ((col // 64) * (TN * 64) + (tidx // self.chunks + k * rpp) * 64 + col % 64) * 2
             bases.append(b ^ (((b >> 7) & 7) << 4))
         return sK.iterator.toint(), sV.iterator.toint(), bases
 
     @cute.jit
     def _gather(self, dst, sRows, tidx, which, stage, buf):
-        """cp.async this thread's chunks of a block's K (which = 0) or V rows into a stage: row
-        addresses from sRows, destinations from ``_gather_dst``."""
-        TN, D, T = self.tile_n, self.head_dim, self.chunks // GATHER_CHUNKS
-        rpp = WG // T  # rows per pass
+        """cp.async this thread's 16-byte chunks of a block's K (which = 0) or V rows into a
+        stage: row addresses from sRows, destinations from ``_gather_dst``."""
+        TN, D, rpp = self.tile_n, self.head_dim, WG // self.chunks
+        nb = max(1, 8 // rpp)
+        c16 = (tidx % self.chunks) * 16
         s_base = dst[which] + stage * (TN * D * 2)
         # all row addresses first: a cp.async writes shared memory, so the compiler keeps each
         # smem load behind the copies before it, and the load -> copy chains would serialize
-        addrs = [sRows[which, tidx // T + p * rpp, buf] + (tidx % T) * 16 for p in range(TN // rpp)]
-        for p in cutlass.range_constexpr(TN // rpp):
-            for i in cutlass.range_constexpr(GATHER_CHUNKS):
-                cp_async_16(s_base + dst[2][i] + p * (rpp * 128), addrs[p] + T * 16 * i)
+        addrs = [sRows[which, tidx // self.chunks + r * rpp, buf] for r in range(TN // rpp)]
+        for r in cutlass.range_constexpr(TN // rpp):
+            d = s_base + dst[2][r % nb] + (r // nb) * (nb * rpp * 128)  # nb * rpp rows: a whole 1 KB period
+            cp_async_16(d, addrs[r] + c16)  # with the L2 128-byte prefetch hint
 
     @cute.jit
     def _gather_pairs(self, sX, sRows, g2s, tidx, stage, buf):
