@@ -859,6 +859,7 @@ class BatchPrefillSm90:
                 if const_expr(H.has_bias):
                     self._seed_bias(acc_S, tScS, blk, q_pos)
                 pipe_k.consumer_wait(state)
+                self._gathered_fence()
                 self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
                 warpgroup.wait_group(0)
                 pipe_k.consumer_release(state)
@@ -873,11 +874,17 @@ class BatchPrefillSm90:
                     if const_expr(H.has_bias):  # S(j-1) is in rP by now
                         self._seed_bias(acc_S, tScS, blk, q_pos)
                     pipe_k.consumer_wait(state)
+                    if const_expr(self.gather):
+                        # K(j) and V(j-1) landed by cp.async: one proxy fence for both, before the
+                        # ping-pong wait (on the GEMM issue path it delays the other WG too)
+                        pipe_v.consumer_wait(v_state)
+                        self._gathered_fence()
                     self._pingpong_wait(wg)
                     self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
                     if const_expr(self.rescale_before_pv and H.softmax):
                         self._rescale_o(acc_O, corr)  # while QK runs: frees S's registers sooner (large O)
-                    pipe_v.consumer_wait(v_state)
+                    if const_expr(not self.gather):
+                        pipe_v.consumer_wait(v_state)
                     if j == 1:
                         self._zero_v_tail(sV, v_state, kv_end - (kv_start + (n_blocks - 1) * TN), tw, bar_wg)
                     self._pv(mma_pv, acc_O, tOrP, tOrV, v_state)
@@ -896,6 +903,7 @@ class BatchPrefillSm90:
                 if const_expr(self.rescale_before_pv and H.softmax):
                     self._rescale_o(acc_O, corr)
                 pipe_v.consumer_wait(state)
+                self._gathered_fence()
                 if n_blocks - first == 1:
                     self._zero_v_tail(sV, state, kv_end - (kv_start + (n_blocks - 1) * TN), tw, bar_wg)
                 self._pv(mma_pv, acc_O, tOrP, tOrV, state)
@@ -945,9 +953,8 @@ class BatchPrefillSm90:
     @cute.jit
     def _qk(self, mma_qk, acc_S, tSrQ, tSrK, state):
         """Issue S = Q K(stage)^T (async; the caller waits); S += Q K^T onto the seeded biases
-        when the variant has them (``_seed_bias``)."""
-        if const_expr(self.gather):
-            cute.arch.fence_view_async_shared()  # cp.async (generic proxy) data read by wgmma
+        when the variant has them (``_seed_bias``).  Gathered stages need a proxy fence first
+        (``_gathered_fence``)."""
         warpgroup.fence()
         # a fresh atom per call: the ACCUMULATE field it carries is set here, inside the caller's
         # loop (setting it on a tiled MMA made outside the loop is a value escaping its region)
@@ -960,14 +967,19 @@ class BatchPrefillSm90:
     @cute.jit
     def _pv(self, mma_pv, acc_O, tOrP, tOrV, state):
         """Issue O += P V(stage) (async; the caller waits)."""
-        if const_expr(self.gather):
-            cute.arch.fence_view_async_shared()
         warpgroup.fence()
         atom = cute.make_mma_atom(mma_pv.op)
         atom.set(warpgroup.Field.ACCUMULATE, True)
         for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
             cute.gemm(atom, acc_O, tOrP[None, None, k], tOrV[None, None, k, state.index], acc_O)
         warpgroup.commit_group()
+
+    def _gathered_fence(self):
+        """cp.async writes shared memory through the generic proxy and wgmma reads it through
+        the async proxy: a gathered stage needs a proxy fence between the full-barrier wait
+        and the GEMM that reads it (TMA stages do not)."""
+        if self.gather:
+            cute.arch.fence_view_async_shared()
 
     @cute.jit
     def _pingpong_wait(self, wg):
