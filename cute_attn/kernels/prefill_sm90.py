@@ -29,6 +29,8 @@ Variants (``cute_attn/variants``, docs/variants.md): causal, the sliding window 
 static flags (block skipping, mask-free blocks, the soft-cap folded into ``_logits``); any other
 variant is traced in through ``Hooks``, its calls kept in plain-Python helpers (``_item_rows``,
 ``_hook_logits``, ``_hook_visible``, ``_rotate_q`` / ``_rotate_k``, ``_finalize_rows``):
+- ``bias`` (the components' before the first ``logits`` one): seeded into the QK accumulator
+  before each block's GEMM (``_seed_bias``, in q·k's units), so the softmax runs the plain path;
 - ``logits`` / ``mask`` / ``kv_range`` per score element in ``_softmax``; a variant with a mask or a
   range takes the masked path on every block; a ``kv_range`` also clips the item's blocks;
 - ``transform_q``: the consumer WG rotates its Q rows in shared memory once per item;
