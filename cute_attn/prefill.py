@@ -174,7 +174,9 @@ def variant_test_cases():
             ("custom_mask", dict(custom_mask=True)), ("sigmoid", dict(variant=FlashSigmoid())),
             ("rel_bias", dict(variant=RelativePositionBias())), ("window_sink", dict(window_left=100, sinks=True)),
             ("alibi_softcap", dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0)),
-            ("rope_sink", dict(pos_encoding_mode="ROPE_LLAMA", sinks=True))]
+            ("rope_sink", dict(pos_encoding_mode="ROPE_LLAMA", sinks=True)),
+            ("alibi_softcap_rel_bias", dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0,
+                                            variant=RelativePositionBias()))]
 
 
 # (dtype, head_dim, page size (0: ragged), causal) of the GPU tests' configurations (tile 128

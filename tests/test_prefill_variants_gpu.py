@@ -45,7 +45,7 @@ CONFIGS = [("bf16-d128-ragged-causal-h32x8", "bf16", 128, False, True, 32, 8, 0)
 QO_LENS = [1, 17, 300, 5, 0, 77, 130]
 KV_LENS = [1, 117, 300, 2005, 9, 77, 400]  # kv >= qo; request 4 has kv but no queries
 NAMES = ["causal", "alibi", "rope", "sink", "custom_mask", "sigmoid", "rel_bias", "window_sink", "alibi_softcap",
-         "rope_sink"]
+         "rope_sink", "alibi_softcap_rel_bias"]
 
 
 def _rel_bias_mod(table, bucket_size=16, num_buckets=32):
@@ -102,6 +102,11 @@ def _case(name, hq, gen, qo_lens, kv_lens, causal, dev, packed=False):
     if name == "alibi_softcap":
         return (dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0), (), {},
                 dict(alibi_slopes=get_alibi_slopes(hq), logits_soft_cap=5.0, **ref_causal))
+    if name == "alibi_softcap_rel_bias":  # ALiBi's bias seeded, the cap, then the example's bias as a logit
+        table = torch.randn(hq, 32, generator=gen).to(dev)
+        return (dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0, variant=RelativePositionBias()), (table,), {},
+                dict(alibi_slopes=get_alibi_slopes(hq), logits_soft_cap=5.0, score_mod=_rel_bias_mod(table),
+                     **ref_causal))
     if name == "rope_sink":
         sinks = (torch.randn(hq, generator=gen) * 2).to(dev)
         return (dict(pos_encoding_mode="ROPE_LLAMA"), (), dict(sinks=sinks),
@@ -444,7 +449,8 @@ def test_presets_list_the_variant_specs():
 def _emulate_variant_prefill(p, q, k4, v4, kv_indptr, kv_indices, out, lse, work, work_indptr, part_o, part_lse,
                              group, sm_scale, soft_cap, window_left, num_ctas, *vargs):
     """What kernels/prefill_sm90.py computes for a spec with a variant, item by item (fp64):
-    RoPE rotates q/k (rounded to the input dtype), logits hooks in order, masks intersect,
+    RoPE rotates q/k (rounded to the input dtype), the seeded biases before the soft-cap flag,
+    logits hooks in order, masks intersect,
     a sink joins the statistics of the item starting at kv 0, FlashSigmoid sums weights and a
     split item writes (o / s, log2 s), s = its share of the tile's kv extent."""
     from cute_attn.decode import _spec_variant
@@ -487,21 +493,32 @@ def _emulate_variant_prefill(p, q, k4, v4, kv_indptr, kv_indices, out, lse, work
                     if not p.get("keys_transformed"):  # else the key-transform pass did it
                         kk = rope_reference(kk[:, None], pos, rs, rt)[:, 0].to(q.dtype).float()
             s = qv.double() @ kk.double().T * sm_scale
-            if p["soft_cap"]:
-                s = soft_cap * torch.tanh(s / soft_cap)
             keep = torch.ones_like(s, dtype=torch.bool)
             rel = (pos[None, :] - qpos[:, None]).double()
+
+            def bias(comp, a):
+                if isinstance(comp, ALiBi):
+                    return a["alibi_slopes"].double()[heads][:, None] * rel
+                bucket = (-rel).long().clamp_min(0) // comp.bucket_size  # RelativePositionBias
+                return a["bias_table"].double()[heads[:, None], bucket.clamp_max(comp.num_buckets - 1)]
+
+            # biases of components before the first logits hook go into the QK accumulator, so
+            # they come before the kernel's soft-cap flag; the rest apply in component order
+            first_logits = next((i for i, (c, _) in enumerate(comps) if c.logits is not None), len(comps))
+            seeded = [c.bias is not None and i <= first_logits for i, (c, _) in enumerate(comps)]
+            for (comp, a), sd in zip(comps, seeded):
+                if sd:
+                    s = s + bias(comp, a)
+            if p["soft_cap"]:
+                s = soft_cap * torch.tanh(s / soft_cap)
             sigmoid = False
             sink = None
-            for comp, a in comps:
-                if isinstance(comp, ALiBi):
-                    s = s + a["alibi_slopes"].double()[heads][:, None] * rel
-                elif isinstance(comp, SoftCap):
+            for (comp, a), sd in zip(comps, seeded):
+                if comp.bias is not None and not sd:
+                    s = s + bias(comp, a)
+                if isinstance(comp, SoftCap):
                     cap = float(a["logits_soft_cap"])
                     s = cap * torch.tanh(s / cap)
-                elif isinstance(comp, RelativePositionBias):
-                    bucket = (-rel).long().clamp_min(0) // comp.bucket_size
-                    s = s + a["bias_table"].double()[heads[:, None], bucket.clamp_max(comp.num_buckets - 1)]
                 elif isinstance(comp, FlashSigmoid):
                     s = torch.sigmoid(s + float(a["sigmoid_bias"]))
                     sigmoid = True
