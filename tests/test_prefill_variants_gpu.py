@@ -364,9 +364,10 @@ def test_resolve_variant_rules():
 
     assert resolve_variant() == (False, False, False, None)
     assert resolve_variant(causal=True, window_left=10, logits_soft_cap=30.0) == (True, True, True, None)
-    # soft-cap stays a flag unless another component transforms logits (then decode's order)
+    # soft-cap stays a flag unless another component transforms logits or adds a bias after it
+    # (then decode's order); ALiBi's bias comes before it and is seeded: the flag caps q·k + bias
     c, cap, win, v = resolve_variant(logits_soft_cap=5.0, pos_encoding_mode="ALIBI")
-    assert (cap, encode(v)) == (False, "ALiBi+SoftCap")
+    assert (cap, encode(v)) == (True, "ALiBi")
     c, cap, win, v = resolve_variant(logits_soft_cap=5.0, pos_encoding_mode="ROPE_LLAMA", sinks=True)
     assert (cap, encode(v)) == (True, "RoPE+AttentionSink")
     c, cap, win, v = resolve_variant(logits_soft_cap=5.0, variant=RelativePositionBias())
@@ -427,9 +428,11 @@ def test_variant_prefill_specs_and_abi():
         extra = abi[len(fixed):]
         assert [type(a) for a in extra] == sorted((type(a) for a in extra), key=lambda t: t is ScalarArg)
         assert all(isinstance(a, (TensorArg, ScalarArg)) for a in extra)
-    assert {"ALiBi", "RoPE", "AttentionSink", "CustomMask", "FlashSigmoid", "ALiBi+SoftCap",
-            "RoPE+AttentionSink"} <= fps
+    assert {"ALiBi", "RoPE", "AttentionSink", "CustomMask", "FlashSigmoid", "RoPE+AttentionSink"} <= fps
     assert any(f.startswith("cute_attn.variants.examples:RelativePositionBias") for f in fps)
+    # ALiBi + soft-cap: the flag next to a seeded bias; with a bias after the cap, the traced chain
+    assert any(s.param("soft_cap") and s.pdict.get("variant") == "ALiBi" for s in specs)
+    assert any(f.startswith("ALiBi+SoftCap+cute_attn.variants.examples:RelativePositionBias") for f in fps)
 
 
 def test_presets_list_the_variant_specs():
