@@ -128,7 +128,8 @@ def resolve_variant(*, causal: bool = False, window_left: int = -1, logits_soft_
     prefill kernel specializes on.  Causal, window and soft-cap stay the kernel's static flags
     (mask-free blocks, block skipping, the folded soft-cap); the rest is composed in decode's
     order -- RoPE/ALiBi, soft-cap, custom mask, ``variant``, sink -- where soft-cap joins the
-    traced variant only when another component transforms logits (the order matters then).
+    traced variant only when another component transforms logits or a later one adds a bias (the
+    order matters then; the flag caps q·k plus the biases the kernel seeds, ALiBi's).
     ``custom_mask`` (a ``CustomMask``, or True for its spec) replaces causal, as FlashInfer's
     MaskMode.CUSTOM.  ``Causal()`` components of ``variant`` become the causal flag."""
     if pos_encoding_mode not in _POS_MODES:
