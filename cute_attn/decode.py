@@ -272,26 +272,32 @@ class BatchDecodeWithPagedKVCacheWrapper:
             packed_np = np.concatenate([np.packbits(flat[offs[b]:offs[b + 1]], bitorder="little")
                                         for b in range(len(kv_lens))] + [np.zeros(1, np.uint8)])
             packed = torch.from_numpy(packed_np)
-        packed = packed.reshape(-1).to(device=self._device, dtype=torch.uint8)
-        batch = len(kv_lens)
+        packed = packed.reshape(-1).to(torch.uint8)
+        batch, n = len(kv_lens), packed.numel()
         ones = np.ones(batch, dtype=np.int64)  # one query row per request
-        vals = dict(packed_custom_mask=CustomMask.words(packed), mask_indptr=torch.from_numpy(mask_indptr),
-                    qo_indptr=torch.arange(batch + 1, dtype=torch.int32),
-                    kv_bounds=mask_kv_bounds(packed, mask_indptr, ones, kv_lens))
-        if self._use_cuda_graph:
-            # a captured run() keeps the tensors of the plan it was captured with: later plans
-            # write theirs into the same buffers, sized by the first plan (an extension: FlashInfer's
-            # decode has no custom mask, hence no user buffers for it)
-            bufs = getattr(self, "_mask_bufs", None)
-            if bufs is None:
-                bufs = self._mask_bufs = {k: torch.zeros_like(t, device=self._device) for k, t in vals.items()}
-            for k, t in vals.items():
-                if t.shape[0] > bufs[k].shape[0]:
-                    raise ValueError(f"use_cuda_graph=True: this plan's custom mask needs {t.shape[0]} entries of "
-                                     f"{k}, the first plan fixed {bufs[k].shape[0]}")
-                bufs[k][:t.shape[0]].copy_(t, non_blocking=True)
-            return CustomMask(**bufs)
-        return CustomMask(**{k: t.to(self._device, non_blocking=True) for k, t in vals.items()})
+        index = dict(mask_indptr=torch.from_numpy(mask_indptr), qo_indptr=torch.arange(batch + 1, dtype=torch.int32))
+        if not self._use_cuda_graph:
+            words = CustomMask.words(packed, device=self._device)
+            return CustomMask(packed_custom_mask=words,
+                              kv_bounds=mask_kv_bounds(words.view(torch.uint8)[:n], mask_indptr, ones, kv_lens),
+                              **{k: t.to(self._device, non_blocking=True) for k, t in index.items()})
+        # a captured run() keeps the tensors of the plan it was captured with: later plans write
+        # theirs into the same buffers, sized by the first plan (an extension: FlashInfer's decode
+        # has no custom mask, hence no user buffers for it)
+        sizes = dict(packed_custom_mask=n // 4 + 1, kv_bounds=max(batch, 1), **{k: t.numel() for k, t in index.items()})
+        bufs = getattr(self, "_mask_bufs", None)
+        if bufs is None:
+            bufs = self._mask_bufs = {k: torch.zeros((m, 2) if k == "kv_bounds" else m, dtype=torch.int32,
+                                                     device=self._device) for k, m in sizes.items()}
+        for k, m in sizes.items():
+            if m > bufs[k].shape[0]:
+                raise ValueError(f"use_cuda_graph=True: this plan's custom mask needs {m} entries of {k}, "
+                                 f"the first plan fixed {bufs[k].shape[0]}")
+        words = CustomMask.words(packed, bufs["packed_custom_mask"])
+        mask_kv_bounds(words.view(torch.uint8)[:n], mask_indptr, ones, kv_lens, out=bufs["kv_bounds"])
+        for k, t in index.items():
+            bufs[k][:t.numel()].copy_(t, non_blocking=True)
+        return CustomMask(**bufs)
 
     @staticmethod
     def _split_tokens(fixed_split_size, disable_split_kv, page_size) -> Optional[int]:

@@ -437,8 +437,9 @@ class _BatchPrefillBase:
     def _custom_mask(self, custom_mask, packed, qo_len, kv_lens) -> CustomMask:
         """FlashInfer's mask conventions: per request a row-major ``[qo_len, kv_len]`` bool block,
         bit-packed per request (little bit order); ``mask_indptr`` = byte offset per request.
-        With ``use_cuda_graph`` the packed bits and offsets go into the constructor's
-        ``custom_mask_buf`` / ``mask_indptr_buf`` (a captured run() reads them there)."""
+        With ``use_cuda_graph`` the offsets go into the constructor's ``mask_indptr_buf`` and the
+        bits into an int32 twin of ``custom_mask_buf`` (the kernels read words; the uint8 buffer
+        only sizes it): a captured run() reads them there."""
         nbits = qo_len.astype(np.int64) * kv_lens.astype(np.int64)
         if packed is None:
             packed, indptr = pack_custom_mask(custom_mask, qo_len, kv_lens)
@@ -470,17 +471,17 @@ class _BatchPrefillBase:
             if qo_h[-1] > self._mask_bounds_buf.shape[0] or qo_h.size > self._mask_qo_buf.numel():
                 raise ValueError(f"use_cuda_graph=True: {int(qo_h[-1])} query tokens / batch {qo_h.size - 1} exceed "
                                  f"the first plan's {self._mask_bounds_buf.shape[0]} / {self._mask_qo_buf.numel() - 1}")
-            mbuf[:packed.numel()].copy_(packed.to(torch.uint8), non_blocking=True)
             ibuf[:indptr_t.numel()].copy_(indptr_t, non_blocking=True)
             self._mask_qo_buf[:qo_h.size].copy_(torch.from_numpy(qo_h), non_blocking=True)
-            return CustomMask(packed_custom_mask=CustomMask.words(mbuf[:packed.numel()], self._mask_words_buf),
-                              mask_indptr=ibuf, qo_indptr=self._mask_qo_buf,
-                              kv_bounds=mask_kv_bounds(mbuf, indptr, qo_len, kv_lens, out=self._mask_bounds_buf))
-        dev_packed = packed.to(device=self._device, dtype=torch.uint8)
-        return CustomMask(packed_custom_mask=CustomMask.words(dev_packed),
+            words = CustomMask.words(packed, self._mask_words_buf)
+            return CustomMask(packed_custom_mask=words, mask_indptr=ibuf, qo_indptr=self._mask_qo_buf,
+                              kv_bounds=mask_kv_bounds(words.view(torch.uint8)[:packed.numel()], indptr, qo_len,
+                                                       kv_lens, out=self._mask_bounds_buf))
+        words = CustomMask.words(packed, device=self._device)
+        return CustomMask(packed_custom_mask=words,
                           mask_indptr=indptr_t.to(self._device, non_blocking=True),
                           qo_indptr=torch.from_numpy(qo_h).to(self._device, non_blocking=True),
-                          kv_bounds=mask_kv_bounds(dev_packed, indptr, qo_len, kv_lens))
+                          kv_bounds=mask_kv_bounds(words.view(torch.uint8)[:packed.numel()], indptr, qo_len, kv_lens))
 
     def _get_planner(self, batch, total_q, hq, hk, d, num_ctas) -> Planner:
         rows = _rows_per_cta(d) * num_ctas

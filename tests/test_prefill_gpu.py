@@ -372,14 +372,16 @@ def test_deterministic(paged):
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
-@gpu
-def test_cuda_graph_ragged_replay_with_new_plans():
+def replay_ragged_plans(hq, hk, d, t_max, kv_max, first, cases, reference, **plan_kw):
+    """A CUDA-graph ragged wrapper (indptr buffers for len(first) requests): plan ``first`` (it
+    fixes the query tokens), capture run(), then per (qo_lens, kv_lens) of ``cases`` plan again,
+    replay into NaN-filled outputs and check the first qo_indptr[-1] rows against
+    ``reference(q, k, v, qo_indptr, kv_indptr)`` (causal, bf16)."""
     from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
 
-    hq, hk, d, max_b, t_max, kv_max = 16, 4, 128, 4, 4096, 40000
     gen = _gen()
-    qo_buf = torch.zeros(max_b + 1, dtype=torch.int32, device="cuda")
-    kv_buf = torch.zeros(max_b + 1, dtype=torch.int32, device="cuda")
+    qo_buf = torch.zeros(len(first[0]) + 1, dtype=torch.int32, device="cuda")
+    kv_buf = torch.zeros(len(first[0]) + 1, dtype=torch.int32, device="cuda")
     w = BatchPrefillWithRaggedKVCacheWrapper(_ws("cuda"), use_cuda_graph=True, qo_indptr_buf=qo_buf,
                                              kv_indptr_buf=kv_buf)
     q = torch.randn(t_max, hq, d, generator=gen).to(torch.bfloat16).cuda()
@@ -390,26 +392,34 @@ def test_cuda_graph_ragged_replay_with_new_plans():
 
     def plan(qo, kv):
         qo_t, kv_t = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(kv), dtype=torch.int32)
-        w.plan(qo_t, kv_t, hq, hk, d, causal=True, q_data_type=torch.bfloat16)
+        w.plan(qo_t, kv_t, hq, hk, d, causal=True, q_data_type=torch.bfloat16, **plan_kw)
         return qo_t, kv_t
 
-    plan([2000, 24, 1000, 1072], [2000, 1024, 1007, 4072])  # the first plan fixes 4096 query tokens
+    plan(*first)
     w.run(q, k, v, out=out, lse=lse)  # warm-up: modules loaded outside capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         w.run(q, k, v, out=out, lse=lse)
-    for qo, kv in (([1, 1, 1, 4093], [1, 1, 1, 30000]),   # split by the planner
-                   ([1000, 1000, 1000, 1000], [1000, 5000, 1000, 9000]),
-                   ([5, 77, 300, 1], [5, 77, 300, 1]),
-                   ([2000, 24, 1000], [2000, 1024, 1007])):  # a smaller batch
+    for qo, kv in cases:
         qo_t, kv_t = plan(qo, kv)
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
         g.replay()
         n = int(qo_t[-1])
-        ref_o, ref_lse = ragged_reference(q[:n], k, v, qo_t, kv_t, causal=True)
+        ref_o, ref_lse = reference(q[:n], k, v, qo_t, kv_t)
         check(out, lse, ref_o, ref_lse, torch.bfloat16, rows=n)
+
+
+@gpu
+def test_cuda_graph_ragged_replay_with_new_plans():
+    replay_ragged_plans(
+        16, 4, 128, 4096, 40000, ([2000, 24, 1000, 1072], [2000, 1024, 1007, 4072]),  # fixes 4096 query tokens
+        [([1, 1, 1, 4093], [1, 1, 1, 30000]),   # split by the planner
+         ([1000, 1000, 1000, 1000], [1000, 5000, 1000, 9000]),
+         ([5, 77, 300, 1], [5, 77, 300, 1]),
+         ([2000, 24, 1000], [2000, 1024, 1007])],  # a smaller batch
+        lambda q, k, v, qo_t, kv_t: ragged_reference(q, k, v, qo_t, kv_t, causal=True))
 
 
 @gpu

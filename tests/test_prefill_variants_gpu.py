@@ -31,7 +31,7 @@ from cute_attn.testing.reference import LOG2E, rope_reference, variant_reference
 from cute_attn.variants import Causal, FlashSigmoid, get_alibi_slopes
 from cute_attn.variants.examples import RelativePositionBias
 from test_prefill_gpu import (DTYPES, _cumsum, _cpu_ws, _Emulated, _FakeEvent, _gen, _ws, check, make_paged,
-                              make_ragged)
+                              make_ragged, replay_ragged_plans)
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -239,43 +239,14 @@ def test_rope_ragged_cuda_graph_replay_with_new_plans():
     """Ragged RoPE in a captured graph: the key-transform pass reads the request count and the
     offsets from the indptr buffers, so later plans -- a smaller batch (the buffers' tail
     repeats the last offset), other lengths, a split -- replay correctly."""
-    from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
-
-    hq, hk, d, max_b, t_max, kv_max = 32, 8, 128, 4, 2048, 12000
-    gen = _gen()
-    qo_buf = torch.zeros(max_b + 1, dtype=torch.int32, device=DEV)
-    kv_buf = torch.zeros(max_b + 1, dtype=torch.int32, device=DEV)
-    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(DEV), use_cuda_graph=True, qo_indptr_buf=qo_buf,
-                                             kv_indptr_buf=kv_buf)
-    q = torch.randn(t_max, hq, d, generator=gen).to(torch.bfloat16).to(DEV)
-    k = torch.randn(kv_max, hk, d, generator=gen).to(torch.bfloat16).to(DEV)
-    v = torch.randn(kv_max, hk, d, generator=gen).to(torch.bfloat16).to(DEV)
-    out = torch.empty_like(q)
-    lse = torch.empty(t_max, hq, device=DEV)
-    rope = dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5)
-
-    def plan(qo, kv):
-        qo_t, kv_t = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(kv), dtype=torch.int32)
-        w.plan(qo_t, kv_t, hq, hk, d, causal=True, q_data_type=torch.bfloat16, **rope)
-        return qo_t, kv_t
-
-    plan([1000, 24, 500, 524], [1000, 1024, 1007, 4072])  # the first plan fixes 2048 query tokens
-    w.run(q, k, v, out=out, lse=lse)  # warm-up: modules loaded outside capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        w.run(q, k, v, out=out, lse=lse)
-    for qo, kv in (([1, 1, 2, 2044], [1, 1, 9, 11000]),  # long: split by the planner
-                   ([300, 0, 77], [5000, 9, 77]),        # a smaller batch, a request without queries
-                   ([5, 7], [5, 3000])):
-        qo_t, kv_t = plan(qo, kv)
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        g.replay()
-        n, nk = int(qo_t[-1]), int(kv_t[-1])
-        ref_o, ref_lse = _reference(q[:n], k[:nk], v[:nk], qo_t, kv_t, torch.bfloat16,
-                                    dict(rope=(2.0, 5e5), causal=True))
-        check(out[:n], lse[:n], ref_o, ref_lse, torch.bfloat16)
+    replay_ragged_plans(
+        32, 8, 128, 2048, 12000, ([1000, 24, 500, 524], [1000, 1024, 1007, 4072]),  # fixes 2048 query tokens
+        [([1, 1, 2, 2044], [1, 1, 9, 11000]),  # long: split by the planner
+         ([300, 0, 77], [5000, 9, 77]),        # a smaller batch, a request without queries
+         ([5, 7], [5, 3000])],
+        lambda q, k, v, qo_t, kv_t: _reference(q, k[:int(kv_t[-1])], v[:int(kv_t[-1])], qo_t, kv_t, torch.bfloat16,
+                                               dict(rope=(2.0, 5e5), causal=True)),
+        pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5)
 
 
 @gpu

@@ -120,15 +120,17 @@ class CustomMask(Variant):
         return a.kv_bounds[row, 0], a.kv_bounds[row, 1]
 
     @staticmethod
-    def words(packed, out=None):
-        """FlashInfer's packed mask bytes (uint8) as int32 words (zero-padded to whole words): a
-        new tensor, or written into ``out`` (an int32 buffer, e.g. one a CUDA graph captured)."""
+    def words(packed, out=None, device=None):
+        """FlashInfer's packed mask bytes (uint8, any device) as int32 words (zero-padded to
+        whole words), in one copy: a new tensor on ``device`` (default: ``packed``'s), or written
+        into ``out`` (an int32 buffer, e.g. one a CUDA graph captured).  Its bytes
+        (``.view(torch.uint8)``) are the mask again, for :func:`mask_kv_bounds`."""
         import torch
 
         n = packed.numel()
         nw = n // 4 + 1
         if out is None:
-            out = torch.zeros(nw, dtype=torch.int32, device=packed.device)
+            out = torch.zeros(nw, dtype=torch.int32, device=packed.device if device is None else device)
         elif out.dtype != torch.int32 or out.numel() < nw:
             raise ValueError(f"the mask needs {nw} int32 words, the buffer has {out.numel()} {out.dtype}")
         else:
