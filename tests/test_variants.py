@@ -17,17 +17,20 @@ from cute_attn.variants.examples import RelativePositionBias
 USER_SRC = '''
 from cute_attn.variants import TensorParam, Variant, dsl
 
+def _times(x, k):  # a module-level helper of the hook: part of the variant's code
+    return x * HELPER_EXPR
+
 class HeadBias(Variant):
     static = {"scale": 1.0}
     runtime = (TensorParam("bias", "f32", 1),)
 
     def logits(self, ctx, s):
-        return s + ctx.args.bias[ctx.qo_head] * SCALE_EXPR
+        return s + _times(ctx.args.bias[ctx.qo_head], SCALE_EXPR)
 '''
 
 
-def _write_user_module(tmp_path, expr="self.scale", name="user_variant_mod"):
-    (tmp_path / f"{name}.py").write_text(USER_SRC.replace("SCALE_EXPR", expr))
+def _write_user_module(tmp_path, expr="self.scale", name="user_variant_mod", helper="k"):
+    (tmp_path / f"{name}.py").write_text(USER_SRC.replace("SCALE_EXPR", expr).replace("HELPER_EXPR", helper))
     return name
 
 
@@ -63,6 +66,9 @@ def test_fingerprint_changes_with_code_and_static_params(tmp_path):
     _write_user_module(tmp_path, expr="(self.scale * 2.0)")  # code edit, same name/params
     enc_c, fp_c = _fp_in_subprocess(tmp_path, mod)
     assert enc_c == enc and fp_c != fp
+    _write_user_module(tmp_path, helper="(k + 1.0)")  # the class untouched, a helper it calls edited
+    enc_h, fp_h = _fp_in_subprocess(tmp_path, mod)
+    assert enc_h == enc and fp_h not in (fp, fp_c)
     _write_user_module(tmp_path)  # back to the original code: the original fingerprint
     assert _fp_in_subprocess(tmp_path, mod) == (enc, fp)
     # built-ins: distinct per class, composition order matters, static params of the example

@@ -197,12 +197,20 @@ def register_builtin(cls):
 
 
 def _class_source(cls) -> str:
+    """The code a variant's fingerprint covers: each class's source and, for a class defined
+    outside cute_attn, the whole source file that defines it -- hooks call module-level helpers
+    (a helper edited without touching the class must not reuse a stale module).  cute_attn's
+    own files are in every cache key already (``runtime.spec.source_fingerprint``).  Helpers
+    imported from other files are not covered: keep them in the variant's file."""
     parts = []
     for k in cls.__mro__:
         if k in (Variant, Compose, object):
             break
         try:
             parts.append(inspect.getsource(k))
+            mod = inspect.getmodule(k)
+            if mod is not None and mod.__name__.partition(".")[0] != "cute_attn":
+                parts.append(inspect.getsource(mod))
         except (OSError, TypeError) as e:
             raise ValueError(f"variant class {k.__qualname__}: its source code is not available ({e}); "
                              "define variants in a .py file") from None

@@ -225,7 +225,7 @@ class RoPE(Variant):
         neg_log2_theta = ctx.once("nl2t", lambda: -dsl.log2(a.rope_theta) * (2.0 / ctx.head_dim))
         rcp_scale = ctx.once("rcps", lambda: dsl.cute.arch.rcp_approx(a.rope_scale))
         freq = rcp_scale * dsl.exp2(dsl.f32(i) * neg_log2_theta)
-        sin, cos = dsl.sincos(dsl.f32(pos) * freq)
+        sin, cos = dsl.sincos_multiple(pos, freq)  # the angle pos * freq reduced in fixed point
         return lo * cos - hi * sin, hi * cos + lo * sin
 
     def transform_q(self, ctx, lo, hi, i):
