@@ -167,6 +167,15 @@ def test_variant_prefill(name, config):
 
 
 @gpu
+@pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: c[0])
+def test_rope_prefill_long_context(config):
+    """Appends at positions past 32k: ragged (the key-transform pass) and paged (the producer's
+    rotation of K blocks); angles of ~40000 rad at the lowest dims, reduced in fixed point."""
+    _, dt, d, paged, causal, hq, hk, ps = config
+    run_variant("rope", DTYPES[dt], d, paged, causal, hq, hk, ps, [16, 3], [40000, 33001])
+
+
+@gpu
 @pytest.mark.parametrize("name", ["rope_sink", "alibi_softcap"])
 def test_variant_prefill_hd256(name):
     run_variant(name, torch.bfloat16, 256, False, True, 16, 4, 0, [1, 33, 200, 7], [1, 40, 700, 7])

@@ -61,6 +61,8 @@ def _case(name, hq, gen, kv_lens):
     if name == "alibi_softcap":
         return (dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0), (), {},
                 dict(alibi_slopes=get_alibi_slopes(hq), logits_soft_cap=5.0))
+    if name == "rope_default":  # FlashInfer's defaults (scale 1, theta 1e4)
+        return dict(pos_encoding_mode="ROPE_LLAMA"), (), {}, dict(rope=(1.0, 1e4))
     if name == "rope_sink":
         sinks = (torch.randn(hq, generator=gen) * 2).to(dev)
         return (dict(pos_encoding_mode="ROPE_LLAMA"), (), dict(sinks=sinks), dict(rope=(1.0, 1e4), sinks=sinks))
@@ -102,6 +104,13 @@ def test_variant_split_kv(name):
     """A long request cut into many chunks (fixed_split_size): sinks are added once, sigmoid
     weights sum over the chunks, RoPE positions are absolute."""
     run_variant(name, torch.bfloat16, 128, 32, 8, 16, [9000, 33, 1, 4100], fixed_split_size=8)
+
+
+def test_rope_long_context():
+    """RoPE at positions past 32k (angles of ~40000 rad at the lowest dims): the kernel reduces
+    pos * freq in fixed point (``dsl.sincos_multiple``), the reference in fp32 then fp32
+    sin/cos; both round the product to fp32, so they agree within the usual tolerances."""
+    run_variant("rope_default", torch.bfloat16, 128, 32, 8, 16, [40000, 517, 1])
 
 
 def test_variant_cuda_graph_and_determinism():
