@@ -284,7 +284,11 @@ class BatchPrefillSm90:
         mma_threads = WG * self.num_mma_wg
         if const_expr(self.gather):
             # cp.async producers: every producer thread arrives (noinc) once its copies land;
-            # the stock consumer release arrives from every consumer thread.
+            # the stock consumer release arrives from every consumer thread.  The consumers issue
+            # wgmma on a stage once its full barrier completes, with no proxy fence in between:
+            # the mbarrier completion of cp.async is what CUTLASS's sm90 cp.async GMMA mainloops,
+            # FA3's non-TMA paged KV and quack's gather-A GEMM rely on as well.  A fence.proxy.async
+            # per block in the consumers cost up to 8 % (session 7, BENCHMARKS.md).
             mk_pipe = lambda bar: pipeline.PipelineCpAsync.create(  # noqa: E731
                 barrier_storage=bar, num_stages=self.stages, producer_group=pipeline.CooperativeGroup(T, WG),
                 consumer_group=pipeline.CooperativeGroup(T, mma_threads), defer_sync=True)
@@ -861,7 +865,6 @@ class BatchPrefillSm90:
                 if const_expr(H.has_bias):
                     self._seed_bias(acc_S, tScS, blk, q_pos)
                 pipe_k.consumer_wait(state)
-                self._gathered_fence()
                 self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
                 warpgroup.wait_group(0)
                 pipe_k.consumer_release(state)
@@ -876,17 +879,11 @@ class BatchPrefillSm90:
                     if const_expr(H.has_bias):  # S(j-1) is in rP by now
                         self._seed_bias(acc_S, tScS, blk, q_pos)
                     pipe_k.consumer_wait(state)
-                    if const_expr(self.gather):
-                        # K(j) and V(j-1) landed by cp.async: one proxy fence for both, before the
-                        # ping-pong wait (on the GEMM issue path it delays the other WG too)
-                        pipe_v.consumer_wait(v_state)
-                        self._gathered_fence()
                     self._pingpong_wait(wg)
                     self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
                     if const_expr(self.rescale_before_pv and H.softmax):
                         self._rescale_o(acc_O, corr)  # while QK runs: frees S's registers sooner (large O)
-                    if const_expr(not self.gather):
-                        pipe_v.consumer_wait(v_state)
+                    pipe_v.consumer_wait(v_state)  # V(j-1) lands after K(j): waited for once QK(j) is issued
                     if j == 1:
                         self._zero_v_tail(sV, v_state, kv_end - (kv_start + (n_blocks - 1) * TN), tw, bar_wg)
                     self._pv(mma_pv, acc_O, tOrP, tOrV, v_state)
@@ -905,7 +902,6 @@ class BatchPrefillSm90:
                 if const_expr(self.rescale_before_pv and H.softmax):
                     self._rescale_o(acc_O, corr)
                 pipe_v.consumer_wait(state)
-                self._gathered_fence()
                 if n_blocks - first == 1:
                     self._zero_v_tail(sV, state, kv_end - (kv_start + (n_blocks - 1) * TN), tw, bar_wg)
                 self._pv(mma_pv, acc_O, tOrP, tOrV, state)
@@ -955,8 +951,7 @@ class BatchPrefillSm90:
     @cute.jit
     def _qk(self, mma_qk, acc_S, tSrQ, tSrK, state):
         """Issue S = Q K(stage)^T (async; the caller waits); S += Q K^T onto the seeded biases
-        when the variant has them (``_seed_bias``).  Gathered stages need a proxy fence first
-        (``_gathered_fence``)."""
+        when the variant has them (``_seed_bias``)."""
         warpgroup.fence()
         # a fresh atom per call: the ACCUMULATE field it carries is set here, inside the caller's
         # loop (setting it on a tiled MMA made outside the loop is a value escaping its region)
@@ -975,13 +970,6 @@ class BatchPrefillSm90:
         for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
             cute.gemm(atom, acc_O, tOrP[None, None, k], tOrV[None, None, k, state.index], acc_O)
         warpgroup.commit_group()
-
-    def _gathered_fence(self):
-        """cp.async writes shared memory through the generic proxy and wgmma reads it through
-        the async proxy: a gathered stage needs a proxy fence between the full-barrier wait
-        and the GEMM that reads it (TMA stages do not)."""
-        if self.gather:
-            cute.arch.fence_view_async_shared()
 
     @cute.jit
     def _pingpong_wait(self, wg):
