@@ -170,7 +170,8 @@ def test_variant_prefill(name, config):
 @pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: c[0])
 def test_rope_prefill_long_context(config):
     """Appends at positions past 32k: ragged (the key-transform pass) and paged (the producer's
-    rotation of K blocks); angles of ~40000 rad at the lowest dims, reduced in fixed point."""
+    rotation of K blocks); angles of ~20000 rad at the lowest dims (rope_scale 2), reduced in
+    fixed point."""
     _, dt, d, paged, causal, hq, hk, ps = config
     run_variant("rope", DTYPES[dt], d, paged, causal, hq, hk, ps, [40, 3], [40000, 33001])  # 128-row tiles
 
