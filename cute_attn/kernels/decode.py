@@ -42,6 +42,7 @@ from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry, transform_fragment
 from .bitmask import bit_set, load_words
 from .copy import cp_async_16
+from .merge import load_vec, oplus_step, store_vec
 from .work import WorkItem
 
 TILE_Q = 16  # packed query rows per work item (one m16 MMA tile)
@@ -60,22 +61,21 @@ class PagedDecode:
         self.hooks = Hooks(variant)
         self.chunks = head_dim // 8  # 16-byte chunks per row
         self.rows_per_thread = BLOCK_N * self.chunks // THREADS  # KV rows each thread gathers per block
-        # the epilogue gives each warp an fp32 [TILE_Q, D] buffer in half of a stage's K or V tile
-        assert 2 * TILE_Q * head_dim * 4 == BLOCK_N * head_dim * 2 and stages >= 2
+        # the epilogue gives each warp an fp32 [TILE_Q, D] buffer in the 16 K and 16 V rows it reads
+        assert NUM_WARPS * 16 == BLOCK_N and TILE_Q * 4 == 16 * 2 * 2 and stages >= 2
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
     def host(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
              mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
-             mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
+             mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mCounters: cute.Tensor,
              group: Int32, sm_scale: Float32, num_ctas: Int32, var_tensors: tuple, var_scalars: tuple,
              stream: cuda.CUstream):
         """The host function behind the generated entry (``variants.trace.make_entry``): the
         family's arguments, then the variant's tensors and scalars as tuples."""
         D = self.head_dim
-        atom_cols = 64 if D % 64 == 0 else 32
-        swz = cute.make_composed_layout(cute.make_swizzle(3 if atom_cols == 64 else 2, 3, 3), 0,
-                                        cute.make_layout((8, atom_cols), stride=(atom_cols, 1)))
+        assert D % 64 == 0, "the epilogue's buffers (_o_buf) assume 64-column halves"
+        swz = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
         sQ_layout = cute.tile_to_shape(swz, (TILE_Q, D, self.stages), (0, 1, 2))  # one Q tile per stage
         sKV_layout = cute.tile_to_shape(swz, (BLOCK_N, D, self.stages), (0, 1, 2))
         self._check_smem_off(sQ_layout, TILE_Q)
@@ -89,11 +89,12 @@ class PagedDecode:
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, 2 * cute.cosize(sKV_layout)], 1024]
             sM: cute.struct.MemRange[Float32, NUM_WARPS * TILE_Q]
             sL: cute.struct.MemRange[Float32, NUM_WARPS * TILE_Q]
+            sArrived: cute.struct.MemRange[Int32, 1]  # split tiles: chunks done before this one
 
         tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1),
                                         permutation_mnk=(16, 16, 16))
         scale_log2 = sm_scale * LOG2E
-        self.kernel(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse,
+        self.kernel(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, mCounters,
                     var_tensors, group, scale_log2, sm_scale, var_scalars,
                     sQ_layout, sKV_layout, tiled_mma, Smem).launch(
             grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
@@ -102,7 +103,8 @@ class PagedDecode:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
                mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
-               mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, var_tensors: tuple,
+               mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mCounters: cute.Tensor,
+               var_tensors: tuple,
                group: Int32, scale_log2: Float32, sm_scale: Float32, var_scalars: tuple,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                tiled_mma: cute.TiledMma, Smem: cutlass.Constexpr):
@@ -120,6 +122,7 @@ class PagedDecode:
         sV = cute.make_tensor(kv_ptr + cute.cosize(sKV_layout), sKV_layout)
         sM = st.sM.get_tensor(cute.make_layout((TILE_Q, NUM_WARPS), stride=(1, TILE_Q)))
         sL = st.sL.get_tensor(cute.make_layout((TILE_Q, NUM_WARPS), stride=(1, TILE_Q)))
+        sArrived = st.sArrived.get_tensor(cute.make_layout((1,)))
 
         thr_mma = tiled_mma.get_slice(lane)
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
@@ -247,15 +250,22 @@ class PagedDecode:
                 for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
                     cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
 
-            # --- epilogue: ⊕ of the four warp states through the stage of this item's last
-            # block (the blocks in flight are in the other stages; the next one to go into
-            # this stage is issued after the next block's barrier), then the store
+            # --- epilogue: each warp's state goes through shared memory -- its unscaled O rows
+            # into the K and V rows of this item's last block that only this warp read (``_o_buf``:
+            # no other warp's reads to wait for), its row statistics into sM / sL -- then one
+            # barrier, and the store phase ⊕-merges the four warps row by row.  The blocks in
+            # flight are in the other stages, and the next block to go into this stage is issued
+            # after the next block's barrier, which also guards the reuse of sM / sL.  (One
+            # barrier per item, not three: each one pauses the copy stream at every item boundary.)
             if n_blocks > 0:
                 q_cnt = q_cnt + 1
+            else:
+                cute.arch.sync_threads()  # no block barrier since the previous item's store phase
             g = g + n_blocks
             o_stage = (g + self.stages - 1) % self.stages
             sO = self._o_buf(kv_ptr, o_stage, wid)
             acc_O_mn = _mn_view(acc_O)
+            cute.arch.sync_warp()  # the warp's ldmatrix reads of these rows come before its writes
             if const_expr(not self.hooks.softmax):
                 # weights were summed, not normalized: give each warp the state (m = 0,
                 # l = w/4) with w = this item's share of the request's keys; the ⊕ below and
@@ -269,37 +279,25 @@ class PagedDecode:
                 else:
                     row_m[r] = Float32(0.0)
                     row_l[r] = w_item * 0.25
-                if lane % 4 == 0:
-                    sM[tScS[r, 0][0], wid] = row_m[r]
-                    sL[tScS[r, 0][0], wid] = row_l[r]
-            cute.arch.sync_threads()
-            for r in cutlass.range_constexpr(n_rows_thr):
                 j = tScS[r, 0][0]
-                m_all = -Float32.inf
-                for wq in cutlass.range_constexpr(NUM_WARPS):
-                    m_all = cute.arch.fmax(m_all, sM[j, wq])
-                m_use = m_all if m_all != -Float32.inf else Float32(0.0)
-                l_all = Float32(0.0)
-                for wq in cutlass.range_constexpr(NUM_WARPS):
-                    l_all = l_all + sL[j, wq] * cute.math.exp2(sM[j, wq] - m_use, fastmath=True)
-                if const_expr(self.hooks.has_finalize):
-                    m_all, l_all = self._finalize(m_all, l_all, req, kv_head, row_start + j, group, qpos_base, qo_len,
-                                                  kv_len, kv_start)
-                    m_use = m_all if m_all != -Float32.inf else Float32(0.0)
-                f = Float32(0.0)
-                if l_all > Float32(0.0):
-                    f = cute.math.exp2(row_m[r] - m_use, fastmath=True) * cute.arch.rcp_approx(l_all)
-                for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                    sO[j, tOcO[0, c][1]] = acc_O_mn[r, c] * f
-                if wid == 0 and lane % 4 == 0:
-                    lse = -Float32.inf
-                    if l_all > Float32(0.0):
-                        lse = m_all + cute.math.log2(l_all, fastmath=True)
-                    sM[j, 0] = lse  # reuse: this row's final LSE, read below
+                if lane % 4 == 0:
+                    sM[j, wid] = row_m[r]
+                    sL[j, wid] = row_l[r]
+                if j < num_rows:  # rows past the tile's end are never stored
+                    for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                        sO[j, tOcO[0, c][1]] = acc_O_mn[r, c]
             cute.arch.sync_threads()
-            self._store(mO, mLse, mPartO, mPartLse, kv_ptr, o_stage, sM, tidx, row_start, num_rows, dest, qo_offset,
-                        kv_head, group, req, qpos_base, qo_len, kv_len)
-            cute.arch.sync_threads()  # smem is reused by the next item
+            self._store(mO, mLse, mPartO, mPartLse, kv_ptr, o_stage, sM, sL, tidx, row_start, num_rows, dest,
+                        qo_offset, kv_head, group, req, qpos_base, qo_len, kv_len, kv_start)
+
+        # Split tiles: this CTA's chunks are counted once all its items are done (the loop's
+        # state is dead here, so the merge costs the hot loop no registers); the last chunk of
+        # a tile to be counted merges it (``_merge_if_last``).
+        for item in cutlass.range(item_begin, item_end, unroll=1):
+            w = WorkItem(mWork, item)
+            if w.dest >= 0:
+                self._merge_if_last(mPartO, mPartLse, mCounters, mO, mLse, sArrived, tidx, w.dest - w.chunk,
+                                    w.num_chunks, w.row_start, w.num_rows, w.qo_offset, w.kv_head, group)
 
     # ---- loads and buffers ------------------------------------------------------------------
     def _kv_blocks(self, w: WorkItem, group):
@@ -384,17 +382,18 @@ class PagedDecode:
                         raise AssertionError(f"_smem_off({r}, {c}, {s}) = {self._smem_off(r, c, s, rows)}, layout {want}")
 
     def _o_buf(self, kv_ptr, stage, wid):
-        """Warp ``wid``'s fp32 [TILE_Q, D] epilogue buffer, row-major: half of stage ``stage``'s
-        K tile (warps 0, 1) or V tile (warps 2, 3).  No padding fits there, so the accumulator
-        stores see 4-way bank conflicts; a swizzle would avoid them but makes ptxas keep every
-        element's swizzled column in registers (it spilled).  Once per item, and hidden behind
-        the next item's loads, which are already in flight."""
+        """Warp ``wid``'s fp32 [TILE_Q, D] epilogue buffer in stage ``stage``: the K and V rows
+        [16 wid, 16 wid + 16) that only this warp reads, 2 KB per 64-column half of K then of V
+        (16 rows x 128 B; 16 x D x 2 x 2 B = 16 x D x 4 B, so the buffer fills them exactly).
+        Row j is in piece j // rpp (rpp = fp32 rows per 2 KB piece).  No padding fits there, so
+        the accumulator stores see 4-way bank conflicts; a swizzle would avoid them but makes
+        ptxas keep every element's swizzled column in registers (it spilled).  Once per item."""
         D = self.head_dim
         tile = BLOCK_N * D  # elements of one stage's K (or V) tile; V stages follow the K stages
-        ptr = cute.recast_ptr(kv_ptr + ((wid // 2) * self.stages + stage) * tile + (wid % 2) * (tile // 2),
-                              dtype=Float32)
-        return cute.make_tensor(cute.make_ptr(Float32, ptr.toint(), cute.AddressSpace.smem, assumed_align=16),
-                                cute.make_layout((TILE_Q, D), stride=(D, 1)))
+        halves, rpp = D // 64, 512 // D
+        ptr = cute.recast_ptr(kv_ptr + stage * tile + wid * 16 * 64, dtype=Float32)
+        layout = cute.make_layout(((rpp, halves, 2), D), stride=((D, 64 * 64 // 2, self.stages * tile // 2), 1))
+        return cute.make_tensor(cute.make_ptr(Float32, ptr.toint(), cute.AddressSpace.smem, assumed_align=16), layout)
 
     # ---- variant hook helpers: plain Python, called while the kernel is traced --------------
     def _ctx(self, req, kv_head, row, group, qpos_base, qo_len, kv_len) -> Ctx:
@@ -529,24 +528,84 @@ class PagedDecode:
         return s * (rows * self.head_dim) + (c // 8) * (rows * 64) + r * 64 + ((c % 8) ^ (r % 8)) * 8
 
     @cute.jit
+    def _merge_if_last(self, mPartO: cute.Tensor, mPartLse: cute.Tensor, mCounters: cute.Tensor, mO: cute.Tensor,
+                       mLse: cute.Tensor, sArrived: cute.Tensor, tidx: Int32, slot0: Int32, nslots: Int32,
+                       row_start: Int32, num_rows: Int32, qo_offset: Int32, kv_head: Int32, group: Int32):
+        """A split tile's chunks count themselves in ``mCounters[slot0]`` (slot0: the tile's first
+        partial slot); the last to be counted folds slots slot0 .. slot0 + nslots - 1 left to
+        right (the merge kernel's order: deterministic whichever CTA is last), writes the final
+        rows and resets the counter for the next launch.  So decode needs no merge launch: a CUDA
+        graph of ``run()`` is one kernel.  The partial stores are released by a gpu-scope fence
+        before the count and acquired by one after it (the classic last-block pattern)."""
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        if tidx == 0:
+            sArrived[0] = cute.arch.atomic_add(mCounters.iterator + slot0, Int32(1), sem="acq_rel", scope="gpu")
+        cute.arch.sync_threads()
+        if sArrived[0] == nslots - 1:
+            cute.arch.fence_acq_rel_gpu()
+            per_row = self.head_dim // 4
+            for idx in cutlass.range(tidx, num_rows * per_row, THREADS, unroll=1):
+                j = idx // per_row
+                c4 = idx - j * per_row
+                m = -Float32.inf
+                d = Float32(0.0)
+                acc = cute.zeros_like(cute.make_rmem_tensor((4,), Float32).load())
+                for i in cutlass.range(nslots, unroll=1):
+                    prow = (slot0 + i) * TILE_Q + j
+                    m, d, acc = oplus_step(m, d, acc, mPartLse[prow], load_vec(mPartO[prow, None], c4, 4))
+                lse = -Float32.inf
+                if d > Float32(0.0):
+                    acc = acc * cute.arch.rcp_approx(d)
+                    lse = m + cute.math.log2(d, fastmath=True)
+                r = row_start + j
+                tok = qo_offset + r // group
+                head = kv_head * group + r % group
+                store_vec(mO[tok, head, None], c4, 4, acc)
+                if c4 == 0:
+                    mLse[tok, head] = lse
+            if tidx == 0:
+                mCounters[slot0] = Int32(0)
+        # (sArrived is next written after the next split item's first barrier, which every
+        # thread reaches only after reading it here)
+
+    @cute.jit
     def _store(self, mO: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
-               kv_ptr: cute.Pointer, o_stage: Int32, sLse: cute.Tensor, tidx: Int32, row_start: Int32, num_rows: Int32,
-               dest: Int32, qo_offset: Int32, kv_head: Int32, group: Int32, req: Int32, qpos_base: Int32,
-               qo_len: Int32, kv_len: Int32):
-        """Sum the four warps' scaled outputs per row; write final rows (value dtype) or a
-        partial slot (fp32): 4 columns per thread-step.  A variant's ``output`` hook applies to
-        final rows (the wrapper does not split the KV of such variants)."""
+               kv_ptr: cute.Pointer, o_stage: Int32, sM: cute.Tensor, sL: cute.Tensor, tidx: Int32, row_start: Int32,
+               num_rows: Int32, dest: Int32, qo_offset: Int32, kv_head: Int32, group: Int32, req: Int32,
+               qpos_base: Int32, qo_len: Int32, kv_len: Int32, kv_start: Int32):
+        """⊕ of the four warps' states per row (max m, l = Σ l_w 2^(m_w - m), then the variant's
+        ``finalize``), and the store: final rows (value dtype) or a partial slot (fp32), 4
+        columns per thread-step.  A variant's ``output`` hook applies to final rows (the wrapper
+        does not split the KV of such variants)."""
         per_row = self.head_dim // 4
         for i in cutlass.range_constexpr((TILE_Q * per_row + THREADS - 1) // THREADS):
             idx = tidx + i * THREADS
             j = idx // per_row
             c4 = idx % per_row
             if idx < TILE_Q * per_row and j < num_rows:
+                m_all = -Float32.inf
+                for w in cutlass.range_constexpr(NUM_WARPS):
+                    m_all = cute.arch.fmax(m_all, sM[j, w])
+                m_use = m_all if m_all != -Float32.inf else Float32(0.0)
+                l_all = Float32(0.0)
+                for w in cutlass.range_constexpr(NUM_WARPS):
+                    l_all = l_all + sL[j, w] * cute.math.exp2(sM[j, w] - m_use, fastmath=True)
+                if const_expr(self.hooks.has_finalize):
+                    m_all, l_all = self._finalize(m_all, l_all, req, kv_head, row_start + j, group, qpos_base, qo_len,
+                                                  kv_len, kv_start)
+                    m_use = m_all if m_all != -Float32.inf else Float32(0.0)
+                inv_l = Float32(0.0)
+                if l_all > Float32(0.0):
+                    inv_l = cute.arch.rcp_approx(l_all)
                 acc = cute.zeros_like(cute.make_rmem_tensor((4,), Float32).load())
                 for w in cutlass.range_constexpr(NUM_WARPS):
                     frag = cute.make_rmem_tensor((4,), Float32)
                     cute.autovec_copy(cute.local_tile(self._o_buf(kv_ptr, o_stage, w)[j, None], (4,), (c4,)), frag)
-                    acc = acc + frag.load()
+                    acc = acc + frag.load() * (cute.math.exp2(sM[j, w] - m_use, fastmath=True) * inv_l)
+                lse = -Float32.inf
+                if l_all > Float32(0.0):
+                    lse = m_all + cute.math.log2(l_all, fastmath=True)
                 r = row_start + j
                 if dest < 0:
                     tok = qo_offset + r // group
@@ -561,14 +620,14 @@ class PagedDecode:
                         out.store(acc.to(mO.element_type))
                     cute.autovec_copy(out, cute.local_tile(mO[tok, head, None], (4,), (c4,)))
                     if c4 == 0:
-                        mLse[tok, head] = sLse[j, 0]
+                        mLse[tok, head] = lse
                 else:
                     out = cute.make_rmem_tensor((4,), Float32)
                     out.store(acc)
                     slot_row = dest * TILE_Q + j
                     cute.autovec_copy(out, cute.local_tile(mPartO[slot_row, None], (4,), (c4,)))
                     if c4 == 0:
-                        mPartLse[slot_row] = sLse[j, 0]
+                        mPartLse[slot_row] = lse
 
 
 @cute.jit

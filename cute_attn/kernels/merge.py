@@ -34,7 +34,7 @@ def row_geometry(dtype_bytes: int, head_dim: int) -> tuple[int, int, int]:
 
 
 @cute.jit
-def _load_vec(row: cute.Tensor, lane: Int32, vec: cutlass.Constexpr):
+def load_vec(row: cute.Tensor, lane: Int32, vec: cutlass.Constexpr):
     """This thread's ``vec`` contiguous elements of a row, converted to fp32."""
     src = cute.local_tile(row, (vec,), (lane,))
     frag = cute.make_rmem_tensor((vec,), row.element_type)
@@ -43,7 +43,7 @@ def _load_vec(row: cute.Tensor, lane: Int32, vec: cutlass.Constexpr):
 
 
 @cute.jit
-def _store_vec(row: cute.Tensor, lane: Int32, vec: cutlass.Constexpr, value):
+def store_vec(row: cute.Tensor, lane: Int32, vec: cutlass.Constexpr, value):
     frag = cute.make_rmem_tensor((vec,), row.element_type)
     frag.store(value.to(row.element_type))
     cute.autovec_copy(frag, cute.local_tile(row, (vec,), (lane,)))
@@ -101,14 +101,14 @@ class MergeStates:
                         idx = i0 + j if i0 + j < nstates else nstates - 1
                         s_j = mS[si, idx, h]
                         s_batch.append(s_j if i0 + j < nstates else -Float32.inf)
-                        v_batch.append(_load_vec(mV[si, idx, h, None], lane, self.vec))
+                        v_batch.append(load_vec(mV[si, idx, h, None], lane, self.vec))
                     for j in cutlass.range_constexpr(self.load_batch):
                         m, d, acc = oplus_step(m, d, acc, s_batch[j], v_batch[j])
                 lse = -Float32.inf
                 if d > Float32(0.0):
                     acc = acc * cute.arch.rcp_approx(d)
                     lse = m + cute.math.log2(d, fastmath=True)
-                _store_vec(mO[si, h, None], lane, self.vec, acc)
+                store_vec(mO[si, h, None], lane, self.vec, acc)
                 if lane == 0:
                     mLse[si, h] = lse
 
@@ -151,8 +151,8 @@ class MergePair:
                 if keep:
                     sa = mSa[si, h]
                     sb = mSb[si, h]
-                    va = _load_vec(mVa[si, h, None], lane, self.vec)
-                    vb = _load_vec(mVb[si, h, None], lane, self.vec)
+                    va = load_vec(mVa[si, h, None], lane, self.vec)
+                    vb = load_vec(mVb[si, h, None], lane, self.vec)
                     m = cute.arch.fmax(sa, sb)
                     out = cute.zeros_like(va)
                     lse = -Float32.inf
@@ -162,7 +162,7 @@ class MergePair:
                         d = wa + wb
                         out = (va * wa + vb * wb) * cute.arch.rcp_approx(d)
                         lse = m + cute.math.log2(d, fastmath=True)
-                    _store_vec(mO[si, h, None], lane, self.vec, out)
+                    store_vec(mO[si, h, None], lane, self.vec, out)
                     if lane == 0:
                         mLse[si, h] = lse
 
@@ -204,7 +204,7 @@ class MergePartials:
                 acc = cute.zeros_like(cute.make_rmem_tensor((4,), Float32).load())
                 for i in cutlass.range(nslots):
                     prow = (slot0 + i) * self.tile_q + j
-                    m, d, acc = oplus_step(m, d, acc, mPartLse[prow], _load_vec(mPartO[prow, None], c4, 4))
+                    m, d, acc = oplus_step(m, d, acc, mPartLse[prow], load_vec(mPartO[prow, None], c4, 4))
                 lse = -Float32.inf
                 if d > Float32(0.0):
                     acc = acc * cute.arch.rcp_approx(d)
@@ -212,7 +212,7 @@ class MergePartials:
                 r = row_start + j
                 tok = qo_offset + r // group
                 head = kv_head * group + r % group
-                _store_vec(mO[tok, head, None], c4, 4, acc)
+                store_vec(mO[tok, head, None], c4, 4, acc)
                 if c4 == 0:
                     mLse[tok, head] = lse
 
