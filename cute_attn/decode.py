@@ -3,10 +3,9 @@ and ``single_decode_with_kv_cache``.
 
 ``plan()`` runs the CPU scheduler (``cute_attn.sched``) and uploads its work lists into the
 user's ``float_workspace_buffer`` at fixed offsets; ``run()`` launches the persistent decode
-kernel (``kernels/decode.py``), one launch: when the plan split a request's KV, the last of its
-chunks to finish ⊕-merges them inside the kernel (no merge launch, also under CUDA graphs).
-NHD and HND layouts, ``(k, v)`` tuples and single ``[pages, 2, ...]`` tensors are all passed to
-one kernel as strided ``[pages, page_size, kv_heads, head_dim]`` views.
+kernel (``kernels/decode.py``) and, when the plan split some KV, the persistent ⊕ merge
+kernel.  NHD and HND layouts, ``(k, v)`` tuples and single ``[pages, 2, ...]`` tensors are
+all passed to one kernel as strided ``[pages, page_size, kv_heads, head_dim]`` views.
 
 Variants (docs/variants.md): FlashInfer's options map onto built-ins (``logits_soft_cap`` ->
 ``SoftCap``, ``window_left`` -> ``SlidingWindow``, ``pos_encoding_mode="ALIBI"`` -> ``ALiBi``,
@@ -52,11 +51,14 @@ def decode_spec(arch: str, dtype: str, head_dim: int, variant=None):
 def decode_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS):
     """Specializations run() may need for FlashInfer's default options (for the compile presets):
     plain, soft-cap, sliding window, both."""
+    from .runtime.spec import Spec
+
     out = []
     for dt in dtypes:
         for d in head_dims:
             for v in (None, SoftCap(), SlidingWindow(), SoftCap() + SlidingWindow()):
                 out.append(decode_spec(arch, dt, d, v))
+            out.append(Spec.make("merge_partials", arch, dtype=dt, head_dim=d, tile_q=DECODE_TILE_Q))
     return out
 
 
@@ -221,9 +223,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
                              f"(batch {batch}, {num_qo_heads} qo heads, head_dim {head_dim})")
         if self._views is None:  # section offsets are fixed per planner: views made once
             self._views = self._planner.layout.views(self._workspace)
-        # the kernel leaves its split-merge counters at zero; zeroed here too (a tiny memset on
-        # the stream) so that a launch that never finished cannot corrupt later merges
-        self._views["merge_counters"].zero_()
         indices_t = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices, dtype=torch.int32)
         plan = self._planner.plan_paged(np.arange(batch + 1), indptr_h, last_page_len, page_size,
                                         kv_indices=indices_t.cpu() if not indices_t.is_cuda else None,
@@ -243,8 +242,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
         self._soft_cap = float(logits_soft_cap) if logits_soft_cap else 0.0
         self._window_left = int(window_left)
-        self._arch = arch_of_index(self._dev)
+        arch = arch_of_index(self._dev)
+        dt = _DTYPES[q_dtype]
+        self._arch = arch
         self._decode = self._module(self._variant)
+        self._merge = kernel("merge_partials", arch, dtype=dt, head_dim=head_dim, tile_q=DECODE_TILE_Q)
         self._binding = VariantBinding(self._variant, {
             "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
             "sm_scale": self._sm_scale, "device": self._device, "batch": batch}, self._decode, self._module)
@@ -371,12 +373,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
             module, vvals = self._binding.select(args, None if sinks is None else sinks.float())
             if vvals:
                 module(q, k, v, self._kv_indptr, self._kv_indices, out, lse, vw["work_items"], vw["work_indptr"],
-                       vw["partial_o"], vw["partial_lse"], vw["merge_counters"], group, self._sm_scale,
-                       self._num_ctas, *vvals)
+                       vw["partial_o"], vw["partial_lse"], group, self._sm_scale, self._num_ctas, *vvals)
             else:
                 module(q, k, v, self._kv_indptr, self._kv_indices, out, lse, vw["work_items"], vw["work_indptr"],
-                       vw["partial_o"], vw["partial_lse"], vw["merge_counters"], group, self._sm_scale,
-                       self._num_ctas)
+                       vw["partial_o"], vw["partial_lse"], group, self._sm_scale, self._num_ctas)
+            if self._use_cuda_graph or self._plan.has_split:
+                self._merge(vw["partial_o"], vw["partial_lse"], vw["merge_tasks"], vw["meta"], out, lse, group,
+                            self._num_ctas)
         return (out, lse) if return_lse else out
 
     forward = run

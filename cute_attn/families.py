@@ -71,7 +71,7 @@ def decode_abi_fixed(p):
             TensorArg("mLse", "f32", (None, None), (None, None), 1, 4),
             TensorArg("mWork", "i32", (None, WORK_FIELDS), (WORK_FIELDS, 1), 1, 4), _i32("mWorkIndptr"),
             TensorArg("mPartO", "f32", (None, d), (d, 1), 1, 16), TensorArg("mPartLse", "f32", (None,), (1,), 1, 4),
-            _i32("mCounters"), ScalarArg("group", "i32"), ScalarArg("sm_scale", "f32"), ScalarArg("num_ctas", "i32")]
+            ScalarArg("group", "i32"), ScalarArg("sm_scale", "f32"), ScalarArg("num_ctas", "i32")]
 
 
 def decode_abi(p):
@@ -110,10 +110,9 @@ assert META_NUM_MERGE_TASKS == 1, "kernels/merge.py reads the merge-task count a
 
 # ---- batch prefill (Hopper) -----------------------------------------------------------------
 def prefill_abi_fixed(p):
-    """decode's fixed tensor arguments (one host signature for both kernels) less the split-merge
-    counters (prefill's splits are merged by the ``merge_partials`` launch), then the prefill
+    """decode's fixed tensor arguments (one host signature for both kernels), then the prefill
     kernel's scalars (spelled out: decode's scalars differ)."""
-    return [a for a in decode_abi_fixed(p) if isinstance(a, TensorArg) and a.name != "mCounters"] + [
+    return [a for a in decode_abi_fixed(p) if isinstance(a, TensorArg)] + [
         ScalarArg("group", "i32"), ScalarArg("sm_scale", "f32"), ScalarArg("soft_cap", "f32"),
         ScalarArg("window_left", "i32"), ScalarArg("num_ctas", "i32")]
 

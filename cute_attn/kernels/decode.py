@@ -14,9 +14,9 @@ Per KV block of BLOCK_N tokens:
   next item as soon as one is exhausted, so the pipeline never drains at item boundaries;
 - warp w owns keys [16w, 16w+16) of the block: S = Q Kᵀ and O += P V on tensor cores
   (``mma.sync`` m16n8k16, fragments via ``ldmatrix``), with its own online-softmax state;
-- the four warp states are ⊕-merged through shared memory at the end of the item, and the
-  result goes to the final output (bf16/fp16 + LSE) or to a partial slot (fp32) for the merge
-  kernel.
+- the four warp states are ⊕-merged through shared memory at the end of the item (one
+  barrier), and the result goes to the final output (bf16/fp16 + LSE) or to a partial slot
+  (fp32) for the merge kernel.
 
 Scores are kept in base 2 (scaled by sm_scale·log2 e), so LSE comes out in base 2 as
 FlashInfer returns it.  Variants (``cute_attn/variants``, docs/variants.md) are traced in:
@@ -42,7 +42,6 @@ from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry, transform_fragment
 from .bitmask import bit_set, load_words
 from .copy import cp_async_16
-from .merge import load_vec, oplus_step, store_vec
 from .work import WorkItem
 
 TILE_Q = 16  # packed query rows per work item (one m16 MMA tile)
@@ -68,7 +67,7 @@ class PagedDecode:
     @cute.jit
     def host(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
              mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
-             mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mCounters: cute.Tensor,
+             mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
              group: Int32, sm_scale: Float32, num_ctas: Int32, var_tensors: tuple, var_scalars: tuple,
              stream: cuda.CUstream):
         """The host function behind the generated entry (``variants.trace.make_entry``): the
@@ -89,12 +88,11 @@ class PagedDecode:
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, 2 * cute.cosize(sKV_layout)], 1024]
             sM: cute.struct.MemRange[Float32, NUM_WARPS * TILE_Q]
             sL: cute.struct.MemRange[Float32, NUM_WARPS * TILE_Q]
-            sArrived: cute.struct.MemRange[Int32, 1]  # split tiles: chunks done before this one
 
         tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1),
                                         permutation_mnk=(16, 16, 16))
         scale_log2 = sm_scale * LOG2E
-        self.kernel(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, mCounters,
+        self.kernel(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse,
                     var_tensors, group, scale_log2, sm_scale, var_scalars,
                     sQ_layout, sKV_layout, tiled_mma, Smem).launch(
             grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
@@ -103,11 +101,13 @@ class PagedDecode:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
                mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
-               mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mCounters: cute.Tensor,
-               var_tensors: tuple,
+               mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, var_tensors: tuple,
                group: Int32, scale_log2: Float32, sm_scale: Float32, var_scalars: tuple,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                tiled_mma: cute.TiledMma, Smem: cutlass.Constexpr):
+        # the merge kernel (launched after this one as a programmatic dependent) may start now:
+        # its launch overlaps this kernel, and it waits for this grid before reading anything
+        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         wid = tidx // 32
@@ -122,7 +122,6 @@ class PagedDecode:
         sV = cute.make_tensor(kv_ptr + cute.cosize(sKV_layout), sKV_layout)
         sM = st.sM.get_tensor(cute.make_layout((TILE_Q, NUM_WARPS), stride=(1, TILE_Q)))
         sL = st.sL.get_tensor(cute.make_layout((TILE_Q, NUM_WARPS), stride=(1, TILE_Q)))
-        sArrived = st.sArrived.get_tensor(cute.make_layout((1,)))
 
         thr_mma = tiled_mma.get_slice(lane)
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
@@ -289,15 +288,6 @@ class PagedDecode:
             cute.arch.sync_threads()
             self._store(mO, mLse, mPartO, mPartLse, kv_ptr, o_stage, sM, sL, tidx, row_start, num_rows, dest,
                         qo_offset, kv_head, group, req, qpos_base, qo_len, kv_len, kv_start)
-
-        # Split tiles: this CTA's chunks are counted once all its items are done (the loop's
-        # state is dead here, so the merge costs the hot loop no registers); the last chunk of
-        # a tile to be counted merges it (``_merge_if_last``).
-        for item in cutlass.range(item_begin, item_end, unroll=1):
-            w = WorkItem(mWork, item)
-            if w.dest >= 0:
-                self._merge_if_last(mPartO, mPartLse, mCounters, mO, mLse, sArrived, tidx, w.dest - w.chunk,
-                                    w.num_chunks, w.row_start, w.num_rows, w.qo_offset, w.kv_head, group)
 
     # ---- loads and buffers ------------------------------------------------------------------
     def _kv_blocks(self, w: WorkItem, group):
@@ -526,48 +516,6 @@ class PagedDecode:
         kernel's shared layout (8 x 64 atoms under the 128-byte swizzle, which on 2-byte elements
         XORs the chunk index within the atom with the row index mod 8; see ``_check_smem_off``)."""
         return s * (rows * self.head_dim) + (c // 8) * (rows * 64) + r * 64 + ((c % 8) ^ (r % 8)) * 8
-
-    @cute.jit
-    def _merge_if_last(self, mPartO: cute.Tensor, mPartLse: cute.Tensor, mCounters: cute.Tensor, mO: cute.Tensor,
-                       mLse: cute.Tensor, sArrived: cute.Tensor, tidx: Int32, slot0: Int32, nslots: Int32,
-                       row_start: Int32, num_rows: Int32, qo_offset: Int32, kv_head: Int32, group: Int32):
-        """A split tile's chunks count themselves in ``mCounters[slot0]`` (slot0: the tile's first
-        partial slot); the last to be counted folds slots slot0 .. slot0 + nslots - 1 left to
-        right (the merge kernel's order: deterministic whichever CTA is last), writes the final
-        rows and resets the counter for the next launch.  So decode needs no merge launch: a CUDA
-        graph of ``run()`` is one kernel.  The partial stores are released by a gpu-scope fence
-        before the count and acquired by one after it (the classic last-block pattern)."""
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.sync_threads()
-        if tidx == 0:
-            sArrived[0] = cute.arch.atomic_add(mCounters.iterator + slot0, Int32(1), sem="acq_rel", scope="gpu")
-        cute.arch.sync_threads()
-        if sArrived[0] == nslots - 1:
-            cute.arch.fence_acq_rel_gpu()
-            per_row = self.head_dim // 4
-            for idx in cutlass.range(tidx, num_rows * per_row, THREADS, unroll=1):
-                j = idx // per_row
-                c4 = idx - j * per_row
-                m = -Float32.inf
-                d = Float32(0.0)
-                acc = cute.zeros_like(cute.make_rmem_tensor((4,), Float32).load())
-                for i in cutlass.range(nslots, unroll=1):
-                    prow = (slot0 + i) * TILE_Q + j
-                    m, d, acc = oplus_step(m, d, acc, mPartLse[prow], load_vec(mPartO[prow, None], c4, 4))
-                lse = -Float32.inf
-                if d > Float32(0.0):
-                    acc = acc * cute.arch.rcp_approx(d)
-                    lse = m + cute.math.log2(d, fastmath=True)
-                r = row_start + j
-                tok = qo_offset + r // group
-                head = kv_head * group + r % group
-                store_vec(mO[tok, head, None], c4, 4, acc)
-                if c4 == 0:
-                    mLse[tok, head] = lse
-            if tidx == 0:
-                mCounters[slot0] = Int32(0)
-        # (sArrived is next written after the next split item's first barrier, which every
-        # thread reaches only after reading it here)
 
     @cute.jit
     def _store(self, mO: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,

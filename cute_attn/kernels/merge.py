@@ -61,6 +61,37 @@ def oplus_step(m: Float32, d: Float32, acc, s_i: Float32, v_i):
     return m_new, d * scale + w, acc * scale + v_i * w
 
 
+PARTIALS_BATCH = 8  # partial slots whose loads one fold_partials step issues together
+
+
+@cute.jit
+def fold_partials(mPartO: cute.Tensor, mPartLse: cute.Tensor, slot0: Int32, nslots: Int32, row: Int32, c4: Int32,
+                  tile_q: cutlass.Constexpr):
+    """(o, lse) of row ``row`` of a split tile, columns 4 c4 .. 4 c4 + 3: its partial slots
+    slot0 .. slot0 + nslots - 1 folded left to right (the contract's fixed order).  The loads
+    of PARTIALS_BATCH slots are issued before their folds (past-the-end slots re-read the last
+    one with LSE -inf: weight 0, bit-identical result), so a long split costs a few load
+    latencies, not one per slot."""
+    m = -Float32.inf
+    d = Float32(0.0)
+    acc = cute.zeros_like(cute.make_rmem_tensor((4,), Float32).load())
+    for i0 in cutlass.range(0, nslots, PARTIALS_BATCH, unroll=1):
+        s_batch, v_batch = [], []
+        for k in cutlass.range_constexpr(PARTIALS_BATCH):
+            i = i0 + k if i0 + k < nslots else nslots - 1
+            prow = (slot0 + i) * tile_q + row
+            s_k = mPartLse[prow]
+            s_batch.append(s_k if i0 + k < nslots else -Float32.inf)
+            v_batch.append(load_vec(mPartO[prow, None], c4, 4))
+        for k in cutlass.range_constexpr(PARTIALS_BATCH):
+            m, d, acc = oplus_step(m, d, acc, s_batch[k], v_batch[k])
+    lse = -Float32.inf
+    if d > Float32(0.0):
+        acc = acc * cute.arch.rcp_approx(d)
+        lse = m + cute.math.log2(d, fastmath=True)
+    return acc, lse
+
+
 @cute.jit
 def _grid(nrows: Int32, rows_per_cta: cutlass.Constexpr, max_ctas: Int32) -> Int32:
     """One CTA per row group, at most ``max_ctas`` (SM count x CTAs per SM, passed in at launch:
@@ -181,6 +212,13 @@ class MergePartials:
     task it folds partial slots SLOT_START .. SLOT_START + NUM_SLOTS - 1 left to right (fixed
     order: deterministic) and writes the final o (value dtype) / LSE of that packed row.
     The task count is read on the device, so a captured graph replays any plan.
+
+    Launched as a programmatic dependent (PDL) of the attention kernel, which lets it go at its
+    start: this grid's launch and CTA start overlap the attention kernel, and every CTA waits
+    (``griddepcontrol.wait``: the attention grid has finished and its writes are visible)
+    before it reads a partial -- and before it exits, so that this grid's end still implies
+    the attention kernel's for whatever the stream runs next.  A plan without splits (a
+    CUDA-graph wrapper launches the merge every step) then costs about nothing here.
     """
 
     def __init__(self, head_dim: int, tile_q: int):
@@ -193,22 +231,14 @@ class MergePartials:
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
+        cute.arch.griddepcontrol_wait()
         for t in cutlass.range(cta, mMeta[META_NUM_MERGE_TASKS], nctas):
             kv_head, row_start, num_rows = mTasks[t, 1], mTasks[t, 2], mTasks[t, 3]
             qo_offset, slot0, nslots = mTasks[t, 4], mTasks[t, 5], mTasks[t, 6]
             for idx in cutlass.range(tidx, num_rows * self.per_row, TARGET_THREADS):
                 j = idx // self.per_row
                 c4 = idx - j * self.per_row
-                m = -Float32.inf
-                d = Float32(0.0)
-                acc = cute.zeros_like(cute.make_rmem_tensor((4,), Float32).load())
-                for i in cutlass.range(nslots):
-                    prow = (slot0 + i) * self.tile_q + j
-                    m, d, acc = oplus_step(m, d, acc, mPartLse[prow], load_vec(mPartO[prow, None], c4, 4))
-                lse = -Float32.inf
-                if d > Float32(0.0):
-                    acc = acc * cute.arch.rcp_approx(d)
-                    lse = m + cute.math.log2(d, fastmath=True)
+                acc, lse = fold_partials(mPartO, mPartLse, slot0, nslots, j, c4, self.tile_q)
                 r = row_start + j
                 tok = qo_offset + r // group
                 head = kv_head * group + r % group
@@ -220,7 +250,7 @@ class MergePartials:
     def __call__(self, mPartO: cute.Tensor, mPartLse: cute.Tensor, mTasks: cute.Tensor, mMeta: cute.Tensor,
                  mO: cute.Tensor, mLse: cute.Tensor, group: Int32, num_ctas: Int32, stream: cuda.CUstream):
         self.kernel(mPartO, mPartLse, mTasks, mMeta, mO, mLse, group).launch(
-            grid=[num_ctas, 1, 1], block=[TARGET_THREADS, 1, 1], stream=stream)
+            grid=[num_ctas, 1, 1], block=[TARGET_THREADS, 1, 1], stream=stream, use_pdl=True)
 
 
 META_NUM_MERGE_TASKS = 1  # cute_attn.sched.workspace.META_NUM_MERGE_TASKS (checked in cute_attn.decode)

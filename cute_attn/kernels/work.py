@@ -2,8 +2,8 @@
 ``cute_attn.sched.workspace.W_*``).  Written once for every kernel that walks a work list."""
 from __future__ import annotations
 
-from ..sched.workspace import (W_CHUNK, W_DEST, W_KV_END, W_KV_HEAD, W_KV_LEN, W_KV_START, W_NUM_CHUNKS,
-                               W_NUM_ROWS, W_QO_LEN, W_QO_OFFSET, W_REQ, W_ROW_START)
+from ..sched.workspace import (W_DEST, W_KV_END, W_KV_HEAD, W_KV_LEN, W_KV_START, W_NUM_ROWS, W_QO_LEN,
+                               W_QO_OFFSET, W_REQ, W_ROW_START)
 
 
 class WorkItem:
@@ -22,8 +22,6 @@ class WorkItem:
         self.qo_offset = mWork[i, W_QO_OFFSET]
         self.qo_len = mWork[i, W_QO_LEN]
         self.kv_len = mWork[i, W_KV_LEN]
-        self.chunk = mWork[i, W_CHUNK]
-        self.num_chunks = mWork[i, W_NUM_CHUNKS]
 
     @property
     def qpos_base(self):

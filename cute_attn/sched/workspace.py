@@ -133,10 +133,6 @@ class WorkspaceLayout:
             ("work_items", 4 * WORK_FIELDS * max_items),
             ("partial_lse", 4 * rows),
             ("partial_o", 4 * rows * lim.head_dim),
-            # one arrival counter per partial slot (indexed by a split tile's first slot): a
-            # kernel that merges its own splits counts the chunks done and the last one merges;
-            # zero between kernels (the merging CTA resets it; plan() zeroes the section)
-            ("merge_counters", 4 * max_slots),
         ]
         off, sections = 0, {}
         for name, nbytes in sizes:
@@ -160,7 +156,7 @@ class WorkspaceLayout:
     def views(self, workspace):
         """Typed torch views of the sections of a workspace tensor (for kernels and tests):
         meta [16], work_indptr [C+1], merge_tasks [max_merge, 8], work_items [max_items, 12],
-        partial_lse [rows], partial_o [rows, head_dim], merge_counters [rows // MIN_CTA_TILE_Q]."""
+        partial_lse [rows], partial_o [rows, head_dim]."""
         import torch
 
         ws = workspace.view(torch.uint8).reshape(-1)
@@ -178,5 +174,4 @@ class WorkspaceLayout:
             "work_items": sec("work_items", torch.int32, (self.max_work_items, WORK_FIELDS)),
             "partial_lse": sec("partial_lse", torch.float32, (self.max_partial_rows,)),
             "partial_o": sec("partial_o", torch.float32, (self.max_partial_rows, self.limits.head_dim)),
-            "merge_counters": sec("merge_counters", torch.int32, (self.sections["merge_counters"][1] // 4,)),
         }
