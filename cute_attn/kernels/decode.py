@@ -60,8 +60,11 @@ class PagedDecode:
         self.hooks = Hooks(variant)
         self.chunks = head_dim // 8  # 16-byte chunks per row
         self.rows_per_thread = BLOCK_N * self.chunks // THREADS  # KV rows each thread gathers per block
-        # the epilogue gives each warp an fp32 [TILE_Q, D] buffer in the 16 K and 16 V rows it reads
-        assert NUM_WARPS * 16 == BLOCK_N and TILE_Q * 4 == 16 * 2 * 2 and stages >= 2
+        assert NUM_WARPS * 16 == BLOCK_N and stages >= 2
+        # the epilogue gives each warp an fp32 [TILE_Q, D] buffer in the 16 K and 16 V rows it
+        # reads (``_o_buf``: 2 KB pieces of 512 // D fp32 rows, D // 64 halves, K then V)
+        assert head_dim % 64 == 0 and (512 // head_dim) * (head_dim // 64) * 2 == TILE_Q, \
+            f"the epilogue's buffers (_o_buf) do not tile head_dim {head_dim}"
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
@@ -73,7 +76,6 @@ class PagedDecode:
         """The host function behind the generated entry (``variants.trace.make_entry``): the
         family's arguments, then the variant's tensors and scalars as tuples."""
         D = self.head_dim
-        assert D % 64 == 0, "the epilogue's buffers (_o_buf) assume 64-column halves"
         swz = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
         sQ_layout = cute.tile_to_shape(swz, (TILE_Q, D, self.stages), (0, 1, 2))  # one Q tile per stage
         sKV_layout = cute.tile_to_shape(swz, (BLOCK_N, D, self.stages), (0, 1, 2))

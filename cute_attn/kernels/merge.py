@@ -69,9 +69,10 @@ def fold_partials(mPartO: cute.Tensor, mPartLse: cute.Tensor, slot0: Int32, nslo
                   tile_q: cutlass.Constexpr):
     """(o, lse) of row ``row`` of a split tile, columns 4 c4 .. 4 c4 + 3: its partial slots
     slot0 .. slot0 + nslots - 1 folded left to right (the contract's fixed order).  The loads
-    of PARTIALS_BATCH slots are issued before their folds (past-the-end slots re-read the last
-    one with LSE -inf: weight 0, bit-identical result), so a long split costs a few load
-    latencies, not one per slot."""
+    of PARTIALS_BATCH slots are issued before their folds, so a long split costs a few load
+    latencies, not one per slot.  Past-the-end slots re-read the last one with LSE -inf:
+    weight exactly 0 and scale exactly 1, so the result is that of the real slots (up to the
+    sign of a zero)."""
     m = -Float32.inf
     d = Float32(0.0)
     acc = cute.zeros_like(cute.make_rmem_tensor((4,), Float32).load())
@@ -213,12 +214,12 @@ class MergePartials:
     order: deterministic) and writes the final o (value dtype) / LSE of that packed row.
     The task count is read on the device, so a captured graph replays any plan.
 
-    Launched as a programmatic dependent (PDL) of the attention kernel, which lets it go at its
-    start: this grid's launch and CTA start overlap the attention kernel, and every CTA waits
-    (``griddepcontrol.wait``: the attention grid has finished and its writes are visible)
-    before it reads a partial -- and before it exits, so that this grid's end still implies
-    the attention kernel's for whatever the stream runs next.  A plan without splits (a
-    CUDA-graph wrapper launches the merge every step) then costs about nothing here.
+    Launched as a programmatic dependent (PDL) of the attention kernel.  The decode kernel lets
+    it go at its start (``griddepcontrol.launch_dependents``), so this grid's launch overlaps
+    decode; after prefill, which does not, it starts when prefill ends, as a plain launch would.
+    Every CTA first waits (``griddepcontrol.wait``: the attention grid has finished and its
+    writes are visible) -- before it reads anything, and also when it has no task, so that this
+    grid's end still implies the attention kernel's for whatever the stream runs next.
     """
 
     def __init__(self, head_dim: int, tile_q: int):
@@ -228,10 +229,10 @@ class MergePartials:
     @cute.kernel
     def kernel(self, mPartO: cute.Tensor, mPartLse: cute.Tensor, mTasks: cute.Tensor, mMeta: cute.Tensor,
                mO: cute.Tensor, mLse: cute.Tensor, group: Int32):
+        cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
-        cute.arch.griddepcontrol_wait()
         for t in cutlass.range(cta, mMeta[META_NUM_MERGE_TASKS], nctas):
             kv_head, row_start, num_rows = mTasks[t, 1], mTasks[t, 2], mTasks[t, 3]
             qo_offset, slot0, nslots = mTasks[t, 4], mTasks[t, 5], mTasks[t, 6]

@@ -59,8 +59,9 @@ Row j < NUM_ROWS: ``state = slot SLOT_START ⊕ slot SLOT_START+1 ⊕ ... ⊕ sl
 SLOT_START+NUM_SLOTS-1``, folded left to right in that fixed order (deterministic output);
 write it to o / lse of token QO_OFFSET + (ROW_START + j) // group, qo head KV_HEAD * group
 + (ROW_START + j) % group. All -inf -> o = 0, lse = -inf. The merge kernel is persistent:
-CTA c takes tasks c, c + num_ctas, ... < meta[NUM_MERGE_TASKS]. It must run after the
-attention kernel (stream order).
+CTA c takes tasks c, c + num_ctas, ... < meta[NUM_MERGE_TASKS]. It is launched after the
+attention kernel as a programmatic dependent and waits for that grid (``griddepcontrol.wait``)
+before it reads a partial.
 
 meta (int32 [16], constants ``META_*``)
 ---------------------------------------
