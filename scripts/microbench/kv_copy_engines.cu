@@ -38,7 +38,7 @@ enum Mode { CPASYNC16 = 0, BULKROW = 1, TMAROW = 2, TMA16 = 3 };
 
 struct Args {
   const uint16_t* k; const uint16_t* v; const int* indices;
-  int H, batch, page_size, pages_per_req, kv_len, n_items, blocks_per_item;
+  int H, batch, page_size, pages_per_req, kv_len, n_items, blocks_per_item, stagger;
   uint32_t* out; uint16_t* obuf;
 };
 
@@ -109,6 +109,9 @@ kv_copy(Args a, const __grid_constant__ CUtensorMap kmap, const __grid_constant_
   const int G = gridDim.x, cta = blockIdx.x;
   const int my_items = (a.n_items - cta + G - 1) / G;
   const int n_blocks = my_items * a.blocks_per_item;
+  // stagger: item ends (epilogues) shifted by a CTA-dependent number of blocks, same work, so
+  // that the CTAs' boundaries do not all fall at the same moment (as uneven plans would)
+  const int shift = a.stagger ? (cta * 5) % a.blocks_per_item : 0;
   if (MODE != CPASYNC16) {
     if (tid == 0) {
       for (int s = 0; s < S; ++s) mbar_init(smem_u32(&bars[s]), 1);
@@ -213,7 +216,7 @@ kv_copy(Args a, const __grid_constant__ CUtensorMap kmap, const __grid_constant_
         mma16816(o[2 * cc], pa, r4[0], r4[1]);
         mma16816(o[2 * cc + 1], pa, r4[2], r4[3]);
       }
-      if ((EPI == 1 || EPI == 5) && (b + 1) % a.blocks_per_item == 0) {  // the item's epilogue, through stage s
+      if ((EPI == 1 || EPI == 5) && (b + 1 + shift) % a.blocks_per_item == 0) {  // the item's epilogue, through stage s
         auto obuf = [&](int w) { return reinterpret_cast<float*>((w < 2 ? sK : sV) + s * TILE + (w % 2) * (TILE / 2)); };
         float* sO = obuf(wid);
         __syncthreads();
@@ -235,7 +238,7 @@ kv_copy(Args a, const __grid_constant__ CUtensorMap kmap, const __grid_constant_
         for (int n = 0; n < 16; ++n) for (int j = 0; j < 4; ++j) o[n][j] = 0.f;
         row_m[0] = row_m[1] = -1e30f;
       }
-      if (EPI == 6 && (b + 1) % a.blocks_per_item == 0) {
+      if (EPI == 6 && (b + 1 + shift) % a.blocks_per_item == 0) {
         // one barrier: each warp writes its unscaled O rows (the 4 a GQA-4 item has) and its row
         // maxima; the store phase combines the four warps; the next block's barrier guards reuse
         float* sO = reinterpret_cast<float*>((wid < 2 ? sK : sV) + s * TILE + (wid % 2) * (TILE / 2));
@@ -277,7 +280,7 @@ kv_copy(Args a, const __grid_constant__ CUtensorMap kmap, const __grid_constant_
         for (int n = 0; n < 16; ++n) for (int j = 0; j < 4; ++j) o[n][j] = 0.f;
         row_m[0] = row_m[1] = -1e30f;
       }
-      if (EPI >= 3 && EPI <= 4 && (b + 1) % a.blocks_per_item == 0) {
+      if (EPI >= 3 && EPI <= 4 && (b + 1 + shift) % a.blocks_per_item == 0) {
         // 3: the item's state folded into a register and reset (no store); 4: warp 0 stores the 4
         // rows a GQA-4 decode item really has (1 KB), from registers
         if (EPI == 4 && wid == 0 && lane < 16) {
@@ -289,7 +292,7 @@ kv_copy(Args a, const __grid_constant__ CUtensorMap kmap, const __grid_constant_
         for (int n = 0; n < 16; ++n) for (int j = 0; j < 4; ++j) { keep += o[n][j]; o[n][j] = 0.f; }
         row_m[0] = row_m[1] = -1e30f;
       }
-      if (EPI == 2 && (b + 1) % a.blocks_per_item == 0) {  // no cross-warp merge: each warp stores its rows
+      if (EPI == 2 && (b + 1 + shift) % a.blocks_per_item == 0) {  // no cross-warp merge: each warp stores its rows
         int req, head, tok0; block_pos(b, req, head, tok0);
         uint16_t* dst = a.obuf + size_t(req * a.H + head) * 16 * D;
         for (int n = 0; n < 16; ++n)
@@ -372,7 +375,7 @@ int main() {
     CK(cudaMemcpy(dk, hk.data(), elems * 2, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dv, hv.data(), elems * 2, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(di, idx.data(), n_pages * 4, cudaMemcpyHostToDevice));
-    Args a{dk, dv, di, H, cs.batch, cs.page, pages_per_req, cs.kv_len, cs.batch * H * cs.reps, cs.kv_len / BN, dout, dobuf};
+    Args a{dk, dv, di, H, cs.batch, cs.page, pages_per_req, cs.kv_len, cs.batch * H * cs.reps, cs.kv_len / BN, 0, dout, dobuf};
     // maps: rows of (token, head) for TMAROW; (D, H, token) for TMA16
     cuuint64_t d2[2] = {D, cuuint64_t(tokens) * H}, s2[1] = {D * 2};
     cuuint32_t b2[2] = {64, 1};
@@ -391,8 +394,10 @@ int main() {
     const char* names[] = {"cpasync16", "bulkrow", "tmarow", "tma16", "+mma", "+mma merge3 16rows",
                            "+mma nomerge16", "+mma reset", "+mma st1KB", "+mma merge3+1KB", "+mma merge1+1KB",
                            "+mma merge1+1KB evict_last", "+mma merge1+1KB evict_first", "+mma merge1+1KB st.cs",
-                           "+mma merge1 no store"};
-    for (int mode = 0; mode < 15; ++mode) {
+                           "+mma merge1 no store", "+mma merge3 16rows, stagger", "+mma merge1+1KB, stagger"};
+    for (int m = 0; m < 17; ++m) {
+      const int mode = m < 15 ? m : (m == 15 ? 5 : 10);  // the last two: staggered epilogues
+      a.stagger = m >= 15;
       if (mode == TMA16 && cs.page % 16) continue;
       double bytes = double(a.n_items) * a.blocks_per_item * BN * ROW_BYTES * 2;
       CUtensorMap km = mode == TMA16 ? make_map(dk, 3, d3, s3, b3) : make_map(dk, 2, d2, s2, b2);
@@ -414,7 +419,7 @@ int main() {
       float med = ms[ms.size() / 2];
       int occ = 0; cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, fn, THREADS, smem);
       printf("batch %3d kv %5d page %2d x%-2d %-27s ctas/SM %d  %s  %.4f ms  %.3f TB/s  %.1f B/clk/SM\n", cs.batch, cs.kv_len, cs.page, cs.reps,
-             names[mode], occ, mode >= 4 ? "n/a" : got == want * uint32_t(cs.reps) ? "ok " : "BAD", med,
+             names[m], occ, mode >= 4 ? "n/a" : got == want * uint32_t(cs.reps) ? "ok " : "BAD", med,
              bytes / (med * 1e-3) / 1e12, bytes / (med * 1e-3) / prop.multiProcessorCount / (clk_khz * 1e3));
     }
     cudaFree(dk); cudaFree(dv); cudaFree(di); cudaFree(dout); cudaFree(dobuf);
