@@ -276,6 +276,19 @@ kv_copy(Args a, const __grid_constant__ CUtensorMap kmap, const __grid_constant_
           asm volatile("st.global.cs.v2.b32 [%0], {%1, %2};" ::"l"(dst), "r"(packed.x), "r"(packed.y) : "memory");
         } else if (STORE == 4) {
           keep += __uint_as_float(packed.x ^ packed.y);  // no store
+        } else if (STORE == 5) {  // warp r stages its row in smem, lane 0 stores it with one bulk copy
+          uint8_t* row = smem + 2 * S * TILE + 512 + r * ROW_BYTES;
+          if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the previous row read
+          __syncwarp();
+          *reinterpret_cast<uint2*>(row + c4 * 8) = packed;
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          __syncwarp();
+          if (lane == 0) {
+            uint16_t* grow = a.obuf + (size_t(req * a.H + head) * 16 + r) * D;
+            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                         ::"l"(grow), "r"(smem_u32(row)), "n"(ROW_BYTES) : "memory");
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+          }
         }
         for (int n = 0; n < 16; ++n) for (int j = 0; j < 4; ++j) o[n][j] = 0.f;
         row_m[0] = row_m[1] = -1e30f;
@@ -316,6 +329,7 @@ kv_copy(Args a, const __grid_constant__ CUtensorMap kmap, const __grid_constant_
     }
     }
   }
+  if (STORE == 5 && lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
   if (COMPUTE) {
     float f = 0.f; for (int n = 0; n < 16; ++n) for (int j = 0; j < 4; ++j) f += o[n][j];
     acc = __float_as_uint(f + keep);
@@ -385,7 +399,7 @@ int main() {
     const Kern kerns[] = {kv_copy<0>, kv_copy<1>, kv_copy<2>, kv_copy<3>, kv_copy<0, true>, kv_copy<0, true, 1>,
                           kv_copy<0, true, 2>, kv_copy<0, true, 3>, kv_copy<0, true, 4>, kv_copy<0, true, 5>,
                           kv_copy<0, true, 6>, kv_copy<0, true, 6, 1>, kv_copy<0, true, 6, 2>, kv_copy<0, true, 6, 3>,
-                          kv_copy<0, true, 6, 4>};
+                          kv_copy<0, true, 6, 4>, kv_copy<0, true, 6, 5>};
     // +mma: decode's math per block; the rest add an item epilogue: merge3 = the four warps
     // through smem with 3 barriers, all 16 rows stored; nomerge16 = each warp stores its 16
     // rows from registers; reset = state folded and reset, no store; st1KB = warp 0 stores
@@ -394,15 +408,17 @@ int main() {
     const char* names[] = {"cpasync16", "bulkrow", "tmarow", "tma16", "+mma", "+mma merge3 16rows",
                            "+mma nomerge16", "+mma reset", "+mma st1KB", "+mma merge3+1KB", "+mma merge1+1KB",
                            "+mma merge1+1KB evict_last", "+mma merge1+1KB evict_first", "+mma merge1+1KB st.cs",
-                           "+mma merge1 no store", "+mma merge3 16rows, stagger", "+mma merge1+1KB, stagger"};
-    for (int m = 0; m < 17; ++m) {
-      const int mode = m < 15 ? m : (m == 15 ? 5 : 10);  // the last two: staggered epilogues
-      a.stagger = m >= 15;
+                           "+mma merge1 no store", "+mma merge3 16rows, stagger", "+mma merge1+1KB, stagger",
+                           "+mma merge1+1KB bulk store"};
+    for (int m = 0; m < 18; ++m) {
+      // 15, 16: staggered epilogues; 17: the 1 KB stored by one bulk copy per row
+      const int mode = m < 15 ? m : (m == 15 ? 5 : m == 16 ? 10 : 15);
+      a.stagger = m == 15 || m == 16;
       if (mode == TMA16 && cs.page % 16) continue;
       double bytes = double(a.n_items) * a.blocks_per_item * BN * ROW_BYTES * 2;
       CUtensorMap km = mode == TMA16 ? make_map(dk, 3, d3, s3, b3) : make_map(dk, 2, d2, s2, b2);
       CUtensorMap vm = mode == TMA16 ? make_map(dv, 3, d3, s3, b3) : make_map(dv, 2, d2, s2, b2);
-      int smem = 2 * S * (mode == BULKROW ? PAD_TILE : SWZ_TILE) + 1024 + 64 + 256;
+      int smem = 2 * S * (mode == BULKROW ? PAD_TILE : SWZ_TILE) + 1024 + 512 + 4 * ROW_BYTES;
       Kern fn = kerns[mode];
       CK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       CK(cudaMemset(dout, 0xFF, grid * THREADS * 4));
