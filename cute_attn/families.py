@@ -95,14 +95,18 @@ PAGED_DECODE = register(KernelFamily(
     abi=decode_abi,
     expect={a: {"mma.sync m16n8k16 (PTX)": r"ptx:mma\.sync\.aligned\.m16n8k16",
                 "cp.async (PTX)": r"ptx:cp\.async\.c[ag]\.shared",
-                "HMMA.16816 (SASS)": r"sass:HMMA\.16816", "LDGSTS (SASS)": r"sass:LDGSTS"} for a in DECODE_ARCHS},
+                "HMMA.16816 (SASS)": r"sass:HMMA\.16816", "LDGSTS (SASS)": r"sass:LDGSTS",
+                # lets the merge kernel (a programmatic dependent launch) start early
+                "griddepcontrol.launch_dependents (PTX)": r"ptx:griddepcontrol\.launch_dependents"}
+            for a in DECODE_ARCHS},
 ))
 
 MERGE_PARTIALS = register(KernelFamily(
     name="merge_partials",
     builder="cute_attn.kernels.merge:build_merge_partials",
     abi=_merge_partials_abi,
-    expect=MERGE_EXPECT,
+    # launched as a programmatic dependent: it must wait for the attention grid before reading
+    expect={a: {**e, "griddepcontrol.wait (PTX)": r"ptx:griddepcontrol\.wait"} for a, e in MERGE_EXPECT.items()},
 ))
 
 assert META_NUM_MERGE_TASKS == 1, "kernels/merge.py reads the merge-task count at meta[1]"
