@@ -7,23 +7,19 @@ PYTHONPATH and ``CUTE_ATTN_CACHE_DIR`` pick the build) in one GPU session:
 """
 import argparse
 import json
-import random
 
 import torch
 from triton.testing import do_bench
 
 from cute_attn import BatchDecodeWithPagedKVCacheWrapper
-from cute_attn.bench.decode import HK, HQ, D, _paged
+from cute_attn.bench.decode import HK, HQ, D, _paged, decode_cases
 
 
 def cases():
-    rng = random.Random(0)
-    return [("bs64/kv4096/page16", [4096] * 64, 16), ("bs64/kv4096/page1", [4096] * 64, 1),
-            ("bs256/kv1024/page16", [1024] * 256, 16), ("bs256/kv1024/page1", [1024] * 256, 1),
-            ("skew/1x32768+63x512/page16", [32768] + [512] * 63, 16),
-            ("lognormal/bs128/page16", [max(1, min(32768, int(rng.lognormvariate(7.0, 1.0)))) for _ in range(128)], 16),
-            ("bs1/kv32768/page16", [32768], 16), ("bs8/kv8192/page16", [8192] * 8, 16),
-            ("rope/bs64/kv4096/page16", [4096] * 64, 16), ("rope/bs1/kv32768/page16", [32768], 16)]
+    """The bench's cases, then page 1 at 256 x 1k and split-KV ones (with and without RoPE)."""
+    return decode_cases() + [("bs256/kv1024/page1", [1024] * 256, 1), ("bs1/kv32768/page16", [32768], 16),
+                             ("bs8/kv8192/page16", [8192] * 8, 16), ("rope/bs64/kv4096/page16", [4096] * 64, 16),
+                             ("rope/bs1/kv32768/page16", [32768], 16)]
 
 
 def main():

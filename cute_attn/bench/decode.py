@@ -76,15 +76,20 @@ def _flex_time(q, k, v, kv_lens):
         return None
 
 
+def decode_cases():
+    """The bench's decode cases: (name, kv lengths, page size); the first three are the quick set."""
+    rng = random.Random(0)
+    return [("bs64/kv4096/page16", [4096] * 64, 16), ("bs64/kv4096/page1", [4096] * 64, 1),
+            ("bs256/kv1024/page16", [1024] * 256, 16),
+            ("skew/1x32768+63x512/page16", [32768] + [512] * 63, 16),
+            ("lognormal/bs128/page16", [max(1, min(32768, int(rng.lognormvariate(7.0, 1.0)))) for _ in range(128)], 16)]
+
+
 def bench_decode(res, quick: bool) -> None:
     from cute_attn import BatchDecodeWithPagedKVCacheWrapper
 
     gen = torch.Generator().manual_seed(0)
-    rng = random.Random(0)
-    cases = [("bs64/kv4096/page16", [4096] * 64, 16), ("bs64/kv4096/page1", [4096] * 64, 1),
-             ("bs256/kv1024/page16", [1024] * 256, 16),
-             ("skew/1x32768+63x512/page16", [32768] + [512] * 63, 16),
-             ("lognormal/bs128/page16", [max(1, min(32768, int(rng.lognormvariate(7.0, 1.0)))) for _ in range(128)], 16)]
+    cases = decode_cases()
     if quick:
         cases = cases[:3]
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
