@@ -42,6 +42,7 @@ from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry, transform_fragment
 from .bitmask import bit_set, load_words
 from .copy import cp_async_16
+from .fragments import mma_acc_as_a, mma_mn_view, quad_max, quad_sum
 from .work import WorkItem
 
 TILE_Q = 16  # packed query rows per work item (one m16 MMA tile)
@@ -133,12 +134,12 @@ class PagedDecode:
         s2r_v = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(lane)
 
         # Row/column coordinates of this thread's accumulator elements (MMA C layout).
-        tScS = _mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_Q, 16))))
-        tOcO = _mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_Q, D))))
+        tScS = mma_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_Q, 16))))
+        tOcO = mma_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_Q, D))))
         n_rows_thr = cute.size(tScS, mode=[0])
         # column c is key tScS[0, 0] + _trace_col_off[c] for every thread (thread 0's coordinates
         # are compile-time numbers): ctx.kv_pos_f32 costs one conversion per block, not per score
-        tS0 = _mn_view(tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((TILE_Q, 16))))
+        tS0 = mma_mn_view(tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((TILE_Q, 16))))
         self._trace_col_off = [tS0[0, c][1] - tS0[0, 0][1] for c in range(cute.size(tS0, mode=[1]))]
         # per variant component: its runtime arguments (kernel values), read by the hook helpers
         # below while this kernel is traced (kept off the kernel's locals: the DSL's loop
@@ -213,8 +214,8 @@ class PagedDecode:
                     cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
 
                 # logits, mask, online softmax over this warp's 16 keys
-                acc_S_mn = _mn_view(acc_S)
-                acc_O_mn = _mn_view(acc_O)
+                acc_S_mn = mma_mn_view(acc_S)
+                acc_O_mn = mma_mn_view(acc_O)
                 for r in cutlass.range_constexpr(n_rows_thr):
                     if const_expr(self.hooks.per_row):
                         m_blk = self._row_scores(acc_S_mn, r, tScS, key0, blk_end, req, kv_head, row_start, group,
@@ -227,7 +228,7 @@ class PagedDecode:
                             acc_S_mn[r, c] = v
                             m_blk = cute.arch.fmax(m_blk, v)
                     if const_expr(self.hooks.softmax):
-                        m_blk = _quad_max(m_blk)
+                        m_blk = quad_max(m_blk)
                         m_new = cute.arch.fmax(row_m[r], m_blk)
                         m_use = m_new if m_new != -Float32.inf else Float32(0.0)
                         corr = cute.math.exp2(row_m[r] - m_use, fastmath=True)
@@ -244,7 +245,7 @@ class PagedDecode:
                 # O += P V_w
                 rP = cute.make_fragment_like(acc_S, self.dtype)
                 rP.store(acc_S.load().to(self.dtype))
-                tOrP = _acc_as_A(rP)
+                tOrP = mma_acc_as_a(rP)
                 sVt_w = cute.composition(sV_w, cute.make_layout((D, 16), stride=(16, 1)))
                 tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_w))
                 cute.copy(s2r_v, s2r_v.partition_S(sVt_w), s2r_v.retile(tOrV))
@@ -265,7 +266,7 @@ class PagedDecode:
             g = g + n_blocks
             o_stage = (g + self.stages - 1) % self.stages
             sO = self._o_buf(kv_ptr, o_stage, wid)
-            acc_O_mn = _mn_view(acc_O)
+            acc_O_mn = mma_mn_view(acc_O)
             cute.arch.sync_warp()  # the warp's ldmatrix reads of these rows come before its writes
             if const_expr(not self.hooks.softmax):
                 # weights were summed, not normalized: give each warp the state (m = 0,
@@ -276,7 +277,7 @@ class PagedDecode:
                     w_item = Float32(kv_end - kv_start) / Float32(kv_len)
             for r in cutlass.range_constexpr(n_rows_thr):
                 if const_expr(self.hooks.softmax):
-                    row_l[r] = _quad_sum(row_l[r])
+                    row_l[r] = quad_sum(row_l[r])
                 else:
                     row_m[r] = Float32(0.0)
                     row_l[r] = w_item * 0.25
@@ -578,35 +579,6 @@ class PagedDecode:
                     cute.autovec_copy(out, cute.local_tile(mPartO[slot_row, None], (4,), (c4,)))
                     if c4 == 0:
                         mPartLse[slot_row] = lse
-
-
-@cute.jit
-def _quad_max(v: Float32) -> Float32:
-    v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=2))
-    return cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=1))
-
-
-@cute.jit
-def _quad_sum(v: Float32) -> Float32:
-    v = v + cute.arch.shuffle_sync_bfly(v, offset=2)
-    return v + cute.arch.shuffle_sync_bfly(v, offset=1)
-
-
-def _mn_view(t: cute.Tensor) -> cute.Tensor:
-    """View an m16n8 accumulator partition ((2 cols, 2 rows), M, N) as (rows, cols)."""
-    l = cute.make_layout(t.layout.shape)
-    mn = cute.make_layout(((l.shape[0][1], l.shape[1]), (l.shape[0][0], l.shape[2])),
-                          stride=((l.stride[0][1], l.stride[1]), (l.stride[0][0], l.stride[2])))
-    return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
-
-
-def _acc_as_A(t: cute.Tensor) -> cute.Tensor:
-    """Reuse an m16n8 accumulator fragment (4, M, N) as the A operand of m16n8k16:
-    two adjacent n8 tiles form one k16 step -> ((4, 2), M, N/2)."""
-    d = cute.logical_divide(t.layout, (None, None, 2))
-    a = cute.make_layout(((d.shape[0], d.shape[2][0]), d.shape[1], d.shape[2][1]),
-                         stride=((d.stride[0], d.stride[2][0]), d.stride[1], d.stride[2][1]))
-    return cute.make_tensor(t.iterator, a)
 
 
 _DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}

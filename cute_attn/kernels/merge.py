@@ -61,30 +61,29 @@ def oplus_step(m: Float32, d: Float32, acc, s_i: Float32, v_i):
     return m_new, d * scale + w, acc * scale + v_i * w
 
 
-PARTIALS_BATCH = 8  # partial slots whose loads one fold_partials step issues together
+PARTIALS_BATCH = 8  # partial slots whose loads one batch of the split merge issues together
 
 
 @cute.jit
-def fold_partials(mPartO: cute.Tensor, mPartLse: cute.Tensor, slot0: Int32, nslots: Int32, row: Int32, c4: Int32,
-                  tile_q: cutlass.Constexpr):
-    """(o, lse) of row ``row`` of a split tile, columns 4 c4 .. 4 c4 + 3: its partial slots
-    slot0 .. slot0 + nslots - 1 folded left to right (the contract's fixed order).  The loads
-    of PARTIALS_BATCH slots are issued before their folds, so a long split costs a few load
-    latencies, not one per slot.  Past-the-end slots re-read the last one with LSE -inf:
-    weight exactly 0 and scale exactly 1, so the result is that of the real slots (up to the
-    sign of a zero)."""
+def fold_states(n: Int32, load: cutlass.Constexpr, batch: cutlass.Constexpr, width: cutlass.Constexpr):
+    """(v, lse) of states 0 .. n - 1 folded left to right with ⊕ (a fixed order: deterministic
+    output), where ``load(i)`` returns state i as (lse, v: ``width`` fp32 values).
+
+    The loads of ``batch`` states are issued before any of their folds, so each thread keeps
+    several 16-byte loads in flight and a long fold costs a few load latencies, not one per
+    state.  Past-the-end states of the last batch re-read state n - 1 with LSE -inf: weight
+    exactly 0 and scale exactly 1, so the result is that of the real states (up to the sign
+    of a zero).  No state, or only empty ones (LSE -inf): v = 0, lse = -inf."""
     m = -Float32.inf
     d = Float32(0.0)
-    acc = cute.zeros_like(cute.make_rmem_tensor((4,), Float32).load())
-    for i0 in cutlass.range(0, nslots, PARTIALS_BATCH, unroll=1):
+    acc = cute.zeros_like(cute.make_rmem_tensor((width,), Float32).load())
+    for i0 in cutlass.range(0, n, batch, unroll=1):
         s_batch, v_batch = [], []
-        for k in cutlass.range_constexpr(PARTIALS_BATCH):
-            i = i0 + k if i0 + k < nslots else nslots - 1
-            prow = (slot0 + i) * tile_q + row
-            s_k = mPartLse[prow]
-            s_batch.append(s_k if i0 + k < nslots else -Float32.inf)
-            v_batch.append(load_vec(mPartO[prow, None], c4, 4))
-        for k in cutlass.range_constexpr(PARTIALS_BATCH):
+        for k in cutlass.range_constexpr(batch):
+            s_k, v_k = load(i0 + k if i0 + k < n else n - 1)
+            s_batch.append(s_k if i0 + k < n else -Float32.inf)
+            v_batch.append(v_k)
+        for k in cutlass.range_constexpr(batch):
             m, d, acc = oplus_step(m, d, acc, s_batch[k], v_batch[k])
     lse = -Float32.inf
     if d > Float32(0.0):
@@ -121,25 +120,8 @@ class MergeStates:
             if row < nrows:
                 si = row // heads
                 h = row - si * heads
-                # One pass of online ⊕ over batches of load_batch states: a batch's loads are
-                # issued before any of its math (past-the-end slots re-read the last state and
-                # get weight 0), so each thread keeps several 16-byte loads in flight.
-                m = -Float32.inf
-                d = Float32(0.0)
-                acc = cute.zeros_like(cute.make_rmem_tensor((self.vec,), Float32).load())
-                for i0 in cutlass.range(0, nstates, self.load_batch):
-                    s_batch, v_batch = [], []
-                    for j in cutlass.range_constexpr(self.load_batch):
-                        idx = i0 + j if i0 + j < nstates else nstates - 1
-                        s_j = mS[si, idx, h]
-                        s_batch.append(s_j if i0 + j < nstates else -Float32.inf)
-                        v_batch.append(load_vec(mV[si, idx, h, None], lane, self.vec))
-                    for j in cutlass.range_constexpr(self.load_batch):
-                        m, d, acc = oplus_step(m, d, acc, s_batch[j], v_batch[j])
-                lse = -Float32.inf
-                if d > Float32(0.0):
-                    acc = acc * cute.arch.rcp_approx(d)
-                    lse = m + cute.math.log2(d, fastmath=True)
+                acc, lse = fold_states(nstates, lambda i: (mS[si, i, h], load_vec(mV[si, i, h, None], lane, self.vec)),
+                                       self.load_batch, self.vec)
                 store_vec(mO[si, h, None], lane, self.vec, acc)
                 if lane == 0:
                     mLse[si, h] = lse
@@ -239,7 +221,10 @@ class MergePartials:
             for idx in cutlass.range(tidx, num_rows * self.per_row, TARGET_THREADS):
                 j = idx // self.per_row
                 c4 = idx - j * self.per_row
-                acc, lse = fold_partials(mPartO, mPartLse, slot0, nslots, j, c4, self.tile_q)
+                # this row's partial slots slot0 .. slot0 + nslots - 1, 4 columns (one 16-byte vector)
+                prow = lambda i: (slot0 + i) * self.tile_q + j  # noqa: E731
+                acc, lse = fold_states(nslots, lambda i: (mPartLse[prow(i)], load_vec(mPartO[prow(i), None], c4, 4)),
+                                       PARTIALS_BATCH, 4)
                 r = row_start + j
                 tok = qo_offset + r // group
                 head = kv_head * group + r % group

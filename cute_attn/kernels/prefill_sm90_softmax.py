@@ -1,0 +1,163 @@
+"""The online softmax of the Hopper prefill kernel's consumer warpgroups (``prefill_sm90.py``),
+in registers on a wgmma accumulator: per block, the masks that cut it (item end, causal
+diagonal, window, a variant's mask), the logits (soft-cap or a variant's), the block max and
+the rescale of the running sum; the O rescale is left to the caller (O may still be in use by
+a wgmma) and skipped while no row's max moved by more than ``LAZY_RESCALE``.
+
+A mixin of ``BatchPrefillSm90``: its methods read the kernel's configuration from ``self``.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+from .fragments import quad_max, wgmma_mn_view
+
+LAZY_RESCALE = 8.0  # base-2 units a row's block max may exceed its kept max by before O is rescaled
+FIXED_SHIFT_MAX_SCALE = 63.0  # soft-cap: the largest cap·log2 e whose weights stay >= 2^-126 (_running_max)
+
+
+class PrefillSoftmax:
+    """Masked / mask-free online softmax of one block (see the module docstring)."""
+
+    @cute.jit
+    def _mask_softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
+                      window_left, words):
+        """Masked softmax only where some key of the block may be invisible to some row of the
+        tile (the partial last block, the causal diagonal, the window's left edge)."""
+        need_mask = blk + self.tile_n > kv_end
+        if const_expr(self.causal):
+            need_mask = need_mask | (blk + self.tile_n - 1 > q_lo)
+        if const_expr(self.window):
+            need_mask = need_mask | (blk < q_hi - window_left)
+        # a variant mask / range masks every block per element; the bounds (item end, causal,
+        # window) only where they cut the block
+        if const_expr(self.hooks.bits_only):
+            # the variant masks by bitmaps alone: where a warp's bits of the block are all 0 it
+            # skips the softmax; where they are all 1 it takes the mask-free path (per warp:
+            # rows and columns of one warp share no reduction with another warp)
+            none_seen, all_seen = self._bits_uniform(words)
+            if none_seen:
+                acc_S.fill(0.0)
+                corr.fill(1.0)
+            elif need_mask:
+                self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
+                              window_left, words, True, True)
+            elif all_seen:
+                self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
+                              window_left, words, False, False)
+            else:
+                self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
+                              window_left, words, True, False)
+        elif need_mask:
+            self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
+                          window_left, words, True, True)
+        else:
+            self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
+                          window_left, words, self.mask_all, False)
+
+    @cute.jit
+    def _softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
+                 window_left, words, masked: cutlass.Constexpr, bounds: cutlass.Constexpr):
+        """Online softmax of one block in place: S -> P = exp2(S * scale - m * scale), l rescaled;
+        the factor O must be rescaled by goes to ``corr`` (O may still be in use by a wgmma).
+        ``row_m`` is kept in S's units (raw q·k, or the logits after a soft-cap or a variant's
+        logits, see ``_row_scale``) so the scale folds into one FFMA per element.  Max and sum use 4 partial accumulators per row:
+        one warp runs this alone while the other WG's GEMMs run, so its latency chains matter."""
+        S = wgmma_mn_view(acc_S)
+        ncol = cute.size(S, mode=[1])
+        scale = self._row_scale(scale_log2)
+        H = self.hooks
+        kv_f0 = Float32(0.0)
+        if const_expr(H.has_logits):
+            # the float positions of ctx: a value per block (per row) plus a constant per column
+            kv_f0 = (blk + tScS[0, 0][1]).to(Float32)
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            if const_expr(self.soft_cap or masked or H.has_logits):
+                rel_f0 = Float32(0.0)
+                if const_expr(H.has_logits):
+                    rel_f0 = kv_f0 - q_pos[r].to(Float32)
+                bitmaps = words[r] if masked and words is not None else []
+                for c in cutlass.range_constexpr(ncol):
+                    v = S[r, c]
+                    kv_pos = blk + tScS[0, c][1]
+                    if const_expr(H.has_logits):
+                        off = float(self._trace_col_off[c])
+                        v = self._hook_logits(r, kv_pos, v, (kv_f0, off), (rel_f0, off))
+                    elif const_expr(self.soft_cap):
+                        v = self._logits(v)
+                    if const_expr(masked):
+                        ok = self._bounds_ok(bounds, kv_pos, kv_end, q_pos[r], window_left)
+                        if const_expr(self.mask_all):
+                            ok = self._hook_visible(r, kv_pos, ok)
+                        v = _keep(self._mask_bits_ok(bitmaps, c, ok), v, -Float32.inf if H.softmax else Float32(0.0))
+                    S[r, c] = v
+            if const_expr(not H.softmax):
+                corr[r] = Float32(1.0)  # weights as they are (FlashSigmoid): nothing to rescale
+            else:
+                m_blk = Float32(1.0)  # soft-cap with a fixed shift: tanh <= 1 (see _running_max)
+                if const_expr(self.cap_fixed_shift):
+                    if self._running_max(scale):
+                        m_blk = self._block_max(S, r, ncol)
+                else:
+                    m_blk = self._block_max(S, r, ncol)
+                m_new = cute.arch.fmax(row_m[r], m_blk)
+                if const_expr(self.lazy_rescale):
+                    # keep the running max while the block's exceeds it by at most LAZY_RESCALE
+                    # in base 2 (weights <= 2^8): corr is then exactly 1 and O is not rescaled
+                    m_new = cutlass.select_((m_blk - row_m[r]) * scale <= Float32(LAZY_RESCALE), row_m[r], m_new)
+                m_use = m_new if m_new != -Float32.inf else Float32(0.0)  # a row with nothing visible yet
+                m_scaled = m_use * scale
+                # (row_m - m_use) first: exactly 0 when the max was kept, so corr is exactly 1
+                corr[r] = cute.math.exp2((row_m[r] - m_use) * scale, fastmath=True)
+                for c in cutlass.range_constexpr(ncol):
+                    S[r, c] = cute.math.exp2(S[r, c] * scale - m_scaled, fastmath=True)
+                part = [S[r, c] for c in range(4)]
+                for c in cutlass.range_constexpr(4, ncol):
+                    part[c % 4] = part[c % 4] + S[r, c]
+                row_l[r] = row_l[r] * corr[r] + ((part[0] + part[1]) + (part[2] + part[3]))  # quad-reduced at the end
+                row_m[r] = m_new
+
+    def _block_max(self, S, r, ncol):
+        """Row r's maximum over the block (4 partial maxima: shorter dependency chains)."""
+        part = [S[r, c] for c in range(4)]
+        for c in range(4, ncol):  # a plain helper: unrolled at trace time
+            part[c % 4] = cute.arch.fmax(part[c % 4], S[r, c])
+        return quad_max(cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3])))
+
+    def _running_max(self, scale_log2):
+        """Soft-cap: whether the softmax needs a running maximum.  S holds tanh values <= 1, so
+        it can subtract the bound 1 instead -- no max per score, no rescale of O per block -- as
+        long as no weight underflows: 2^((t - 1)·cap·log2 e) >= 2^-126 for every t >= -1 when
+        cap·log2 e <= 63 (cap <= 43.6), and a bf16 P holds such weights (``cap_fixed_shift``).
+        Larger caps (Gemma 2's 50) and fp16 keep the running max.  A runtime test on a launch
+        scalar: warp-uniform."""
+        return scale_log2 > Float32(FIXED_SHIFT_MAX_SCALE)
+
+    @cute.jit
+    def _rescale_o(self, acc_O, corr):
+        """O *= corr; with ``lazy_rescale`` only when some row of the warp has corr != 1 (its
+        max moved by more than LAZY_RESCALE; the soft-cap's fixed shift never moves it)."""
+        if const_expr(self.lazy_rescale):
+            moved = corr[0] != Float32(1.0)
+            for r in cutlass.range_constexpr(1, cute.size(corr)):
+                moved = moved | (corr[r] != Float32(1.0))
+            if cute.arch.vote_any_sync(moved):
+                _rescale(acc_O, corr)
+        else:
+            _rescale(acc_O, corr)
+
+
+def _keep(ok, v, fill):
+    """v where ok, else fill; v itself where nothing was masked (ok None)."""
+    return v if ok is None else cutlass.select_(ok, v, fill)
+
+
+
+@cute.jit
+def _rescale(acc_O: cute.Tensor, corr: cute.Tensor):
+    O = wgmma_mn_view(acc_O)
+    for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+            O[r, c] = O[r, c] * corr[r]
