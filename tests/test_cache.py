@@ -191,3 +191,20 @@ def test_kernel_keys_do_not_hash_the_planner_or_the_wrappers():
         assert "sched/workspace.py" in files, (name, sorted(files))
         bad = {"__init__.py", "decode.py", "prefill.py", "sched/plan.py", "sched/assign.py", "sched/cost.py"} & files
         assert not bad, (name, sorted(bad))
+
+
+def test_instruction_checks_match_and_count():
+    """The family expectations the compile test asserts: plain regexes on PTX / SASS, and the
+    ratio form (``sass%A/B>=R``) that catches ptxas serializing wgmma (one arrive per HGMMA)."""
+    from cute_attn.families import BATCH_PREFILL_SM90
+    from cute_attn.runtime.build import check_instructions
+
+    batched = "WARPGROUP.ARRIVE\n" + "HGMMA.64x112x16\n" * 8 + "WARPGROUP.ARRIVE\n" + "HGMMA.64x128x16\n" * 7
+    serialized = "WARPGROUP.ARRIVE\nHGMMA.64x112x16\n" * 15
+    expect = {"wgmma": r"ptx:wgmma\.mma_async", "hgmma": r"sass:HGMMA\.64x", "async": r"sass%HGMMA/WARPGROUP\.ARRIVE>=3"}
+    assert check_instructions(expect, "wgmma.mma_async.sync", batched) == {"wgmma": True, "hgmma": True, "async": True}
+    assert check_instructions(expect, "mma.sync", serialized) == {"wgmma": False, "hgmma": True, "async": False}
+    assert check_instructions(expect, "wgmma.mma_async", None) == {"wgmma": True, "hgmma": None, "async": None}
+    # the prefill family's own ratio check is the counting form, not a bare regex
+    found = check_instructions(BATCH_PREFILL_SM90.expect["sm_90a"], "wgmma.mma_async setmaxnreg", serialized)
+    assert found["wgmma async (SASS)"] is False

@@ -93,14 +93,15 @@ def check_instructions(expect: dict, ptx: str, sass: Optional[str]) -> dict:
     matches of regex A per match of regex B)."""
     found = {}
     for label, pattern in expect.items():
-        where, _, rx = pattern.partition(":")
-        text = ptx if where.startswith("ptx") else sass
+        ratio = pattern.startswith("sass%")  # "sass%A/B>=r": count(A) >= r * count(B), e.g. wgmma per batch
+        where, rx = ("sass", pattern[len("sass%"):]) if ratio else pattern.split(":", 1)
+        text = ptx if where == "ptx" else sass
         if text is None:
             found[label] = None
-        elif where.endswith("%"):  # "sass%A/B>=r": count(A) >= r * count(B), e.g. wgmma per batch
+        elif ratio:
             num, _, rest = rx.partition("/")
-            den, _, ratio = rest.partition(">=")
-            found[label] = len(re.findall(num, text)) >= float(ratio) * len(re.findall(den, text))
+            den, _, r_min = rest.partition(">=")
+            found[label] = len(re.findall(num, text)) >= float(r_min) * len(re.findall(den, text))
         else:
             found[label] = bool(re.search(rx, text))
     return found
