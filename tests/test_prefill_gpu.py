@@ -249,7 +249,8 @@ def test_softcap_window(soft_cap, window, causal):
 
 
 @gpu
-@pytest.mark.parametrize("soft_cap", [40.0, 45.0])  # cap·log2 e 57.7: the fixed shift; 64.9: the running max
+# cap·log2 e 57.7, 72.1 (Gemma 2's 50), 80.8: the fixed shift (bias 15 / 44 / 62); 86.6: the running max
+@pytest.mark.parametrize("soft_cap", [40.0, 50.0, 56.0, 60.0])
 def test_softcap_saturated(soft_cap):
     """Logits far past the cap (sm_scale 3: q·k·sm_scale ~ ±34 per std): tanh saturates at ±1 and
     the weights span 2^(±2·cap·log2 e), the range the kernel's fixed shift must keep normal."""
@@ -264,6 +265,34 @@ def test_softcap_saturated(soft_cap):
     lse = torch.full((q.shape[0], 16), float("nan"), device=DEV)
     w.run(q, k, v, out=out, lse=lse)
     ref_o, ref_lse = ragged_reference(q, k_ref, v_ref, qo, kv, causal=True, logits_soft_cap=soft_cap, sm_scale=3.0)
+    check(out, lse, ref_o, ref_lse, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("soft_cap", [30.0, 50.0, 56.0])
+def test_softcap_all_logits_near_minus_cap(soft_cap):
+    """Every logit of every row near -cap (q·k·sm_scale = -120: tanh at -0.97 .. -1): with the
+    soft-cap's fixed shift the weights sit at the bottom of their range, where an underflow to
+    0 would leave a row with l = 0 (o = 0, LSE -inf) or lose P V products.  Keys all equal, so
+    every row's answer is the mean of its values."""
+    from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
+
+    gen = _gen()
+    qo_lens, kv_lens = [3, 130], [500, 257]
+    q, k, v, qo, kv, (k_ref, v_ref) = make_ragged(qo_lens, kv_lens, 8, 2, 128, torch.bfloat16, "NHD", gen, DEV)
+    u = torch.randn(128, generator=gen).to(DEV)
+    u = u / u.norm()
+    k[:] = u.to(k.dtype)  # k_ref is a view of k
+    q[:] = (-40.0 * 128 ** 0.5 * u).to(q.dtype)  # q·k·sm_scale = -40 · 3 = -120 with sm_scale 3 / sqrt(128)
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(DEV))
+    w.plan(qo, kv, 8, 2, 128, causal=False, q_data_type=torch.bfloat16, logits_soft_cap=soft_cap,
+           sm_scale=3.0 * 128 ** -0.5)  # x3: q.k * sm_scale ~ -120, far past every cap here
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], 8), float("nan"), device=DEV)
+    w.run(q, k, v, out=out, lse=lse)
+    ref_o, ref_lse = ragged_reference(q, k_ref, v_ref, qo, kv, causal=False, logits_soft_cap=soft_cap,
+                                      sm_scale=3.0 * 128 ** -0.5)
+    assert torch.isfinite(ref_lse).all()
     check(out, lse, ref_o, ref_lse, torch.bfloat16)
 
 

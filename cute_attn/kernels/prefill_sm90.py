@@ -122,7 +122,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         self.soft_cap = soft_cap
         self.window = window
         self.mask_all = H.has_mask or H.has_kv_range  # masked path on every block
-        # the soft-cap's fixed shift (see _running_max): its weights reach 2^-126, which a bf16
+        # the soft-cap's fixed shift (see _running_max): its weights span 2^-100 .. 2^64, which a bf16
         # P holds (fp32's exponent range) and an fp16 one does not (subnormal below 2^-14)
         self.cap_fixed_shift = soft_cap and dtype is cutlass.BFloat16
         dn, ds = KV_TILES[head_dim, self.gather]
@@ -258,6 +258,8 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         self._trace_sm_scale = sm_scale
         self._trace_inv_sm_scale = Float32(1.0) / sm_scale if self.hooks.has_bias else None
         self._trace_inv_cap = inv_cap_scaled  # sm_scale / cap: the soft-cap's tanh argument per raw q·k
+        if const_expr(self.cap_fixed_shift):
+            self._trace_fixed_shift = self._fixed_shift(scale_log2)
         self._trace_group = group
         if const_expr(not self.gather):
             if warp_idx == 0:

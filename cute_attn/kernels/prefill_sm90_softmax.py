@@ -15,7 +15,7 @@ from cutlass import Float32, const_expr
 from .fragments import quad_max, wgmma_mn_view
 
 LAZY_RESCALE = 8.0  # base-2 units a row's block max may exceed its kept max by before O is rescaled
-FIXED_SHIFT_MAX_SCALE = 63.0  # soft-cap: the largest cap·log2 e whose weights stay >= 2^-126 (_running_max)
+FIXED_SHIFT_MAX_SCALE = 82.0  # soft-cap: the largest cap·log2 e taking the fixed shift (_running_max)
 
 
 class PrefillSoftmax:
@@ -96,8 +96,9 @@ class PrefillSoftmax:
             if const_expr(not H.softmax):
                 corr[r] = Float32(1.0)  # weights as they are (FlashSigmoid): nothing to rescale
             else:
-                m_blk = Float32(1.0)  # soft-cap with a fixed shift: tanh <= 1 (see _running_max)
+                m_blk = Float32(1.0)  # (soft-cap with a fixed shift: _fixed_shift, see _running_max)
                 if const_expr(self.cap_fixed_shift):
+                    m_blk = self._trace_fixed_shift
                     if self._running_max(scale):
                         m_blk = self._block_max(S, r, ncol)
                 else:
@@ -127,13 +128,24 @@ class PrefillSoftmax:
         return quad_max(cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3])))
 
     def _running_max(self, scale_log2):
-        """Soft-cap: whether the softmax needs a running maximum.  S holds tanh values <= 1, so
-        it can subtract the bound 1 instead -- no max per score, no rescale of O per block -- as
-        long as no weight underflows: 2^((t - 1)·cap·log2 e) >= 2^-126 for every t >= -1 when
-        cap·log2 e <= 63 (cap <= 43.6), and a bf16 P holds such weights (``cap_fixed_shift``).
-        Larger caps (Gemma 2's 50) and fp16 keep the running max.  A runtime test on a launch
-        scalar: warp-uniform."""
+        """Soft-cap: whether the softmax needs a running maximum.  S holds t = tanh values in
+        [-1, 1], so it can subtract a fixed shift instead -- no max per score, no rescale of O
+        per block -- as long as every weight 2^((t - shift)·C) (C = cap·log2 e) stays a normal
+        fp32 and far from overflow: see ``_fixed_shift``.  That holds for C <= 82 (cap <= 56.8:
+        Gemma 2's 50 included) with a bf16 P (``cap_fixed_shift``; fp16 P has too narrow a
+        range).  Larger caps and fp16 keep the running max.  A runtime test on a launch scalar:
+        warp-uniform."""
         return scale_log2 > Float32(FIXED_SHIFT_MAX_SCALE)
+
+    def _fixed_shift(self, scale_log2):
+        """The soft-cap's fixed shift, in S's units (cap): 1 - b / C with b = max(0, 2C - 100),
+        so the weights 2^((t - 1)·C + b) span [2^(b - 2C), 2^b] = [>= 2^-100, <= 2^64] for C <= 82:
+        every weight, and its products with any value of |v| >= 2^-26 in P V, is a normal fp32 --
+        a row whose logits all sit near -cap keeps its weights, none flushes to 0 -- and a row's
+        sum (keys·2^64) or P V (keys·2^64·|v|) stays far below fp32's 2^128.  b = 0 up to
+        C = 50 (cap 34.7).  Once per kernel (a launch scalar)."""
+        b = cute.arch.fmax(scale_log2 * 2.0 - 100.0, Float32(0.0))
+        return Float32(1.0) - b * cute.arch.rcp_approx(scale_log2)
 
     @cute.jit
     def _rescale_o(self, acc_O, corr):
