@@ -97,7 +97,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
     def __init__(self, dtype, head_dim: int, tile_q: int, paged: bool, causal: bool, soft_cap: bool,
                  window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1, page_box: int = 0,
                  box_warps: int = 0, producer_regs: int = 0, variant=None, keys_transformed: bool = False,
-                 lazy_rescale: int = 1, qk_split: int = 0):
+                 lazy_rescale: int = 1):
         assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
         self.dtype = dtype
         self.head_dim = head_dim
@@ -150,16 +150,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         # hd256 only half of O's columns fit next to Q and the K/V stages: it is staged in two
         # passes of o_cols columns.
         self.o_cols = head_dim if head_dim <= 128 else head_dim // 2
-        # qk_split: S = Q Kᵀ issued as two GEMMs, over the block's first N0 and last N1 keys, into
-        # the two halves of S's registers (two commit groups), so the softmax of part 0 runs while
-        # part 1 is still on the tensor cores (see _scores_softmax).  Parts are multiples of 16
-        # keys.  Only the kernels without a traced variant.
-        self.qk_cols = (self.tile_n, 0)  # (N0, N1); N1 = 0: one GEMM
-        if qk_split:
-            n0 = self.tile_n // 32 * 16
-            self.qk_cols = (n0, self.tile_n - n0)
-            assert self.tile_n % 16 == 0 and min(self.qk_cols) >= 16, f"qk_split: tile_n {self.tile_n}"
-            assert variant is None and H.softmax, "qk_split: only the plain / soft-cap / window kernels"
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
@@ -181,12 +171,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             check_gather_swizzle(sKV_layout, TN, D)
         mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
                                                    Float32, (self.num_mma_wg, 1, 1), (64, TN))
-        mma_qk0 = mma_qk1 = None
-        if const_expr(self.qk_cols[1] > 0):
-            mma_qk0, mma_qk1 = [sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.K,
-                                                                  warpgroup.OperandMajorMode.K, Float32,
-                                                                  (self.num_mma_wg, 1, 1), (64, n))
-                                for n in self.qk_cols]
         mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
                                                    Float32, (self.num_mma_wg, 1, 1), (64, D),
                                                    warpgroup.OperandSource.RMEM)
@@ -233,7 +217,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             scale_log2 = cap * LOG2E
         self.kernel(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse,
                     tma_k, tK, tma_v, tV, var_tensors, group, scale_log2, sm_scale / cap, window_left,
-                    sm_scale, var_scalars, sQ_layout, sO_layout, sKV_layout, mma_qk, mma_qk0, mma_qk1, mma_pv, Smem).launch(
+                    sm_scale, var_scalars, sQ_layout, sO_layout, sKV_layout, mma_qk, mma_pv, Smem).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     # ---- device side --------------------------------------------------------------------
@@ -245,8 +229,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                tV: Optional[cute.Tensor], var_tensors: tuple,
                group: Int32, scale_log2: Float32, inv_cap_scaled: Float32,
                window_left: Int32, sm_scale: Float32, var_scalars: tuple, sQ_layout: cute.ComposedLayout,
-               sO_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, mma_qk: cute.TiledMma,
-               mma_qk0: Optional[cute.TiledMma], mma_qk1: Optional[cute.TiledMma], mma_pv: cute.TiledMma,
+               sO_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                Smem: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -306,7 +289,8 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._consume(mQ, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, sQ, sK, sV, sO, pipe_k, pipe_v,
-                          mma_qk, mma_qk0, mma_qk1, mma_pv, cta, tidx - WG, group, scale_log2, window_left)
+                          mma_qk, mma_pv, cta, tidx - WG, group, scale_log2,
+                          window_left)
 
     @cute.jit
     def _block_range(self, w: WorkItem, group: Int32, window_left: Int32):
@@ -328,9 +312,8 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
     # ---- consumers -----------------------------------------------------------------------
     @cute.jit
     def _consume(self, mQ, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, sQ, sK, sV, sO, pipe_k, pipe_v,
-                 mma_qk, mma_qk0, mma_qk1, mma_pv, cta, ct, group, scale_log2, window_left):
+                 mma_qk, mma_pv, cta, ct, group, scale_log2, window_left):
         TN, D, TQ = self.tile_n, self.head_dim, self.tile_q
-        N0, N1 = self.qk_cols
         wg = ct // WG  # consumer warpgroup 0 / 1: packed rows [64 wg, 64 wg + 64) of the tile
         tw = ct % WG
         lane = ct % 32
@@ -339,15 +322,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         thr_pv = mma_pv.get_slice(ct)
         tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
         tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
-        # qk_split: the two GEMMs' K operands (the block's first N0 / last N1 keys) and the
-        # coordinates of their parts of S
-        qk_parts = None
-        if const_expr(N1 > 0):
-            qk_parts = []
-            for mma, first, n in ((mma_qk0, 0, N0), (mma_qk1, N0, N1)):
-                thr = mma.get_slice(ct)
-                qk_parts.append((mma, thr, mma.make_fragment_B(thr.partition_B(self._key_rows(sK, first, n))),
-                                 wgmma_mn_view(thr.partition_C(cute.make_identity_tensor((TQ, n))))))
         sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
         tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
         tScS = wgmma_mn_view(thr_qk.partition_C(cute.make_identity_tensor((TQ, TN))))
@@ -408,16 +382,17 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             tOrP = cute.make_tensor(rP.iterator, wgmma_acc_as_a(rP.layout))
             corr = cute.make_rmem_tensor((n_rows,), Float32)
             acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((TQ, TN)), Float32)
-            S_parts = self._s_parts(acc_S, qk_parts, TQ)
             if n_blocks > first:
                 blk = kv_start + (n_blocks - 1) * TN
                 first_words = self._mask_words(blk, tScS)
                 if const_expr(H.has_bias):
                     self._seed_bias(acc_S, tScS, blk, q_pos)
                 pipe_k.consumer_wait(state)
-                self._issue_qk(mma_qk, acc_S, tSrQ, tSrK, state, qk_parts, S_parts)
-                self._scores_softmax(acc_S, S_parts, qk_parts, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk,
-                                     kv_end, scale_log2, window_left, first_words, 0, pipe_k, state)
+                self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
+                warpgroup.wait_group(0)
+                pipe_k.consumer_release(state)
+                self._mask_softmax(acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
+                                   window_left, first_words)
                 rP.store(acc_S.load().to(self.dtype))
                 for j in cutlass.range(1, n_blocks - first, unroll=1):
                     blk = kv_start + (n_blocks - 1 - j) * TN
@@ -428,7 +403,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                         self._seed_bias(acc_S, tScS, blk, q_pos)
                     pipe_k.consumer_wait(state)
                     self._pingpong_wait(wg)
-                    self._issue_qk(mma_qk, acc_S, tSrQ, tSrK, state, qk_parts, S_parts)
+                    self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
                     if const_expr(self.rescale_before_pv and H.softmax):
                         self._rescale_o(acc_O, corr)  # while QK runs: frees S's registers sooner (large O)
                     pipe_v.consumer_wait(v_state)  # V(j-1) lands after K(j): waited for once QK(j) is issued
@@ -436,9 +411,10 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                         self._zero_v_tail(sV, v_state, kv_end - (kv_start + (n_blocks - 1) * TN), tw, bar_wg)
                     self._pv(mma_pv, acc_O, tOrP, tOrV, v_state)
                     self._pingpong_signal(wg)
-                    # S(j) and its softmax, while PV(j-1) may still run
-                    self._scores_softmax(acc_S, S_parts, qk_parts, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk,
-                                         kv_end, scale_log2, window_left, blk_words, 1, pipe_k, state)
+                    warpgroup.wait_group(1)  # S(j) is ready; PV(j-1) may still run
+                    pipe_k.consumer_release(state)
+                    self._mask_softmax(acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
+                                       window_left, blk_words)
                     warpgroup.wait_group(0)
                     pipe_v.consumer_release(v_state)
                     rP.store(acc_S.load().to(self.dtype))
@@ -507,69 +483,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             atom.set(warpgroup.Field.ACCUMULATE, k != 0 or self.hooks.has_bias)
             cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, state.index], acc_S)
         warpgroup.commit_group()
-
-    def _issue_qk(self, mma_qk, acc_S, tSrQ, tSrK, state, qk_parts, S_parts):
-        """Issue S = Q K(stage)^T: one GEMM, or with qk_split two (one commit group each), each into
-        its part of S's registers."""
-        if const_expr(qk_parts is None):
-            self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
-        else:
-            for (mma, _thr, tSrKp, _c), Sp in zip(qk_parts, S_parts):
-                self._qk(mma, Sp, tSrQ, tSrKp, state)
-
-    def _s_parts(self, acc_S, qk_parts, TQ):
-        """qk_split: S's registers as the two GEMMs' accumulators -- part 0's N0 columns are the
-        fragment's first N0 / 8 column groups, part 1 the rest (the wgmma accumulator is ordered
-        by column group last)."""
-        if qk_parts is None:
-            return None
-        l0 = cute.make_layout(qk_parts[0][1].partition_shape_C((TQ, self.qk_cols[0])))
-        l1 = cute.make_layout(qk_parts[1][1].partition_shape_C((TQ, self.qk_cols[1])))
-        assert cute.size(l0) + cute.size(l1) == cute.size(acc_S)
-        return [cute.make_tensor(acc_S.iterator, l0), cute.make_tensor(acc_S.iterator + cute.size(l0), l1)]
-
-    def _key_rows(self, sK, first: int, n: int):
-        """Rows first .. first + n - 1 of every K stage (a qk_split part): the stage tile's layout
-        restricted to them -- whole 8-row swizzle atoms, so still a wgmma operand."""
-        assert first % 8 == 0 and n % 8 == 0
-        part = cute.domain_offset((first, 0, 0), sK)
-        return cute.composition(part, cute.make_layout((n, self.head_dim, self.stages),
-                                                        stride=(1, self.tile_n, self.tile_n * self.head_dim)))
-
-    @cute.jit
-    def _scores_softmax(self, acc_S, S_parts, qk_parts, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end,
-                        scale_log2, window_left, words, pending: cutlass.Constexpr, pipe_k, state):
-        """Wait for S(j) -- ``pending`` wgmma groups were issued after it (PV(j-1): 1) --, release
-        K(j) and run S's online softmax.  With qk_split S comes in two parts (two groups): part
-        0's softmax runs while part 1 is still on the tensor cores, so a block's MUFU work starts
-        a part earlier (the soft-cap's tanh + exp2 need as many MUFU cycles as the block's GEMMs
-        take at peak).  If part 1 raises a row's max, part 0's weights (still fp32) and O's
-        factor take its correction too: ``corr`` ends as the whole block's."""
-        if const_expr(qk_parts is None):
-            warpgroup.wait_group(pending)
-            pipe_k.consumer_release(state)
-            self._mask_softmax(acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
-                               window_left, words, self.tile_n)
-        else:
-            N0, N1 = self.qk_cols
-            corr1 = cute.make_rmem_tensor((cute.size(corr),), Float32)
-            warpgroup.wait_group(pending + 1)
-            self._mask_softmax(S_parts[0], row_m, row_l, corr, qk_parts[0][3], q_pos, q_lo, q_hi, blk, kv_end,
-                               scale_log2, window_left, words, N0)
-            warpgroup.wait_group(pending)
-            pipe_k.consumer_release(state)
-            self._mask_softmax(S_parts[1], row_m, row_l, corr1, qk_parts[1][3], q_pos, q_lo, q_hi, blk + N0, kv_end,
-                               scale_log2, window_left, words, N1)
-            moved = corr1[0] != Float32(1.0)
-            for r in cutlass.range_constexpr(1, cute.size(corr1)):
-                moved = moved | (corr1[r] != Float32(1.0))
-            if cute.arch.vote_any_sync(moved):  # rare with the lazy rescale, never with the soft-cap's fixed shift
-                S0 = wgmma_mn_view(S_parts[0])
-                for r in cutlass.range_constexpr(cute.size(S0, mode=[0])):
-                    for c in cutlass.range_constexpr(cute.size(S0, mode=[1])):
-                        S0[r, c] = S0[r, c] * corr1[r]
-            for r in cutlass.range_constexpr(cute.size(corr1)):
-                corr[r] = corr[r] * corr1[r]
 
     @cute.jit
     def _pv(self, mma_pv, acc_O, tOrP, tOrV, state):
@@ -678,6 +591,5 @@ def build_batch_prefill_sm90(spec):
     k = BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"], p["soft_cap"],
                          p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1),
                          p.get("page_box", 0), p.get("box_warps", 0), p.get("producer_regs", 0),
-                         variant, p.get("keys_transformed", False), p.get("lazy_rescale", 1),
-                         p.get("qk_split", 0))
+                         variant, p.get("keys_transformed", False), p.get("lazy_rescale", 1))
     return make_entry(k, _prefill_abi_fixed(p), abi_args(variant))

@@ -23,12 +23,12 @@ class PrefillSoftmax:
 
     @cute.jit
     def _mask_softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
-                      window_left, words, width: cutlass.Constexpr):
-        """Masked softmax only where some of the ``width`` keys at blk may be invisible to some row
-        of the tile (the partial last block, the causal diagonal, the window's left edge)."""
-        need_mask = blk + width > kv_end
+                      window_left, words):
+        """Masked softmax only where some key of the block may be invisible to some row of the
+        tile (the partial last block, the causal diagonal, the window's left edge)."""
+        need_mask = blk + self.tile_n > kv_end
         if const_expr(self.causal):
-            need_mask = need_mask | (blk + width - 1 > q_lo)
+            need_mask = need_mask | (blk + self.tile_n - 1 > q_lo)
         if const_expr(self.window):
             need_mask = need_mask | (blk < q_hi - window_left)
         # a variant mask / range masks every block per element; the bounds (item end, causal,
