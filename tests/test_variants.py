@@ -277,3 +277,20 @@ def test_ctx_float_positions_as_base_plus_column_offset():
     z = Ctx(rel_pos_f32=(-3.0, 0.0))
     assert (z.rel_pos_f32, z.rel_pos_times(0.5)) == (-3.0, -1.5)
     assert Ctx(rel_pos_f32=6.0).rel_pos_times(0.5) == 3.0
+
+
+def test_builtins_fill_without_the_dsl():
+    """A GPU machine has no CuTe DSL: the wrappers' variant plumbing (fill() of the built-ins,
+    dsl's host helpers) must not import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['cutlass'] = None\n"
+            "from cute_attn.variants import RoPE, ALiBi\n"
+            "from cute_attn.variants.base import runtime_values\n"
+            "from cute_attn.variants.dsl import turns_fraction\n"
+            "v = runtime_values(RoPE() + ALiBi(), {'head_dim': 64, 'num_qo_heads': 4, 'device': 'cpu'})\n"
+            "assert v[0].shape == (32,) and v[1].shape == (4,)\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

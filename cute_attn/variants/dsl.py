@@ -29,6 +29,8 @@ def _cute():
 
 
 def __getattr__(name):
+    if name.startswith("__"):  # e.g. ``from .dsl import x`` asks for ``__path__``: no DSL import for that
+        raise AttributeError(name)
     import cutlass
     import cutlass.cute as cute
 
