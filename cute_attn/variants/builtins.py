@@ -211,48 +211,21 @@ class FlashSigmoid(Variant):
         return dsl.sigmoid(s, ctx.args.sigmoid_bias)  # the bias folded into the tanh's FFMA
 
 
-_ROPE_TURNS: Dict[tuple, object] = {}
-
-
-def rope_turns(head_dim: int, rope_scale: float, rope_theta: float):
-    """RoPE's per-frequency angle step as a 2^-32 fraction of a turn (int32 bits, CPU), computed
-    in fp64: ``frac(1 / (rope_scale * rope_theta^(2i / head_dim)) / 2pi) * 2^32`` for i <
-    head_dim / 2 (:func:`cute_attn.variants.dsl.sincos_turns` rotates position n by n times it)."""
-    import numpy as np
-    import torch
-
-    from .dsl import turns_fraction
-
-    i = np.arange(head_dim // 2, dtype=np.float64)
-    freq = 1.0 / (float(rope_scale) * float(rope_theta) ** (2.0 * i / head_dim))
-    return torch.from_numpy(turns_fraction(freq).copy())
-
-
 @register_builtin
 class RoPE(Variant):
     """Llama RoPE fused into the Q/K loads (``pos_encoding_mode="ROPE_LLAMA"``): dims ``i`` and
     ``i + D/2`` rotate by ``pos / (rope_scale * rope_theta^(2i/D))``; a query sits at its
-    bottom-right aligned position, a key at its index in the request.
+    bottom-right aligned position, a key at its index in the request."""
 
-    The per-frequency angle steps come in ``rope_turns`` (``fill``: computed on the host in
-    fp64 from ``rope_scale`` / ``rope_theta``, cached per device), so a rotated pair costs the
-    fixed-point reduction and the hardware sin / cos, with no exp2 / floor / conversion per
-    frequency on the GPU (``dsl.sincos_turns``); the scalars stay the kernels' arguments."""
-
-    runtime = (TensorParam("rope_turns", "i32", 1), ScalarParam("rope_scale", "f32", default=1.0),
-               ScalarParam("rope_theta", "f32", default=1e4))
-
-    def fill(self, info):
-        scale = float(self.values.get("rope_scale", 1.0))
-        theta = float(self.values.get("rope_theta", 1e4))
-        key = (info["head_dim"], scale, theta, str(info["device"]))
-        if key not in _ROPE_TURNS:
-            _ROPE_TURNS[key] = rope_turns(info["head_dim"], scale, theta).to(info["device"])
-        return {"rope_turns": _ROPE_TURNS[key]}
+    runtime = (ScalarParam("rope_scale", "f32", default=1.0), ScalarParam("rope_theta", "f32", default=1e4))
 
     @staticmethod
     def _rotate(ctx, pos, lo, hi, i):
-        sin, cos = dsl.sincos_turns(pos, ctx.args.rope_turns[i])  # pos x the step, in fixed point
+        a = ctx.args
+        neg_log2_theta = ctx.once("nl2t", lambda: -dsl.log2(a.rope_theta) * (2.0 / ctx.head_dim))
+        rcp_scale = ctx.once("rcps", lambda: dsl.cute.arch.rcp_approx(a.rope_scale))
+        freq = rcp_scale * dsl.exp2(dsl.f32(i) * neg_log2_theta)
+        sin, cos = dsl.sincos_multiple(pos, freq)  # the angle pos * freq reduced in fixed point
         return lo * cos - hi * sin, hi * cos + lo * sin
 
     def transform_q(self, ctx, lo, hi, i):

@@ -100,12 +100,13 @@ def sincos_multiple(n, angle):
     angle in radians, e.g. RoPE's.
 
     The reduction to one turn is done in 32-bit fixed point: ``frac(angle / 2pi)`` as a 2^-32
-    fraction G (rounded to nearest; loop-invariant when ``angle`` is), then :func:`sincos_turns`.
-    Per element: IMAD, LEA.HI, FFMA, then the hardware sin and cos -- against an FMUL, two
-    FFMAs and an FRND (a quarter-rate conversion, on the pipe MUFU uses) for the reduction in
-    :func:`sincos`.  Measured on the H200: RoPE decode 4.5-4.9 % faster (session 7).  When the
-    angles are known up front, compute G on the host (:func:`turns_fraction`, exact in fp64)
-    and pass it in: no exp2 / floor / conversion per angle on the GPU at all (RoPE does).
+    fraction G (rounded to nearest; loop-invariant when ``angle`` is), then ``n * G`` wraps
+    modulo 2^32 -- whole turns drop out of an integer multiply -- and, read as a signed number,
+    is the angle in turns in [-1/2, 1/2).  Its top 23 bits become a float in [1, 2) by one
+    shift-and-add (``LEA.HI``).  Per element: IMAD, LEA.HI, FFMA, then the hardware sin and
+    cos -- against an FMUL, two FFMAs and an FRND (a quarter-rate conversion, on the pipe MUFU
+    uses) for the reduction in :func:`sincos`.  Measured on the H200: RoPE decode 4.5-4.9 %
+    faster (session 7).
 
     Error of the reduced angle, in radians: |n| * 2pi * 2^-33 from G's rounding (7.3e-6 at
     n = 10^4, 7.3e-5 at 10^5; it dominates for angles below ~0.02 rad, where G keeps fewer
@@ -118,29 +119,7 @@ def sincos_multiple(n, angle):
     g = angle * (0.5 / math.pi)
     frac = g - cute.math.floor(g, fastmath=True)  # [0, 1]: 1.0 for a tiny negative angle
     G = cutlass.Uint32(cute.arch.fmin(frac * 4294967296.0 + 0.5, 4294967040.0))  # in range for the cvt
-    return sincos_turns(n, G)
-
-
-def sincos_turns(n, G):
-    """(sin, cos) of ``n`` times an angle given in turns as a 32-bit fraction ``G`` (Uint32 or
-    the same bits as Int32: ``frac(angle / 2pi) * 2^32``, see :func:`turns_fraction`): ``n * G``
-    wraps modulo 2^32 -- whole turns drop out of an integer multiply -- and, read as a signed
-    number, is the angle in turns in [-1/2, 1/2); its top 23 bits become a float in [1, 2) by
-    one shift-and-add (``LEA.HI``), then an FFMA to radians and the hardware sin / cos."""
-    import cutlass
-
-    cute = _cute()
-    t = (cutlass.Uint32(n) * cutlass.Uint32(G)).bitcast(cutlass.Int32)  # n * angle in turns, mod 1
+    t = (cutlass.Uint32(n) * G).bitcast(cutlass.Int32)  # n * angle in turns, mod 1, in [-1/2, 1/2)
     f = ((t >> 9) + 0x3FC00000).bitcast(cutlass.Float32)  # 1.5 + those turns: a float in [1, 2)
     r = f * (2.0 * math.pi) - 3.0 * math.pi  # radians in [-pi, pi)
     return cute.math.sin(r, approx=True), cute.math.cos(r, approx=True)
-
-
-def turns_fraction(angles):
-    """Host side (numpy, fp64): ``frac(angle / 2pi) * 2^32`` rounded, as int32 bit patterns --
-    the ``G`` of :func:`sincos_turns` for each angle in radians."""
-    import numpy as np
-
-    t = np.asarray(angles, dtype=np.float64) / (2.0 * math.pi)
-    g = np.rint((t - np.floor(t)) * 2.0 ** 32).astype(np.uint64) % (1 << 32)
-    return g.astype(np.uint32).view(np.int32)
