@@ -205,6 +205,10 @@ def test_instruction_checks_match_and_count():
     assert check_instructions(expect, "wgmma.mma_async.sync", batched) == {"wgmma": True, "hgmma": True, "async": True}
     assert check_instructions(expect, "mma.sync", serialized) == {"wgmma": False, "hgmma": True, "async": False}
     assert check_instructions(expect, "wgmma.mma_async", None) == {"wgmma": True, "hgmma": None, "async": None}
+    # no WARPGROUP.ARRIVE at all (an empty or renamed disassembly): nothing was checked, not a pass
+    assert check_instructions(expect, "", "NOP\n")["async"] is False
+    with pytest.raises(ValueError, match="not ptx:REGEX"):
+        check_instructions({"bad": "PTX:wgmma"}, "", "")
     # the prefill family's own ratio check is the counting form, not a bare regex
     found = check_instructions(BATCH_PREFILL_SM90.expect["sm_90a"], "wgmma.mma_async setmaxnreg", serialized)
     assert found["wgmma async (SASS)"] is False

@@ -241,7 +241,8 @@ def test_small_query_tiles(lens, causal, paged):
 
 @gpu
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("soft_cap,window", [(30.0, -1), (None, 100), (50.0, 7), (None, 0)])
+# caps 30 / 50: the fixed shift; 60 (cap·log2 e 86.6): the running max, with the window
+@pytest.mark.parametrize("soft_cap,window", [(30.0, -1), (None, 100), (50.0, 7), (60.0, 7), (None, 0)])
 def test_softcap_window(soft_cap, window, causal):
     qo, kv = [100, 333, 1, 1000, 64], [100, 900, 50, 1000, 2000]
     w = run_ragged(qo, kv, 32, 8, 128, torch.bfloat16, causal=causal, soft_cap=soft_cap, window_left=window)[0]
@@ -252,8 +253,9 @@ def test_softcap_window(soft_cap, window, causal):
 # cap·log2 e 57.7, 72.1 (Gemma 2's 50), 80.8: the fixed shift (bias 15 / 44 / 62); 86.6: the running max
 @pytest.mark.parametrize("soft_cap", [40.0, 50.0, 56.0, 60.0])
 def test_softcap_saturated(soft_cap):
-    """Logits far past the cap (sm_scale 3: q·k·sm_scale ~ ±34 per std): tanh saturates at ±1 and
-    the weights span 2^(±2·cap·log2 e), the range the kernel's fixed shift must keep normal."""
+    """Logits far past the cap (sm_scale 3: q·k·sm_scale ~ ±34 per std): tanh saturates at ±1, so
+    the logits spread 2·cap·log2 e in base 2 -- the range the kernel's fixed shift (and its bias)
+    must keep normal."""
     from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
 
     gen = _gen()

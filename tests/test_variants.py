@@ -281,5 +281,10 @@ def test_builtins_fill_without_the_dsl():
             "v = runtime_values(ALiBi() + RoPE(), {'head_dim': 64, 'num_qo_heads': 4, 'device': 'cpu'})\n"
             "assert v[0].shape == (4,) and v[1:] == [1.0, 10000.0]\n"
             "print('ok')\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    import os
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)  # this checkout's cute_attn, not an installed one
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -53,7 +53,8 @@ def wgmma_mn_view(t: cute.Tensor) -> cute.Tensor:
 
 
 def wgmma_acc_as_a(l):
-    """wgmma accumulator ((2,2,N/8), M, N) -> the A operand of the next wgmma from registers,
+    """wgmma accumulator *layout* ((2,2,N/8), M, N) -> the layout of the A operand of the next
+    wgmma from registers (a layout, where ``mma_acc_as_a`` takes and returns a tensor),
     ((2,2,2), M, (N/16, N)): two adjacent n8 column groups form one k16 step."""
     d = cute.logical_divide(l, ((None, None, 2), None, None))
     return cute.make_layout(((d.shape[0][0], d.shape[0][1], d.shape[0][2][0]), d.shape[1],

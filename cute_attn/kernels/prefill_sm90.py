@@ -66,7 +66,7 @@ from ..variants.base import Hooks
 from ..variants.trace import make_entry
 from .fragments import WG, quad_sum, wgmma_acc_as_a, wgmma_mn_view
 from .prefill_sm90_hooks import PrefillHooks
-from .prefill_sm90_producer import BOX_WARPS, PrefillProducer, ROW_RING, check_gather_swizzle
+from .prefill_sm90_producer import BAR_PRODUCER, BOX_WARPS, PrefillProducer, ROW_RING, check_gather_swizzle
 from .prefill_sm90_softmax import PrefillSoftmax
 from .work import WorkItem
 
@@ -84,9 +84,10 @@ KV_TILES = {(64, False): (128, 4), (64, True): (128, 4), (128, False): (112, 2),
 # consumer warpgroup the pool is ample.
 REGS = {(2, False): (24, 240), (2, True): (56, 224), (1, False): (56, 256), (1, True): (56, 256)}
 
-# named barriers (0 is __syncthreads): per consumer WG, the two ping-pong barriers, and the
-# gather producer's (prefill_sm90_producer.BAR_PRODUCER = 5)
+# named barriers (0 is __syncthreads): per consumer WG (1, 2), the two ping-pong barriers (3, 4)
+# and the gather producer's (prefill_sm90_producer)
 BAR_WG0, BAR_PINGPONG0 = 1, 3
+assert BAR_PRODUCER not in (0, BAR_WG0, BAR_WG0 + 1, BAR_PINGPONG0, BAR_PINGPONG0 + 1) and BAR_PRODUCER < 16
 
 
 class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):

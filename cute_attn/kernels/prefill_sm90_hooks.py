@@ -195,7 +195,7 @@ class PrefillHooks:
             return
         for r in range(n_rows):
             l = quad_sum(row_l[r])
-            m = row_m[r] * scale  # base 2 (-inf: nothing seen)
+            m = row_m[r] * scale  # base 2 (-inf: nothing seen, running max; l = 0 says it in any case)
             ctx = self._row_ctx(req, kv_head, row_start + tOcO[r, 0][0], qo_len, kv_len)
             ctx.first_chunk = kv_start == 0
             m2, l2 = H.finalize(ctx, va, m, l)

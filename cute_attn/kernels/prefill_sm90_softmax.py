@@ -96,9 +96,8 @@ class PrefillSoftmax:
             if const_expr(not H.softmax):
                 corr[r] = Float32(1.0)  # weights as they are (FlashSigmoid): nothing to rescale
             else:
-                m_blk = Float32(1.0)  # (soft-cap with a fixed shift: _fixed_shift, see _running_max)
                 if const_expr(self.cap_fixed_shift):
-                    m_blk = self._trace_fixed_shift
+                    m_blk = self._trace_fixed_shift  # soft-cap: a fixed shift (see _running_max)
                     if self._running_max(scale):
                         m_blk = self._block_max(S, r, ncol)
                 else:
@@ -140,10 +139,11 @@ class PrefillSoftmax:
     def _fixed_shift(self, scale_log2):
         """The soft-cap's fixed shift, in S's units (cap): 1 - b / C with b = max(0, 2C - 100),
         so the weights 2^((t - 1)·C + b) span [2^(b - 2C), 2^b] = [>= 2^-100, <= 2^64] for C <= 82:
-        every weight, and its products with any value of |v| >= 2^-26 in P V, is a normal fp32 --
-        a row whose logits all sit near -cap keeps its weights, none flushes to 0 -- and a row's
-        sum (keys·2^64) or P V (keys·2^64·|v|) stays far below fp32's 2^128.  b = 0 up to
-        C = 50 (cap 34.7).  Once per kernel (a launch scalar)."""
+        every weight, and its products with any value of |v| >= 2^-26 in P V, is a normal fp32
+        (up to rcp_approx's rounding) -- a row whose logits all sit near -cap keeps its weights,
+        none flushes to 0 -- and a row's sum (keys·2^64) or P V (keys·2^64·|v|) stays below fp32's
+        2^128 while keys·|v| < 2^64 (the running max allows 2^128).  b = 0 up to C = 50 (cap
+        34.7).  Once per kernel (a launch scalar)."""
         b = cute.arch.fmax(scale_log2 * 2.0 - 100.0, Float32(0.0))
         return Float32(1.0) - b * cute.arch.rcp_approx(scale_log2)
 

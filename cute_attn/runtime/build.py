@@ -94,14 +94,17 @@ def check_instructions(expect: dict, ptx: str, sass: Optional[str]) -> dict:
     found = {}
     for label, pattern in expect.items():
         ratio = pattern.startswith("sass%")  # "sass%A/B>=r": count(A) >= r * count(B), e.g. wgmma per batch
-        where, rx = ("sass", pattern[len("sass%"):]) if ratio else pattern.split(":", 1)
+        where, sep, rx = ("sass", "%", pattern[len("sass%"):]) if ratio else pattern.partition(":")
+        if where not in ("ptx", "sass") or not sep:
+            raise ValueError(f"instruction pattern {label!r}: {pattern!r} is not ptx:REGEX, sass:REGEX or sass%A/B>=R")
         text = ptx if where == "ptx" else sass
         if text is None:
             found[label] = None
         elif ratio:
             num, _, rest = rx.partition("/")
             den, _, r_min = rest.partition(">=")
-            found[label] = len(re.findall(num, text)) >= float(r_min) * len(re.findall(den, text))
+            n_den = len(re.findall(den, text))  # none at all: nothing was checked, not a pass
+            found[label] = n_den > 0 and len(re.findall(num, text)) >= float(r_min) * n_den
         else:
             found[label] = bool(re.search(rx, text))
     return found

@@ -31,8 +31,11 @@ def _cute():
 def __getattr__(name):
     if name.startswith("__"):  # e.g. ``from .dsl import x`` asks for ``__path__``: no DSL import for that
         raise AttributeError(name)
-    import cutlass
-    import cutlass.cute as cute
+    try:
+        import cutlass
+        import cutlass.cute as cute
+    except ImportError as e:  # hasattr() / getattr(..., default) stay usable without the DSL
+        raise AttributeError(f"cute_attn.variants.dsl.{name} needs the CuTe DSL (nvidia-cutlass-dsl)") from e
 
     if name == "cute":
         return cute
