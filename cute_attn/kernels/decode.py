@@ -30,7 +30,6 @@ built-in variants.  Uses no Hopper-only instruction, so it also compiles for sm_
 """
 from __future__ import annotations
 
-import math
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -39,6 +38,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp
 
 from ..variants.base import Ctx, Hooks
+from ..variants.dsl import LOG2E
 from ..variants.trace import make_entry, transform_fragment
 from .bitmask import bit_set, load_words
 from .copy import cp_async_16
@@ -49,7 +49,6 @@ TILE_Q = 16  # packed query rows per work item (one m16 MMA tile)
 BLOCK_N = 64  # KV tokens per pipeline stage: 4 warps x 16 keys
 NUM_WARPS = 4
 THREADS = 32 * NUM_WARPS
-LOG2E = math.log2(math.e)
 
 
 

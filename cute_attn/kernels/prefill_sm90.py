@@ -51,7 +51,6 @@ With no variant nothing of this is traced: the plain kernel is unchanged.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -63,6 +62,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from ..variants.base import Hooks
+from ..variants.dsl import LOG2E
 from ..variants.trace import make_entry
 from .fragments import WG, quad_sum, wgmma_acc_as_a, wgmma_mn_view
 from .prefill_sm90_hooks import PrefillHooks
@@ -70,7 +70,6 @@ from .prefill_sm90_producer import BAR_PRODUCER, BOX_WARPS, PrefillProducer, ROW
 from .prefill_sm90_softmax import PrefillSoftmax
 from .work import WorkItem
 
-LOG2E = math.log2(math.e)
 SMEM_MAX = 232448  # bytes of shared memory per block on sm_90
 
 # (tile_n, stages) per (head dim, cp.async gather): what fits 227 KB of shared memory next to the Q tile

@@ -9,18 +9,17 @@ A mixin of ``BatchPrefillSm90``: its methods read the kernel's configuration fro
 """
 from __future__ import annotations
 
-import math
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr
 
 from ..variants.base import Ctx
+from ..variants.dsl import LOG2E
 from ..variants.trace import transform_pairs
 from .bitmask import bit_set, load_words
 from .fragments import WG, quad_sum, wgmma_mn_view
 
-LOG2E = math.log2(math.e)
 
 
 class PrefillHooks:
