@@ -140,22 +140,25 @@ BATCH_PREFILL_SM90 = register(KernelFamily(
 ))
 
 
-# ---- the key-transform pass (prefill, ragged KV, a variant with transform_k) ----------------
-def key_transform_abi_fixed(p):
-    return [_cache("mK", p), _cache("mKout", p), _i32("mQoIndptr"), _i32("mKvIndptr"), ScalarArg("batch", "i32"),
+# ---- the KV pass (prefill: a paged cache gathered, keys transformed) -------------------------
+def kv_pass_abi_fixed(p):
+    """K, V (the cache), their contiguous outputs, qo / kv (tokens) / page indptr, page ids."""
+    return [_cache("mK", p), _cache("mV", p), _cache("mKout", p), _cache("mVout", p), _i32("mQoIndptr"),
+            _i32("mKvIndptr"), _i32("mPageIndptr"), _i32("mPageIndices"), ScalarArg("batch", "i32"),
             ScalarArg("sm_scale", "f32"), ScalarArg("num_ctas", "i32")]
 
 
-def key_transform_abi(p):
-    return key_transform_abi_fixed(p) + vbase.abi_args(spec_variant(p))
+def kv_pass_abi(p):
+    return kv_pass_abi_fixed(p) + vbase.abi_args(spec_variant(p))
 
 
-# Spec params dtype, head_dim, variant, variant_fp (kernels/key_transform.py).  Plain SIMT: it
-# would build for sm_100a too, but only the (Hopper) prefill wrappers launch it.
-KEY_TRANSFORM = register(KernelFamily(
-    name="key_transform",
-    builder="cute_attn.kernels.key_transform:build_key_transform",
-    abi=key_transform_abi,
+# Spec params dtype, head_dim, paged and, for a key transform, variant / variant_fp
+# (kernels/kv_pass.py).  Plain SIMT: it would build for sm_100a too, but only the (Hopper)
+# prefill wrappers launch it.
+KV_PASS = register(KernelFamily(
+    name="kv_pass",
+    builder="cute_attn.kernels.kv_pass:build_kv_pass",
+    abi=kv_pass_abi,
     expect={PREFILL_ARCH: {"16B ld.global (PTX)": r"ptx:ld\.global(\.\w+)*\.v4\.[bu]32",
                            "LDG.E.128 (SASS)": r"sass:LDG\.E\.128", "STG.E.128 (SASS)": r"sass:STG\.E\.128"}},
 ))

@@ -59,7 +59,7 @@ PREFILL_TILES = (64, 128)     # packed query rows per work item: one or two cons
 _FIXED_SPLIT_TILE = 128       # fixed_split_size: a tile that does not depend on the batch
 PAGE_BOX = 16                 # paged K/V by TMA, one box per 16 rows of a page (page sizes k*16)
 _NO_SPLIT = 1 << 30           # disable_split_kv: a kv_split_size longer than any request
-_KEY_PASS_CTAS_PER_SM = 8     # the key-transform pass: 8 x 256 threads per SM, 32 bytes in flight each
+_KV_PASS_CTAS_PER_SM = 8      # the KV pass: 8 x 256 threads per SM, 32 (64 for K and V) bytes in flight each
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
              if hasattr(torch, n))
 
@@ -75,18 +75,56 @@ def page_box_for(paged: bool, page_size: int) -> int:
 
 
 def keys_pretransformed(paged: bool, variant) -> bool:
-    """Whether ``run()`` applies the variant's ``transform_k`` in the key-transform pass
-    (``kernels/key_transform.py``) before the prefill kernel, which then reads K by TMA (spec
-    ``keys_transformed``): ragged KV.  With a paged cache the kernel's producer transforms each
-    K block it gathers (no pass: its output would need a second, contiguous copy of V too)."""
+    """Whether the KV pass (``kernels/kv_pass.py``) applies the variant's ``transform_k`` before
+    a prefill kernel that reads ``paged`` KV (spec ``keys_transformed``: the kernel reads K by
+    TMA and leaves it alone): ragged KV, which includes a paged cache the pass gathered first.
+    A kernel that reads the paged cache itself transforms each K block its producer gathers."""
     return not paged and variant is not None and vbase.Hooks(variant).has_transform_k
 
 
-def key_transform_spec(arch: str, dtype: str, head_dim: int, variant):
-    """The key-transform pass for a plan's variant (the variant without run()'s sinks)."""
+def kv_pass_spec(arch: str, dtype: str, head_dim: int, paged: bool, variant):
+    """The KV pass for a plan: ``paged`` gathers the cache (K and V), a ``variant`` with
+    ``transform_k`` transforms K (the plan's variant, without run()'s sinks); None when there
+    is nothing to do (ragged, no key transform)."""
     from .runtime.spec import Spec
 
-    return Spec.make("key_transform", arch, dtype=dtype, head_dim=head_dim, **variant_params(variant))
+    transform = variant is not None and vbase.Hooks(variant).has_transform_k
+    if not (paged or transform):
+        return None
+    return Spec.make("kv_pass", arch, dtype=dtype, head_dim=head_dim, paged=bool(paged),
+                     **(variant_params(variant) if transform else {}))
+
+
+# When the KV pass pays for a paged cache (``kv_pass_pays``).  Its cost: read + write K and V
+# once at ~3 TB/s.  Its saving: what the kernel's in-kernel gather costs over TMA, a share of
+# the attention's time (~600 TFLOP/s at hd128/256 on an H200): 15-20 % for the 16-byte
+# cp.async gather (BENCHMARKS.md, batch prefill session 7: page 1 at 1.15-1.20x ragged) and
+# ~84 % when the producer also rotates every gathered K block (RoPE on a paged cache: 1.84x).
+PASS_COPY_RATE = 3.0e12         # bytes / s, read + write, of the pass
+PASS_ATTN_RATE = 600e12         # FLOP / s of the prefill kernel
+PASS_SAVES_GATHER = 0.15        # in-kernel cp.async gather: share of the kernel's time
+PASS_SAVES_TRANSFORM = 0.8      # in-kernel gather + transform_k of every K block
+
+
+def kv_pass_pays(qo_lens, kv_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int, causal: bool,
+                 transform: bool, elt_bytes: int = 2, window_left: int = -1) -> bool:
+    """Whether gathering a paged cache by the KV pass (then reading it by TMA) beats the
+    kernel's in-kernel gather, by the model above: the pass costs 2 x 2 x kv_tokens x kv_heads
+    x head_dim x elt_bytes bytes; it saves a share of 4 x head_dim x qo_heads x (query, key)
+    pairs FLOPs (causal: the lower triangle, bottom-right aligned; a window: at most
+    ``window_left + 1`` keys per query).  It pays when each key is read by enough query rows:
+    about qo_len x group >= 2700 (>= 500 with a key transform)."""
+    qo = np.asarray(qo_lens, dtype=np.float64)
+    kv = np.asarray(kv_lens, dtype=np.float64)
+    pairs = qo * kv
+    if causal:  # query i (of qo) sees kv - qo + i + 1 keys
+        pairs = pairs - qo * (qo - 1) / 2
+    if window_left >= 0:
+        pairs = np.minimum(pairs, qo * (window_left + 1.0))
+    t_attn = 4.0 * head_dim * num_qo_heads * float(pairs.sum()) / PASS_ATTN_RATE
+    t_pass = 4.0 * num_kv_heads * head_dim * elt_bytes * float(kv.sum()) / PASS_COPY_RATE
+    saves = PASS_SAVES_TRANSFORM if transform else PASS_SAVES_GATHER
+    return bool(kv.sum() > 0 and saves * t_attn > t_pass)
 
 
 def prefill_spec(arch: str, dtype: str, head_dim: int, tile_q: int, paged: bool, causal: bool = False,
@@ -201,13 +239,25 @@ def variant_prefill_specs(arch: str):
         for sinks in ((False, True) if kw.get("sinks") else (kw.get("sinks", False),)):
             c, cap, win, v = resolve_variant(causal=causal, **dict(kw, sinks=sinks))
             specs = [prefill_spec(arch, dt, d, 128, paged, c, cap, win, v, page_box_for(paged, page_size))]
-            if keys_pretransformed(paged, v) and not sinks:  # the pass is keyed by the plan's variant
-                specs.append(key_transform_spec(arch, dt, d, v))
+            if not sinks:  # the KV pass is keyed by the plan's variant
+                specs.append(kv_pass_spec(arch, dt, d, False, v))
+                if paged:  # the pass gathers the cache, then the ragged kernel runs
+                    specs += [kv_pass_spec(arch, dt, d, True, v), prefill_spec(arch, dt, d, 128, False, c, cap, win, v)]
+            if paged and sinks:
+                specs.append(prefill_spec(arch, dt, d, 128, False, c, cap, win, v))
+            specs = [s for s in specs if s is not None]
             for spec in specs:
                 if spec not in seen:
                     seen.add(spec)
                     out.append(spec)
     return out
+
+
+def kv_pass_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS):
+    """The KV pass's plain gathers of a paged cache (no key transform), for the compile presets."""
+    if arch != PREFILL_ARCH:
+        return []
+    return [kv_pass_spec(arch, dt, d, True, None) for dt in dtypes for d in head_dims]
 
 
 def prefill_merge_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, tiles=PREFILL_TILES):
@@ -356,9 +406,11 @@ class _BatchPrefillBase:
 
     def _plan_common(self, qo_h, kv_lens, *, num_qo_heads, num_kv_heads, head_dim, q_dtype, causal, page_size,
                      window_left, logits_soft_cap, sm_scale, split_tokens, disable_split_kv, pos_encoding_mode="NONE",
-                     rope_scale=None, rope_theta=None, custom_mask=None, packed_custom_mask=None, variant=None):
+                     rope_scale=None, rope_theta=None, custom_mask=None, packed_custom_mask=None, variant=None,
+                     kv_pass=None):
         """Validate lengths, (re)make the planner, plan + upload, pick the kernels. Returns the
-        state ``_commit`` stores once the device copies are queued."""
+        state ``_commit`` stores once the device copies are queued.  ``kv_pass`` (paged): gather
+        the cache by the KV pass first (True), never (False) or when it pays (None)."""
         hq, hk, d = int(num_qo_heads), int(num_kv_heads), head_dim
         qo_len = np.diff(qo_h)
         batch = int(qo_len.shape[0])
@@ -385,7 +437,7 @@ class _BatchPrefillBase:
                       window=window_left >= 0, hq=hq, hk=hk,
                       sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d),
                       soft_cap_value=soft_cap, window_left=window_left, variant=vbase.encode(var),
-                      page_box=page_box_for(self._PAGED, int(page_size)))
+                      page_box=page_box_for(self._PAGED, int(page_size)))  # the KV pass may change it
 
         if split_tokens is not None:
             tile = _FIXED_SPLIT_TILE  # batch-invariant: the tile may not depend on the batch either
@@ -409,26 +461,63 @@ class _BatchPrefillBase:
             if total_q > self._max_rows:
                 raise ValueError(f"use_cuda_graph=True: qo_indptr[-1] = {total_q} exceeds the {self._max_rows} query "
                                  f"tokens of the first plan (which fixes the workspace layout, as in FlashInfer)")
+        lim, grow = self._choose_limits(batch, total_q, hq, hk, d, num_ctas)
+        gather = None  # (offset, bytes per tensor) of the gathered K / V in the workspace
+        if self._PAGED:
+            gather = self._gather_region(kv_pass, lim, num_ctas, int(page_size), var, qo_len, kv_lens, causal,
+                                         window_left, hq, hk, d, q_dtype)
+        paged = self._PAGED and gather is None  # the kernel reads the cache itself
+        launch["page_box"] = page_box_for(paged, int(page_size))
         # modules first (loaded here, outside any capture): a missing one must fail before the
         # new plan overwrites the workspace that the previous plan's state still describes
-        spec_kw = dict(dtype=launch["dtype"], head_dim=d, tile_q=tile, paged=self._PAGED, causal=launch["causal"],
+        spec_kw = dict(dtype=launch["dtype"], head_dim=d, tile_q=tile, paged=paged, causal=launch["causal"],
                        soft_cap=launch["soft_cap"], window=launch["window"])
         if launch["page_box"]:
             spec_kw["page_box"] = launch["page_box"]
-        key_pass = None
-        if keys_pretransformed(self._PAGED, var):
+        if keys_pretransformed(paged, var):
             spec_kw["keys_transformed"] = True
-            key_pass = kernel("key_transform", PREFILL_ARCH, dtype=launch["dtype"], head_dim=d, **self._variant_kw(var))
+        pass_var = var if keys_pretransformed(paged, var) else None  # the pass's variant: K's transform
+        pass_spec = kv_pass_spec(PREFILL_ARCH, launch["dtype"], d, gather is not None, pass_var)
+        pass_module = None if pass_spec is None else kernel(pass_spec.family, PREFILL_ARCH, **pass_spec.pdict)
         attn = kernel("batch_prefill_sm90", PREFILL_ARCH, **spec_kw, **self._variant_kw(var))
         merge = kernel("merge_partials", PREFILL_ARCH, dtype=launch["dtype"], head_dim=d, tile_q=tile)
-        planner = self._get_planner(batch, total_q, hq, hk, d, num_ctas)
-        plan = planner.plan(qo_h, kv_lens, causal=bool(causal), page_size=int(page_size), num_qo_heads=hq,
-                            num_kv_heads=hk, cta_tile_q=tile, kv_split_size=split_tokens, workspace=self._workspace)
+        planner = self._install_planner(lim, num_ctas, grow)
+        plan = planner.plan(qo_h, kv_lens, causal=bool(causal), page_size=int(page_size) if paged else 1,
+                            num_qo_heads=hq, num_kv_heads=hk, cta_tile_q=tile, kv_split_size=split_tokens,
+                            workspace=self._workspace)
         if self._use_cuda_graph and self._fixed is None:
             self._fixed = dict(launch, tile_q=tile)
         return dict(plan=plan, launch=launch, tile=tile, attn=attn, merge=merge, batch=batch, total_q=total_q,
                     q_dtype=q_dtype, group=group, num_ctas=planner.num_ctas, variant=var, spec_kw=spec_kw,
-                    key_pass=key_pass)
+                    kv_pass=pass_module, pass_variant=pass_var, gather=gather, kv_lens=kv_lens)
+
+    def _gather_region(self, want, lim, num_ctas, page_size, var, qo_len, kv_lens, causal, window_left, hq, hk, d,
+                       q_dtype):
+        """Whether this paged plan gathers the cache by the KV pass (``kv_pass_pays`` when
+        ``want`` is None) and where: (byte offset, bytes per tensor) of K / V in the workspace,
+        past the plan's sections; None for the in-kernel gather.  Not in CUDA-graph mode: a
+        captured run() bakes the path, and a later plan's lengths may not pay or fit."""
+        if want is False:
+            return None
+        elt = torch.empty((), dtype=q_dtype).element_size()
+        transform = var is not None and vbase.Hooks(var).has_transform_k
+        if want is None:
+            in_kernel_tma = page_box_for(True, page_size) and not transform
+            if self._use_cuda_graph or in_kernel_tma or not kv_pass_pays(
+                    qo_len, kv_lens, hq, hk, d, bool(causal), transform, elt, window_left):
+                return None
+        elif self._use_cuda_graph:
+            raise ValueError("kv_pass=True is not available with use_cuda_graph=True (a captured run() bakes the "
+                             "path; the in-kernel gather serves every plan)")
+        per = -(-int(kv_lens.sum()) * hk * d * elt // 256) * 256
+        start = -(-WorkspaceLayout(lim, num_ctas).total_bytes // 256) * 256
+        have = self._workspace.numel()
+        if start + 2 * per > have:
+            if want:
+                raise ValueError(f"kv_pass=True: float_workspace_buffer has {have} bytes; the plan and the gathered "
+                                 f"K / V need {start + 2 * per}")
+            return None
+        return start, per
 
     @staticmethod
     def _variant_kw(v) -> dict:
@@ -483,7 +572,9 @@ class _BatchPrefillBase:
                           qo_indptr=torch.from_numpy(qo_h).to(self._device, non_blocking=True),
                           kv_bounds=mask_kv_bounds(words.view(torch.uint8)[:packed.numel()], indptr, qo_len, kv_lens))
 
-    def _get_planner(self, batch, total_q, hq, hk, d, num_ctas) -> Planner:
+    def _choose_limits(self, batch, total_q, hq, hk, d, num_ctas):
+        """The planner limits for this plan and the bytes the workspace must grow to (0: it
+        fits); no side effects (a kernel that fails to load leaves the previous plan intact)."""
         rows = _rows_per_cta(d) * num_ctas
 
         def limits(max_batch, max_q):
@@ -492,8 +583,7 @@ class _BatchPrefillBase:
 
         have = self._workspace.numel()
         if self._use_cuda_graph:  # fixed by the buffers and the first plan: offsets never move
-            lim = limits(self._batch_capacity(batch), self._max_rows)
-            cands = [lim]
+            cands = [limits(self._batch_capacity(batch), self._max_rows)]
         else:
             prev = self._planner.limits if self._planner is not None else None
             same_heads = prev is not None and (prev.num_qo_heads, prev.num_kv_heads, prev.head_dim) == (hq, hk, d)
@@ -504,14 +594,19 @@ class _BatchPrefillBase:
             else:  # grow with headroom; exact sizes if the headroom does not fit the workspace
                 cands = [limits(grow_b, grow_q), limits(batch, total_q)]
         lim = next((c for c in cands if WorkspaceLayout(c, num_ctas).total_bytes <= have), None)
-        if lim is None:
-            need = WorkspaceLayout(cands[-1], num_ctas).total_bytes
-            if not self._grow_workspace:
-                raise ValueError(f"float_workspace_buffer has {have} bytes; this plan needs {need} (batch {batch}, "
-                                 f"{total_q} query tokens, {hq} qo heads, head_dim {d})")
-            self._workspace = torch.empty(need, dtype=torch.uint8, device=self._device)
+        if lim is not None:
+            return lim, 0
+        need = WorkspaceLayout(cands[-1], num_ctas).total_bytes
+        if not self._grow_workspace:
+            raise ValueError(f"float_workspace_buffer has {have} bytes; this plan needs {need} (batch {batch}, "
+                             f"{total_q} query tokens, {hq} qo heads, head_dim {d})")
+        return cands[-1], need
+
+    def _install_planner(self, lim, num_ctas, grow) -> Planner:
+        """Make ``lim``'s planner current (growing the workspace to ``grow`` bytes if set)."""
+        if grow:
+            self._workspace = torch.empty(grow, dtype=torch.uint8, device=self._device)
             self._views = None
-            lim = cands[-1]
         if self._planner is None or self._planner.limits != lim or self._planner.num_ctas != num_ctas:
             self._planner = Planner(lim, num_ctas, 1)
             self._views = None
@@ -538,8 +633,15 @@ class _BatchPrefillBase:
                 "device": self._device, "batch": self._batch}
         self._binding = VariantBinding(self._variant, info, self._attn, lambda v: kernel(
             "batch_prefill_sm90", PREFILL_ARCH, **self._spec_kw, **self._variant_kw(v)))
-        # the key-transform pass: the plan's variant (run()'s sinks do not touch keys)
-        self._key_pass = None if st["key_pass"] is None else VariantBinding(self._variant, info, st["key_pass"], None)
+        # the KV pass: the plan's key transform, if any (run()'s sinks do not touch keys)
+        self._kv_pass = None if st["kv_pass"] is None else VariantBinding(st["pass_variant"], info, st["kv_pass"],
+                                                                           None)
+        self._gathered = None
+        if st["gather"] is not None:  # the pass's output: contiguous K / V in the workspace
+            off, per = st["gather"]
+            n = int(st["kv_lens"].sum())
+            self._gathered = tuple(self._workspace[o:o + per].view(self._dtype)[:n * self._hk * self._d]
+                                   .view(1, n, self._hk, self._d) for o in (off, off + per))
 
     def _to_device(self, t, buf, name):
         """An index array on the device: copied into ``buf`` (CUDA-graph mode) or a new tensor."""
@@ -603,18 +705,25 @@ class _BatchPrefillBase:
         module, vvals = self._variant_args(args, sinks)
         if q.shape[0] == 0:
             return
-        if k4.numel() == 0:
+        if (self._gathered[0] if self._gathered is not None else k4).numel() == 0:
             out.zero_()
             lse.fill_(-math.inf)
             if sinks is not None:
                 lse.copy_((sinks.float() * (1.0 / math.log(2.0)))[None, :].expand_as(lse))
             return
-        if self._key_pass is not None:  # ragged K through the variant's transform_k, once per key
-            pass_module, pass_vals = self._key_pass.select(args)
-            k_t = torch.empty((1, k4.shape[1], self._hk, self._d), dtype=k4.dtype, device=k4.device)
-            pass_module(k4, k_t, self._qo_indptr, kv_indptr, kv_indptr.numel() - 1, self._sm_scale,
-                        self._num_ctas * _KEY_PASS_CTAS_PER_SM, *pass_vals)
-            k4 = k_t
+        if self._kv_pass is not None:  # the KV pass: gather the paged cache, and / or transform K
+            pass_module, pass_vals = self._kv_pass.select(args if self._kv_pass.variant is not None else ())
+            grid = self._num_ctas * _KV_PASS_CTAS_PER_SM
+            if self._gathered is not None:  # paged -> contiguous K and V (ragged from here on)
+                k_g, v_g = self._gathered
+                pass_module(k4, v4, k_g, v_g, self._qo_indptr, self._kv_tok_indptr, kv_indptr, kv_indices,
+                            self._batch, self._sm_scale, grid, *pass_vals)
+                k4, v4, kv_indptr, kv_indices = k_g, v_g, self._kv_tok_indptr, self._no_indices
+            else:  # ragged K through the variant's transform_k, once per key (V and pages unused)
+                k_t = torch.empty((1, k4.shape[1], self._hk, self._d), dtype=k4.dtype, device=k4.device)
+                pass_module(k4, k4, k_t, k_t, self._qo_indptr, kv_indptr, kv_indptr, kv_indptr,
+                            kv_indptr.numel() - 1, self._sm_scale, grid, *pass_vals)
+                k4 = k_t
         vw = self._views
         module(q, k4, v4, kv_indptr, kv_indices, out, lse, vw["work_items"], vw["work_indptr"],
                vw["partial_o"], vw["partial_lse"], self._group, self._sm_scale, self._soft_cap,
@@ -712,7 +821,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             self._qo_indptr = self._to_device(pad(qo_h), self._qo_indptr_buf, "qo_indptr")
             self._kv_indptr = self._to_device(pad(kv_h), self._kv_indptr_buf, "kv_indptr")
         else:  # qo_indptr: only the key-transform pass reads it
-            self._qo_indptr = self._to_device(qo_h, None, "qo_indptr") if st["key_pass"] is not None else None
+            self._qo_indptr = self._to_device(qo_h, None, "qo_indptr") if st["kv_pass"] is not None else None
             self._kv_indptr = self._to_device(kv_indptr, None, "kv_indptr")
         self._kv_indices = _arange(1, self._device)  # the ABI's page-id array: unused for ragged KV
         self._kv_total = int(kv_h[-1])
@@ -801,9 +910,17 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
              token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0, max_item_len_ptr=None,
              seq_lens=None, seq_lens_q=None, block_tables=None, max_token_per_sequence: Optional[int] = None,
              max_sequence_kv: Optional[int] = None, fixed_split_size: Optional[int] = None,
-             disable_split_kv: bool = False, variant=None) -> None:
+             disable_split_kv: bool = False, variant=None, kv_pass: Optional[bool] = None) -> None:
         """FlashInfer's arguments (see the ragged wrapper's ``plan``, variants included).
-        ``fixed_split_size`` is in pages, as in FlashInfer."""
+        ``fixed_split_size`` is in pages, as in FlashInfer.
+
+        ``kv_pass`` (cute_attn's own): gather the cache's K and V into contiguous copies in the
+        workspace by one memory-bound pass before the kernel (``kernels/kv_pass.py``; RoPE's key
+        rotation happens there too), so the kernel reads them by TMA.  ``None`` (default): when
+        the model :func:`kv_pass_pays` says so (long queries per key; it needs workspace room
+        for both copies past the plan, and never in CUDA-graph mode); ``True``: always (an
+        error if the workspace is too small or in CUDA-graph mode); ``False``: never (the
+        kernel gathers each block itself)."""
         q_dtype, d = self._check_common(
             num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type, o_data_type,
             window_left, logits_soft_cap, fixed_split_size, pos_encoding_mode=pos_encoding_mode, variant=variant,
@@ -829,7 +946,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                                              else int(fixed_split_size) * int(page_size)),
                                disable_split_kv=disable_split_kv, pos_encoding_mode=pos_encoding_mode,
                                rope_scale=rope_scale, rope_theta=rope_theta, custom_mask=custom_mask,
-                               packed_custom_mask=packed_custom_mask, variant=variant)
+                               packed_custom_mask=packed_custom_mask, variant=variant, kv_pass=kv_pass)
         # the largest page id, checked against the cache in run() (the cache is not known here);
         # unknown (-1) when the indices already live on the GPU (reading them back would sync)
         used = int(indptr_h[-1])
@@ -840,6 +957,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         self._kv_indptr = self._to_device(paged_kv_indptr, self._indptr_buf, "paged_kv_indptr")
         self._kv_indices = self._to_device(indices_t, self._indices_buf, "paged_kv_indices")
         self._page_size = int(page_size)
+        if st["gather"] is not None:  # the KV pass: token offsets of the gathered K / V, q offsets
+            tok = np.concatenate([[0], np.cumsum(st["kv_lens"])]).astype(np.int32)
+            self._kv_tok_indptr = self._to_device(tok, None, "kv token indptr")
+            self._qo_indptr = self._to_device(qo_h.astype(np.int32), None, "qo_indptr")
+            self._no_indices = _arange(1, self._device)
         self._commit(st)
 
     begin_forward = plan

@@ -36,12 +36,13 @@ def _prefill(arch: str) -> List[Spec]:
     skipped: there is no Blackwell prefill kernel yet).  Per dtype f16/bf16 x head_dim
     64/128/256 x tile_q 64/128 x ragged/paged x causal: the plain kernel (48); soft-cap,
     window and both at bf16/f16, head_dim 128, tile 128, ragged, causal or not: what the GPU
-    tests and the variant benchmark run (12); merge_partials for the prefill tiles (12)."""
-    from .prefill import prefill_merge_specs, prefill_specs
+    tests and the variant benchmark run (12); merge_partials for the prefill tiles (12); the
+    KV pass's gather of a paged cache per dtype x head_dim (6)."""
+    from .prefill import kv_pass_specs, prefill_merge_specs, prefill_specs
 
     variants = prefill_specs(arch, head_dims=(128,), tiles=(128,), paged=(False,),
                              variants=((True, False), (False, True), (True, True)))
-    return prefill_specs(arch) + variants + prefill_merge_specs(arch)
+    return prefill_specs(arch) + variants + prefill_merge_specs(arch) + kv_pass_specs(arch)
 
 
 def _prefill_kernel_present() -> bool:

@@ -315,6 +315,38 @@ def test_empty_requests():
 
 
 @gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("page_size,layout,single_tensor,d,dtype", [
+    (1, "NHD", False, 128, "bf16"), (1, "HND", True, 64, "f16"), (3, "NHD", True, 256, "bf16"),
+    (16, "HND", False, 128, "f16"), (64, "NHD", False, 64, "bf16"), (5, "HND", False, 256, "f16")])
+def test_paged_kv_pass(page_size, layout, single_tensor, d, dtype, causal):
+    """plan(kv_pass=True): the KV pass gathers the cache (NaN in every slot no request owns)
+    into the workspace and the ragged kernel reads it by TMA; a second run is bitwise equal."""
+    rng = random.Random()
+    qo, kv = _append_lens(rng, 7, 600, 1500)
+    if not causal:  # requests without queries / without keys
+        qo, kv = qo + [0, 4], kv + [33, 0]
+    w, (q, cache), out, lse = run_paged(qo, kv, page_size, 16, 4, d, DTYPES[dtype], causal=causal, layout=layout,
+                                        single_tensor=single_tensor, kv_pass=True)
+    assert w._gathered is not None and not w._spec_kw["paged"]
+    out2, lse2 = w.run(q, cache, return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@gpu
+def test_paged_kv_pass_auto():
+    """Long queries per key at page 1: plan() picks the KV pass by itself (kv_pass_pays); at
+    page 16 the kernel reads the pages by TMA; kv_pass=False keeps the in-kernel gather."""
+    qo, kv = [2048, 700], [2048, 3000]
+    w = run_paged(qo, kv, 1, 16, 4, 128, torch.bfloat16, causal=True)[0]
+    assert w._gathered is not None
+    w = run_paged(qo, kv, 16, 16, 4, 128, torch.bfloat16, causal=True)[0]
+    assert w._gathered is None and w._spec_kw["paged"]
+    w = run_paged(qo, kv, 1, 16, 4, 128, torch.bfloat16, causal=True, kv_pass=False)[0]
+    assert w._gathered is None and w._spec_kw["paged"]
+
+
+@gpu
 def test_ragged_nan_past_the_kv():
     """k/v with NaN rows after kv_indptr[-1]: never reach the output."""
     run_ragged([300, 77], [1000, 77], 16, 4, 128, torch.bfloat16, causal=True, tail=300)
@@ -659,19 +691,49 @@ def _emulate_merge(p, part_o, part_lse, tasks, meta, out, lse, group, num_ctas):
         lse[tok, heads] = (m + torch.log2(tot)).float()
 
 
+def _emulate_kv_pass(p, k, v, k_out, v_out, qo_indptr, kv_indptr, page_indptr, page_indices, batch, sm_scale,
+                     num_ctas, *vargs):
+    """kernels/kv_pass.py: ``paged``: request b's tokens gathered from its pages into rows
+    ``kv_indptr[b]..`` of the outputs (K and V); a variant: its keys through ``transform_k``
+    (RoPE: key j of a request at position j), rounded to the input dtype; other rows left alone."""
+    from cute_attn.decode import _spec_variant
+    from cute_attn.testing.reference import rope_reference
+    from cute_attn.variants import RoPE, abi_args, components
+
+    v_ = _spec_variant(p)
+    val = dict(zip([a.name for a in abi_args(v_)], vargs))
+    assert num_ctas > 0 and batch <= kv_indptr.numel() - 1
+    ps = k.shape[1]
+    for r in range(batch):
+        a, b = int(kv_indptr[r]), int(kv_indptr[r + 1])
+        if p["paged"]:
+            pos = torch.arange(b - a)
+            pages = page_indices[int(page_indptr[r]) + pos // ps].long()
+            kk, vv = k[pages, pos % ps], v[pages, pos % ps]
+            v_out[0, a:b] = vv
+        else:
+            kk = k[0, a:b]
+        kk = kk.float()
+        for i, comp in enumerate(components(v_)):
+            if isinstance(comp, RoPE):
+                kk = rope_reference(kk, torch.arange(b - a), float(val[f"v{i}_rope_scale"]),
+                                    float(val[f"v{i}_rope_theta"]))
+        k_out[0, a:b] = kk.to(k_out.dtype)
+
+
 class _Emulated:
     """A kernel module stand-in: the real argument packer (ranks, static extents/strides,
     divisibility, alignment, variant arguments), then ``prefill`` (the attention emulation; the
     variant tests pass their own) or the merge emulation."""
 
-    def __init__(self, family, params, calls, prefill=None, key_transform=None):
+    def __init__(self, family, params, calls, prefill=None):
         from cute_attn.runtime.family import get_family
         from cute_attn.runtime.loader import make_packer
 
         self.family, self.params, self.calls = family, params, calls
         self.pack = make_packer(get_family(family).abi(params))
         self.emulate = {"batch_prefill_sm90": prefill or _emulate_prefill, "merge_partials": _emulate_merge,
-                        "key_transform": key_transform}[family]
+                        "kv_pass": _emulate_kv_pass}[family]
 
     def __call__(self, *args):
         args = [_plain(a) for a in args]
@@ -751,6 +813,76 @@ def test_cpu_tile_choice(emu):
     assert w._tile == 64
     w = run_ragged([40, 50], [50, 50], 16, 2, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws())[0]
     assert w._tile == 128  # 8 heads per group: 45 tokens -> 360 packed rows
+
+
+def test_kv_pass_pays_model():
+    from cute_attn.prefill import kv_pass_pays
+
+    # queries per key x group decides: ~2700 for the gather alone, ~500 with a key transform
+    assert kv_pass_pays([8192], [8192], 16, 16, 128, True, False)          # 8k causal, no GQA
+    assert not kv_pass_pays([512], [8192], 32, 8, 128, False, False)       # 512-token chunk on 8k: 2048
+    assert kv_pass_pays([512], [8192], 32, 8, 128, False, True)            # ... unless K is rotated too
+    assert kv_pass_pays([1024], [8192], 32, 8, 128, False, False)          # 4096
+    assert not kv_pass_pays([1] * 64, [4096] * 64, 32, 8, 128, False, True)  # decode-like
+    assert not kv_pass_pays([0, 0], [0, 0], 8, 8, 64, False, False)        # nothing to read
+    # a window bounds the keys per query
+    assert not kv_pass_pays([8192], [8192], 16, 16, 128, True, False, window_left=511)
+    # causal halves the pairs: the same lengths can stop paying
+    assert kv_pass_pays([800], [800], 32, 8, 128, False, False) and not kv_pass_pays(
+        [800], [800], 32, 8, 128, True, False)
+
+
+def test_cpu_kv_pass_choice(emu):
+    """Who gathers a paged cache: the KV pass when it pays and fits past the plan's sections
+    (never in CUDA-graph mode), else the kernel; kv_pass=True / False force it."""
+    from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
+
+    long_qo, long_kv = [400, 5], [400, 20]  # 8 query rows per key row x 381 queries per key
+    w = run_paged(long_qo, long_kv, 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws())[0]
+    assert w._gathered is not None and [c[0] for c in emu.calls][:2] == ["kv_pass", "batch_prefill_sm90"]
+    assert emu.calls[0][1] == dict(dtype="bf16", head_dim=64, paged=True) and not emu.calls[1][1]["paged"]
+    off = w._gathered[0].data_ptr() - w._workspace.data_ptr()
+    assert off >= w._planner.layout.total_bytes and off % 256 == 0
+    # page 16: the kernel's TMA boxes; short queries: the in-kernel gather
+    for ps, qo, kv in ((16, long_qo, long_kv), (1, [3, 50], [40, 900])):
+        emu.calls.clear()
+        w = run_paged(qo, kv, ps, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws())[0]
+        assert w._gathered is None and [c[0] for c in emu.calls] == ["batch_prefill_sm90"]
+    # forced either way
+    emu.calls.clear()
+    w = run_paged([3, 50], [40, 900], 16, 32, 4, 64, torch.float16, device="cpu", workspace=_cpu_ws(), kv_pass=True)[0]
+    assert w._gathered is not None and emu.calls[0][0] == "kv_pass"
+    w = run_paged(long_qo, long_kv, 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws(),
+                  kv_pass=False)[0]
+    assert w._gathered is None
+    # a workspace with room for the plan but not for K / V: the kernel gathers; forced: an error
+    gathered = 2 * sum(long_kv) * 4 * 64 * 2
+    small = _fake_cuda(torch.empty(w._planner.layout.total_bytes + gathered // 2, dtype=torch.uint8))
+    w = run_paged(long_qo, long_kv, 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=small)[0]
+    assert w._gathered is None
+    with pytest.raises(ValueError, match="kv_pass=True: float_workspace_buffer has"):
+        run_paged(long_qo, long_kv, 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=small,
+                  kv_pass=True)
+    # CUDA-graph mode: never by itself, an error when forced
+    bufs = [_fake_cuda(torch.zeros(n, dtype=torch.int32)) for n in (3, 3, 500, 2)]
+    wg = BatchPrefillWithPagedKVCacheWrapper(_cpu_ws(), use_cuda_graph=True, qo_indptr_buf=bufs[0],
+                                             paged_kv_indptr_buf=bufs[1], paged_kv_indices_buf=bufs[2],
+                                             paged_kv_last_page_len_buf=bufs[3])
+    args = (torch.tensor([0, 400, 405]), torch.tensor([0, 400, 420]), torch.arange(420, dtype=torch.int32),
+            torch.tensor([1, 1]), 32, 4, 64, 1)
+    wg.plan(*args, q_data_type=torch.bfloat16)
+    assert wg._gathered is None
+    with pytest.raises(ValueError, match="kv_pass=True is not available with use_cuda_graph"):
+        wg.plan(*args, q_data_type=torch.bfloat16, kv_pass=True)
+
+
+def test_cpu_kv_pass_empty_requests(emu):
+    """The gathered path with requests without queries / keys, and a batch without any key."""
+    run_paged([0, 5, 0, 300, 7], [10, 0, 0, 500, 7], 1, 8, 8, 64, torch.bfloat16, device="cpu",
+              workspace=_cpu_ws(), kv_pass=True)
+    emu.calls.clear()
+    run_paged([4, 9], [0, 0], 1, 8, 8, 64, torch.float16, device="cpu", workspace=_cpu_ws(), kv_pass=True)
+    assert emu.calls == []  # o = 0, lse = -inf without a kernel
 
 
 def test_cpu_cuda_graph_mode(emu):

@@ -167,13 +167,27 @@ def test_variant_prefill(name, config):
 
 
 @gpu
-@pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: c[0])
-def test_rope_prefill_long_context(config):
-    """Appends at positions past 32k: ragged (the key-transform pass) and paged (the producer's
-    rotation of K blocks); angles of ~20000 rad at the lowest dims (rope_scale 2), reduced in
-    fixed point."""
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c[3]], ids=lambda c: c[0])
+@pytest.mark.parametrize("name", NAMES)
+def test_variant_prefill_kv_pass(name, config):
+    """A paged cache gathered by the KV pass (plan(kv_pass=True); RoPE rotates K there), then
+    the ragged kernel with the variant."""
     _, dt, d, paged, causal, hq, hk, ps = config
-    run_variant("rope", DTYPES[dt], d, paged, causal, hq, hk, ps, [40, 3], [40000, 33001])  # 128-row tiles
+    w = run_variant(name, DTYPES[dt], d, paged, causal, hq, hk, ps, QO_LENS, KV_LENS, packed=paged, kv_pass=True)[0]
+    assert w._gathered is not None and not w._spec_kw["paged"]
+    assert bool(w._spec_kw.get("keys_transformed")) == ("rope" in name)
+
+
+@gpu
+@pytest.mark.parametrize("config,kv_pass", [(CONFIGS[0], None), (CONFIGS[1], False), (CONFIGS[1], True)],
+                         ids=["ragged", "paged", "paged-kv_pass"])
+def test_rope_prefill_long_context(config, kv_pass):
+    """Appends at positions past 32k: ragged (the KV pass rotates K), paged (the producer's
+    rotation of K blocks) and paged through the KV pass; angles of ~20000 rad at the lowest dims
+    (rope_scale 2), reduced in fixed point."""
+    _, dt, d, paged, causal, hq, hk, ps = config
+    extra = {} if kv_pass is None else dict(kv_pass=kv_pass)
+    run_variant("rope", DTYPES[dt], d, paged, causal, hq, hk, ps, [40, 3], [40000, 33001], **extra)  # 128-row tiles
 
 
 @gpu
@@ -375,7 +389,8 @@ def test_resolve_variant_rules():
 
 def test_variant_prefill_specs_and_abi():
     from cute_attn.decode import _spec_variant
-    from cute_attn.prefill import PREFILL_ARCH, _prefill_abi, _prefill_abi_fixed, variant_prefill_specs
+    from cute_attn.prefill import (PREFILL_ARCH, VARIANT_TEST_CONFIGS, _prefill_abi, _prefill_abi_fixed,
+                                   variant_prefill_specs)
     from cute_attn.runtime.abi import ScalarArg, TensorArg
     from cute_attn.variants import abi_args, fingerprint
 
@@ -383,15 +398,20 @@ def test_variant_prefill_specs_and_abi():
     assert variant_prefill_specs("sm_100a") == []
     assert len(all_specs) == len(set(all_specs))
     specs = [s for s in all_specs if s.family == "batch_prefill_sm90"]
-    passes = [s for s in all_specs if s.family == "key_transform"]
+    passes = [s for s in all_specs if s.family == "kv_pass"]
     assert len(specs) + len(passes) == len(all_specs) and all(s.param("tile_q") == 128 for s in specs)
-    # ragged RoPE: the kernel reads the key-transform pass's keys; every such pass is listed
+    # ragged RoPE (a gathered paged cache included): the kernel reads the KV pass's keys; every
+    # such pass is listed
     pre = [s for s in specs if s.pdict.get("keys_transformed")]
     assert pre and all(not s.param("paged") and "RoPE" in s.param("variant") for s in pre)
     assert all(bool(s.pdict.get("keys_transformed")) == (not s.param("paged"))
                for s in specs if "RoPE" in s.pdict.get("variant", ""))
-    assert {(s.param("dtype"), s.param("head_dim"), s.param("variant")) for s in passes} == {
+    assert {(s.param("dtype"), s.param("head_dim"), s.param("variant")) for s in passes if "variant" in s.pdict} == {
         (s.param("dtype"), s.param("head_dim"), s.param("variant")) for s in pre if "Sink" not in s.param("variant")}
+    # the paged configurations' gathers (plan(kv_pass=...)), without a key transform too
+    paged_cfgs = {(dt, d) for dt, d, ps, _ in VARIANT_TEST_CONFIGS if ps}
+    assert {(s.param("dtype"), s.param("head_dim")) for s in passes if s.param("paged")} == paged_cfgs
+    assert any(s.param("paged") and "variant" not in s.pdict for s in passes)
     fixed = _prefill_abi_fixed(specs[0].pdict)
     assert [a.name for a in fixed][-5:] == ["group", "sm_scale", "soft_cap", "window_left", "num_ctas"]
     fps = set()
@@ -549,26 +569,6 @@ def _emulate_variant_prefill(p, q, k4, v4, kv_indptr, kv_indices, out, lse, work
                 part_lse[dest * tile:dest * tile + nr] = row_lse.float()
 
 
-def _emulate_key_transform(p, k4, k_out, qo_indptr, kv_indptr, batch, sm_scale, num_ctas, *vargs):
-    """kernels/key_transform.py: each request's keys through the variant's transform_k (RoPE:
-    key j of a request at position j), rounded to the input dtype; other rows left alone."""
-    from cute_attn.decode import _spec_variant
-    from cute_attn.variants import RoPE, abi_args, components
-
-    v = _spec_variant(p)
-    names = [a.name for a in abi_args(v)]
-    val = dict(zip(names, vargs))
-    assert batch == kv_indptr.numel() - 1 and num_ctas > 0
-    for r in range(batch):
-        a, b = int(kv_indptr[r]), int(kv_indptr[r + 1])
-        kk = k4[0, a:b].float()
-        for i, comp in enumerate(components(v)):
-            if isinstance(comp, RoPE):
-                kk = rope_reference(kk, torch.arange(b - a), float(val[f"v{i}_rope_scale"]),
-                                    float(val[f"v{i}_rope_theta"]))
-        k_out[0, a:b] = kk.to(k_out.dtype)
-
-
 @pytest.fixture
 def emu(monkeypatch):
     import cute_attn.prefill as P
@@ -577,7 +577,7 @@ def emu(monkeypatch):
     monkeypatch.setattr(P, "arch_of_index", lambda i: "sm_90a")
     monkeypatch.setattr(P, "sm_count_of_index", lambda i: 8)
     monkeypatch.setattr(P, "kernel", lambda family, arch, **params: _Emulated(
-        family, params, calls, _emulate_variant_prefill, _emulate_key_transform))
+        family, params, calls, _emulate_variant_prefill))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
@@ -589,18 +589,26 @@ CPU_CONFIGS = [("bf16", 64, False, True, 8, 2, 0), ("f16", 64, True, False, 4, 4
 
 @pytest.mark.parametrize("config", CPU_CONFIGS, ids=lambda c: f"{c[0]}-{'paged' if c[2] else 'ragged'}-c{int(c[3])}")
 @pytest.mark.parametrize("name", NAMES)
-def test_cpu_variant_wiring(emu, name, config):
+@pytest.mark.parametrize("kv_pass", [None, True])
+def test_cpu_variant_wiring(emu, name, config, kv_pass):
     dt, d, paged, causal, hq, hk, ps = config
+    if kv_pass and not paged:
+        pytest.skip("kv_pass is a paged plan's option")
     qo, kv = [1, 17, 40, 0, 9], [1, 40, 90, 9, 9]
     run_variant(name, DTYPES[dt], d, paged, causal, hq, hk, ps, qo, kv, seed=11, device="cpu", workspace=_cpu_ws(),
-                packed=paged)
+                packed=paged, **({} if kv_pass is None else dict(kv_pass=kv_pass)))
     fams = [c[0] for c in emu]
     fam, params = emu[fams.index("batch_prefill_sm90")]
-    # RoPE over ragged KV: the key-transform pass, then a kernel that reads its keys
-    pre = "rope" in name and not paged
-    assert ("key_transform" in fams) == pre and bool(params.get("keys_transformed")) == pre
-    if pre:
-        assert fams.index("key_transform") < fams.index("batch_prefill_sm90")
+    # RoPE over ragged KV, or a paged cache the KV pass gathers: the pass, then a kernel that
+    # reads its keys by TMA (pre-rotated with RoPE); these short lengths never pay for the pass
+    gathered = bool(kv_pass)
+    pre = "rope" in name and (not paged or gathered)
+    assert ("kv_pass" in fams) == (pre or gathered) and bool(params.get("keys_transformed")) == pre
+    assert params["paged"] == (paged and not gathered)
+    if pre or gathered:
+        assert fams.index("kv_pass") < fams.index("batch_prefill_sm90")
+        pass_params = emu[fams.index("kv_pass")][1]
+        assert pass_params["paged"] == gathered and ("variant" in pass_params) == pre
     if name == "causal":
         assert "variant" not in params and params["causal"]
     else:

@@ -11,7 +11,8 @@ soft-cap over plain attention):
 
 * ``prefill/hd{128,256}/{causal,noncausal}/s8192``: batch 2 x 16 heads (no GQA, as FA's
   benchmarks), ragged KV; ``.../page16`` and ``.../page1``: the same shapes from a paged cache
-  (pages in random order);
+  (pages in random order; page 1 as the wrapper runs it, the KV pass gathering the cache first,
+  and ``.../page1/in_kernel_gather`` with ``kv_pass=False``);
 * ``prefill/hd128/causal/varlen32_lognormal2k``: 32 requests of lognormal lengths (mean ~2k,
   fixed seed), ragged, vs FlexAttention over the packed tokens with a document (block-diagonal
   causal) mask and SDPA on padded dense tensors;
@@ -62,9 +63,10 @@ def _ours_ragged(ws, lens, q, k, v, causal, d, soft_cap=None):
     return do_bench(lambda: w.run(q, k, v, out=out, lse=lse))
 
 
-def _ours_paged(ws, lens, q, k, v, causal, d, page_size, gen):
+def _ours_paged(ws, lens, q, k, v, causal, d, page_size, gen, kv_pass=None):
     """The ragged k/v re-cut into pages of ``page_size`` tokens in random order (every request
-    starts on a page boundary; the lengths are multiples of the page size here)."""
+    starts on a page boundary; the lengths are multiples of the page size here); ``kv_pass``:
+    plan()'s option (None: the wrapper's choice)."""
     from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
 
     assert all(n % page_size == 0 for n in lens)
@@ -77,7 +79,7 @@ def _ours_paged(ws, lens, q, k, v, causal, d, page_size, gen):
     w = BatchPrefillWithPagedKVCacheWrapper(ws)
     w.plan(_indptr(lens), _indptr([n // page_size for n in lens]), perm.to(torch.int32),
            torch.full((len(lens),), page_size, dtype=torch.int32), q.shape[1], k.shape[1], d, page_size,
-           causal=causal, q_data_type=DT)
+           causal=causal, q_data_type=DT, kv_pass=kv_pass)
     out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[1], device="cuda")
     w.run(q, (kc, vc), out=out, lse=lse)
     return do_bench(lambda: w.run(q, (kc, vc), out=out, lse=lse))
@@ -157,7 +159,8 @@ def _row(res, case, flops, t_ours, baselines, extra=""):
 
 def bench_prefill(res, quick: bool) -> None:
     gen = torch.Generator().manual_seed(0)
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    # room for the plan and, at page 1, the KV pass's contiguous K and V (268 MB at hd256)
+    ws = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     impls = ("sdpa_cudnn", "sdpa_flash", "flex")
     print(f"{'prefill case (bf16; TFLOP/s, ours/baseline)':<48} {'ours':>7} {'us':>9}  "
           + " ".join(f"{i:>15}" for i in impls))
@@ -177,13 +180,15 @@ def bench_prefill(res, quick: bool) -> None:
             if not quick:
                 base.append(("flex", _flex(q4, k4, v4, _causal_mask if causal else None)))
             _row(res, case, flops, t, base)
-            for ps in ((16,) if quick else (16, 1)):
-                tp = _ours_paged(ws, lens, q, k, v, causal, d, ps, gen)
-                res.add(f"{case}/page{ps}", "cute_attn", "us", tp)
-                res.add(f"{case}/page{ps}", "cute_attn", "TFLOP/s", _tflops(flops, tp))
-                res.add(f"{case}/page{ps}", "cute_attn", "ratio", tp / t)
-                print(f"{case + f'/page{ps}':<48} {_tflops(flops, tp):7.1f} {tp:9.1f}  "
-                      f"({tp / t:4.2f}x the ragged time)")
+            # page 1: the wrapper's choice (the KV pass here), and the in-kernel gather alone
+            for ps, kv_pass, tag in ((16, None, ""), (1, None, ""), (1, False, "/in_kernel_gather"))[
+                    :1 if quick else None]:
+                tp = _ours_paged(ws, lens, q, k, v, causal, d, ps, gen, kv_pass)
+                pcase = f"{case}/page{ps}{tag}"
+                res.add(pcase, "cute_attn", "us", tp)
+                res.add(pcase, "cute_attn", "TFLOP/s", _tflops(flops, tp))
+                res.add(pcase, "cute_attn", "ratio", tp / t)
+                print(f"{pcase:<48} {_tflops(flops, tp):7.1f} {tp:9.1f}  ({tp / t:4.2f}x the ragged time)")
             if d == 128 and causal:
                 tc = _ours_ragged(ws, lens, q, k, v, causal, d, soft_cap=SOFT_CAP)
                 vcase = f"variant/softcap/{case}"

@@ -1,0 +1,146 @@
+"""The KV pass: one memory-bound sweep over a batch's keys (and values) before the prefill
+kernel, so that the kernel reads plain contiguous K/V by TMA.  Two jobs, one mechanism:
+
+* ``transform_k`` (RoPE): a key transform depends only on the key (its position, head,
+  request), yet inside the attention kernel every query tile that reads a K block would
+  transform it again -- and the producer cannot transform a TMA-written tile without another
+  barrier, so such kernels fall back to the cp.async gather (1.84x the plain kernel's time at
+  2 x 8k causal, hd128).  Here each key is read, transformed and written once.
+* ``paged``: the gather of a paged cache into contiguous ``[1, tokens, kv_heads, head_dim]``
+  K and V (token t of request b in page ``kv_indices[page_indptr[b] + t // page_size]``, slot
+  ``t % page_size``).  A cache whose pages are not whole TMA boxes (page sizes other than
+  multiples of 16, page 1 above all) is otherwise gathered inside the kernel by 16-byte
+  ``cp.async``, for every query tile that reads a block, at 15-20 % of the TMA kernel's time
+  (BENCHMARKS.md, session 7); this pass reads the cache once and writes it once.
+
+Both at once for a paged cache with a key transform.  A ragged batch without a key transform
+has nothing to do here (the builder refuses it).  The wrapper decides when the pass pays
+(``prefill.kv_pass_pays``): its cost is 2 x the bytes moved, the kernel's saving a share of
+its own time, which grows with the queries per key.
+
+Work split: a thread takes chunks ``c`` and ``c + D/16`` of rows (token, kv head): the 8
+pairs of dims (d, d + D/2) a RoPE-style transform combines, 2 x 16 bytes per row of K (and
+of V); ``c`` is fixed per thread.  Rows are numbered token-major and walked by a grid-stride
+loop, two per iteration, so each thread's tokens only increase and the request of a token is
+found by a cursor over ``kv_indptr`` (tokens) that only moves forward.  The loop bound
+(``kv_indptr[batch]``) is read on the device: a captured graph replays any plan whose indptr
+lies in the same buffer (unused tail entries repeat the last offset: empty requests).  Plain
+SIMT loads and stores, so nothing here is Hopper-specific.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from ..variants.base import Ctx, Hooks
+from ..variants.trace import make_entry, transform_pairs
+
+THREADS = 256
+
+
+class KvPass:
+    def __init__(self, dtype, head_dim: int, paged: bool, variant):
+        self.hooks = Hooks(variant)
+        self.transform = self.hooks.has_transform_k
+        if not (paged or self.transform):
+            raise ValueError(f"kv_pass: a ragged batch and variant {variant!r} without transform_k: nothing to do")
+        self.dtype, self.head_dim, self.paged = dtype, head_dim, paged
+        self.half = head_dim // 16  # threads per row: each takes 16-byte chunks c and c + half
+        self.rows_per_cta = THREADS // self.half
+
+    @cute.jit
+    def host(self, mK: cute.Tensor, mV: cute.Tensor, mKout: cute.Tensor, mVout: cute.Tensor,
+             mQoIndptr: cute.Tensor, mKvIndptr: cute.Tensor, mPageIndptr: cute.Tensor, mPageIndices: cute.Tensor,
+             batch: Int32, sm_scale: Float32, num_ctas: Int32, var_tensors: tuple, var_scalars: tuple,
+             stream: cuda.CUstream):
+        """``mK`` / ``mV``: the cache, ``[pages, page_size, kv_heads, head_dim]`` (paged) or
+        ``[1, tokens, kv_heads, head_dim]`` (ragged; ``mV`` / ``mVout`` / ``mPage*`` unused);
+        ``mKout`` / ``mVout``: ``[1, tokens, kv_heads, head_dim]``; ``mKvIndptr``: tokens per
+        request (prefix sums); ``num_ctas``: the grid (the wrapper passes 8 per SM: 2048
+        threads, each with 32 or 64 bytes in flight, cover the HBM latency)."""
+        self.kernel(mK, mV, mKout, mVout, mQoIndptr, mKvIndptr, mPageIndptr, mPageIndices, batch, sm_scale,
+                    var_tensors, var_scalars).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mK: cute.Tensor, mV: cute.Tensor, mKout: cute.Tensor, mVout: cute.Tensor,
+               mQoIndptr: cute.Tensor, mKvIndptr: cute.Tensor, mPageIndptr: cute.Tensor, mPageIndices: cute.Tensor,
+               batch: Int32, sm_scale: Float32, var_tensors: tuple, var_scalars: tuple):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        nctas, _, _ = cute.arch.grid_dim()
+        half = self.half
+        vargs = self.hooks.bind(var_tensors, var_scalars)
+        heads = cute.FastDivmodDivisorV2(mK.shape[2])  # row -> (token, head): multiply-high, no division
+        page_size = cute.FastDivmodDivisorV2(mK.shape[1])
+        # thread t always takes chunk pair c = t % half of its rows (the stride is a multiple of
+        # the rows per CTA), so what a transform computes per dimension (RoPE's frequencies) is
+        # loop-invariant and computed once
+        c = tidx % half
+        stride = nctas * self.rows_per_cta
+        end = mKvIndptr[batch] * heads.divisor
+        req = Int32(0)
+        kv_start, kv_end = mKvIndptr[0], mKvIndptr[1]
+        page_base = mPageIndptr[0] if self.paged else Int32(0)
+        n_tensors = 2 if self.paged else 1
+        # two rows per iteration, both loaded before either is used (more bytes in flight)
+        first = kv_start * heads.divisor + cta * self.rows_per_cta + tidx // half
+        for r0 in cutlass.range(first, end, 2 * stride, unroll=1):
+            rows = [r0, r0 + stride]
+            lo = [[cute.make_rmem_tensor((8,), self.dtype) for _ in range(n_tensors)] for _ in rows]
+            hi = [[cute.make_rmem_tensor((8,), self.dtype) for _ in range(n_tensors)] for _ in rows]
+            token, head, pos, reqs, lens = [], [], [], [], []
+            for i in cutlass.range_constexpr(2):
+                t, h = divmod(cutlass.min(rows[i], end - 1), heads)  # a past-the-end row re-reads the last
+                while t >= kv_end:  # the next non-empty request (kv_indptr is non-decreasing)
+                    req += 1
+                    kv_start = kv_end
+                    kv_end = mKvIndptr[req + 1]
+                    if cutlass.const_expr(self.paged):
+                        page_base = mPageIndptr[req]
+                token.append(t)
+                head.append(h)
+                pos.append(t - kv_start)
+                reqs.append(req)
+                lens.append(kv_end - kv_start)
+                if cutlass.const_expr(self.paged):
+                    page_idx, slot = divmod(t - kv_start, page_size)
+                    page = mPageIndices[page_base + page_idx]
+                    srcs = [mK[page, slot, h, None], mV[page, slot, h, None]]
+                else:
+                    srcs = [mK[0, t, h, None]]
+                for j in cutlass.range_constexpr(n_tensors):
+                    cute.autovec_copy(cute.local_tile(srcs[j], (8,), (c,)), lo[i][j])
+                    cute.autovec_copy(cute.local_tile(srcs[j], (8,), (c + half,)), hi[i][j])
+            if cutlass.const_expr(self.transform):
+                for i in cutlass.range_constexpr(2):
+                    self._transform_row(reqs[i], head[i], pos[i], mQoIndptr[reqs[i] + 1] - mQoIndptr[reqs[i]],
+                                        lens[i], sm_scale, vargs, lo[i][0], hi[i][0], c)
+            outs = [mKout, mVout]
+            for i in cutlass.range_constexpr(2):
+                if rows[i] < end:
+                    for j in cutlass.range_constexpr(n_tensors):
+                        dst = outs[j][0, token[i], head[i], None]
+                        cute.autovec_copy(lo[i][j], cute.local_tile(dst, (8,), (c,)))
+                        cute.autovec_copy(hi[i][j], cute.local_tile(dst, (8,), (c + half,)))
+
+    def _transform_row(self, req, head, kv_pos, qo_len, kv_len, sm_scale, vargs, lo, hi, c):
+        """transform_k on one row's chunk pair (a helper: the Ctx stays out of the kernel's loop)."""
+        ctx = Ctx(batch=req, kv_head=head, kv_pos=kv_pos, qo_len=qo_len, kv_len=kv_len, head_dim=self.head_dim,
+                  sm_scale=sm_scale)
+        transform_pairs(self.hooks, vargs, ctx, lo, hi, c * 8, self.dtype, query=False)
+
+
+_DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
+
+
+def build_kv_pass(spec):
+    """The jit entry of a ``kv_pass`` spec (dtype, head_dim, paged, variant, variant_fp)."""
+    from ..families import kv_pass_abi_fixed, spec_variant
+    from ..variants.base import abi_args
+
+    p = spec.pdict
+    variant = spec_variant(p)
+    return make_entry(KvPass(_DTYPES[p["dtype"]], p["head_dim"], bool(p["paged"]), variant), kv_pass_abi_fixed(p),
+                      abi_args(variant))
