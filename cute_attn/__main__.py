@@ -1,8 +1,8 @@
 """``python -m cute_attn {compile,info,bench}``.
 
 compile  build specializations for one or more arches into the module cache (no GPU needed;
-         needs nvidia-cutlass-dsl).  One worker process per arch, since the DSL takes its
-         target arch from the environment when it is imported.
+         needs nvidia-cutlass-dsl).  ``--jobs`` worker processes per arch (the DSL takes its
+         target arch from the environment when it is imported), each a share of the specs.
 info     versions, cache location and contents, CUDA runtime and GPU (if any).
 bench    side-by-side benchmarks on a GPU machine (see cute_attn/bench/).
 """
@@ -45,22 +45,24 @@ def _cmd_compile(args) -> int:
     from .runtime.spec import Spec
 
     archs = args.arch or ["sm_90a", "sm_100a"]
-    jobs = {}
+    jobs = []  # (arch, specs) per worker: round-robin shares of each arch's specs
     for arch in archs:
         specs = [Spec.parse(s, arch) for s in args.spec] if args.spec else preset_specs(args.preset, arch)
-        jobs[arch] = [s.cli() for s in specs]
-    total = sum(len(v) for v in jobs.values())
-    procs = {}
-    for arch, specs in jobs.items():
+        texts = [s.cli() for s in specs]
+        n = max(1, min(args.jobs, len(texts)))
+        jobs += [(arch, texts[i::n]) for i in range(n) if texts[i::n]]
+    total = sum(len(v) for _, v in jobs)
+    procs = []
+    for arch, specs in jobs:
         cmd = [sys.executable, "-m", "cute_attn", "_compile_worker", "--arch", arch, *sum([["--spec", s] for s in specs], [])]
         if args.out:
             cmd += ["--out", args.out]
         if args.force:
             cmd.append("--force")
         env = dict(os.environ, CUTE_DSL_ARCH=arch)
-        procs[arch] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        procs.append((arch, subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)))
     rows, done, t0 = [], 0, time.perf_counter()
-    for arch, p in procs.items():  # workers run concurrently; read them one after the other
+    for arch, p in procs:  # workers run concurrently; read them one after the other
         for line in p.stdout:
             try:
                 rec = json.loads(line)
@@ -73,7 +75,7 @@ def _cmd_compile(args) -> int:
         p.wait()
     print(file=sys.stderr)
     _print_table(rows)
-    failed = [r for r in rows if not r["ok"]] or [a for a, p in procs.items() if p.returncode]
+    failed = [r for r in rows if not r["ok"]] or [a for a, p in procs if p.returncode]
     print(f"{len(rows) - len([r for r in rows if not r['ok']])}/{total} specializations ready in "
           f"{time.perf_counter() - t0:.1f} s; cache: {args.out or _cache_root()}")
     return 1 if failed else 0
@@ -142,6 +144,7 @@ def main(argv=None) -> int:
     c.add_argument("--spec", action="append", help="one specialization, 'family:k=v,...' (repeatable; overrides --preset)")
     c.add_argument("--out", help="cache directory (default $CUTE_ATTN_CACHE_DIR or ~/.cache/cute_attn)")
     c.add_argument("--force", action="store_true", help="rebuild even if cached")
+    c.add_argument("--jobs", "-j", type=int, default=1, help="worker processes per arch (default 1)")
     w = sub.add_parser("_compile_worker")
     w.add_argument("--arch", required=True)
     w.add_argument("--spec", dest="specs", action="append", default=[])

@@ -96,14 +96,16 @@ def kv_pass_spec(arch: str, dtype: str, head_dim: int, paged: bool, variant):
 
 
 # When the KV pass pays for a paged cache (``kv_pass_pays``).  Its cost: read + write K and V
-# once at ~3 TB/s.  Its saving: what the kernel's in-kernel gather costs over TMA, a share of
-# the attention's time (~600 TFLOP/s at hd128/256 on an H200): 15-20 % for the 16-byte
-# cp.async gather (BENCHMARKS.md, batch prefill session 7: page 1 at 1.15-1.20x ragged) and
-# ~84 % when the producer also rotates every gathered K block (RoPE on a paged cache: 1.84x).
-PASS_COPY_RATE = 3.0e12         # bytes / s, read + write, of the pass
+# once (3.3-3.7 TB/s on an H200 for 0.1-0.5 GB).  Its saving: what the kernel's in-kernel
+# gather costs over TMA, a share of the attention's time (~600 TFLOP/s at hd128/256): 16-23 %
+# for the 16-byte cp.async gather and 46-143 % when the producer also rotates every gathered K
+# block (RoPE).  Measured by scripts/kv_pass_sweep.py (BENCHMARKS.md, batch prefill session
+# 10, device run 2): constants fitted to its 16 cases, where the model then picks the faster
+# path every time (in-sample; the misses would be near the break-even, within ~5 %).
+PASS_COPY_RATE = 3.3e12         # bytes / s, read + write, of the pass
 PASS_ATTN_RATE = 600e12         # FLOP / s of the prefill kernel
-PASS_SAVES_GATHER = 0.15        # in-kernel cp.async gather: share of the kernel's time
-PASS_SAVES_TRANSFORM = 0.8      # in-kernel gather + transform_k of every K block
+PASS_SAVES_GATHER = 0.2         # in-kernel cp.async gather: share of the kernel's time
+PASS_SAVES_TRANSFORM = 1.0      # in-kernel gather + transform_k of every K block
 
 
 def kv_pass_pays(qo_lens, kv_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int, causal: bool,
@@ -113,7 +115,7 @@ def kv_pass_pays(qo_lens, kv_lens, num_qo_heads: int, num_kv_heads: int, head_di
     x head_dim x elt_bytes bytes; it saves a share of 4 x head_dim x qo_heads x (query, key)
     pairs FLOPs (causal: the lower triangle, bottom-right aligned; a window: at most
     ``window_left + 1`` keys per query).  It pays when each key is read by enough query rows:
-    about qo_len x group >= 2700 (>= 500 with a key transform)."""
+    about qo_len x group >= 1800 (>= 360 with a key transform)."""
     qo = np.asarray(qo_lens, dtype=np.float64)
     kv = np.asarray(kv_lens, dtype=np.float64)
     pairs = qo * kv

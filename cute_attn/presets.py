@@ -81,8 +81,15 @@ def _default(arch: str) -> List[Spec]:
     return specs + _prefill(arch) if _prefill_kernel_present() else specs
 
 
+def _all(arch: str) -> List[Spec]:
+    """``default`` and ``variants``: everything the GPU tests and ``python -m cute_attn bench``
+    load (what a GPU machine without the DSL needs)."""
+    return list(dict.fromkeys(_default(arch) + _variants(arch)))
+
+
 PRESETS: Dict[str, callable] = {
     "default": _default,
+    "all": _all,
     "decode": _decode,
     "prefill": _prefill,
     "variants": _variants,

@@ -818,11 +818,11 @@ def test_cpu_tile_choice(emu):
 def test_kv_pass_pays_model():
     from cute_attn.prefill import kv_pass_pays
 
-    # queries per key x group decides: ~2700 for the gather alone, ~500 with a key transform
+    # queries per key x group decides: ~1800 for the gather alone, ~360 with a key transform
     assert kv_pass_pays([8192], [8192], 16, 16, 128, True, False)          # 8k causal, no GQA
-    assert not kv_pass_pays([512], [8192], 32, 8, 128, False, False)       # 512-token chunk on 8k: 2048
-    assert kv_pass_pays([512], [8192], 32, 8, 128, False, True)            # ... unless K is rotated too
-    assert kv_pass_pays([1024], [8192], 32, 8, 128, False, False)          # 4096
+    assert not kv_pass_pays([256], [8192], 32, 8, 128, False, False)       # 256-token chunk on 8k: 1024
+    assert kv_pass_pays([256], [8192], 32, 8, 128, False, True)            # ... unless K is rotated too
+    assert kv_pass_pays([512], [8192], 32, 8, 128, False, False)           # 2048
     assert not kv_pass_pays([1] * 64, [4096] * 64, 32, 8, 128, False, True)  # decode-like
     assert not kv_pass_pays([0, 0], [0, 0], 8, 8, 64, False, False)        # nothing to read
     # a window bounds the keys per query

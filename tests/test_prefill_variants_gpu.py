@@ -445,6 +445,10 @@ def test_presets_list_the_variant_specs():
     assert set(variant_prefill_specs("sm_90a")) <= got and set(variant_decode_specs("sm_90a")) <= got
     assert set(variant_decode_specs("sm_90a")) <= set(preset_specs("default", "sm_90a"))
     assert set(variant_decode_specs("sm_100a")) <= set(preset_specs("variants", "sm_100a"))
+    for arch in ("sm_90a", "sm_100a"):  # `all`: what a GPU machine without the DSL needs
+        every = preset_specs("all", arch)
+        assert len(every) == len(set(every))
+        assert set(every) == set(preset_specs("default", arch)) | set(preset_specs("variants", arch))
 
 
 # ---- the wrappers on the CPU against an emulation of the kernel's variant contract
