@@ -47,7 +47,7 @@ from .decode import _DTYPES, SUPPORTED_HEAD_DIMS, _arange, _as_dtype, _kv_views,
 from .families import variant_params
 from .runtime.arch import arch_of_index, sm_count_of_index
 from .families import BATCH_PREFILL_SM90, PREFILL_ARCH, prefill_abi, prefill_abi_fixed  # noqa: F401
-from .runtime.loader import kernel
+from .runtime.loader import KernelNotAvailable, kernel
 from .sched import Limits, Planner, WorkspaceLayout
 from .sched.cost import choose_cta_tile_q
 from .sched.inputs import as_index_array, check_indptr, kv_lens_from_paged, kv_lens_from_ragged
@@ -59,7 +59,7 @@ PREFILL_TILES = (64, 128)     # packed query rows per work item: one or two cons
 _FIXED_SPLIT_TILE = 128       # fixed_split_size: a tile that does not depend on the batch
 PAGE_BOX = 16                 # paged K/V by TMA, one box per 16 rows of a page (page sizes k*16)
 _NO_SPLIT = 1 << 30           # disable_split_kv: a kv_split_size longer than any request
-_KV_PASS_CTAS_PER_SM = 8      # the KV pass: 8 x 256 threads per SM, 32 (64 for K and V) bytes in flight each
+_KV_PASS_CTAS_PER_SM = 8      # the KV pass's grid per SM (256 threads each; 64 or 80 registers: 3-4 resident)
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
              if hasattr(torch, n))
 
@@ -97,7 +97,7 @@ def kv_pass_spec(arch: str, dtype: str, head_dim: int, paged: bool, variant):
 
 # When the KV pass pays for a paged cache (``kv_pass_pays``).  Its cost: read + write K and V
 # once (3.3-3.7 TB/s on an H200 for 0.1-0.5 GB).  Its saving: what the kernel's in-kernel
-# gather costs over TMA, a share of the attention's time (~600 TFLOP/s at hd128/256): 16-23 %
+# gather costs over TMA, a share of the attention's time (~600 TFLOP/s at hd128/256): 16-29 %
 # for the 16-byte cp.async gather and 46-143 % when the producer also rotates every gathered K
 # block (RoPE).  Measured by scripts/kv_pass_sweep.py (BENCHMARKS.md, batch prefill session
 # 10, device run 2): constants fitted to its 16 cases, where the model then picks the faster
@@ -113,16 +113,20 @@ def kv_pass_pays(qo_lens, kv_lens, num_qo_heads: int, num_kv_heads: int, head_di
     """Whether gathering a paged cache by the KV pass (then reading it by TMA) beats the
     kernel's in-kernel gather, by the model above: the pass costs 2 x 2 x kv_tokens x kv_heads
     x head_dim x elt_bytes bytes; it saves a share of 4 x head_dim x qo_heads x (query, key)
-    pairs FLOPs (causal: the lower triangle, bottom-right aligned; a window: at most
-    ``window_left + 1`` keys per query).  It pays when each key is read by enough query rows:
-    about qo_len x group >= 1800 (>= 360 with a key transform)."""
+    pairs FLOPs (causal: the lower triangle, bottom-right aligned; a window: the keys it
+    hides).  It pays when each key is read by enough query rows: non-causal, about qo_len x
+    group >= 1800 (>= 360 with a key transform); causal with qo_len = kv_len, twice that."""
     qo = np.asarray(qo_lens, dtype=np.float64)
     kv = np.asarray(kv_lens, dtype=np.float64)
     pairs = qo * kv
-    if causal:  # query i (of qo) sees kv - qo + i + 1 keys
+    if causal:  # query i (of qo) sees kv - qo + i + 1 keys; a window: at most window_left + 1
         pairs = pairs - qo * (qo - 1) / 2
-    if window_left >= 0:
-        pairs = np.minimum(pairs, qo * (window_left + 1.0))
+        if window_left >= 0:
+            pairs = np.minimum(pairs, qo * (window_left + 1.0))
+    elif window_left >= 0:  # query i misses the max(0, kv - qo + i - window_left) keys on its left
+        a = kv - qo - window_left
+        m = np.maximum(0.0, qo + np.minimum(a, 0.0))  # queries that miss any key
+        pairs = pairs - (m * np.maximum(a, 0.0) + m * (m - 1) / 2)
     t_attn = 4.0 * head_dim * num_qo_heads * float(pairs.sum()) / PASS_ATTN_RATE
     t_pass = 4.0 * num_kv_heads * head_dim * elt_bytes * float(kv.sum()) / PASS_COPY_RATE
     saves = PASS_SAVES_TRANSFORM if transform else PASS_SAVES_GATHER
@@ -441,7 +445,8 @@ class _BatchPrefillBase:
                       soft_cap_value=soft_cap, window_left=window_left, variant=vbase.encode(var),
                       page_box=page_box_for(self._PAGED, int(page_size)))  # the KV pass may change it
 
-        if split_tokens is not None:
+        batch_invariant = split_tokens is not None  # fixed_split_size: nothing may depend on the batch
+        if batch_invariant:
             tile = _FIXED_SPLIT_TILE  # batch-invariant: the tile may not depend on the batch either
         else:
             with_q = int(np.count_nonzero(qo_len))
@@ -466,22 +471,21 @@ class _BatchPrefillBase:
         lim, grow = self._choose_limits(batch, total_q, hq, hk, d, num_ctas)
         gather = None  # (offset, bytes per tensor) of the gathered K / V in the workspace
         if self._PAGED:
-            gather = self._gather_region(kv_pass, lim, num_ctas, int(page_size), var, qo_len, kv_lens, causal,
+            # batch-invariant plans take the pass only when asked: the model weighs the whole batch
+            want = False if kv_pass is None and batch_invariant else kv_pass
+            gather = self._gather_region(want, lim, num_ctas, int(page_size), var, qo_len, kv_lens, causal,
                                          window_left, hq, hk, d, q_dtype)
-        paged = self._PAGED and gather is None  # the kernel reads the cache itself
-        launch["page_box"] = page_box_for(paged, int(page_size))
         # modules first (loaded here, outside any capture): a missing one must fail before the
         # new plan overwrites the workspace that the previous plan's state still describes
-        spec_kw = dict(dtype=launch["dtype"], head_dim=d, tile_q=tile, paged=paged, causal=launch["causal"],
-                       soft_cap=launch["soft_cap"], window=launch["window"])
-        if launch["page_box"]:
-            spec_kw["page_box"] = launch["page_box"]
-        if keys_pretransformed(paged, var):
-            spec_kw["keys_transformed"] = True
-        pass_var = var if keys_pretransformed(paged, var) else None  # the pass's variant: K's transform
-        pass_spec = kv_pass_spec(PREFILL_ARCH, launch["dtype"], d, gather is not None, pass_var)
-        pass_module = None if pass_spec is None else kernel(pass_spec.family, PREFILL_ARCH, **pass_spec.pdict)
-        attn = kernel("batch_prefill_sm90", PREFILL_ARCH, **spec_kw, **self._variant_kw(var))
+        try:
+            paged, spec_kw, pass_var, pass_module, attn = self._kernels(launch, tile, d, var, page_size, gather)
+        except KernelNotAvailable:
+            if gather is None or kv_pass:
+                raise
+            # the pass was the model's choice, not the caller's: a cache built without its
+            # kernels (an older `compile --preset`) still serves the plan by the in-kernel gather
+            gather = None
+            paged, spec_kw, pass_var, pass_module, attn = self._kernels(launch, tile, d, var, page_size, gather)
         merge = kernel("merge_partials", PREFILL_ARCH, dtype=launch["dtype"], head_dim=d, tile_q=tile)
         planner = self._install_planner(lim, num_ctas, grow)
         plan = planner.plan(qo_h, kv_lens, causal=bool(causal), page_size=int(page_size) if paged else 1,
@@ -492,6 +496,23 @@ class _BatchPrefillBase:
         return dict(plan=plan, launch=launch, tile=tile, attn=attn, merge=merge, batch=batch, total_q=total_q,
                     q_dtype=q_dtype, group=group, num_ctas=planner.num_ctas, variant=var, spec_kw=spec_kw,
                     kv_pass=pass_module, pass_variant=pass_var, gather=gather, kv_lens=kv_lens)
+
+    def _kernels(self, launch, tile, d, var, page_size, gather):
+        """Load the plan's modules: (kernel reads a paged cache, its spec params, the KV pass's
+        variant, the pass module or None, the attention module); sets ``launch["page_box"]``."""
+        paged = self._PAGED and gather is None  # the kernel reads the cache itself
+        launch["page_box"] = page_box_for(paged, int(page_size))
+        spec_kw = dict(dtype=launch["dtype"], head_dim=d, tile_q=tile, paged=paged, causal=launch["causal"],
+                       soft_cap=launch["soft_cap"], window=launch["window"])
+        if launch["page_box"]:
+            spec_kw["page_box"] = launch["page_box"]
+        if keys_pretransformed(paged, var):
+            spec_kw["keys_transformed"] = True
+        pass_var = var if keys_pretransformed(paged, var) else None  # the pass's variant: K's transform
+        pass_spec = kv_pass_spec(PREFILL_ARCH, launch["dtype"], d, gather is not None, pass_var)
+        pass_module = None if pass_spec is None else kernel(pass_spec.family, PREFILL_ARCH, **pass_spec.pdict)
+        attn = kernel("batch_prefill_sm90", PREFILL_ARCH, **spec_kw, **self._variant_kw(var))
+        return paged, spec_kw, pass_var, pass_module, attn
 
     def _gather_region(self, want, lim, num_ctas, page_size, var, qo_len, kv_lens, causal, window_left, hq, hk, d,
                        q_dtype):
@@ -920,9 +941,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         workspace by one memory-bound pass before the kernel (``kernels/kv_pass.py``; RoPE's key
         rotation happens there too), so the kernel reads them by TMA.  ``None`` (default): when
         the model :func:`kv_pass_pays` says so (long queries per key; it needs workspace room
-        for both copies past the plan, and never in CUDA-graph mode); ``True``: always (an
-        error if the workspace is too small or in CUDA-graph mode); ``False``: never (the
-        kernel gathers each block itself)."""
+        for both copies past the plan; never in CUDA-graph mode, nor with ``fixed_split_size``,
+        whose output must not depend on the rest of the batch); ``True``: always (an error if
+        the workspace is too small or in CUDA-graph mode); ``False``: never (the kernel gathers
+        each block itself)."""
         q_dtype, d = self._check_common(
             num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type, o_data_type,
             window_left, logits_soft_cap, fixed_split_size, pos_encoding_mode=pos_encoding_mode, variant=variant,
@@ -959,6 +981,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         self._kv_indptr = self._to_device(paged_kv_indptr, self._indptr_buf, "paged_kv_indptr")
         self._kv_indices = self._to_device(indices_t, self._indices_buf, "paged_kv_indices")
         self._page_size = int(page_size)
+        self._kv_tokens = int(kv_lens.sum())
         if st["gather"] is not None:  # the KV pass: token offsets of the gathered K / V, q offsets
             tok = np.concatenate([[0], np.cumsum(st["kv_lens"])]).astype(np.int32)
             self._kv_tok_indptr = self._to_device(tok, None, "kv token indptr")
@@ -985,8 +1008,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         if k.shape[1:] != (self._page_size, self._hk, self._d):
             raise ValueError(f"paged_kv_cache ({self._kv_layout}) has page_size/kv_heads/head_dim "
                              f"{tuple(k.shape[1:])}, plan() said ({self._page_size}, {self._hk}, {self._d})")
-        if self._max_page >= k.shape[0]:
-            raise ValueError(f"paged_kv_indices reference page {self._max_page}, the cache has {k.shape[0]} pages")
+        if self._max_page >= k.shape[0] or (self._kv_tokens and k.shape[0] == 0):
+            raise ValueError(f"paged_kv_indices reference page {max(self._max_page, 0)}, the cache has {k.shape[0]} "
+                             f"pages")
         self._launch(q, k, v, self._kv_indptr, self._kv_indices, out, lse, args, sinks)
         return (out, lse) if return_lse else out
 

@@ -185,10 +185,13 @@ def test_ragged_head_dims_gqa(d, dtype, hq, hk, causal):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_paged_pages_layouts(page_size, layout, single_tensor, causal):
+    """The kernel reading the cache itself (TMA page boxes or the cp.async gather; kv_pass
+    pinned off: at page 1 these lengths are near the KV pass's break-even)."""
     rng = random.Random()
     qo, kv = _append_lens(rng, 9, 700, 1500)
-    run_paged(qo, kv, page_size, 32, 8, 128, torch.bfloat16, causal=causal, layout=layout,
-              single_tensor=single_tensor)
+    w = run_paged(qo, kv, page_size, 32, 8, 128, torch.bfloat16, causal=causal, layout=layout,
+                  single_tensor=single_tensor, kv_pass=False)[0]
+    assert w._gathered is None and w._spec_kw["paged"]
 
 
 @gpu
@@ -347,6 +350,28 @@ def test_paged_kv_pass_auto():
 
 
 @gpu
+def test_kv_pass_replans_one_wrapper():
+    """One wrapper re-planned across the two paths (pass, in-kernel, pass again), page ids on
+    the GPU, one kv head: each run against the reference (NaN in unowned slots)."""
+    from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
+
+    hq, hk, d, ps, dt = 8, 1, 128, 1, torch.bfloat16
+    w = BatchPrefillWithPagedKVCacheWrapper(_ws(DEV))
+    gen = _gen()
+    for qo, kv, kv_pass, gathered in (([3000, 64], [3000, 900], None, True), ([5, 9], [700, 40], None, False),
+                                      ([3000], [3100], False, False), ([1200, 7, 300], [4000, 7, 300], True, True)):
+        cache, indptr, indices, last, (k_ref, v_ref), kv_tok = make_paged(kv, ps, hk, d, dt, "NHD", False, gen, DEV)
+        q = torch.randn(sum(qo), hq, d, generator=gen).to(dt).to(DEV)
+        qo_t = torch.tensor(_cumsum(qo), dtype=torch.int32)
+        w.plan(qo_t, indptr, indices.to(DEV), last, hq, hk, d, ps, causal=True, q_data_type=dt, kv_pass=kv_pass)
+        assert (w._gathered is not None) == gathered, (qo, kv, kv_pass)
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((q.shape[0], hq), float("nan"), device=DEV)
+        w.run(q, cache, out=out, lse=lse)
+        check(out, lse, *ragged_reference(q, k_ref, v_ref, qo_t, kv_tok, causal=True), dt)
+
+
+@gpu
 def test_ragged_nan_past_the_kv():
     """k/v with NaN rows after kv_indptr[-1]: never reach the output."""
     run_ragged([300, 77], [1000, 77], 16, 4, 128, torch.bfloat16, causal=True, tail=300)
@@ -365,10 +390,12 @@ def test_split_kv_by_the_planner(paged):
 
 
 @gpu
-@pytest.mark.parametrize("paged", [False, True])
-def test_fixed_split_size_is_batch_invariant(paged):
+@pytest.mark.parametrize("paged,ps", [(False, 0), (True, 16), (True, 1)], ids=["ragged", "page16", "page1"])
+def test_fixed_split_size_is_batch_invariant(paged, ps):
     """fixed_split_size forces partial slots + merge, and a request's output is bitwise the
-    same whatever else is batched with it; disable_split_kv still gives the right answer."""
+    same whatever else is batched with it (at page 1 too, where the KV pass's model -- which
+    weighs the whole batch -- must stay out of it); disable_split_kv still gives the right
+    answer."""
     hq, hk, d = 16, 4, 128
     dev = DEV
     gen = _gen()
@@ -376,7 +403,8 @@ def test_fixed_split_size_is_batch_invariant(paged):
     k_r = torch.randn(2300, hk, d, generator=gen).to(torch.bfloat16).to(dev)
     v_r = torch.randn(2300, hk, d, generator=gen).to(torch.bfloat16).to(dev)
     outs = []
-    for others in ([(17, 800)], [(200, 5000), (3, 3), (64, 64)]):
+    # the second batch alone would make the KV pass pay at page 1 (its 3000-token prefill)
+    for others in ([(17, 800)], [(200, 5000), (3, 3), (64, 64), (3000, 3000)]):
         qo = [300] + [a for a, _ in others]
         kv = [2300] + [b for _, b in others]
         q = torch.cat([q_r] + [torch.randn(a, hq, d, generator=gen).to(torch.bfloat16).to(dev) for a, _ in others])
@@ -388,7 +416,7 @@ def test_fixed_split_size_is_batch_invariant(paged):
             if paged:
                 from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
 
-                ps = 16  # pages: request b's tokens in pages of its own, in order
+                # pages: request b's tokens in pages of its own, in order
                 pages = [(n + ps - 1) // ps for n in kv]
                 kc = torch.zeros(sum(pages), ps, hk, d, dtype=torch.bfloat16, device=dev)
                 vc = torch.zeros_like(kc)
@@ -400,7 +428,7 @@ def test_fixed_split_size_is_batch_invariant(paged):
                     off += n
                 last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv, pages)], dtype=torch.int32)
                 w = BatchPrefillWithPagedKVCacheWrapper(_ws(dev))
-                kw = dict(disable_split_kv=True) if disable else dict(fixed_split_size=64)  # 1024 tokens
+                kw = dict(disable_split_kv=True) if disable else dict(fixed_split_size=1024 // ps)  # 1024 tokens
                 w.plan(qo_t, torch.tensor(_cumsum(pages), dtype=torch.int32),
                        torch.arange(sum(pages), dtype=torch.int32), last, hq, hk, d, ps, causal=True,
                        q_data_type=torch.bfloat16, **kw)
@@ -855,6 +883,13 @@ def test_cpu_kv_pass_choice(emu):
     w = run_paged(long_qo, long_kv, 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws(),
                   kv_pass=False)[0]
     assert w._gathered is None
+    # fixed_split_size (batch-invariant output): the model, which weighs the whole batch, is off
+    w = run_paged(long_qo, long_kv, 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws(),
+                  fixed_split_size=1024)[0]
+    assert w._gathered is None
+    w = run_paged(long_qo, long_kv, 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws(),
+                  fixed_split_size=1024, kv_pass=True)[0]
+    assert w._gathered is not None
     # a workspace with room for the plan but not for K / V: the kernel gathers; forced: an error
     gathered = 2 * sum(long_kv) * 4 * 64 * 2
     small = _fake_cuda(torch.empty(w._planner.layout.total_bytes + gathered // 2, dtype=torch.uint8))
@@ -874,6 +909,27 @@ def test_cpu_kv_pass_choice(emu):
     assert wg._gathered is None
     with pytest.raises(ValueError, match="kv_pass=True is not available with use_cuda_graph"):
         wg.plan(*args, q_data_type=torch.bfloat16, kv_pass=True)
+
+
+def test_cpu_kv_pass_missing_kernels(emu, monkeypatch):
+    """A cache without the KV pass's kernels: the model's choice falls back to the in-kernel
+    gather; an explicit kv_pass=True fails with the loader's error."""
+    import cute_attn.prefill as P
+    from cute_attn.runtime.loader import KernelNotAvailable
+
+    load = P.kernel
+
+    def no_pass(family, arch, **params):
+        if family == "kv_pass":
+            raise KernelNotAvailable("kv_pass is not in this cache")
+        return load(family, arch, **params)
+
+    monkeypatch.setattr(P, "kernel", no_pass)
+    w = run_paged([400, 5], [400, 20], 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws())[0]
+    assert w._gathered is None and w._spec_kw["paged"] and w._spec_kw.get("page_box") is None
+    with pytest.raises(KernelNotAvailable):
+        run_paged([400, 5], [400, 20], 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws(),
+                  kv_pass=True)
 
 
 def test_cpu_kv_pass_empty_requests(emu):
