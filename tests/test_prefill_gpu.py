@@ -403,8 +403,9 @@ def test_fixed_split_size_is_batch_invariant(paged, ps):
     k_r = torch.randn(2300, hk, d, generator=gen).to(torch.bfloat16).to(dev)
     v_r = torch.randn(2300, hk, d, generator=gen).to(torch.bfloat16).to(dev)
     outs = []
-    # the second batch alone would make the KV pass pay at page 1 (its 3000-token prefill)
-    for others in ([(17, 800)], [(200, 5000), (3, 3), (64, 64), (3000, 3000)]):
+    # the second batch would make the KV pass's model pay at page 1 (its 1600-token prefill), the
+    # first not
+    for others in ([(17, 800)], [(3, 3), (64, 64), (1600, 1600)]):
         qo = [300] + [a for a, _ in others]
         kv = [2300] + [b for _, b in others]
         q = torch.cat([q_r] + [torch.randn(a, hq, d, generator=gen).to(torch.bfloat16).to(dev) for a, _ in others])
