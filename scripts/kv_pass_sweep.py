@@ -4,8 +4,12 @@ into the workspace, then the TMA kernel) and the in-kernel cp.async gather
 (``kv_pass=False``), with what the default (``prefill.kv_pass_pays``) picks, and the pass
 alone (its bandwidth: K and V read + written).  Checks the model's thresholds on the GPU.
 
-    PYTHONPATH=. CUTE_ATTN_CACHE_DIR=build/aot python scripts/kv_pass_sweep.py
+    PYTHONPATH=. CUTE_ATTN_CACHE_DIR=build/aot python scripts/kv_pass_sweep.py [--check]
+
+``--check``: other head dims and group sizes (out of the sample the model's constants were
+set from), page 1, causal.
 """
+import argparse
 import json
 
 import torch
@@ -16,17 +20,29 @@ from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper, kv_pass_pays
 DT = torch.bfloat16
 
 
+def check_cases():
+    """(name, qo lens, kv lens, hq, hk, head dim, page size, causal, RoPE), page 1 plain causal:
+    hd64 and hd256, GQA 8, near and far from the break-even."""
+    out = []
+    for d, hq, hk, qo, kv, b in ((64, 32, 8, 256, 8192, 8), (64, 32, 8, 1024, 8192, 4), (64, 32, 8, 4096, 4096, 2),
+                                 (256, 16, 4, 256, 8192, 4), (256, 16, 4, 1024, 8192, 2), (256, 16, 4, 4096, 4096, 2),
+                                 (128, 64, 8, 128, 8192, 8), (128, 64, 8, 512, 8192, 4), (128, 64, 8, 4096, 4096, 2)):
+        out.append((f"check/hd{d}/{hq}x{hk}/{b}x{qo}on{kv}", [qo] * b, [kv] * b, hq, hk, d, 1, True, False))
+    return out
+
+
 def cases():
-    """(name, qo lens, kv lens, hq, hk, page size, causal, RoPE): page 1 plain, 32 / 8 heads,
+    """(name, qo lens, kv lens, hq, hk, head dim, page size, causal, RoPE): page 1 plain, 32 / 8 heads,
     appends of growing query chunks onto 8k contexts and full prefills; page 16 with RoPE
     (16 / 2 heads, non-causal: the specs the variant tests compile)."""
     out = []
     for causal in (True, False):
         for qo, kv, b in ((128, 8192, 8), (512, 8192, 4), (1024, 8192, 4), (2048, 8192, 2), (4096, 8192, 2),
                           (8192, 8192, 1)):
-            out.append((f"page1/{'c' if causal else 'nc'}/{b}x{qo}on{kv}", [qo] * b, [kv] * b, 32, 8, 1, causal, False))
+            out.append((f"page1/{'c' if causal else 'nc'}/{b}x{qo}on{kv}", [qo] * b, [kv] * b, 32, 8, 128, 1, causal,
+                        False))
     for qo, kv, b in ((32, 8192, 8), (128, 8192, 8), (512, 8192, 4), (2048, 8192, 2)):
-        out.append((f"rope/page16/nc/{b}x{qo}on{kv}", [qo] * b, [kv] * b, 16, 2, 16, False, True))
+        out.append((f"rope/page16/nc/{b}x{qo}on{kv}", [qo] * b, [kv] * b, 16, 2, 128, 16, False, True))
     return out
 
 
@@ -42,10 +58,12 @@ def paged_cache(kv_lens, ps, hk, d, gen):
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true", help="the out-of-sample cases")
+    todo = check_cases() if ap.parse_args().check else cases()
     gen = torch.Generator().manual_seed(0)
     ws = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    d = 128
-    for name, qo, kv, hq, hk, ps, causal, rope in cases():
+    for name, qo, kv, hq, hk, d, ps, causal, rope in todo:
         cache, indptr, indices, last = paged_cache(kv, ps, hk, d, gen)
         q = torch.randn(sum(qo), hq, d, generator=gen).to(DT).cuda()
         qo_indptr = torch.tensor([0] + list(torch.tensor(qo).cumsum(0).tolist()), dtype=torch.int32)
