@@ -32,7 +32,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry, transform_pairs
@@ -73,7 +73,8 @@ class KvPass:
         half = self.half
         vargs = self.hooks.bind(var_tensors, var_scalars)
         heads = cute.FastDivmodDivisorV2(mK.shape[2])  # row -> (token, head): multiply-high, no division
-        page_size = cute.FastDivmodDivisorV2(mK.shape[1])
+        if const_expr(self.paged):
+            page_size = cute.FastDivmodDivisorV2(mK.shape[1])  # token -> (page, slot)
         # thread t always takes chunk pair c = t % half of its rows (the stride is a multiple of
         # the rows per CTA), so what a transform computes per dimension (RoPE's frequencies) is
         # loop-invariant and computed once
@@ -97,14 +98,14 @@ class KvPass:
                     req += 1
                     kv_start = kv_end
                     kv_end = mKvIndptr[req + 1]
-                    if cutlass.const_expr(self.paged):
+                    if const_expr(self.paged):
                         page_base = mPageIndptr[req]
                 token.append(t)
                 head.append(h)
                 pos.append(t - kv_start)
                 reqs.append(req)
                 lens.append(kv_end - kv_start)
-                if cutlass.const_expr(self.paged):
+                if const_expr(self.paged):
                     page_idx, slot = divmod(t - kv_start, page_size)
                     page = mPageIndices[page_base + page_idx]
                     srcs = [mK[page, slot, h, None], mV[page, slot, h, None]]
@@ -113,7 +114,7 @@ class KvPass:
                 for j in cutlass.range_constexpr(n_tensors):
                     cute.autovec_copy(cute.local_tile(srcs[j], (8,), (c,)), lo[i][j])
                     cute.autovec_copy(cute.local_tile(srcs[j], (8,), (c + half,)), hi[i][j])
-            if cutlass.const_expr(self.transform):
+            if const_expr(self.transform):
                 for i in cutlass.range_constexpr(2):
                     self._transform_row(reqs[i], head[i], pos[i], mQoIndptr[reqs[i] + 1] - mQoIndptr[reqs[i]],
                                         lens[i], sm_scale, vargs, lo[i][0], hi[i][0], c)
