@@ -593,13 +593,12 @@ def emu(monkeypatch):
 CPU_CONFIGS = [("bf16", 64, False, True, 8, 2, 0), ("f16", 64, True, False, 4, 4, 16), ("bf16", 64, True, True, 8, 2, 1)]
 
 
-@pytest.mark.parametrize("config", CPU_CONFIGS, ids=lambda c: f"{c[0]}-{'paged' if c[2] else 'ragged'}-c{int(c[3])}")
+@pytest.mark.parametrize("config,kv_pass", [(c, None) for c in CPU_CONFIGS] + [(c, True) for c in CPU_CONFIGS if c[2]],
+                         ids=lambda x: (f"{x[0]}-{'paged' if x[2] else 'ragged'}-c{int(x[3])}" if isinstance(x, tuple)
+                                        else "auto" if x is None else "kv_pass"))
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("kv_pass", [None, True])
 def test_cpu_variant_wiring(emu, name, config, kv_pass):
     dt, d, paged, causal, hq, hk, ps = config
-    if kv_pass and not paged:
-        pytest.skip("kv_pass is a paged plan's option")
     qo, kv = [1, 17, 40, 0, 9], [1, 40, 90, 9, 9]
     run_variant(name, DTYPES[dt], d, paged, causal, hq, hk, ps, qo, kv, seed=11, device="cpu", workspace=_cpu_ws(),
                 packed=paged, **({} if kv_pass is None else dict(kv_pass=kv_pass)))
