@@ -58,8 +58,9 @@ class KvPass:
         """``mK`` / ``mV``: the cache, ``[pages, page_size, kv_heads, head_dim]`` (paged) or
         ``[1, tokens, kv_heads, head_dim]`` (ragged; ``mV`` / ``mVout`` / ``mPage*`` unused);
         ``mKout`` / ``mVout``: ``[1, tokens, kv_heads, head_dim]``; ``mKvIndptr``: tokens per
-        request (prefix sums); ``num_ctas``: the grid (the wrapper passes 8 per SM: 2048
-        threads, each with 32 or 64 bytes in flight, cover the HBM latency)."""
+        request (prefix sums); ``num_ctas``: the grid (the wrapper passes 8 per SM, of which
+        3-4 are resident at 64-80 registers: each thread has 2 rows x 32 bytes of K -- and of
+        V -- in flight, which covers the HBM latency)."""
         self.kernel(mK, mV, mKout, mVout, mQoIndptr, mKvIndptr, mPageIndptr, mPageIndices, batch, sm_scale,
                     var_tensors, var_scalars).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
