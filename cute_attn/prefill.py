@@ -98,24 +98,27 @@ def kv_pass_spec(arch: str, dtype: str, head_dim: int, paged: bool, variant):
 # When the KV pass pays for a paged cache (``kv_pass_pays``).  Its cost: read + write K and V
 # once (3.3-3.7 TB/s on an H200 for 0.1-0.5 GB).  Its saving: what the kernel's in-kernel
 # gather costs over TMA, a share of the attention's time (~600 TFLOP/s at hd128/256): 16-29 %
-# for the 16-byte cp.async gather and 46-143 % when the producer also rotates every gathered K
-# block (RoPE).  Measured by scripts/kv_pass_sweep.py (BENCHMARKS.md, batch prefill session
-# 10, device run 2): constants fitted to its 16 cases, where the model then picks the faster
-# path every time (in-sample; the misses would be near the break-even, within ~5 %).
+# for the 16-byte cp.async gather, 46-143 % when the producer also rotates every gathered K
+# block (RoPE), 6-16 % even for TMA page boxes (page sizes k*16: the boxes' page lookups).
+# Measured by scripts/kv_pass_sweep.py (BENCHMARKS.md, batch prefill session 10, device runs
+# 2 and 9): constants fitted to its cases, where the model then picks the faster path or one
+# within 2 % (in-sample; 9 further cases of run 6 out of sample, all right).
 PASS_COPY_RATE = 3.3e12         # bytes / s, read + write, of the pass
 PASS_ATTN_RATE = 600e12         # FLOP / s of the prefill kernel
 PASS_SAVES_GATHER = 0.2         # in-kernel cp.async gather: share of the kernel's time
 PASS_SAVES_TRANSFORM = 1.0      # in-kernel gather + transform_k of every K block
+PASS_SAVES_BOXES = 0.08         # in-kernel TMA page boxes (page sizes k*16): 6-16 % measured (run 9)
 
 
 def kv_pass_pays(qo_lens, kv_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int, causal: bool,
-                 transform: bool, elt_bytes: int = 2, window_left: int = -1) -> bool:
+                 transform: bool, elt_bytes: int = 2, window_left: int = -1, page_boxes: bool = False) -> bool:
     """Whether gathering a paged cache by the KV pass (then reading it by TMA) beats the
     kernel's in-kernel gather, by the model above: the pass costs 2 x 2 x kv_tokens x kv_heads
     x head_dim x elt_bytes bytes; it saves a share of 4 x head_dim x qo_heads x (query, key)
     pairs FLOPs (causal: the lower triangle, bottom-right aligned; a window: the keys it
     hides).  It pays when each key is read by enough query rows: non-causal, about qo_len x
-    group >= 1800 (>= 360 with a key transform); causal with qo_len = kv_len, twice that."""
+    group >= 1800 (>= 360 with a key transform; >= 4500 where the kernel would read the pages
+    by TMA boxes, ``page_boxes``); causal with qo_len = kv_len, twice that."""
     qo = np.asarray(qo_lens, dtype=np.float64)
     kv = np.asarray(kv_lens, dtype=np.float64)
     pairs = qo * kv
@@ -129,7 +132,7 @@ def kv_pass_pays(qo_lens, kv_lens, num_qo_heads: int, num_kv_heads: int, head_di
         pairs = pairs - (m * np.maximum(a, 0.0) + m * (m - 1) / 2)
     t_attn = 4.0 * head_dim * num_qo_heads * float(pairs.sum()) / PASS_ATTN_RATE
     t_pass = 4.0 * num_kv_heads * head_dim * elt_bytes * float(kv.sum()) / PASS_COPY_RATE
-    saves = PASS_SAVES_TRANSFORM if transform else PASS_SAVES_GATHER
+    saves = PASS_SAVES_TRANSFORM if transform else PASS_SAVES_BOXES if page_boxes else PASS_SAVES_GATHER
     return bool(kv.sum() > 0 and saves * t_attn > t_pass)
 
 
@@ -525,9 +528,9 @@ class _BatchPrefillBase:
         elt = torch.empty((), dtype=q_dtype).element_size()
         transform = var is not None and vbase.Hooks(var).has_transform_k
         if want is None:
-            in_kernel_tma = page_box_for(True, page_size) and not transform
-            if self._use_cuda_graph or in_kernel_tma or not kv_pass_pays(
-                    qo_len, kv_lens, hq, hk, d, bool(causal), transform, elt, window_left):
+            boxes = bool(page_box_for(True, page_size))  # else the kernel's cp.async gather
+            if self._use_cuda_graph or not kv_pass_pays(qo_len, kv_lens, hq, hk, d, bool(causal), transform, elt,
+                                                        window_left, boxes):
                 return None
         elif self._use_cuda_graph:
             raise ValueError("kv_pass=True is not available with use_cuda_graph=True (a captured run() bakes the "

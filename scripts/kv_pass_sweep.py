@@ -7,7 +7,8 @@ alone (its bandwidth: K and V read + written).  Checks the model's thresholds on
     PYTHONPATH=. CUTE_ATTN_CACHE_DIR=build/aot python scripts/kv_pass_sweep.py [--check]
 
 ``--check``: other head dims and group sizes (out of the sample the model's constants were
-set from), page 1, causal.
+set from), page 1, causal.  ``--page16``: page 16 plain, where the kernel reads the pages by
+TMA boxes and the model never picks the pass (is there something to gain?).
 """
 import argparse
 import json
@@ -28,6 +29,17 @@ def check_cases():
                                  (256, 16, 4, 256, 8192, 4), (256, 16, 4, 1024, 8192, 2), (256, 16, 4, 4096, 4096, 2),
                                  (128, 64, 8, 128, 8192, 8), (128, 64, 8, 512, 8192, 4), (128, 64, 8, 4096, 4096, 2)):
         out.append((f"check/hd{d}/{hq}x{hk}/{b}x{qo}on{kv}", [qo] * b, [kv] * b, hq, hk, d, 1, True, False))
+    return out
+
+
+def page16_cases():
+    """Page 16 plain (TMA page boxes in the kernel), long prefills and appends."""
+    out = []
+    for d, hq, hk in ((128, 16, 16), (128, 32, 8), (256, 16, 16)):
+        for causal in (False, True):
+            for qo, kv, b in ((8192, 8192, 2), (1024, 8192, 2)):
+                out.append((f"page16/hd{d}/{hq}x{hk}/{'c' if causal else 'nc'}/{b}x{qo}on{kv}", [qo] * b, [kv] * b,
+                            hq, hk, d, 16, causal, False))
     return out
 
 
@@ -60,7 +72,9 @@ def paged_cache(kv_lens, ps, hk, d, gen):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true", help="the out-of-sample cases")
-    todo = check_cases() if ap.parse_args().check else cases()
+    ap.add_argument("--page16", action="store_true", help="page 16 plain: TMA page boxes vs the pass")
+    a = ap.parse_args()
+    todo = check_cases() if a.check else page16_cases() if a.page16 else cases()
     gen = torch.Generator().manual_seed(0)
     ws = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     for name, qo, kv, hq, hk, d, ps, causal, rope in todo:

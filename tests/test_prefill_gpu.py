@@ -854,6 +854,10 @@ def test_kv_pass_pays_model():
     assert kv_pass_pays([512], [8192], 32, 8, 128, False, False)           # 2048
     assert not kv_pass_pays([1] * 64, [4096] * 64, 32, 8, 128, False, True)  # decode-like
     assert not kv_pass_pays([0, 0], [0, 0], 8, 8, 64, False, False)        # nothing to read
+    # where the kernel reads the pages by TMA boxes, the pass pays only from ~4500
+    assert not kv_pass_pays([1024], [8192], 32, 8, 128, False, False, page_boxes=True)     # 4096
+    assert kv_pass_pays([2048], [8192], 32, 8, 128, False, False, page_boxes=True)         # 8192
+    assert kv_pass_pays([2048], [8192], 32, 8, 128, False, True, page_boxes=True)          # RoPE: the gather's
     # a window bounds the keys per query
     assert not kv_pass_pays([8192], [8192], 16, 16, 128, True, False, window_left=511)
     # causal halves the pairs: the same lengths can stop paying
@@ -872,11 +876,14 @@ def test_cpu_kv_pass_choice(emu):
     assert emu.calls[0][1] == dict(dtype="bf16", head_dim=64, paged=True) and not emu.calls[1][1]["paged"]
     off = w._gathered[0].data_ptr() - w._workspace.data_ptr()
     assert off >= w._planner.layout.total_bytes and off % 256 == 0
-    # page 16: the kernel's TMA boxes; short queries: the in-kernel gather
+    # page 16 (TMA boxes: the pass pays from ~4500 query rows per key row) and short queries:
+    # the kernel reads the cache itself
     for ps, qo, kv in ((16, long_qo, long_kv), (1, [3, 50], [40, 900])):
         emu.calls.clear()
         w = run_paged(qo, kv, ps, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws())[0]
         assert w._gathered is None and [c[0] for c in emu.calls] == ["batch_prefill_sm90"]
+    w = run_paged([800, 5], [800, 20], 16, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws())[0]
+    assert w._gathered is not None  # 8 x 780 query rows per key row: past the page-box threshold
     # forced either way
     emu.calls.clear()
     w = run_paged([3, 50], [40, 900], 16, 32, 4, 64, torch.float16, device="cpu", workspace=_cpu_ws(), kv_pass=True)[0]

@@ -11,8 +11,9 @@ soft-cap over plain attention):
 
 * ``prefill/hd{128,256}/{causal,noncausal}/s8192``: batch 2 x 16 heads (no GQA, as FA's
   benchmarks), ragged KV; ``.../page16`` and ``.../page1``: the same shapes from a paged cache
-  (pages in random order; page 1 as the wrapper runs it, the KV pass gathering the cache first,
-  and ``.../page1/in_kernel_gather`` with ``kv_pass=False``);
+  (pages in random order) as the wrapper runs them (the KV pass gathering the cache first where
+  its model says so), and with ``kv_pass=False``: ``.../page16/page_boxes`` (the kernel's TMA
+  page boxes), ``.../page1/in_kernel_gather`` (its cp.async gather);
 * ``prefill/hd128/causal/varlen32_lognormal2k``: 32 requests of lognormal lengths (mean ~2k,
   fixed seed), ragged, vs FlexAttention over the packed tokens with a document (block-diagonal
   causal) mask and SDPA on padded dense tensors;
@@ -180,9 +181,10 @@ def bench_prefill(res, quick: bool) -> None:
             if not quick:
                 base.append(("flex", _flex(q4, k4, v4, _causal_mask if causal else None)))
             _row(res, case, flops, t, base)
-            # page 1: the wrapper's choice (the KV pass here), and the in-kernel gather alone
-            for ps, kv_pass, tag in ((16, None, ""), (1, None, ""), (1, False, "/in_kernel_gather"))[
-                    :1 if quick else None]:
+            # the wrapper's choice (the KV pass, or the kernel reading the pages itself), and the
+            # kernel alone: page 16 by TMA page boxes, page 1 by the cp.async gather
+            for ps, kv_pass, tag in ((16, None, ""), (16, False, "/page_boxes"), (1, None, ""),
+                                     (1, False, "/in_kernel_gather"))[:1 if quick else None]:
                 tp = _ours_paged(ws, lens, q, k, v, causal, d, ps, gen, kv_pass)
                 pcase = f"{case}/page{ps}{tag}"
                 res.add(pcase, "cute_attn", "us", tp)
