@@ -21,9 +21,12 @@ soft-cap over plain attention):
   tanh score_mod).
 
 A baseline that is unavailable (backend missing, shape unsupported) is reported as a skip.
-Ours and the SDPA baselines of the s8192 cases are each measured twice, alternating (ours,
-cuDNN, flash, ours, cuDNN, flash), and the lower median is kept: the H200's clocks drift under
-sustained load, and a kernel measured right after a long run of another read up to ~10 % slow.
+Ours (ragged, the four paged rows, soft-cap) and the SDPA baselines of the s8192 cases are each
+measured twice, in alternating rounds (every one of ours, cuDNN, flash; again), and the lower
+median is kept: the H200's clocks drift under sustained load, and a kernel measured right after
+a long run of another read up to ~10 % slow -- the paged / ragged ratios too, when the paged
+rows were measured after the ragged one (session 10, device run 10). Each wrapper plans once on
+a workspace of its own, so all stay planned through the rounds.
 """
 from __future__ import annotations
 
@@ -53,21 +56,23 @@ def _indptr(lens):
     return torch.tensor(out, dtype=torch.int32)
 
 
-def _ours_ragged(ws, lens, q, k, v, causal, d, soft_cap=None):
+def _ragged_runner(lens, q, k, v, causal, d, soft_cap=None):
+    """A planned ragged wrapper's ``run()`` (one warm-up call done), on its own workspace."""
     from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
 
-    w = BatchPrefillWithRaggedKVCacheWrapper(ws)
+    w = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
     ind = _indptr(lens)
     w.plan(ind, ind, q.shape[1], k.shape[1], d, causal=causal, q_data_type=DT, logits_soft_cap=soft_cap)
     out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[1], device="cuda")
     w.run(q, k, v, out=out, lse=lse)
-    return do_bench(lambda: w.run(q, k, v, out=out, lse=lse))
+    return lambda: w.run(q, k, v, out=out, lse=lse)
 
 
-def _ours_paged(ws, lens, q, k, v, causal, d, page_size, gen, kv_pass=None):
-    """The ragged k/v re-cut into pages of ``page_size`` tokens in random order (every request
-    starts on a page boundary; the lengths are multiples of the page size here); ``kv_pass``:
-    plan()'s option (None: the wrapper's choice)."""
+def _paged_runner(lens, q, k, v, causal, d, page_size, gen, kv_pass=None):
+    """The same for the ragged k/v re-cut into pages of ``page_size`` tokens in random order
+    (every request starts on a page boundary; the lengths are multiples of the page size here);
+    ``kv_pass``: plan()'s option (None: the wrapper's choice).  Its own 512 MB workspace: room
+    for the plan and the KV pass's contiguous K and V (268 MB at hd256)."""
     from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
 
     assert all(n % page_size == 0 for n in lens)
@@ -77,13 +82,13 @@ def _ours_paged(ws, lens, q, k, v, causal, d, page_size, gen, kv_pass=None):
     vc = torch.empty_like(kc)
     kc[perm.cuda()] = k.view(n_pages, page_size, k.shape[1], d)
     vc[perm.cuda()] = v.view(n_pages, page_size, k.shape[1], d)
-    w = BatchPrefillWithPagedKVCacheWrapper(ws)
+    w = BatchPrefillWithPagedKVCacheWrapper(torch.empty(512 << 20, dtype=torch.uint8, device="cuda"))
     w.plan(_indptr(lens), _indptr([n // page_size for n in lens]), perm.to(torch.int32),
            torch.full((len(lens),), page_size, dtype=torch.int32), q.shape[1], k.shape[1], d, page_size,
            causal=causal, q_data_type=DT, kv_pass=kv_pass)
     out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[1], device="cuda")
     w.run(q, (kc, vc), out=out, lse=lse)
-    return do_bench(lambda: w.run(q, (kc, vc), out=out, lse=lse))
+    return lambda: w.run(q, (kc, vc), out=out, lse=lse)
 
 
 def _sdpa(backend, q4, k4, v4, causal):
@@ -160,8 +165,6 @@ def _row(res, case, flops, t_ours, baselines, extra=""):
 
 def bench_prefill(res, quick: bool) -> None:
     gen = torch.Generator().manual_seed(0)
-    # room for the plan and, at page 1, the KV pass's contiguous K and V (268 MB at hd256)
-    ws = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     impls = ("sdpa_cudnn", "sdpa_flash", "flex")
     print(f"{'prefill case (bf16; TFLOP/s, ours/baseline)':<48} {'ours':>7} {'us':>9}  "
           + " ".join(f"{i:>15}" for i in impls))
@@ -174,29 +177,44 @@ def bench_prefill(res, quick: bool) -> None:
         for causal in (False, True):
             case = f"prefill/hd{d}/{'causal' if causal else 'noncausal'}/s{S}"
             flops = _flops(lens, H, d, causal)
-            rounds = [(_ours_ragged(ws, lens, q, k, v, causal, d), _sdpa("cudnn", q4, k4, v4, causal),
-                       _sdpa("flash", q4, k4, v4, causal)) for _ in range(2)]
-            t = min(r[0] for r in rounds)
-            base = [("sdpa_cudnn", _best(r[1] for r in rounds)), ("sdpa_flash", _best(r[2] for r in rounds))]
+            # ours: ragged; paged as the wrapper runs it (the KV pass where its model says so) and
+            # with kv_pass=False (page 16: TMA page boxes, page 1: the cp.async gather); soft-cap
+            ours = {"": _ragged_runner(lens, q, k, v, causal, d)}
+            for ps, kv_pass, tag in ((16, None, ""), (16, False, "/page_boxes"), (1, None, ""),
+                                     (1, False, "/in_kernel_gather"))[:1 if quick else None]:
+                ours[f"/page{ps}{tag}"] = _paged_runner(lens, q, k, v, causal, d, ps, gen, kv_pass)
+            if d == 128 and causal:
+                ours["softcap"] = _ragged_runner(lens, q, k, v, causal, d, soft_cap=SOFT_CAP)
+            # all of them and the SDPA baselines in alternating rounds, best of 2 each: ratios of
+            # times taken minutes apart would carry the clocks' drift
+            times = {name: [] for name in ours}
+            sdpa = {"sdpa_cudnn": [], "sdpa_flash": []}
+            for _ in range(2):
+                for name, fn in ours.items():
+                    times[name].append(do_bench(fn))
+                sdpa["sdpa_cudnn"].append(_sdpa("cudnn", q4, k4, v4, causal))
+                sdpa["sdpa_flash"].append(_sdpa("flash", q4, k4, v4, causal))
+            t = min(times[""])
+            base = [(impl, _best(r)) for impl, r in sdpa.items()]
             if not quick:
                 base.append(("flex", _flex(q4, k4, v4, _causal_mask if causal else None)))
             _row(res, case, flops, t, base)
-            # the wrapper's choice (the KV pass, or the kernel reading the pages itself), and the
-            # kernel alone: page 16 by TMA page boxes, page 1 by the cp.async gather
-            for ps, kv_pass, tag in ((16, None, ""), (16, False, "/page_boxes"), (1, None, ""),
-                                     (1, False, "/in_kernel_gather"))[:1 if quick else None]:
-                tp = _ours_paged(ws, lens, q, k, v, causal, d, ps, gen, kv_pass)
-                pcase = f"{case}/page{ps}{tag}"
+            for name in ours:
+                if not name.startswith("/page"):
+                    continue
+                tp = min(times[name])
+                pcase = case + name
                 res.add(pcase, "cute_attn", "us", tp)
                 res.add(pcase, "cute_attn", "TFLOP/s", _tflops(flops, tp))
                 res.add(pcase, "cute_attn", "ratio", tp / t)
                 print(f"{pcase:<48} {_tflops(flops, tp):7.1f} {tp:9.1f}  ({tp / t:4.2f}x the ragged time)")
-            if d == 128 and causal:
-                tc = _ours_ragged(ws, lens, q, k, v, causal, d, soft_cap=SOFT_CAP)
+            if "softcap" in ours:
+                tc = min(times["softcap"])
                 vcase = f"variant/softcap/{case}"
                 res.add(vcase, "cute_attn", "ratio", tc / t)
                 fl = [] if quick else [("flex", _flex(q4, k4, v4, _causal_mask, _softcap_mod))]
                 _row(res, vcase, flops, tc, fl, extra=f"  ({tc / t:4.2f}x plain attention's time)")
+            del ours
         del q, k, v, q4, k4, v4
 
     # a skewed ragged batch: 32 lognormal lengths (mean ~2k), causal, hd128
@@ -208,7 +226,7 @@ def bench_prefill(res, quick: bool) -> None:
     q = torch.randn(total, H, d, device="cuda", dtype=DT)
     k = torch.randn(total, H, d, device="cuda", dtype=DT)
     v = torch.randn(total, H, d, device="cuda", dtype=DT)
-    t = _ours_ragged(ws, lens, q, k, v, True, d)
+    t = do_bench(_ragged_runner(lens, q, k, v, True, d))
     base = []
     lmax = max(lens)
     pad = lambda x: torch.stack([torch.nn.functional.pad(x[s:s + n], (0, 0, 0, 0, 0, lmax - n))  # noqa: E731
