@@ -22,8 +22,8 @@ soft-cap over plain attention):
 
 A baseline that is unavailable (backend missing, shape unsupported) is reported as a skip.
 Ours (ragged, the four paged rows, soft-cap) and the SDPA baselines of the s8192 cases are each
-measured twice, in alternating rounds (every one of ours, cuDNN, flash; again), and the lower
-median is kept: the H200's clocks drift under sustained load, and a kernel measured right after
+measured ``ROUNDS`` times, in alternating rounds (every one of ours, cuDNN, flash; again), and the
+lowest median is kept: the H200's clocks drift under sustained load, and a kernel measured right after
 a long run of another read up to ~10 % slow -- the paged / ragged ratios too, when the paged
 rows were measured after the ragged one (session 10, device run 10). Each wrapper plans once on
 a workspace of its own, so all stay planned through the rounds.
@@ -39,6 +39,7 @@ from .common import do_bench
 B, H, S = 2, 16, 8192
 DT = torch.bfloat16
 SOFT_CAP = 30.0
+ROUNDS = 3  # alternating measurement rounds of the s8192 cases (one median of each per round)
 
 
 def _flops(lens, h, d, causal):
@@ -185,11 +186,11 @@ def bench_prefill(res, quick: bool) -> None:
                 ours[f"/page{ps}{tag}"] = _paged_runner(lens, q, k, v, causal, d, ps, gen, kv_pass)
             if d == 128 and causal:
                 ours["softcap"] = _ragged_runner(lens, q, k, v, causal, d, soft_cap=SOFT_CAP)
-            # all of them and the SDPA baselines in alternating rounds, best of 2 each: ratios of
-            # times taken minutes apart would carry the clocks' drift
+            # all of them and the SDPA baselines in alternating rounds, best of ROUNDS each: ratios
+            # of times taken minutes apart would carry the clocks' drift
             times = {name: [] for name in ours}
             sdpa = {"sdpa_cudnn": [], "sdpa_flash": []}
-            for _ in range(2):
+            for _ in range(ROUNDS):
                 for name, fn in ours.items():
                     times[name].append(do_bench(fn))
                 sdpa["sdpa_cudnn"].append(_sdpa("cudnn", q4, k4, v4, causal))
