@@ -21,12 +21,12 @@ soft-cap over plain attention):
   tanh score_mod).
 
 A baseline that is unavailable (backend missing, shape unsupported) is reported as a skip.
-Ours (ragged, the four paged rows, soft-cap) and the SDPA baselines of the s8192 cases are each
-measured ``ROUNDS`` times, in alternating rounds (every one of ours, cuDNN, flash; again), and the
-lowest median is kept: the H200's clocks drift under sustained load, and a kernel measured right after
-a long run of another read up to ~10 % slow -- the paged / ragged ratios too, when the paged
-rows were measured after the ragged one (session 10, device run 10). Each wrapper plans once on
-a workspace of its own, so all stay planned through the rounds.
+Ours (ragged, the four paged rows, soft-cap) and the SDPA baselines of the s8192 cases are timed
+one call at a time in turns (ragged, page 16, ..., cuDNN, flash, ragged, ...; 25 calls each,
+CUDA events per call, medians): the H200's clocks drift by up to ~15 % within seconds (boost
+first, lower under sustained load), so times taken apart -- even best-of-N in alternating rounds
+-- gave paged / ragged ratios from 1.03 to 1.14 for the same kernels (session 10, device runs
+10-15). Each wrapper plans once on a workspace of its own, so all stay planned through the turns.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from .common import do_bench
 B, H, S = 2, 16, 8192
 DT = torch.bfloat16
 SOFT_CAP = 30.0
-ROUNDS = 3  # alternating measurement rounds of the s8192 cases (one median of each per round)
+INTERLEAVED_CALLS = 25  # s8192 cases: calls of each of ours and the SDPA baselines, taken in turns
 
 
 def _flops(lens, h, d, causal):
@@ -106,11 +106,44 @@ def _sdpa(backend, q4, k4, v4, causal):
         return None, f"{type(e).__name__}: {str(e)[:120]}"
 
 
-def _best(results):
-    """The fastest of several (time, None) / (None, why) measurements of one baseline."""
-    results = list(results)
-    ok = [t for t, _ in results if t is not None]
-    return (min(ok), None) if ok else results[0]
+def _sdpa_runner(backend, q4, k4, v4, causal):
+    """(a call of SDPA pinned to ``backend``, None) or (None, why it is unavailable)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    f = torch.nn.functional.scaled_dot_product_attention
+
+    def call():
+        with sdpa_kernel([be]):
+            f(q4, k4, v4, is_causal=causal)
+
+    try:
+        call()
+        return call, None
+    except Exception as e:
+        return None, f"{type(e).__name__}: {str(e)[:120]}"
+
+
+def _interleaved(fns: dict, calls: int = INTERLEAVED_CALLS) -> dict:
+    """Median time (us) of one call of each fn, the calls taken in turns (a, b, c, a, b, c, ...)
+    and each bracketed by CUDA events: the H200's clocks drift by up to ~15 % over seconds (boost
+    at first, lower under sustained load), and turns give every fn the same drift."""
+    for fn in fns.values():
+        fn()
+    events = {name: [] for name in fns}
+    for _ in range(calls):
+        for name, fn in fns.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            events[name].append((a, b))
+    torch.cuda.synchronize()
+    out = {}
+    for name, ev in events.items():
+        ts = sorted(a.elapsed_time(b) * 1e3 for a, b in ev)
+        out[name] = ts[len(ts) // 2]
+    return out
 
 
 _FLEX = {}
@@ -186,17 +219,17 @@ def bench_prefill(res, quick: bool) -> None:
                 ours[f"/page{ps}{tag}"] = _paged_runner(lens, q, k, v, causal, d, ps, gen, kv_pass)
             if d == 128 and causal:
                 ours["softcap"] = _ragged_runner(lens, q, k, v, causal, d, soft_cap=SOFT_CAP)
-            # all of them and the SDPA baselines in alternating rounds, best of ROUNDS each: ratios
-            # of times taken minutes apart would carry the clocks' drift
-            times = {name: [] for name in ours}
-            sdpa = {"sdpa_cudnn": [], "sdpa_flash": []}
-            for _ in range(ROUNDS):
-                for name, fn in ours.items():
-                    times[name].append(do_bench(fn))
-                sdpa["sdpa_cudnn"].append(_sdpa("cudnn", q4, k4, v4, causal))
-                sdpa["sdpa_flash"].append(_sdpa("flash", q4, k4, v4, causal))
-            t = min(times[""])
-            base = [(impl, _best(r)) for impl, r in sdpa.items()]
+            # all of them and the SDPA baselines timed in turns (``_interleaved``): ratios of times
+            # taken seconds apart would carry the clocks' drift
+            fns, why = dict(ours), {}
+            for be in ("cudnn", "flash"):
+                fn, why[f"sdpa_{be}"] = _sdpa_runner(be, q4, k4, v4, causal)
+                if fn is not None:
+                    fns[f"sdpa_{be}"] = fn
+            med = _interleaved(fns)
+            times = {name: [med[name]] for name in ours}
+            t = med[""]
+            base = [(impl, (med[impl], None) if impl in med else (None, why[impl])) for impl in why]
             if not quick:
                 base.append(("flex", _flex(q4, k4, v4, _causal_mask if causal else None)))
             _row(res, case, flops, t, base)
