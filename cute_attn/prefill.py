@@ -248,12 +248,10 @@ def variant_prefill_specs(arch: str):
         for sinks in ((False, True) if kw.get("sinks") else (kw.get("sinks", False),)):
             c, cap, win, v = resolve_variant(causal=causal, **dict(kw, sinks=sinks))
             specs = [prefill_spec(arch, dt, d, 128, paged, c, cap, win, v, page_box_for(paged, page_size))]
-            if not sinks:  # the KV pass is keyed by the plan's variant
-                specs.append(kv_pass_spec(arch, dt, d, False, v))
-                if paged:  # the pass gathers the cache, then the ragged kernel runs
-                    specs += [kv_pass_spec(arch, dt, d, True, v), prefill_spec(arch, dt, d, 128, False, c, cap, win, v)]
-            if paged and sinks:
+            if paged:  # plan(kv_pass=True): the pass gathers the cache, then the ragged kernel runs
                 specs.append(prefill_spec(arch, dt, d, 128, False, c, cap, win, v))
+            if not sinks:  # the KV pass is keyed by the plan's variant (run()'s sinks are not in it)
+                specs += [kv_pass_spec(arch, dt, d, p, v) for p in ((False, True) if paged else (False,))]
             specs = [s for s in specs if s is not None]
             for spec in specs:
                 if spec not in seen:
@@ -525,7 +523,7 @@ class _BatchPrefillBase:
         captured run() bakes the path, and a later plan's lengths may not pay or fit."""
         if want is False:
             return None
-        elt = torch.empty((), dtype=q_dtype).element_size()
+        elt = q_dtype.itemsize
         transform = var is not None and vbase.Hooks(var).has_transform_k
         if want is None:
             boxes = bool(page_box_for(True, page_size))  # else the kernel's cp.async gather
