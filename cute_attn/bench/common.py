@@ -15,6 +15,30 @@ def do_bench(fn, warmup_ms: float = 25, rep_ms: float = 200) -> float:
     return tdb(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
 
 
+def interleaved(fns: dict, calls: int = 25) -> dict:
+    """Median time (us) of one call of each fn, the calls taken in turns (a, b, c, a, b, c, ...)
+    and each bracketed by CUDA events: the H200's clocks drift by up to ~15 % over seconds (boost
+    at first, lower under sustained load), and turns give every fn the same drift."""
+    import torch
+
+    for fn in fns.values():
+        fn()
+    events = {name: [] for name in fns}
+    for _ in range(calls):
+        for name, fn in fns.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            events[name].append((a, b))
+    torch.cuda.synchronize()
+    out = {}
+    for name, ev in events.items():
+        ts = sorted(a.elapsed_time(b) * 1e3 for a, b in ev)
+        out[name] = ts[len(ts) // 2]
+    return out
+
+
 def commit() -> str:
     """The commit measured: $CUTE_ATTN_COMMIT when set (a snapshot run from another checkout,
     e.g. on the GPU machine, would otherwise report that checkout's HEAD), else git's HEAD."""

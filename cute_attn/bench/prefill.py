@@ -34,12 +34,11 @@ import random
 
 import torch
 
-from .common import do_bench
+from .common import do_bench, interleaved
 
 B, H, S = 2, 16, 8192
 DT = torch.bfloat16
 SOFT_CAP = 30.0
-INTERLEAVED_CALLS = 25  # s8192 cases: calls of each of ours and the SDPA baselines, taken in turns
 
 
 def _flops(lens, h, d, causal):
@@ -92,20 +91,6 @@ def _paged_runner(lens, q, k, v, causal, d, page_size, gen, kv_pass=None):
     return lambda: w.run(q, (kc, vc), out=out, lse=lse)
 
 
-def _sdpa(backend, q4, k4, v4, causal):
-    """(time, None) or (None, why); q4/k4/v4 [batch, heads, seq, dim]."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
-    f = torch.nn.functional.scaled_dot_product_attention
-    try:
-        with sdpa_kernel([be]):
-            f(q4, k4, v4, is_causal=causal)
-            return do_bench(lambda: f(q4, k4, v4, is_causal=causal)), None
-    except Exception as e:
-        return None, f"{type(e).__name__}: {str(e)[:120]}"
-
-
 def _sdpa_runner(backend, q4, k4, v4, causal):
     """(a call of SDPA pinned to ``backend``, None) or (None, why it is unavailable)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -124,26 +109,10 @@ def _sdpa_runner(backend, q4, k4, v4, causal):
         return None, f"{type(e).__name__}: {str(e)[:120]}"
 
 
-def _interleaved(fns: dict, calls: int = INTERLEAVED_CALLS) -> dict:
-    """Median time (us) of one call of each fn, the calls taken in turns (a, b, c, a, b, c, ...)
-    and each bracketed by CUDA events: the H200's clocks drift by up to ~15 % over seconds (boost
-    at first, lower under sustained load), and turns give every fn the same drift."""
-    for fn in fns.values():
-        fn()
-    events = {name: [] for name in fns}
-    for _ in range(calls):
-        for name, fn in fns.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            events[name].append((a, b))
-    torch.cuda.synchronize()
-    out = {}
-    for name, ev in events.items():
-        ts = sorted(a.elapsed_time(b) * 1e3 for a, b in ev)
-        out[name] = ts[len(ts) // 2]
-    return out
+def _sdpa(backend, q4, k4, v4, causal):
+    """(time, None) or (None, why); q4/k4/v4 [batch, heads, seq, dim]."""
+    fn, why = _sdpa_runner(backend, q4, k4, v4, causal)
+    return (do_bench(fn), None) if fn is not None else (None, why)
 
 
 _FLEX = {}
@@ -219,15 +188,14 @@ def bench_prefill(res, quick: bool) -> None:
                 ours[f"/page{ps}{tag}"] = _paged_runner(lens, q, k, v, causal, d, ps, gen, kv_pass)
             if d == 128 and causal:
                 ours["softcap"] = _ragged_runner(lens, q, k, v, causal, d, soft_cap=SOFT_CAP)
-            # all of them and the SDPA baselines timed in turns (``_interleaved``): ratios of times
-            # taken seconds apart would carry the clocks' drift
+            # all of them and the SDPA baselines timed in turns (``common.interleaved``): ratios of
+            # times taken seconds apart would carry the clocks' drift
             fns, why = dict(ours), {}
             for be in ("cudnn", "flash"):
                 fn, why[f"sdpa_{be}"] = _sdpa_runner(be, q4, k4, v4, causal)
                 if fn is not None:
                     fns[f"sdpa_{be}"] = fn
-            med = _interleaved(fns)
-            times = {name: [med[name]] for name in ours}
+            med = interleaved(fns)
             t = med[""]
             base = [(impl, (med[impl], None) if impl in med else (None, why[impl])) for impl in why]
             if not quick:
@@ -236,14 +204,14 @@ def bench_prefill(res, quick: bool) -> None:
             for name in ours:
                 if not name.startswith("/page"):
                     continue
-                tp = min(times[name])
+                tp = med[name]
                 pcase = case + name
                 res.add(pcase, "cute_attn", "us", tp)
                 res.add(pcase, "cute_attn", "TFLOP/s", _tflops(flops, tp))
                 res.add(pcase, "cute_attn", "ratio", tp / t)
                 print(f"{pcase:<48} {_tflops(flops, tp):7.1f} {tp:9.1f}  ({tp / t:4.2f}x the ragged time)")
             if "softcap" in ours:
-                tc = min(times["softcap"])
+                tc = med["softcap"]
                 vcase = f"variant/softcap/{case}"
                 res.add(vcase, "cute_attn", "ratio", tc / t)
                 fl = [] if quick else [("flex", _flex(q4, k4, v4, _causal_mask, _softcap_mod))]
