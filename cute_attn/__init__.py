@@ -7,6 +7,12 @@ from ._version import __version__  # noqa: F401
 
 from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache  # noqa: E402,F401
 from .merge import merge_state, merge_state_in_place, merge_states  # noqa: E402,F401
+from .prefill import (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper,  # noqa: E402,F401
+                      single_prefill_with_kv_cache, single_prefill_with_kv_cache_return_lse)
+from .cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402,F401
 
-__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache", "merge_state",
+# FlashInfer's top-level names that exist here: ``import cute_attn as flashinfer`` works for them
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache", "BatchPrefillWithPagedKVCacheWrapper",
+           "BatchPrefillWithRaggedKVCacheWrapper", "single_prefill_with_kv_cache",
+           "single_prefill_with_kv_cache_return_lse", "MultiLevelCascadeAttentionWrapper", "merge_state",
            "merge_state_in_place", "merge_states", "__version__"]

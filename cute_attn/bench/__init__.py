@@ -5,7 +5,7 @@ import sys
 
 from .common import Results
 
-GROUPS = ("copy", "merge", "launch", "decode", "prefill", "variants", "merge_sweep")
+GROUPS = ("copy", "merge", "launch", "decode", "prefill", "variants", "cascade", "merge_sweep")
 
 
 def run_benchmarks(only=None, json_path=None, quick=False) -> int:
@@ -38,6 +38,10 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         from . import variants
 
         variants.bench_variants(res, quick)
+    if "cascade" in groups:
+        from . import cascade
+
+        cascade.bench_cascade(res, quick)
     if "launch" in groups:
         launch.bench_launch(res, quick)
     if json_path:

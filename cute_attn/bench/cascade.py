@@ -1,0 +1,145 @@
+"""Shared-prefix (cascade) attention: ``MultiLevelCascadeAttentionWrapper`` against the same
+batch run flat -- every request's page table lists the shared prefix pages, so a flat kernel
+reads the prefix once per request (from L2 where it stays there) -- and against torch SDPA
+(cuDNN) on the batch laid out dense.
+
+Decode cases (one query per request) are timed as serving engines run them: CUDA-graph
+wrappers, ``run()`` captured once and replayed.  Each cascade output is checked against the
+flat decode kernel's before it is timed.
+"""
+from __future__ import annotations
+
+import torch
+
+from .common import do_bench
+from .decode import HK, HQ, D
+
+PAGE = 16
+
+
+def _cache(num_pages):
+    k = torch.randn(num_pages, PAGE, HK, D, device="cuda", dtype=torch.bfloat16)
+    return k, torch.randn_like(k)
+
+
+def _graph(fn):
+    fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def _decode_case(res, batch, prefix, unique, gen, ws):
+    from cute_attn import BatchDecodeWithPagedKVCacheWrapper, MultiLevelCascadeAttentionWrapper
+
+    p_pages, u_pages = prefix // PAGE, unique // PAGE
+    cache = _cache(p_pages + batch * u_pages)
+    perm = torch.randperm(p_pages + batch * u_pages, generator=gen).to(torch.int32)
+    shared, own = perm[:p_pages], perm[p_pages:].view(batch, u_pages)
+    i32 = dict(dtype=torch.int32)
+    # cascade: level 0 = the prefix (one request owning every query), level 1 = own pages
+    qo = [torch.tensor([0, batch], **i32), torch.arange(batch + 1, **i32)]
+    indptr = [torch.tensor([0, p_pages], **i32), torch.arange(batch + 1, **i32) * u_pages]
+    indices = [shared.clone(), own.reshape(-1).clone()]
+    last = [torch.tensor([PAGE], **i32), torch.full((batch,), PAGE, **i32)]
+    bufs = [[t.cuda() for t in arr] for arr in (qo, indptr, indices, last)]
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    cw = MultiLevelCascadeAttentionWrapper(2, ws[0], "NHD", use_cuda_graph=True, qo_indptr_buf_arr=bufs[0],
+                                           paged_kv_indptr_buf_arr=bufs[1], paged_kv_indices_buf_arr=bufs[2],
+                                           paged_kv_last_page_len_buf_arr=bufs[3])
+    cw.plan(qo, indptr, indices, last, HQ, HK, D, PAGE, q_data_type=torch.bfloat16)
+    out_c = torch.empty_like(q)
+    g_c = _graph(lambda: cw.run(q, cache, out=out_c))
+    # flat: every request's table is prefix + own pages
+    f_indptr = torch.arange(batch + 1, **i32) * (p_pages + u_pages)
+    f_indices = torch.cat([shared.expand(batch, p_pages), own], dim=1).reshape(-1).contiguous()
+    f_last = torch.full((batch,), PAGE, **i32)
+    fw = BatchDecodeWithPagedKVCacheWrapper(ws[1], use_cuda_graph=True, paged_kv_indptr_buffer=f_indptr.cuda(),
+                                            paged_kv_indices_buffer=f_indices.cuda(),
+                                            paged_kv_last_page_len_buffer=f_last.cuda())
+    fw.plan(f_indptr, f_indices, f_last, HQ, HK, D, PAGE, q_data_type=torch.bfloat16)
+    out_f = torch.empty_like(q)
+    g_f = _graph(lambda: fw.run(q, cache, out=out_f))
+    g_c.replay()
+    g_f.replay()
+    torch.cuda.synchronize()
+    err = ((out_c.float() - out_f.float()).norm() / out_f.float().norm()).item()
+    assert err < 2e-2, f"cascade and flat decode disagree: relative error {err:.3e}"
+    t_c, t_f = do_bench(g_c.replay), do_bench(g_f.replay)
+    t_d = _decode_level_time(q, cache, bufs, qo, indptr, indices, last, ws[2:], out_c)
+    # cuDNN on the batch laid out dense (the prefix copied into every request)
+    kd = torch.randn(batch, HK, prefix + unique, D, device="cuda", dtype=torch.bfloat16)
+    vd = torch.randn_like(kd)
+    qd = q.view(batch, HQ, 1, D)
+    t_cudnn = _cudnn(qd, kd, vd)
+    del kd, vd
+    case = f"cascade/decode/hd128/gqa4/bs{batch}/prefix{prefix}/unique{unique}/page{PAGE}"
+    res.add(case, "cute_attn", "us", t_c)
+    res.add(case + "/flat", "cute_attn", "us", t_f)
+    res.add(case + "/flat", "cute_attn", "ratio", t_f / t_c)
+    if t_cudnn is not None:
+        res.add(case, "sdpa_cudnn", "us", t_cudnn)
+        res.add(case, "sdpa_cudnn", "ratio", t_cudnn / t_c)
+    name = f"bs{batch} prefix {prefix} + {unique}"
+    cud = f"{t_cudnn:9.1f} ({t_cudnn / t_c:5.2f}x)" if t_cudnn is not None else "n/a"
+    res.add(case + "/decode_kernel_own_level", "cute_attn", "us", t_d)
+    print(f"{name:<32} {t_c:9.1f} {t_f:9.1f} ({t_f / t_c:5.2f}x) {cud:>20} {t_d:9.1f}   err {err:.1e}")
+
+
+def _decode_level_time(q, cache, bufs, qo, indptr, indices, last, ws, ref):
+    """The cascade with its own-tokens level on the decode kernel instead of the prefill kernel
+    (what a decode fast path in the wrapper would give); checked against ``ref``."""
+    from cute_attn import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
+    from cute_attn.cascade import merge_state_in_place
+
+    dw = BatchDecodeWithPagedKVCacheWrapper(ws[0], use_cuda_graph=True, paged_kv_indptr_buffer=bufs[1][1].clone(),
+                                            paged_kv_indices_buffer=bufs[2][1].clone(),
+                                            paged_kv_last_page_len_buffer=bufs[3][1].clone())
+    dw.plan(indptr[1], indices[1], last[1], HQ, HK, D, PAGE, q_data_type=torch.bfloat16)
+    pw = BatchPrefillWithPagedKVCacheWrapper(ws[1], use_cuda_graph=True, qo_indptr_buf=bufs[0][0].clone(),
+                                             paged_kv_indptr_buf=bufs[1][0].clone(),
+                                             paged_kv_indices_buf=bufs[2][0].clone(),
+                                             paged_kv_last_page_len_buf=bufs[3][0].clone())
+    pw.plan(qo[0], indptr[0], indices[0], last[0], HQ, HK, D, PAGE, q_data_type=torch.bfloat16)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], HQ, device="cuda")
+
+    def run():
+        dw.run(q, cache, out=out, lse=lse)
+        o0, s0 = pw.run(q, cache, return_lse=True)
+        merge_state_in_place(out, lse, o0, s0)
+
+    g = _graph(run)
+    g.replay()
+    torch.cuda.synchronize()
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < 2e-2, f"decode-level cascade disagrees: {err:.3e}"
+    return do_bench(g.replay)
+
+
+def _cudnn(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    f = torch.nn.functional.scaled_dot_product_attention
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            f(q, k, v, enable_gqa=True)
+            return do_bench(lambda: f(q, k, v, enable_gqa=True))
+    except Exception as e:  # pragma: no cover
+        print(f"  cudnn failed: {type(e).__name__}: {str(e)[:200]}")
+        return None
+
+
+def cascade_cases(quick: bool):
+    cases = [(64, 8192, 512), (64, 32768, 256), (256, 4096, 256)]
+    return cases[:1] if quick else cases
+
+
+def bench_cascade(res, quick: bool) -> None:
+    gen = torch.Generator().manual_seed(0)  # page order
+    ws = [torch.empty(256 << 20, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    print(f"{'cascade decode (bf16, 32/8 heads, d128)':<32} {'ours us':>9} {'flat us (x)':>17} {'cudnn dense (x)':>20} "
+          f"{'own level on decode us':>9}")
+    for batch, prefix, unique in cascade_cases(quick):
+        _decode_case(res, batch, prefix, unique, gen, ws)
