@@ -191,10 +191,15 @@ class MergePair:
 class MergePartials:
     """The persistent merge after split-KV attention (contract: ``cute_attn/sched``).
 
-    CTA c takes merge tasks c, c + num_ctas, ... < meta[NUM_MERGE_TASKS]; for each row j of a
-    task it folds partial slots SLOT_START .. SLOT_START + NUM_SLOTS - 1 left to right (fixed
-    order: deterministic) and writes the final o (value dtype) / LSE of that packed row.
-    The task count is read on the device, so a captured graph replays any plan.
+    The work is cut finer than the merge tasks: a *unit* is ``rows_per_unit`` rows of one task
+    (one row per ``per_row`` threads, one 16-byte fp32 vector per thread: the whole CTA in one
+    pass), and CTA c takes units c, c + num_ctas, ... of the ``num_tasks x units_per_task``
+    grid.  For each of its rows a thread folds partial slots SLOT_START .. SLOT_START +
+    NUM_SLOTS - 1 left to right (fixed order: deterministic) and writes the final o (value
+    dtype) / LSE of that packed row.  (One CTA per task left all but a few CTAs idle where a
+    plan has few tasks -- a long shared prefix cut for one query tile: 16 tasks of 128 rows
+    took 48 us on the H200, each CTA waiting out 64 load latencies in turn.)  The task count is
+    read on the device, so a captured graph replays any plan.
 
     Launched as a programmatic dependent (PDL) of the attention kernel.  The decode kernel lets
     it go at its start (``griddepcontrol.launch_dependents``), so this grid's launch overlaps
@@ -207,6 +212,9 @@ class MergePartials:
     def __init__(self, head_dim: int, tile_q: int):
         self.head_dim, self.tile_q = head_dim, tile_q
         self.per_row = head_dim // 4  # fp32 partials: 4 per 16-byte vector
+        assert TARGET_THREADS % self.per_row == 0
+        self.rows_per_unit = min(TARGET_THREADS // self.per_row, tile_q)
+        self.units_per_task = -(-tile_q // self.rows_per_unit)
 
     @cute.kernel
     def kernel(self, mPartO: cute.Tensor, mPartLse: cute.Tensor, mTasks: cute.Tensor, mMeta: cute.Tensor,
@@ -215,12 +223,14 @@ class MergePartials:
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
-        for t in cutlass.range(cta, mMeta[META_NUM_MERGE_TASKS], nctas):
-            kv_head, row_start, num_rows = mTasks[t, 1], mTasks[t, 2], mTasks[t, 3]
-            qo_offset, slot0, nslots = mTasks[t, 4], mTasks[t, 5], mTasks[t, 6]
-            for idx in cutlass.range(tidx, num_rows * self.per_row, TARGET_THREADS):
-                j = idx // self.per_row
-                c4 = idx - j * self.per_row
+        sub_row = tidx // self.per_row  # this thread's row within a unit, and its vector
+        c4 = tidx - sub_row * self.per_row
+        for u in cutlass.range(cta, mMeta[META_NUM_MERGE_TASKS] * self.units_per_task, nctas):
+            t = u // self.units_per_task
+            j = (u - t * self.units_per_task) * self.rows_per_unit + sub_row
+            if sub_row < self.rows_per_unit and j < mTasks[t, 3]:
+                kv_head, row_start = mTasks[t, 1], mTasks[t, 2]
+                qo_offset, slot0, nslots = mTasks[t, 4], mTasks[t, 5], mTasks[t, 6]
                 # this row's partial slots slot0 .. slot0 + nslots - 1, 4 columns (one 16-byte vector)
                 prow = lambda i: (slot0 + i) * self.tile_q + j  # noqa: E731
                 acc, lse = fold_states(nslots, lambda i: (mPartLse[prow(i)], load_vec(mPartO[prow(i), None], c4, 4)),
