@@ -193,8 +193,8 @@ class MergePartials:
 
     The work is cut finer than the merge tasks: a *unit* is ``rows_per_unit`` rows of one task
     (one row per ``per_row`` threads, one 16-byte fp32 vector per thread: the whole CTA in one
-    pass), and CTA c takes units c, c + num_ctas, ... of the ``num_tasks x units_per_task``
-    grid.  For each of its rows a thread folds partial slots SLOT_START .. SLOT_START +
+    pass), and CTA c takes units c, c + num_ctas, ... of the ``units_per_task x num_tasks``
+    grid (task-minor).  For each of its rows a thread folds partial slots SLOT_START .. SLOT_START +
     NUM_SLOTS - 1 left to right (fixed order: deterministic) and writes the final o (value
     dtype) / LSE of that packed row.  (One CTA per task left all but a few CTAs idle where a
     plan has few tasks -- a long shared prefix cut for one query tile: 16 tasks of 128 rows
@@ -223,14 +223,21 @@ class MergePartials:
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
-        sub_row = tidx // self.per_row  # this thread's row within a unit, and its vector
-        c4 = tidx - sub_row * self.per_row
-        for u in cutlass.range(cta, mMeta[META_NUM_MERGE_TASKS] * self.units_per_task, nctas):
-            t = u // self.units_per_task
-            j = (u - t * self.units_per_task) * self.rows_per_unit + sub_row
-            if sub_row < self.rows_per_unit and j < mTasks[t, 3]:
-                kv_head, row_start = mTasks[t, 1], mTasks[t, 2]
-                qo_offset, slot0, nslots = mTasks[t, 4], mTasks[t, 5], mTasks[t, 6]
+        num_tasks = mMeta[META_NUM_MERGE_TASKS]
+        for u in cutlass.range(cta, num_tasks * self.units_per_task, nctas):
+            # task-minor: units 0 .. num_tasks - 1 are every task's first rows, and so on; a
+            # decode tile often has rows in its first unit only (GQA 4: 4 of 16), and
+            # task-major units would put those on every units_per_task-th CTA
+            sub = u // num_tasks
+            t = u - sub * num_tasks
+            kv_head, row_start, num_rows = mTasks[t, 1], mTasks[t, 2], mTasks[t, 3]
+            qo_offset, slot0, nslots = mTasks[t, 4], mTasks[t, 5], mTasks[t, 6]
+            row0 = sub * self.rows_per_unit
+            row_end = cutlass.min(num_rows, row0 + self.rows_per_unit)
+            # at most one pass (a loop, not a branch: ptxas then keeps a batch's loads together)
+            for idx in cutlass.range(row0 * self.per_row + tidx, row_end * self.per_row, TARGET_THREADS):
+                j = idx // self.per_row
+                c4 = idx - j * self.per_row
                 # this row's partial slots slot0 .. slot0 + nslots - 1, 4 columns (one 16-byte vector)
                 prow = lambda i: (slot0 + i) * self.tile_q + j  # noqa: E731
                 acc, lse = fold_states(nslots, lambda i: (mPartLse[prow(i)], load_vec(mPartO[prow(i), None], c4, 4)),
