@@ -141,6 +141,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def is_cuda_graph_enabled(self) -> bool:
         return self._use_cuda_graph
 
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
+        """Use another workspace from the next ``plan()`` on (FlashInfer's method; the int
+        workspace is not used: the plan lives in the float one)."""
+        if not isinstance(float_workspace_buffer, torch.Tensor) or float_workspace_buffer.device != self._device:
+            raise ValueError(f"float_workspace_buffer must be a tensor on {self._device}")
+        self._workspace = float_workspace_buffer.view(torch.uint8).reshape(-1)
+        self._views = None
+        self._plan = None
+
     def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
              logits_soft_cap: Optional[float] = None, q_data_type="float16", kv_data_type=None,

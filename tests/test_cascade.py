@@ -11,16 +11,17 @@ tests (``test_prefill_gpu``): output relative L2 error bf16 2e-2 / fp16 4e-3; LS
 absolute 2e-3.
 
 CPU tests (run in CI): the wrapper's wiring with the prefill kernels emulated
-(``test_prefill_gpu``'s ``emu`` fixture) and the merge done by the reference ⊕, and its
-argument errors.
+(``test_prefill_gpu``'s ``emu`` fixture), the decode wrapper replaced by the reference and the
+merge done by the reference ⊕: which kernel each level gets, causal at the last level only,
+the merged output; and the argument errors.
 """
 import random
 
 import pytest
 import torch
 
-from cute_attn.testing import merge_state_reference, ragged_reference
-from test_prefill_gpu import DTYPES, _cpu_ws, _cumsum, _gen, check, emu, make_paged  # noqa: F401
+from cute_attn.testing import merge_state_reference, paged_reference, ragged_reference
+from test_prefill_gpu import DTYPES, _cpu_ws, _cumsum, _fake_cuda, _gen, check, emu, make_paged  # noqa: F401
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -100,15 +101,19 @@ def _three_level(batch, prefix, mid, unique):
 
 
 @gpu
+@pytest.mark.parametrize("decode_kernel", [None, False])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
-def test_two_level_decode(dtype, page_size, layout):
-    """A shared prefix + each request's own tokens, one query per request (batch decode)."""
+def test_two_level_decode(dtype, page_size, layout, decode_kernel):
+    """A shared prefix + each request's own tokens, one query per request (batch decode): the
+    own level on the decode kernel, or on the prefill kernel (decode_kernel=False)."""
     rng = random.Random()
     batch = 12
     groups, segs = _two_level(batch, 1000 + rng.randrange(200), [rng.randrange(1, 300) for _ in range(batch)])
-    run_cascade(groups, segs, [1] * batch, page_size, 32, 8, 128, DTYPES[dtype], layout=layout)
+    w = run_cascade(groups, segs, [1] * batch, page_size, 32, 8, 128, DTYPES[dtype], layout=layout,
+                    decode_kernel=decode_kernel)[0]
+    assert w._kind == ["prefill", "prefill" if decode_kernel is False else "decode"]
 
 
 @gpu
@@ -205,9 +210,36 @@ def test_cuda_graph_replay_new_plan():
 # =========================================================================== CPU tests
 
 
+class _RefDecode:
+    """Stands in for BatchDecodeWithPagedKVCacheWrapper on the CPU: run() is the reference."""
+
+    made = []
+
+    def __init__(self, ws, kv_layout="NHD", use_cuda_graph=False, **bufs):
+        self.layout, self.plans = kv_layout, []
+        _RefDecode.made.append(self)
+
+    def plan(self, indptr, indices, last, hq, hk, d, page_size, **kw):
+        self.plans.append(dict(kw, page_size=page_size))
+        self.args = (indptr, indices, last, kw)
+
+    def reset_workspace_buffer(self, ws, int_ws=None):
+        pass
+
+    def run(self, q, cache, *args, out=None, lse=None, return_lse=False, sinks=None):
+        indptr, indices, last, kw = self.args
+        o, s = paged_reference(q, cache, None, indptr, indices, last, kv_layout=self.layout,
+                               logits_soft_cap=kw.get("logits_soft_cap"))
+        out = torch.empty_like(q) if out is None else out
+        lse = torch.empty(q.shape[:2]) if lse is None else lse
+        out.copy_(o.to(out.dtype))
+        lse.copy_(s)
+        return (out, lse) if return_lse else out
+
+
 @pytest.fixture
 def emu_cascade(emu, monkeypatch):
-    """The prefill emulation plus the reference ⊕ for merge_state_in_place."""
+    """The prefill emulation, the reference decode and the reference ⊕ for merge_state_in_place."""
     import cute_attn.cascade as C
 
     merges = []
@@ -220,6 +252,8 @@ def emu_cascade(emu, monkeypatch):
         merges.append(1)
 
     monkeypatch.setattr(C, "merge_state_in_place", merge_in_place)
+    monkeypatch.setattr(C, "BatchDecodeWithPagedKVCacheWrapper", _RefDecode)
+    _RefDecode.made.clear()
     emu.merges = merges
     return emu
 
@@ -235,6 +269,22 @@ def test_cpu_cascade_wiring(emu_cascade, causal):
     assert len(prefill) == 3 and len(emu_cascade.merges) == 2
     # causal reaches the last level only (the queries follow every shared prefix)
     assert [p["causal"] for p in prefill] == [causal, False, False]  # run order: last level first
+
+
+@pytest.mark.parametrize("decode_kernel", [None, False])
+def test_cpu_cascade_decode_level(emu_cascade, decode_kernel):
+    """One query per request at the own-tokens level: the decode kernel runs it (unless
+    decode_kernel=False); the shared level (one request owning all queries) stays on prefill."""
+    batch = 5
+    groups, segs = _two_level(batch, 200, [3, 17, 1, 40, 9])
+    run_cascade(groups, segs, [1] * batch, 16, 8, 2, 64, torch.bfloat16, causal=True, soft_cap=20.0, device="cpu",
+                workspace=_cpu_ws(96), seed=6, decode_kernel=decode_kernel)
+    prefill = [p for f, p in emu_cascade.calls if f == "batch_prefill_sm90"]
+    if decode_kernel is False:
+        assert not _RefDecode.made and len(prefill) == 2
+    else:
+        assert len(_RefDecode.made) == 1 and len(prefill) == 1 and not prefill[0]["causal"]
+        assert _RefDecode.made[0].plans[0]["logits_soft_cap"] == 20.0
 
 
 def test_cpu_cascade_errors(emu_cascade):
@@ -260,6 +310,17 @@ def test_cpu_cascade_errors(emu_cascade):
             w.plan(qo, ind, idx, last, 4, 4, 64, 16, q_data_type=torch.float16, variant=v)
     with pytest.raises(ValueError, match="use_cuda_graph=True needs qo_indptr_buf_arr"):
         MultiLevelCascadeAttentionWrapper(2, _cpu_ws(8), use_cuda_graph=True)
+    # CUDA-graph mode: a level planned on the decode kernel stays there
+    bufs = [[torch.zeros(n, dtype=torch.int32) for n in sizes] for sizes in ([2, 4], [2, 4], [64, 64], [1, 3])]
+    bufs = [[_fake_cuda(t) for t in arr] for arr in bufs]
+    g = MultiLevelCascadeAttentionWrapper(2, _cpu_ws(64), use_cuda_graph=True, qo_indptr_buf_arr=bufs[0],
+                                          paged_kv_indptr_buf_arr=bufs[1], paged_kv_indices_buf_arr=bufs[2],
+                                          paged_kv_last_page_len_buf_arr=bufs[3])
+    g.plan(qo, ind, idx, last, 4, 4, 64, 16, q_data_type=torch.float16)
+    assert g._kind == ["prefill", "decode"]
+    with pytest.raises(ValueError, match="decode kernel since the first plan"):
+        g.plan([torch.tensor([0, 4]), torch.tensor([0, 1, 2, 4])], ind, idx, last, 4, 4, 64, 16,
+               q_data_type=torch.float16)
     small = MultiLevelCascadeAttentionWrapper(2, _cpu_ws(1))  # 512 KB per level
     with pytest.raises(ValueError, match="cascade level 0"):
         small.plan(qo, ind, idx, last, 4, 4, 64, 16, q_data_type=torch.float16)

@@ -4,8 +4,10 @@ reads the prefix once per request (from L2 where it stays there) -- and against 
 (cuDNN) on the batch laid out dense.
 
 Decode cases (one query per request) are timed as serving engines run them: CUDA-graph
-wrappers, ``run()`` captured once and replayed.  Each cascade output is checked against the
-flat decode kernel's before it is timed.
+wrappers, ``run()`` captured once and replayed.  The cascade runs its own-tokens level on the
+decode kernel (the default); the same cascade with the prefill kernel at every level
+(``decode_kernel=False``) is timed beside it.  Each output is checked against the flat decode
+kernel's before it is timed.
 """
 from __future__ import annotations
 
@@ -67,7 +69,19 @@ def _decode_case(res, batch, prefix, unique, gen, ws):
     err = ((out_c.float() - out_f.float()).norm() / out_f.float().norm()).item()
     assert err < 2e-2, f"cascade and flat decode disagree: relative error {err:.3e}"
     t_c, t_f = do_bench(g_c.replay), do_bench(g_f.replay)
-    t_d = _decode_level_time(q, cache, bufs, qo, indptr, indices, last, ws[2:], out_c)
+    # the same cascade with the prefill kernel at every level (plan(decode_kernel=False))
+    pbufs = [[t.clone() for t in arr] for arr in bufs]
+    pw = MultiLevelCascadeAttentionWrapper(2, ws[2], "NHD", use_cuda_graph=True, qo_indptr_buf_arr=pbufs[0],
+                                           paged_kv_indptr_buf_arr=pbufs[1], paged_kv_indices_buf_arr=pbufs[2],
+                                           paged_kv_last_page_len_buf_arr=pbufs[3])
+    pw.plan(qo, indptr, indices, last, HQ, HK, D, PAGE, q_data_type=torch.bfloat16, decode_kernel=False)
+    out_p = torch.empty_like(q)
+    g_p = _graph(lambda: pw.run(q, cache, out=out_p))
+    g_p.replay()
+    torch.cuda.synchronize()
+    err_p = ((out_p.float() - out_f.float()).norm() / out_f.float().norm()).item()
+    assert err_p < 2e-2, f"cascade (prefill kernel) and flat decode disagree: relative error {err_p:.3e}"
+    t_p = do_bench(g_p.replay)
     # cuDNN on the batch laid out dense (the prefix copied into every request)
     kd = torch.randn(batch, HK, prefix + unique, D, device="cuda", dtype=torch.bfloat16)
     vd = torch.randn_like(kd)
@@ -83,39 +97,8 @@ def _decode_case(res, batch, prefix, unique, gen, ws):
         res.add(case, "sdpa_cudnn", "ratio", t_cudnn / t_c)
     name = f"bs{batch} prefix {prefix} + {unique}"
     cud = f"{t_cudnn:9.1f} ({t_cudnn / t_c:5.2f}x)" if t_cudnn is not None else "n/a"
-    res.add(case + "/decode_kernel_own_level", "cute_attn", "us", t_d)
-    print(f"{name:<32} {t_c:9.1f} {t_f:9.1f} ({t_f / t_c:5.2f}x) {cud:>20} {t_d:9.1f}   err {err:.1e}")
-
-
-def _decode_level_time(q, cache, bufs, qo, indptr, indices, last, ws, ref):
-    """The cascade with its own-tokens level on the decode kernel instead of the prefill kernel
-    (what a decode fast path in the wrapper would give); checked against ``ref``."""
-    from cute_attn import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
-    from cute_attn.cascade import merge_state_in_place
-
-    dw = BatchDecodeWithPagedKVCacheWrapper(ws[0], use_cuda_graph=True, paged_kv_indptr_buffer=bufs[1][1].clone(),
-                                            paged_kv_indices_buffer=bufs[2][1].clone(),
-                                            paged_kv_last_page_len_buffer=bufs[3][1].clone())
-    dw.plan(indptr[1], indices[1], last[1], HQ, HK, D, PAGE, q_data_type=torch.bfloat16)
-    pw = BatchPrefillWithPagedKVCacheWrapper(ws[1], use_cuda_graph=True, qo_indptr_buf=bufs[0][0].clone(),
-                                             paged_kv_indptr_buf=bufs[1][0].clone(),
-                                             paged_kv_indices_buf=bufs[2][0].clone(),
-                                             paged_kv_last_page_len_buf=bufs[3][0].clone())
-    pw.plan(qo[0], indptr[0], indices[0], last[0], HQ, HK, D, PAGE, q_data_type=torch.bfloat16)
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[0], HQ, device="cuda")
-
-    def run():
-        dw.run(q, cache, out=out, lse=lse)
-        o0, s0 = pw.run(q, cache, return_lse=True)
-        merge_state_in_place(out, lse, o0, s0)
-
-    g = _graph(run)
-    g.replay()
-    torch.cuda.synchronize()
-    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert err < 2e-2, f"decode-level cascade disagrees: {err:.3e}"
-    return do_bench(g.replay)
+    res.add(case + "/prefill_kernel_only", "cute_attn", "us", t_p)
+    print(f"{name:<32} {t_c:9.1f} {t_f:9.1f} ({t_f / t_c:5.2f}x) {cud:>20} {t_p:9.1f}   err {err:.1e}")
 
 
 def _cudnn(q, k, v):
@@ -138,8 +121,8 @@ def cascade_cases(quick: bool):
 
 def bench_cascade(res, quick: bool) -> None:
     gen = torch.Generator().manual_seed(0)  # page order
-    ws = [torch.empty(256 << 20, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    ws = [torch.empty(256 << 20, dtype=torch.uint8, device="cuda") for _ in range(3)]
     print(f"{'cascade decode (bf16, 32/8 heads, d128)':<32} {'ours us':>9} {'flat us (x)':>17} {'cudnn dense (x)':>20} "
-          f"{'own level on decode us':>9}")
+          f"{'prefill kernel only us':>9}")
     for batch, prefix, unique in cascade_cases(quick):
         _decode_case(res, batch, prefix, unique, gen, ws)
