@@ -5,7 +5,7 @@ import sys
 
 from .common import Results
 
-GROUPS = ("copy", "merge", "launch", "decode", "prefill", "variants", "cascade", "merge_sweep")
+GROUPS = ("copy", "merge", "launch", "decode", "prefill", "variants", "cascade", "sparse", "merge_sweep")
 
 
 def run_benchmarks(only=None, json_path=None, quick=False) -> int:
@@ -42,6 +42,10 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         from . import cascade
 
         cascade.bench_cascade(res, quick)
+    if "sparse" in groups:
+        from . import sparse
+
+        sparse.bench_sparse(res, quick)
     if "launch" in groups:
         launch.bench_launch(res, quick)
     if json_path:

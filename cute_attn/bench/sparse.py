@@ -1,0 +1,104 @@
+"""Block-sparse attention: ``BlockSparseAttentionWrapper`` against FlexAttention with the same
+block mask (its natural baseline: 128 x 128 blocks, Flex's block size) and against dense
+attention (SDPA cuDNN, the whole M x N).  bf16, 32 / 8 heads, hd128, one sequence.
+
+TFLOP/s counts the FLOPs of the kept blocks only (4 x head_dim per query-key pair and head).
+Our output is checked against Flex's before timing.
+"""
+from __future__ import annotations
+
+import torch
+
+from .common import do_bench
+
+HQ, HK, D, BLK = 32, 8, 128, 128
+
+
+def _bsr(mb, nb, density, gen):
+    table = torch.rand(mb, nb, generator=gen) < density
+    table[:, 0] = True  # every row block sees at least one block (Flex and we agree on empty rows anyway)
+    indptr = torch.zeros(mb + 1, dtype=torch.int32)
+    indptr[1:] = table.sum(1).cumsum(0)
+    indices = table.nonzero()[:, 1].to(torch.int32)
+    return table, indptr, indices
+
+
+def _flex(q, k, v, table):
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None, None
+    t = table.cuda()
+
+    def mask_mod(b, h, qi, kvi):
+        return t[qi // BLK, kvi // BLK]
+
+    try:
+        bm = create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2], device="cuda", BLOCK_SIZE=BLK)
+        fa = torch.compile(flex_attention)
+        out = fa(q, k, v, block_mask=bm, enable_gqa=True)
+        return do_bench(lambda: fa(q, k, v, block_mask=bm, enable_gqa=True)), out
+    except Exception as e:  # pragma: no cover
+        print(f"  flex failed: {type(e).__name__}: {str(e)[:200]}")
+        return None, None
+
+
+def _cudnn_dense(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    f = torch.nn.functional.scaled_dot_product_attention
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            f(q, k, v, enable_gqa=True)
+            return do_bench(lambda: f(q, k, v, enable_gqa=True))
+    except Exception as e:  # pragma: no cover
+        print(f"  cudnn failed: {type(e).__name__}: {str(e)[:200]}")
+        return None
+
+
+def sparse_cases(quick: bool):
+    cases = [(8192, 0.1), (8192, 0.3), (8192, 0.5), (32768, 0.05)]
+    return cases[1:2] if quick else cases
+
+
+def bench_sparse(res, quick: bool) -> None:
+    from cute_attn import BlockSparseAttentionWrapper
+
+    gen = torch.Generator().manual_seed(0)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    print(f"{'block sparse (bf16, 32/8 heads, d128, 128x128)':<46} {'ours us':>8} {'TFLOP/s':>8} {'flex us (x)':>16} "
+          f"{'cudnn dense us (x)':>19}")
+    for n, density in sparse_cases(quick):
+        table, indptr, indices = _bsr(n // BLK, n // BLK, density, gen)
+        q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(n, HK, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(n, HK, D, device="cuda", dtype=torch.bfloat16)
+        w = BlockSparseAttentionWrapper(ws)
+        w.plan(indptr, indices, n, n, BLK, BLK, HQ, HK, D, q_data_type=torch.bfloat16)
+        out = torch.empty_like(q)
+        w.run(q, k, v, out=out)
+        t = do_bench(lambda: w.run(q, k, v, out=out))
+        flops = 4 * D * HQ * int(indptr[-1]) * BLK * BLK
+        qf, kf, vf = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, seq, d]
+        t_flex, out_flex = _flex(qf, kf, vf, table)
+        err = None
+        if out_flex is not None:
+            ref = out_flex[0].transpose(0, 1).float()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            assert err < 2e-2, f"block-sparse output disagrees with FlexAttention: {err:.3e}"
+        t_dense = _cudnn_dense(qf, kf, vf)
+        case = f"sparse/hd128/gqa4/s{n}/blk{BLK}/density{density}"
+        res.add(case, "cute_attn", "us", t)
+        res.add(case, "cute_attn", "TFLOP/s", flops / t / 1e6)
+        cols = []
+        for impl, tb in (("flex", t_flex), ("sdpa_cudnn", t_dense)):
+            if tb is not None:
+                res.add(case, impl, "us", tb)
+                res.add(case, impl, "ratio", tb / t)
+                cols.append(f"{tb:8.1f} ({tb / t:5.2f}x)")
+            else:
+                cols.append("n/a")
+        name = f"s{n} density {density} ({int(indptr[-1])} blocks)"
+        e = f"err {err:.1e}" if err is not None else ""
+        print(f"{name:<46} {t:8.1f} {flops / t / 1e6:8.1f} {cols[0]:>16} {cols[1]:>19}  {e}")
+        del q, k, v, qf, kf, vf, out, out_flex
