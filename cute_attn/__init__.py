@@ -10,11 +10,11 @@ from .merge import merge_state, merge_state_in_place, merge_states  # noqa: E402
 from .prefill import (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper,  # noqa: E402,F401
                       single_prefill_with_kv_cache, single_prefill_with_kv_cache_return_lse)
 from .cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402,F401
-from .sparse import BlockSparseAttentionWrapper  # noqa: E402,F401
+from .sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper  # noqa: E402,F401
 
 # FlashInfer's top-level names that exist here: ``import cute_attn as flashinfer`` works for them
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache", "BatchPrefillWithPagedKVCacheWrapper",
            "BatchPrefillWithRaggedKVCacheWrapper", "single_prefill_with_kv_cache",
            "single_prefill_with_kv_cache_return_lse", "MultiLevelCascadeAttentionWrapper",
-           "BlockSparseAttentionWrapper", "merge_state",
+           "BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper", "merge_state",
            "merge_state_in_place", "merge_states", "__version__"]

@@ -1,4 +1,5 @@
-"""Block-sparse attention, FlashInfer-compatible: ``BlockSparseAttentionWrapper``.
+"""Block-sparse attention, FlashInfer-compatible: ``BlockSparseAttentionWrapper`` and
+``VariableBlockSparseAttentionWrapper``.
 
 The attention mask is a BSR matrix (SciPy's ``bsr_matrix``): ``M`` query rows in blocks of
 ``R``, ``N`` key columns in blocks of ``C``, row block ``i`` attending to the column blocks
@@ -24,7 +25,7 @@ import torch
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, _reject_unsupported
 from .sched.inputs import as_index_array, check_indptr
 
-__all__ = ["BlockSparseAttentionWrapper", "convert_bsr_mask_layout"]
+__all__ = ["BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper", "convert_bsr_mask_layout"]
 
 
 def _positive(name, v):
@@ -142,6 +143,113 @@ class BlockSparseAttentionWrapper:
 
     def run_return_lse(self, q, k, v, *args, **kw):
         return self.run(q, k, v, *args, **dict(kw, return_lse=True))
+
+    def end_forward(self) -> None:
+        pass
+
+
+class VariableBlockSparseAttentionWrapper:
+    """FlashInfer's variable-block-size sparse wrapper: every kv head has its own pattern
+    ``block_mask_map[h]`` ``[MB, NB]`` over row blocks of ``block_row_sz[h]`` queries and column
+    blocks of ``block_col_sz[h]`` keys (sizes may differ between blocks and heads; each head's
+    sizes sum to the same M and N).  q ``[num_qo_heads, M, head_dim]``, k / v ``[num_kv_heads,
+    N, head_dim]`` (FlashInfer's layouts); out ``[num_qo_heads, M, head_dim]``, lse
+    ``[num_qo_heads, M]``.
+
+    On the paged prefill as FlashInfer maps it: a request per (kv head, row block) with the
+    head's ``group`` query heads packed (one kv head in the kernel's view), K / V as pages of one
+    token (``[num_kv_heads * N, 1, 1, head_dim]``, a view), the request's keys the tokens of its
+    column blocks; q and out are rearranged around the kernel (one copy each).  Position-based
+    options are refused as in ``BlockSparseAttentionWrapper``."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, backend: str = "auto") -> None:
+        if backend != "auto":
+            raise NotImplementedError(f"backend={backend!r}: cute_attn has one block-sparse backend ('auto')")
+        self._prefill = BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, "NHD")
+        self._shape = None
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None,
+                               vector_sparse_indices_buffer=None, vector_sparse_indptr_buffer=None) -> None:
+        self._prefill.reset_workspace_buffer(float_workspace_buffer)
+        self._shape = None
+
+    def plan(self, block_mask_map: torch.Tensor, block_row_sz: torch.Tensor, block_col_sz: torch.Tensor,
+             num_qo_heads: int, num_kv_heads: int, head_dim: int, causal: bool = False,
+             pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+             logits_soft_cap: Optional[float] = None, sm_scale: Optional[float] = None,
+             rope_scale: Optional[float] = None, rope_theta: Optional[float] = None, non_blocking: bool = True,
+             q_data_type="float16", kv_data_type=None, variant=None, kv_pass: Optional[bool] = None) -> None:
+        if causal or pos_encoding_mode != "NONE":
+            raise NotImplementedError(
+                "causal / RoPE / ALiBi with block-sparse attention: a request's keys are its column blocks' tokens "
+                "gathered in block order, so the kernel's positions are not the real ones")
+        hk = _positive("num_kv_heads", num_kv_heads)
+        hq = _positive("num_qo_heads", num_qo_heads)
+        if hq % hk:
+            raise ValueError(f"num_qo_heads ({hq}) must be a multiple of num_kv_heads ({hk})")
+        bm = block_mask_map.detach().cpu()
+        rs = block_row_sz.detach().cpu().to(torch.int64).numpy()
+        cs = block_col_sz.detach().cpu().to(torch.int64).numpy()
+        if bm.dim() != 3 or bm.shape[0] != hk or rs.shape != tuple(bm.shape[:2]) or cs.shape != (hk, bm.shape[2]):
+            raise ValueError(f"block_mask_map must be [num_kv_heads, MB, NB] with block_row_sz [num_kv_heads, MB] and "
+                             f"block_col_sz [num_kv_heads, NB] (num_kv_heads = {hk}), got {tuple(bm.shape)}, "
+                             f"{rs.shape}, {cs.shape}")
+        if (rs < 0).any() or (cs < 0).any():
+            raise ValueError("block_row_sz and block_col_sz must be >= 0")
+        m_h, n_h = rs.sum(1), cs.sum(1)
+        if len(set(m_h.tolist())) != 1 or len(set(n_h.tolist())) != 1:
+            raise ValueError(f"every kv head's block sizes must sum to the same lengths: rows {m_h.tolist()}, "
+                             f"columns {n_h.tolist()}")
+        M, N = int(m_h[0]), int(n_h[0])
+        mask = bm.to(torch.bool).numpy()
+        qo_indptr = np.concatenate([[0], np.cumsum(rs.reshape(-1))]).astype(np.int32)  # requests (head, row block)
+        kv_len = (mask * cs[:, None, :]).sum(-1).reshape(-1)
+        kv_indptr = np.concatenate([[0], np.cumsum(kv_len)]).astype(np.int32)
+        # the tokens of every kept block, request by request (row-major nonzero: head, row, column)
+        h_i, _, c_i = np.nonzero(mask)
+        lengths = cs[h_i, c_i]
+        base = h_i * N + (np.cumsum(cs, axis=1) - cs)[h_i, c_i]
+        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        tokens = (np.repeat(base, lengths) + np.arange(int(lengths.sum())) - starts).astype(np.int32)
+        last = (kv_len > 0).astype(np.int32)
+        self._prefill.plan(torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr), torch.from_numpy(tokens),
+                           torch.from_numpy(last), hq // hk, 1, head_dim, 1, use_fp16_qk_reduction=use_fp16_qk_reduction,
+                           logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, q_data_type=q_data_type,
+                           kv_data_type=kv_data_type, non_blocking=non_blocking, variant=variant, kv_pass=kv_pass)
+        self._shape = (hq, hk, M, N, head_dim)
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, out: Optional[torch.Tensor] = None,
+            lse: Optional[torch.Tensor] = None, return_lse: bool = False, enable_pdl=None):
+        if self._shape is None:
+            raise RuntimeError("run() before plan()")
+        hq, hk, M, N, d = self._shape
+        g = hq // hk
+        if not isinstance(q, torch.Tensor) or tuple(q.shape) != (hq, M, d):
+            raise ValueError(f"q must be [num_qo_heads, M, head_dim] = [{hq}, {M}, {d}], got "
+                             f"{tuple(getattr(q, 'shape', ()))}")
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (hk, N, d):
+                raise ValueError(f"{name} must be [num_kv_heads, N, head_dim] = [{hk}, {N}, {d}], got "
+                                 f"{tuple(getattr(t, 'shape', ()))}")
+        if out is not None and (tuple(out.shape) != (hq, M, d) or out.dtype != q.dtype or out.device != q.device):
+            raise ValueError(f"out must be {q.dtype} [{hq}, {M}, {d}] on {q.device}")
+        if lse is not None and (tuple(lse.shape) != (hq, M) or lse.dtype != torch.float32 or lse.device != q.device):
+            raise ValueError(f"lse must be float32 [{hq}, {M}] on {q.device}")
+        # request rows: (kv head, query) major, the head's group of query heads packed
+        qr = q.reshape(hk, g, M, d).permute(0, 2, 1, 3).reshape(hk * M, g, d)
+        pages = (k.reshape(hk * N, 1, 1, d), v.reshape(hk * N, 1, 1, d))  # one-token pages
+        o, s = self._prefill.run(qr, pages, *args, return_lse=True)
+        o = o.view(hk, M, g, d).permute(0, 2, 1, 3).reshape(hq, M, d)
+        s = s.view(hk, M, g).permute(0, 2, 1).reshape(hq, M)
+        if out is not None:
+            out.copy_(o)
+            o = out
+        if lse is not None:
+            lse.copy_(s)
+            s = lse
+        return (o, s) if return_lse else o
+
+    forward = run
 
     def end_forward(self) -> None:
         pass

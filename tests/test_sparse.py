@@ -1,11 +1,13 @@
-"""Block-sparse attention (``cute_attn.sparse.BlockSparseAttentionWrapper``) against the fp32
-reference with the BSR pattern expanded to a dense ``[M, N]`` mask.
+"""Block-sparse attention (``cute_attn.sparse``: ``BlockSparseAttentionWrapper`` and
+``VariableBlockSparseAttentionWrapper``) against the fp32 reference with the pattern expanded to
+a dense ``[M, N]`` mask (per kv head for the variable one).
 
 GPU tests (marked ``gpu``; plain paged prefill specs and the custom-mask ones of the ``all``
 preset): block shapes (R, C) from (1, 16) to (128, 32), C = 1 (the cp.async gather) and
 multiples of 16 (TMA page boxes), M not a multiple of R, empty row blocks, column blocks in
 shuffled order, GQA 1 / 4, head dims 64 / 128 / 256, fp16 / bf16, element masks (``mask`` and
-``packed_mask``) and soft-cap.  Outputs and LSE pre-filled with NaN.  Tolerances as the prefill
+``packed_mask``) and soft-cap; variable blocks: per-head patterns and sizes (empty blocks
+included), GQA 1 / 4 / 8.  Outputs and LSE pre-filled with NaN.  Tolerances as the prefill
 tests: output relative L2 error bf16 2e-2 / fp16 4e-3, LSE (base 2) absolute 2e-3; rows that see
 no key: out 0, LSE -inf.
 
@@ -85,6 +87,49 @@ def run_bsr(M, N, R, C, hq, hk, d, dtype, *, density=0.3, with_mask=None, soft_c
     return w
 
 
+def _sizes(total, n, gen):
+    """n block sizes >= 0 summing to total (random cut points)."""
+    cuts = torch.sort(torch.randint(0, total + 1, (n - 1,), generator=gen)).values.tolist()
+    edges = [0] + cuts + [total]
+    return [b - a for a, b in zip(edges, edges[1:])]
+
+
+def run_vbsr(hq, hk, M, N, mb, nb, d, dtype, *, density=0.4, soft_cap=None, device=DEV, workspace=None, seed=None,
+             **plan_kw):
+    from cute_attn import VariableBlockSparseAttentionWrapper
+
+    gen = _gen(seed)
+    bmap = torch.rand(hk, mb, nb, generator=gen) < density
+    rows = torch.tensor([_sizes(M, mb, gen) for _ in range(hk)], dtype=torch.int32)
+    cols = torch.tensor([_sizes(N, nb, gen) for _ in range(hk)], dtype=torch.int32)
+    q = torch.randn(hq, M, d, generator=gen).to(dtype).to(device)
+    k = torch.randn(hk, N, d, generator=gen).to(dtype).to(device)
+    v = torch.randn(hk, N, d, generator=gen).to(dtype).to(device)
+    w = VariableBlockSparseAttentionWrapper(workspace if workspace is not None else
+                                            torch.empty(256 << 20, dtype=torch.uint8, device=device))
+    w.plan(bmap.to(device), rows.to(device), cols.to(device), hq, hk, d, q_data_type=dtype, logits_soft_cap=soft_cap,
+           **plan_kw)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((hq, M), float("nan"), device=device)
+    got = w.run(q, k, v, out=out, lse=lse, return_lse=True)
+    assert got[0] is out and got[1] is lse
+    g = hq // hk
+    ref_o, ref_lse = [], []
+    for h in range(hk):
+        r_off = [0] + torch.cumsum(rows[h], 0).tolist()
+        c_off = [0] + torch.cumsum(cols[h], 0).tolist()
+        dense = torch.zeros(M, N, dtype=torch.bool)
+        for i, j in bmap[h].nonzero().tolist():
+            dense[r_off[i]:r_off[i + 1], c_off[j]:c_off[j + 1]] = True
+        o, s = single_reference(q[h * g:(h + 1) * g].transpose(0, 1), k[h].unsqueeze(1), v[h].unsqueeze(1),
+                                custom_mask=dense.to(device), logits_soft_cap=soft_cap)
+        ref_o.append(o.transpose(0, 1))
+        ref_lse.append(s.transpose(0, 1))
+    check(out.transpose(0, 1), lse.transpose(0, 1), torch.cat(ref_o).transpose(0, 1),
+          torch.cat(ref_lse).transpose(0, 1), dtype)
+    return w
+
+
 # =========================================================================== GPU tests
 
 
@@ -113,6 +158,23 @@ def test_block_sparse_element_mask(with_mask):
 def test_block_sparse_soft_cap_kv_pass():
     """Soft-cap (its kernel exists for ragged KV, tile 128): the KV pass gathers the blocks first."""
     run_bsr(768, 1024, 64, 64, 16, 4, 128, torch.bfloat16, soft_cap=30.0, kv_pass=True)
+
+
+@gpu
+@pytest.mark.parametrize("hq,hk,M,N,mb,nb,d,dtype", [
+    (8, 2, 1000, 1200, 7, 9, 128, torch.bfloat16),
+    (4, 4, 333, 500, 5, 4, 64, torch.float16),
+    (16, 2, 2048, 4096, 16, 32, 128, torch.bfloat16),
+    (8, 1, 700, 300, 3, 6, 256, torch.bfloat16),
+])
+def test_variable_block_sparse(hq, hk, M, N, mb, nb, d, dtype):
+    run_vbsr(hq, hk, M, N, mb, nb, d, dtype)
+
+
+@gpu
+def test_variable_block_sparse_soft_cap():
+    """Soft-cap through the KV pass (the ragged soft-cap kernel, tile 128: 8 x ~128 rows per request)."""
+    run_vbsr(16, 2, 2048, 2048, 16, 16, 128, torch.bfloat16, soft_cap=30.0, kv_pass=True)
 
 
 # =========================================================================== CPU tests
@@ -175,3 +237,32 @@ def test_cpu_block_sparse_errors(emu):
     with pytest.raises(ValueError, match=r"k must be \[N, num_kv_heads, head_dim\] = \[64, 4, 64\]"):
         w.run(torch.zeros(32, 4, 64, dtype=torch.float16), torch.zeros(60, 4, 64, dtype=torch.float16),
               torch.zeros(64, 4, 64, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("hq,hk", [(4, 2), (2, 2), (8, 1)])
+def test_cpu_variable_block_sparse_wiring(emu, hq, hk):
+    w = run_vbsr(hq, hk, 70, 90, 4, 5, 64, torch.float16, device="cpu", workspace=_cpu_ws(64), seed=11)
+    assert w._prefill._page_size == 1 and w._prefill._hk == 1
+
+
+def test_cpu_variable_block_sparse_errors(emu):
+    from cute_attn import VariableBlockSparseAttentionWrapper
+
+    w = VariableBlockSparseAttentionWrapper(_cpu_ws(16))
+    bm = torch.ones(2, 2, 3, dtype=torch.bool)
+    rows = torch.tensor([[4, 4], [3, 5]], dtype=torch.int32)
+    cols = torch.tensor([[2, 2, 2], [1, 1, 4]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="before plan"):
+        w.run(torch.zeros(4, 8, 64), torch.zeros(2, 6, 64), torch.zeros(2, 6, 64))
+    with pytest.raises(NotImplementedError, match="causal"):
+        w.plan(bm, rows, cols, 4, 2, 64, causal=True)
+    with pytest.raises(ValueError, match="sum to the same lengths"):
+        w.plan(bm, torch.tensor([[4, 4], [3, 4]], dtype=torch.int32), cols, 4, 2, 64)
+    with pytest.raises(ValueError, match=r"block_mask_map must be \[num_kv_heads, MB, NB\]"):
+        w.plan(bm[:1], rows, cols, 4, 2, 64)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        w.plan(bm, rows, cols, 3, 2, 64)
+    w.plan(bm, rows, cols, 4, 2, 64, q_data_type=torch.float16)
+    with pytest.raises(ValueError, match=r"q must be \[num_qo_heads, M, head_dim\] = \[4, 8, 64\]"):
+        w.run(torch.zeros(8, 4, 64, dtype=torch.float16), torch.zeros(2, 6, 64, dtype=torch.float16),
+              torch.zeros(2, 6, 64, dtype=torch.float16))

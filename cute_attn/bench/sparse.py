@@ -1,6 +1,8 @@
 """Block-sparse attention: ``BlockSparseAttentionWrapper`` against FlexAttention with the same
 block mask (its natural baseline: 128 x 128 blocks, Flex's block size) and against dense
-attention (SDPA cuDNN, the whole M x N).  bf16, 32 / 8 heads, hd128, one sequence.
+attention (SDPA cuDNN, the whole M x N).  bf16, 32 / 8 heads, hd128, one sequence.  Then
+``VariableBlockSparseAttentionWrapper`` (per-head patterns over blocks of varying sizes, as in
+video diffusion's sparse attention) against Flex with a mask_mod that looks the blocks up.
 
 TFLOP/s counts the FLOPs of the kept blocks only (4 x head_dim per query-key pair and head).
 Our output is checked against Flex's before timing.
@@ -102,3 +104,60 @@ def bench_sparse(res, quick: bool) -> None:
         e = f"err {err:.1e}" if err is not None else ""
         print(f"{name:<46} {t:8.1f} {flops / t / 1e6:8.1f} {cols[0]:>16} {cols[1]:>19}  {e}")
         del q, k, v, qf, kf, vf, out, out_flex
+    bench_variable_sparse(res, quick)
+
+
+def _cuts(total, n, gen):
+    cuts = torch.sort(torch.randint(1, total, (n - 1,), generator=gen)).values
+    edges = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.full((1,), total)])
+    return (edges[1:] - edges[:-1]).to(torch.int32)
+
+
+def bench_variable_sparse(res, quick: bool) -> None:
+    from cute_attn import VariableBlockSparseAttentionWrapper
+
+    gen = torch.Generator().manual_seed(1)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    h, n, nblk, density = 16, 16384, 128, 0.15
+    bmap = torch.rand(h, nblk, nblk, generator=gen) < density
+    bmap[:, :, 0] = True
+    rows = torch.stack([_cuts(n, nblk, gen) for _ in range(h)])
+    cols = torch.stack([_cuts(n, nblk, gen) for _ in range(h)])
+    q = torch.randn(h, n, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(h, n, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(h, n, D, device="cuda", dtype=torch.bfloat16)
+    w = VariableBlockSparseAttentionWrapper(ws)
+    w.plan(bmap, rows, cols, h, h, D, q_data_type=torch.bfloat16)
+    out = w.run(q, k, v)
+    t = do_bench(lambda: w.run(q, k, v))
+    pairs = int((bmap.long() * rows.long()[:, :, None] * cols.long()[:, None, :]).sum())
+    flops = 4 * D * pairs
+    # Flex: per head, each token's block id, the block table looked up per element
+    rid = torch.stack([torch.repeat_interleave(torch.arange(nblk), r.long()) for r in rows]).cuda()
+    cid = torch.stack([torch.repeat_interleave(torch.arange(nblk), c.long()) for c in cols]).cuda()
+    tbl = bmap.cuda()
+    t_flex, err = None, None
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def mask_mod(b, hh, qi, kvi):
+            return tbl[hh, rid[hh, qi], cid[hh, kvi]]
+
+        bm = create_block_mask(mask_mod, 1, h, n, n, device="cuda", BLOCK_SIZE=BLK)
+        fa = torch.compile(flex_attention)
+        ref = fa(q[None], k[None], v[None], block_mask=bm)[0]
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < 2e-2, f"variable block-sparse output disagrees with FlexAttention: {err:.3e}"
+        t_flex = do_bench(lambda: fa(q[None], k[None], v[None], block_mask=bm))
+    except ImportError:
+        pass
+    case = f"sparse_variable/hd128/h{h}/s{n}/blocks{nblk}/density{density}"
+    res.add(case, "cute_attn", "us", t)
+    res.add(case, "cute_attn", "TFLOP/s", flops / t / 1e6)
+    flex = "n/a"
+    if t_flex is not None:
+        res.add(case, "flex", "us", t_flex)
+        res.add(case, "flex", "ratio", t_flex / t)
+        flex = f"{t_flex:8.1f} ({t_flex / t:5.2f}x)"
+    print(f"{'variable blocks: 16 heads, s16384, 128x128 blocks, 0.15':<46} {t:8.1f} {flops / t / 1e6:8.1f} "
+          f"{flex:>16}  err {err:.1e}" if err is not None else f"variable: {t:.1f} us")
