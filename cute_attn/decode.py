@@ -77,6 +77,13 @@ def variant_decode_specs(arch: str):
     return [decode_spec(arch, dt, d, v) for v in variant_test_variants() for dt, d in (("bf16", 128), ("f16", 64))]
 
 
+def workspace_bytes(buf, device) -> torch.Tensor:
+    """A replacement workspace as the wrappers hold it (flat uint8), checked to be on ``device``."""
+    if not isinstance(buf, torch.Tensor) or buf.device != device:
+        raise ValueError(f"float_workspace_buffer must be a tensor on {device}")
+    return buf.view(torch.uint8).reshape(-1)
+
+
 def _as_dtype(x) -> Optional[torch.dtype]:
     if x is None or isinstance(x, torch.dtype):
         return x
@@ -144,11 +151,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
         """Use another workspace from the next ``plan()`` on (FlashInfer's method; the int
         workspace is not used: the plan lives in the float one)."""
-        if not isinstance(float_workspace_buffer, torch.Tensor) or float_workspace_buffer.device != self._device:
-            raise ValueError(f"float_workspace_buffer must be a tensor on {self._device}")
-        self._workspace = float_workspace_buffer.view(torch.uint8).reshape(-1)
-        self._views = None
-        self._plan = None
+        self._workspace = workspace_bytes(float_workspace_buffer, self._device)
+        self._views = self._plan = None
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,

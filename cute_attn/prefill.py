@@ -43,7 +43,7 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import torch
 
-from .decode import _DTYPES, SUPPORTED_HEAD_DIMS, _arange, _as_dtype, _kv_views, _single_kv_nhd
+from .decode import _DTYPES, SUPPORTED_HEAD_DIMS, _arange, _as_dtype, _kv_views, _single_kv_nhd, workspace_bytes
 from .families import variant_params
 from .runtime.arch import arch_of_index, sm_count_of_index
 from .families import BATCH_PREFILL_SM90, PREFILL_ARCH, prefill_abi, prefill_abi_fixed  # noqa: F401
@@ -368,11 +368,8 @@ class _BatchPrefillBase:
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
         """Use another workspace from the next ``plan()`` on (FlashInfer's method; the int
         workspace is not used: the plan lives in the float one)."""
-        if not isinstance(float_workspace_buffer, torch.Tensor) or float_workspace_buffer.device != self._device:
-            raise ValueError(f"float_workspace_buffer must be a tensor on {self._device}")
-        self._workspace = float_workspace_buffer.view(torch.uint8).reshape(-1)
-        self._views = None
-        self._plan = None
+        self._workspace = workspace_bytes(float_workspace_buffer, self._device)
+        self._views = self._plan = None
 
     # -- plan -----------------------------------------------------------------------------
     def _check_common(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import do_bench
+from .common import cudnn_time, do_bench
 from .decode import HK, HQ, D
 
 PAGE = 16
@@ -86,7 +86,7 @@ def _decode_case(res, batch, prefix, unique, gen, ws):
     kd = torch.randn(batch, HK, prefix + unique, D, device="cuda", dtype=torch.bfloat16)
     vd = torch.randn_like(kd)
     qd = q.view(batch, HQ, 1, D)
-    t_cudnn = _cudnn(qd, kd, vd)
+    t_cudnn = cudnn_time(qd, kd, vd)
     del kd, vd
     case = f"cascade/decode/hd128/gqa4/bs{batch}/prefix{prefix}/unique{unique}/page{PAGE}"
     res.add(case, "cute_attn", "us", t_c)
@@ -99,19 +99,6 @@ def _decode_case(res, batch, prefix, unique, gen, ws):
     cud = f"{t_cudnn:9.1f} ({t_cudnn / t_c:5.2f}x)" if t_cudnn is not None else "n/a"
     res.add(case + "/prefill_kernel_only", "cute_attn", "us", t_p)
     print(f"{name:<32} {t_c:9.1f} {t_f:9.1f} ({t_f / t_c:5.2f}x) {cud:>20} {t_p:9.1f}   err {err:.1e}")
-
-
-def _cudnn(q, k, v):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    f = torch.nn.functional.scaled_dot_product_attention
-    try:
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            f(q, k, v, enable_gqa=True)
-            return do_bench(lambda: f(q, k, v, enable_gqa=True))
-    except Exception as e:  # pragma: no cover
-        print(f"  cudnn failed: {type(e).__name__}: {str(e)[:200]}")
-        return None
 
 
 def cascade_cases(quick: bool):

@@ -39,6 +39,22 @@ def interleaved(fns: dict, calls: int = 25) -> dict:
     return out
 
 
+def cudnn_time(q, k, v) -> "float | None":
+    """Median time (us) of SDPA pinned to cuDNN on q / k / v ``[batch, heads, seq, dim]`` (GQA
+    allowed), or None (printed why) where cuDNN does not take the case."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    f = torch.nn.functional.scaled_dot_product_attention
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            f(q, k, v, enable_gqa=True)
+            return do_bench(lambda: f(q, k, v, enable_gqa=True))
+    except Exception as e:  # pragma: no cover
+        print(f"  cudnn failed: {type(e).__name__}: {str(e)[:200]}")
+        return None
+
+
 def commit() -> str:
     """The commit measured: $CUTE_ATTN_COMMIT when set (a snapshot run from another checkout,
     e.g. on the GPU machine, would otherwise report that checkout's HEAD), else git's HEAD."""

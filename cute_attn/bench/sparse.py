@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import do_bench
+from .common import cudnn_time, do_bench
 
 HQ, HK, D, BLK = 32, 8, 128, 128
 
@@ -45,19 +45,6 @@ def _flex(q, k, v, table):
         return None, None
 
 
-def _cudnn_dense(q, k, v):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    f = torch.nn.functional.scaled_dot_product_attention
-    try:
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            f(q, k, v, enable_gqa=True)
-            return do_bench(lambda: f(q, k, v, enable_gqa=True))
-    except Exception as e:  # pragma: no cover
-        print(f"  cudnn failed: {type(e).__name__}: {str(e)[:200]}")
-        return None
-
-
 def sparse_cases(quick: bool):
     cases = [(8192, 0.1), (8192, 0.3), (8192, 0.5), (32768, 0.05)]
     return cases[1:2] if quick else cases
@@ -88,7 +75,7 @@ def bench_sparse(res, quick: bool) -> None:
             ref = out_flex[0].transpose(0, 1).float()
             err = ((out.float() - ref).norm() / ref.norm()).item()
             assert err < 2e-2, f"block-sparse output disagrees with FlexAttention: {err:.3e}"
-        t_dense = _cudnn_dense(qf, kf, vf)
+        t_dense = cudnn_time(qf, kf, vf)
         case = f"sparse/hd128/gqa4/s{n}/blk{BLK}/density{density}"
         res.add(case, "cute_attn", "us", t)
         res.add(case, "cute_attn", "TFLOP/s", flops / t / 1e6)
