@@ -23,7 +23,10 @@ is applied once, at the last level, so the sink enters each row's denominator on
 
 The user's ``float_workspace_buffer`` is cut into ``num_levels`` equal slices, one per level
 (each level's plan lives in its slice, as in the batch wrappers); an error names the size a
-level needs when its slice is too small.
+level needs when its slice is too small.  A prefill level needs about 34 MiB at head_dim 128 on
+132 SMs (partial-output room for split KV), so FlashInfer's usual 128 MiB serves up to three
+levels; give 40 MiB per level beyond that (FlashInfer's levels share one buffer: here each
+level keeps its plan, so that a captured ``run()`` replays every level's).
 """
 from __future__ import annotations
 
@@ -35,12 +38,25 @@ import torch
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .merge import merge_state, merge_state_in_place, merge_states  # noqa: F401  (flashinfer.cascade's names)
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
+from .runtime.arch import arch_of_index
+from .runtime.loader import kernel
 from .sched.inputs import as_index_array
 from .variants import base as vbase
 
 __all__ = ["MultiLevelCascadeAttentionWrapper", "merge_state", "merge_state_in_place", "merge_states"]
 
+_MERGE_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _SLICE_ALIGN = 4096  # level slices start on this boundary (the planner aligns sections to 256 B)
+
+
+def _dtype_of(x) -> torch.dtype:
+    return x if isinstance(x, torch.dtype) else getattr(torch, str(x))
+
+
+def _load_merge(dtype: torch.dtype, head_dim: int, device: torch.device) -> None:
+    """Load (or build) the ``merge_pair`` module ``run()`` launches, outside any capture."""
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    kernel("merge_pair", arch_of_index(dev), dtype=_MERGE_DTYPES[dtype], head_dim=head_dim, masked=False)
 
 
 def _slices(buf: torch.Tensor, n: int) -> List[torch.Tensor]:
@@ -138,6 +154,7 @@ class MultiLevelCascadeAttentionWrapper:
              rope_theta: Optional[float] = None, q_data_type="float16", kv_data_type=None, variant=None,
              kv_pass: Optional[bool] = None, decode_kernel: Optional[bool] = None) -> None:
         n = self._num_levels
+        self._total_q = None  # a plan() that fails part-way must not leave a runnable mix of two plans
         arrays = (("qo_indptr_arr", qo_indptr_arr), ("paged_kv_indptr_arr", paged_kv_indptr_arr),
                   ("paged_kv_indices_arr", paged_kv_indices_arr), ("paged_kv_last_page_len", paged_kv_last_page_len))
         for name, arr in arrays:
@@ -149,11 +166,19 @@ class MultiLevelCascadeAttentionWrapper:
         if len(set(totals)) != 1:
             raise ValueError(f"every level's qo_indptr must end at the same number of query rows (each row belongs "
                              f"to one request per level), got {totals}")
+        for i in range(n):
+            kv_n = as_index_array(f"paged_kv_indptr_arr[{i}]", paged_kv_indptr_arr[i]).shape[0]
+            if kv_n != qo_h[i].shape[0]:
+                raise ValueError(f"level {i}: qo_indptr and paged_kv_indptr must have the same length (batch_size "
+                                 f"+ 1), got {qo_h[i].shape[0]} and {kv_n}")
         hooks = vbase.Hooks(variant) if isinstance(variant, vbase.Variant) else None
         if hooks is not None and (not hooks.softmax or hooks.has_finalize or hooks.has_output):
             raise NotImplementedError(
                 "this variant does not merge across cascade levels by ⊕ (it has an output transform, a finalize of "
                 "the row statistics or no softmax); run it with the batch wrappers on the whole KV instead")
+        if hooks is not None and hooks.causal:
+            raise ValueError("a Causal() component in variant= would mask every level (the shared prefixes too); "
+                             "pass causal=True, which applies to the last level only")
         common = dict(pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
                       logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
                       q_data_type=q_data_type, kv_data_type=kv_data_type, variant=variant)
@@ -166,9 +191,9 @@ class MultiLevelCascadeAttentionWrapper:
                     kind = "prefill"  # the captured kernel takes any query count
                 else:
                     raise ValueError(f"cascade level {i} runs on the decode kernel since the first plan() (one query "
-                                     f"per request; a captured run() bakes the kernel in), and this plan gives some "
-                                     f"request of it {int(np.diff(qo_h[i]).max())} queries; create the wrapper "
-                                     f"with that plan first, or plan with decode_kernel=False")
+                                     f"per request; a captured run() bakes the kernel in), and this plan does not "
+                                     f"give each of its requests exactly one query; create the wrapper with that "
+                                     f"plan first, or plan with decode_kernel=False")
             kinds.append(kind)
         for i in range(n):
             args = (paged_kv_indptr_arr[i], paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
@@ -184,6 +209,8 @@ class MultiLevelCascadeAttentionWrapper:
                     raise ValueError(f"cascade level {i} (1/{n} of the workspace): {e}") from None
                 raise
             self._kind[i] = kinds[i]
+        # the merge kernel run() needs, loaded here: run() may be the call a CUDA graph captures
+        _load_merge(_dtype_of(q_data_type), int(head_dim), self._slices[0].device)
         self._total_q = totals[0]
 
     begin_forward = plan

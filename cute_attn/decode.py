@@ -360,8 +360,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise NotImplementedError("q_scale/k_scale/v_scale (fp8) are not supported yet")
         k, v = _kv_views(paged_kv_cache, self._kv_layout)
         b, hq, hk, d = self._batch, self._hq, self._hk, self._d
-        if q.shape != (b, hq, d) or q.dtype != self._dtype or q.device != self._device:
-            raise ValueError(f"q must be {self._dtype} [{b}, {hq}, {d}] on {self._device}, got {q.dtype} "
+        # CUDA-graph mode: q may hold more rows than this plan's batch (captured at the largest
+        # batch, as the prefill wrappers allow); rows past the batch are neither read nor written
+        rows_ok = q.dim() == 3 and (q.shape[0] >= b if self._use_cuda_graph else q.shape[0] == b)
+        if not rows_ok or q.shape[1:] != (hq, d) or q.dtype != self._dtype or q.device != self._device:
+            rows = f">= {b}" if self._use_cuda_graph else f"{b}"
+            raise ValueError(f"q must be {self._dtype} [{rows}, {hq}, {d}] on {self._device}, got {q.dtype} "
                              f"{tuple(q.shape)} on {q.device}")
         if k.dtype != q.dtype or k.device != q.device:
             raise ValueError(f"paged_kv_cache must be {q.dtype} on {q.device}, got {k.dtype} on {k.device}")
@@ -375,9 +379,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         elif out.shape != q.shape or out.dtype != q.dtype:
             raise ValueError(f"out must be {q.dtype} {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
         if lse is None:
-            lse = torch.empty((b, hq), dtype=torch.float32, device=q.device)
-        elif lse.shape != (b, hq) or lse.dtype != torch.float32:
-            raise ValueError(f"lse must be float32 [{b}, {hq}], got {lse.dtype} {tuple(lse.shape)}")
+            lse = torch.empty((q.shape[0], hq), dtype=torch.float32, device=q.device)
+        elif lse.shape != (q.shape[0], hq) or lse.dtype != torch.float32:
+            raise ValueError(f"lse must be float32 [{q.shape[0]}, {hq}], got {lse.dtype} {tuple(lse.shape)}")
         if b:
             vw = self._views
             group = hq // hk

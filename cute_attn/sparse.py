@@ -24,6 +24,8 @@ import torch
 
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, _reject_unsupported
 from .sched.inputs import as_index_array, check_indptr
+from .variants import base as vbase
+from .variants.builtins import ALiBi, Causal, RoPE, SlidingWindow
 
 __all__ = ["BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper", "convert_bsr_mask_layout"]
 
@@ -32,6 +34,27 @@ def _positive(name, v):
     if not isinstance(v, (int, np.integer)) or v < 1:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
     return int(v)
+
+
+def _check_variant(variant, per_head_request_tensors_ok: bool = True) -> None:
+    """Refuse what would act on gathered key positions: causal, window, RoPE, ALiBi, any key or
+    query transform.  (A user variant that reads ``kv_pos`` otherwise sees the position within
+    the gathered blocks -- documented, not detectable.)"""
+    if variant is None:
+        return
+    if not isinstance(variant, vbase.Variant):
+        raise TypeError(f"variant must be a cute_attn.variants.Variant, got {type(variant).__name__}")
+    h = vbase.Hooks(variant)
+    bad = [type(c).__name__ for c in vbase.components(variant) if isinstance(c, (Causal, SlidingWindow, RoPE, ALiBi))]
+    if bad or h.causal or h.has_transform_q or h.has_transform_k:
+        raise NotImplementedError(
+            f"variant {bad or type(variant).__name__} with block-sparse attention: keys are gathered block by block, "
+            f"so position-based components would see gathered positions, not the real ones")
+    if not per_head_request_tensors_ok and h.num_tensors:
+        raise NotImplementedError(
+            "variants with runtime tensors in VariableBlockSparseAttentionWrapper: the kernel sees one kv head per "
+            "request (a request per kv head and row block), so per-head or per-request tensors would be indexed "
+            "wrongly")
 
 
 def _flatten_blocks(mask: torch.Tensor, ip: np.ndarray, rows: np.ndarray) -> torch.Tensor:
@@ -54,7 +77,8 @@ class BlockSparseAttentionWrapper:
     ...)`` then ``run(q, k, v)`` with q ``[M, num_qo_heads, head_dim]``, k / v ``[N,
     num_kv_heads, head_dim]``.  ``M`` need not be a multiple of ``R`` (the last row block is
     shorter; ``mask`` then still holds ``R`` rows per block, the extra ones unused); ``N`` must
-    be a multiple of ``C``.  cute_attn's own: ``variant=`` (position-free variants) and
+    be a multiple of ``C``.  Duplicate column indices in a row block count those keys twice
+    (as FlashInfer).  cute_attn's own: ``variant=`` (position-free variants) and
     ``kv_pass=`` as the paged prefill wrapper's; ``run(out=, lse=, return_lse=)``."""
 
     def __init__(self, float_workspace_buffer: torch.Tensor, backend: str = "auto") -> None:
@@ -87,6 +111,7 @@ class BlockSparseAttentionWrapper:
             raise NotImplementedError(
                 f"pos_encoding_mode={pos_encoding_mode!r} with block-sparse attention: keys are read in indices "
                 f"order, so RoPE / ALiBi would see gathered positions, not the real ones")
+        _check_variant(variant)
         M, N, R, C = (_positive(n, v) for n, v in (("M", M), ("N", N), ("R", R), ("C", C)))
         if N % C:
             raise ValueError(f"N ({N}) must be a multiple of the block width C ({C}), as in FlashInfer")
@@ -183,6 +208,7 @@ class VariableBlockSparseAttentionWrapper:
             raise NotImplementedError(
                 "causal / RoPE / ALiBi with block-sparse attention: a request's keys are its column blocks' tokens "
                 "gathered in block order, so the kernel's positions are not the real ones")
+        _check_variant(variant, per_head_request_tensors_ok=False)
         hk = _positive("num_kv_heads", num_kv_heads)
         hq = _positive("num_qo_heads", num_qo_heads)
         if hq % hk:
@@ -204,6 +230,8 @@ class VariableBlockSparseAttentionWrapper:
         mask = bm.to(torch.bool).numpy()
         qo_indptr = np.concatenate([[0], np.cumsum(rs.reshape(-1))]).astype(np.int32)  # requests (head, row block)
         kv_len = (mask * cs[:, None, :]).sum(-1).reshape(-1)
+        if int(kv_len.sum()) >= 2**31 or hk * N >= 2**31:
+            raise ValueError(f"{int(kv_len.sum())} attended tokens in all: the kernel's index arrays are int32")
         kv_indptr = np.concatenate([[0], np.cumsum(kv_len)]).astype(np.int32)
         # the tokens of every kept block, request by request (row-major nonzero: head, row, column)
         h_i, _, c_i = np.nonzero(mask)

@@ -143,12 +143,15 @@ def test_soft_cap(causal):
 
 
 @gpu
-def test_sinks_once():
-    """run(sinks=) enters each row's denominator once (at the last level), not once per level."""
+@pytest.mark.parametrize("qo", [20, 1])
+def test_sinks_once(qo):
+    """run(sinks=) enters each row's denominator once (at the last level), not once per level; the
+    last level on the prefill kernel (20 queries per request) or the decode kernel (1)."""
     rng = random.Random()
     batch = 5
     groups, segs = _three_level(batch, 300, [50, 90], [rng.randrange(1, 200) for _ in range(batch)])
-    run_cascade(groups, segs, [20] * batch, 16, 16, 4, 128, torch.bfloat16, sinks=True, kv_pass=False)
+    w = run_cascade(groups, segs, [qo] * batch, 16, 16, 4, 128, torch.bfloat16, sinks=True, kv_pass=False)[0]
+    assert w._kind[-1] == ("decode" if qo == 1 else "prefill")
 
 
 @gpu
@@ -167,7 +170,7 @@ def test_cuda_graph_replay_new_plan():
     from cute_attn import MultiLevelCascadeAttentionWrapper
 
     batch, hq, hk, d, ps, dtype = 8, 32, 8, 128, 16, torch.bfloat16
-    max_pages = [[64], [64] * batch]
+    max_pages = [[128], [64] * batch]
     bufs = [[torch.zeros(len(m) + 1, dtype=torch.int32, device=DEV) for m in max_pages],
             [torch.zeros(len(m) + 1, dtype=torch.int32, device=DEV) for m in max_pages],
             [torch.zeros(sum(m), dtype=torch.int32, device=DEV) for m in max_pages],
@@ -178,17 +181,19 @@ def test_cuda_graph_replay_new_plan():
                                           paged_kv_last_page_len_buf_arr=bufs[3])
     gen = _gen()
     out = lse = graph = q = kv = None
+    # the third plan has 6 requests: q stays at the captured 8 rows, rows 6-7 are ignored
     for prefix, unique in [(900, [5, 300, 17, 1, 64, 99, 250, 8]),
-                           (130, [1000, 2, 3, 700, 1, 1, 40, 512])]:
-        groups, segs = _two_level(batch, prefix, unique)
-        q_new, cache, levels, (k_cat, v_cat, cat_tok) = make_cascade(groups, segs, [1] * batch, ps, hq, hk, d, dtype,
+                           (130, [1000, 2, 3, 700, 1, 1, 40, 512]), (2000, [33, 1, 900, 17, 4, 600])]:
+        b = len(unique)
+        groups, segs = _two_level(b, prefix, unique)
+        q_new, cache, levels, (k_cat, v_cat, cat_tok) = make_cascade(groups, segs, [1] * b, ps, hq, hk, d, dtype,
                                                                      "NHD", gen, DEV)
         w.plan(*plan_args(levels), hq, hk, d, ps, q_data_type=dtype)
         if graph is None:
             q = q_new.clone()
             kv = [torch.full((600,) + c.shape[1:], float("nan"), dtype=dtype, device=DEV) for c in cache]
         else:
-            q.copy_(q_new)
+            q[:b].copy_(q_new)
         for dst, src in zip(kv, cache):  # the captured cache: this plan's pages first, NaN past them
             dst.fill_(float("nan"))
             dst[:src.shape[0]].copy_(src)
@@ -203,8 +208,8 @@ def test_cuda_graph_replay_new_plan():
         lse.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref_o, ref_lse = ragged_reference(q, k_cat, v_cat, torch.arange(batch + 1), cat_tok)
-        check(out, lse, ref_o, ref_lse, dtype)
+        ref_o, ref_lse = ragged_reference(q[:b], k_cat, v_cat, torch.arange(b + 1), cat_tok)
+        check(out[:b], lse[:b], ref_o, ref_lse, dtype)
 
 
 # =========================================================================== CPU tests
@@ -253,6 +258,7 @@ def emu_cascade(emu, monkeypatch):
 
     monkeypatch.setattr(C, "merge_state_in_place", merge_in_place)
     monkeypatch.setattr(C, "BatchDecodeWithPagedKVCacheWrapper", _RefDecode)
+    monkeypatch.setattr(C, "_load_merge", lambda *a: emu.calls.append(("merge_pair", a)))
     _RefDecode.made.clear()
     emu.merges = merges
     return emu
@@ -269,6 +275,7 @@ def test_cpu_cascade_wiring(emu_cascade, causal):
     assert len(prefill) == 3 and len(emu_cascade.merges) == 2
     # causal reaches the last level only (the queries follow every shared prefix)
     assert [p["causal"] for p in prefill] == [causal, False, False]  # run order: last level first
+    assert [f for f, _ in emu_cascade.calls].index("merge_pair") < 3  # loaded by plan(), before any run()
 
 
 @pytest.mark.parametrize("decode_kernel", [None, False])
@@ -289,7 +296,7 @@ def test_cpu_cascade_decode_level(emu_cascade, decode_kernel):
 
 def test_cpu_cascade_errors(emu_cascade):
     from cute_attn import MultiLevelCascadeAttentionWrapper
-    from cute_attn.variants.builtins import AttentionSink, FlashSigmoid
+    from cute_attn.variants.builtins import AttentionSink, Causal, FlashSigmoid
 
     batch = 3
     groups, segs = _two_level(batch, 50, [4, 5, 6])
@@ -308,6 +315,10 @@ def test_cpu_cascade_errors(emu_cascade):
     for v in (FlashSigmoid(), AttentionSink()):
         with pytest.raises(NotImplementedError, match="does not merge"):
             w.plan(qo, ind, idx, last, 4, 4, 64, 16, q_data_type=torch.float16, variant=v)
+    with pytest.raises(ValueError, match="Causal"):
+        w.plan(qo, ind, idx, last, 4, 4, 64, 16, q_data_type=torch.float16, variant=Causal())
+    with pytest.raises(ValueError, match="level 1: qo_indptr and paged_kv_indptr must have the same length"):
+        w.plan(qo, [ind[0], ind[1][:-1]], idx, last, 4, 4, 64, 16, q_data_type=torch.float16)
     with pytest.raises(ValueError, match="use_cuda_graph=True needs qo_indptr_buf_arr"):
         MultiLevelCascadeAttentionWrapper(2, _cpu_ws(8), use_cuda_graph=True)
     # CUDA-graph mode: a level planned on the decode kernel stays there

@@ -233,6 +233,11 @@ def test_cpu_block_sparse_errors(emu):
         w.plan(ip, idx, *args, block_mask=torch.ones(4, 2, 4, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match="backend"):
         BlockSparseAttentionWrapper(_cpu_ws(16), backend="fa3")
+    from cute_attn.variants.builtins import ALiBi, Causal, RoPE, SoftCap
+
+    for v in (Causal(), RoPE(), ALiBi(), SoftCap(logits_soft_cap=5.0) + RoPE()):
+        with pytest.raises(NotImplementedError, match="gathered positions"):
+            w.plan(ip, idx, *args, variant=v)
     w.plan(ip, idx, *args, q_data_type=torch.float16)
     with pytest.raises(ValueError, match=r"k must be \[N, num_kv_heads, head_dim\] = \[64, 4, 64\]"):
         w.run(torch.zeros(32, 4, 64, dtype=torch.float16), torch.zeros(60, 4, 64, dtype=torch.float16),
@@ -262,6 +267,12 @@ def test_cpu_variable_block_sparse_errors(emu):
         w.plan(bm[:1], rows, cols, 4, 2, 64)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         w.plan(bm, rows, cols, 3, 2, 64)
+    from cute_attn.variants.builtins import AttentionSink, Causal
+
+    with pytest.raises(NotImplementedError, match="gathered positions"):
+        w.plan(bm, rows, cols, 4, 2, 64, variant=Causal())
+    with pytest.raises(NotImplementedError, match="runtime tensors"):
+        w.plan(bm, rows, cols, 4, 2, 64, variant=AttentionSink())
     w.plan(bm, rows, cols, 4, 2, 64, q_data_type=torch.float16)
     with pytest.raises(ValueError, match=r"q must be \[num_qo_heads, M, head_dim\] = \[4, 8, 64\]"):
         w.run(torch.zeros(8, 4, 64, dtype=torch.float16), torch.zeros(2, 6, 64, dtype=torch.float16),

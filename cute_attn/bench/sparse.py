@@ -136,8 +136,8 @@ def bench_variable_sparse(res, quick: bool) -> None:
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         assert err < 2e-2, f"variable block-sparse output disagrees with FlexAttention: {err:.3e}"
         t_flex = do_bench(lambda: fa(q[None], k[None], v[None], block_mask=bm))
-    except ImportError:
-        pass
+    except Exception as e:  # pragma: no cover  (no Flex, or it failed to compile)
+        print(f"  flex failed: {type(e).__name__}: {str(e)[:200]}")
     case = f"sparse_variable/hd128/h{h}/s{n}/blocks{nblk}/density{density}"
     res.add(case, "cute_attn", "us", t)
     res.add(case, "cute_attn", "TFLOP/s", flops / t / 1e6)
@@ -146,5 +146,5 @@ def bench_variable_sparse(res, quick: bool) -> None:
         res.add(case, "flex", "us", t_flex)
         res.add(case, "flex", "ratio", t_flex / t)
         flex = f"{t_flex:8.1f} ({t_flex / t:5.2f}x)"
-    print(f"{'variable blocks: 16 heads, s16384, 128x128 blocks, 0.15':<46} {t:8.1f} {flops / t / 1e6:8.1f} "
+    print(f"{'variable: 16 heads, s16384, 128x128 blocks of mean 128, 0.15':<46} {t:8.1f} {flops / t / 1e6:8.1f} "
           f"{flex:>16}  err {err:.1e}" if err is not None else f"variable: {t:.1f} us")

@@ -59,7 +59,8 @@ Row j < NUM_ROWS: ``state = slot SLOT_START ⊕ slot SLOT_START+1 ⊕ ... ⊕ sl
 SLOT_START+NUM_SLOTS-1``, folded left to right in that fixed order (deterministic output);
 write it to o / lse of token QO_OFFSET + (ROW_START + j) // group, qo head KV_HEAD * group
 + (ROW_START + j) % group. All -inf -> o = 0, lse = -inf. The merge kernel is persistent:
-CTA c takes tasks c, c + num_ctas, ... < meta[NUM_MERGE_TASKS]. It is launched after the
+its CTAs share the rows of all tasks (``kernels/merge.py``, MergePartials: units of rows, task-
+minor over the grid; any split of the rows among CTAs meets this contract). It is launched after the
 attention kernel as a programmatic dependent and waits for that grid (``griddepcontrol.wait``)
 before it reads a partial.
 
