@@ -36,27 +36,15 @@ import numpy as np
 import torch
 
 from .decode import BatchDecodeWithPagedKVCacheWrapper
+from .merge import merge_pair_module
 from .merge import merge_state, merge_state_in_place, merge_states  # noqa: F401  (flashinfer.cascade's names)
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
-from .runtime.arch import arch_of_index
-from .runtime.loader import kernel
 from .sched.inputs import as_index_array
 from .variants import base as vbase
 
 __all__ = ["MultiLevelCascadeAttentionWrapper", "merge_state", "merge_state_in_place", "merge_states"]
 
-_MERGE_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _SLICE_ALIGN = 4096  # level slices start on this boundary (the planner aligns sections to 256 B)
-
-
-def _dtype_of(x) -> torch.dtype:
-    return x if isinstance(x, torch.dtype) else getattr(torch, str(x))
-
-
-def _load_merge(dtype: torch.dtype, head_dim: int, device: torch.device) -> None:
-    """Load (or build) the ``merge_pair`` module ``run()`` launches, outside any capture."""
-    dev = device.index if device.index is not None else torch.cuda.current_device()
-    kernel("merge_pair", arch_of_index(dev), dtype=_MERGE_DTYPES[dtype], head_dim=head_dim, masked=False)
 
 
 def _slices(buf: torch.Tensor, n: int) -> List[torch.Tensor]:
@@ -210,7 +198,8 @@ class MultiLevelCascadeAttentionWrapper:
                 raise
             self._kind[i] = kinds[i]
         # the merge kernel run() needs, loaded here: run() may be the call a CUDA graph captures
-        _load_merge(_dtype_of(q_data_type), int(head_dim), self._slices[0].device)
+        w = self._wrapper(n - 1)
+        merge_pair_module(w._dtype, int(head_dim), w._dev)
         self._total_q = totals[0]
 
     begin_forward = plan

@@ -138,6 +138,13 @@ def merge_states(v, s, *, out=None, lse=None) -> Tuple[torch.Tensor, torch.Tenso
     return out, lse
 
 
+def merge_pair_module(dtype: torch.dtype, head_dim: int, device_index: int, masked: bool = False):
+    """The ``merge_pair`` module for values of ``dtype`` (loaded or built on first use; callers
+    that launch it inside a CUDA-graph capture call this beforehand)."""
+    return kernel("merge_pair", arch_of_index(device_index), dtype=_DTYPE_NAMES[dtype], head_dim=head_dim,
+                  masked=masked)
+
+
 def _merge_pair(va, sa, vb, sb, out, lse, mask) -> None:
     dt = _value_dtype(va, "v_a", 3)
     if vb.dtype != va.dtype or vb.shape != va.shape:
@@ -152,7 +159,7 @@ def _merge_pair(va, sa, vb, sb, out, lse, mask) -> None:
         mask = mask.contiguous().view(torch.uint8)
     if seq * h == 0:
         return
-    mod = kernel("merge_pair", arch_of_index(dev), dtype=dt, head_dim=d, masked=mask is not None)
+    mod = merge_pair_module(va.dtype, d, dev, mask is not None)
     if mask is None:
         mask = _unused_mask(dev)
     _launch(mod, (va, sa, vb, sb), (out, lse), (mask, GRID_CAP))

@@ -227,6 +227,7 @@ class _RefDecode:
     def plan(self, indptr, indices, last, hq, hk, d, page_size, **kw):
         self.plans.append(dict(kw, page_size=page_size))
         self.args = (indptr, indices, last, kw)
+        self._dtype, self._dev = kw["q_data_type"], 0  # what the cascade reads after plan()
 
     def reset_workspace_buffer(self, ws, int_ws=None):
         pass
@@ -258,7 +259,7 @@ def emu_cascade(emu, monkeypatch):
 
     monkeypatch.setattr(C, "merge_state_in_place", merge_in_place)
     monkeypatch.setattr(C, "BatchDecodeWithPagedKVCacheWrapper", _RefDecode)
-    monkeypatch.setattr(C, "_load_merge", lambda *a: emu.calls.append(("merge_pair", a)))
+    monkeypatch.setattr(C, "merge_pair_module", lambda *a: emu.calls.append(("merge_pair", a)))
     _RefDecode.made.clear()
     emu.merges = merges
     return emu
