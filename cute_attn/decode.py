@@ -29,6 +29,13 @@ from .variants.binding import VariantBinding
 from .variants.builtins import ALiBi, AttentionSink, CustomMask, RoPE, SlidingWindow, SoftCap, mask_kv_bounds
 
 DECODE_TILE_Q = 16  # packed rows per work item: the kernel's m16 MMA tile
+PACKED_HEADS = (4, 2)  # kv heads per work item the plain kernel is built for, besides 1
+# Head packing (h kv heads per work item) is chosen where, with it, the batch still has at
+# least this many items per CTA and no item is longer than a CTA's fair share: the items
+# then balance whole, and packing only saves item boundaries (fewer epilogues and record
+# loads).  Where packing would make the planner cut items instead, it costs more than it
+# saves (BENCHMARKS, session 12: lognormal batch of 128 +1.4 %, batch 128 x 2k at h = 4 +3 %).
+MIN_PACKED_ITEMS_PER_CTA = 1.9
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _STAGES = {64: 4, 128: 3, 256: 2}  # KV pipeline depth that fits shared memory
 _CTAS_PER_SM = {64: 2, 128: 2, 256: 1}  # what shared memory (and 248 registers/thread) allow
@@ -40,17 +47,19 @@ _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _decode_abi_fixed, _decode_abi, _spec_variant = decode_abi_fixed, decode_abi, spec_variant
 
 
-def decode_spec(arch: str, dtype: str, head_dim: int, variant=None):
-    """The ``paged_decode`` specialization for a dtype (``"f16"``/``"bf16"``), head dim and variant."""
+def decode_spec(arch: str, dtype: str, head_dim: int, variant=None, heads_per_item: int = 1):
+    """The ``paged_decode`` specialization for a dtype (``"f16"``/``"bf16"``), head dim, variant
+    and head packing (kv heads per work item; > 1 only for the plain kernel)."""
     from .runtime.spec import Spec
 
+    packing = {"heads_per_item": heads_per_item} if heads_per_item != 1 else {}
     return Spec.make("paged_decode", arch, dtype=dtype, head_dim=head_dim, stages=_STAGES[head_dim],
-                     **variant_params(variant))
+                     **packing, **variant_params(variant))
 
 
 def decode_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS):
     """Specializations run() may need for FlashInfer's default options (for the compile presets):
-    plain, soft-cap, sliding window, both."""
+    plain (one, two and four kv heads per item), soft-cap, sliding window, both."""
     from .runtime.spec import Spec
 
     out = []
@@ -58,6 +67,7 @@ def decode_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIM
         for d in head_dims:
             for v in (None, SoftCap(), SlidingWindow(), SoftCap() + SlidingWindow()):
                 out.append(decode_spec(arch, dt, d, v))
+            out += [decode_spec(arch, dt, d, None, h) for h in PACKED_HEADS]
             out.append(Spec.make("merge_partials", arch, dtype=dt, head_dim=d, tile_q=DECODE_TILE_Q))
     return out
 
@@ -143,6 +153,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._planner: Optional[Planner] = None
         self._views = None
         self._plan = None
+        self._hpi = 1  # kv heads per work item of the current plan
+        self._graph_hpi = None  # CUDA-graph mode: the first plan's, kept (the captured kernel's)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -162,7 +174,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
              block_tables: Optional[torch.Tensor] = None, seq_lens: Optional[torch.Tensor] = None,
              fixed_split_size: Optional[int] = None, disable_split_kv: bool = False,
              variant=None, custom_mask: Optional[torch.Tensor] = None,
-             packed_custom_mask: Optional[torch.Tensor] = None) -> None:
+             packed_custom_mask: Optional[torch.Tensor] = None, heads_per_item: Optional[int] = None) -> None:
         """FlashInfer's arguments.  ``fixed_split_size`` (in pages, as FlashInfer): every request's
         KV is cut at multiples of it and nothing else, so a request's output is bitwise the same
         whatever else is in the batch.  ``disable_split_kv``: no request is split (one work item
@@ -174,7 +186,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         window, and (extensions: FlashInfer's decode has none of them) ``custom_mask`` (flat
         bool, concatenated ``[1, kv_len]`` rows) or ``packed_custom_mask`` (its bits, packed
         per request as FlashInfer's prefill) and ``variant`` (any ``cute_attn.variants.Variant``,
-        applied after the built-ins)."""
+        applied after the built-ins).
+
+        ``heads_per_item`` (an extension): kv heads per work item, 1, 2 or 4 (head packing,
+        ``kernels/decode.py``; more than 1 only without a variant and with
+        ``heads_per_item * group <= 16``).  Default: chosen from the batch size (4 or 2 where
+        the batch still has ``MIN_PACKED_ITEMS_PER_CTA`` items per CTA with it, else 1), and 1
+        with ``fixed_split_size`` / ``disable_split_kv`` (packing changes the summation order).
+        With ``use_cuda_graph=True`` the first plan's choice holds for every later plan (the
+        captured launch keeps its kernel)."""
         if pos_encoding_mode not in ("NONE", "ALIBI", "ROPE_LLAMA"):
             raise ValueError(f"pos_encoding_mode must be NONE, ROPE_LLAMA or ALIBI, got {pos_encoding_mode!r}")
         if variant is not None and not isinstance(variant, vbase.Variant):
@@ -237,12 +257,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._views is None:  # section offsets are fixed per planner: views made once
             self._views = self._planner.layout.views(self._workspace)
         indices_t = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices, dtype=torch.int32)
+        split_tokens = self._split_tokens(fixed_split_size, disable_split_kv, page_size)
+        hpi = self._heads_per_item(heads_per_item, indptr_h, last_page_len, page_size, num_qo_heads,
+                                   num_kv_heads, num_ctas, split_tokens is not None)
         plan = self._planner.plan_paged(np.arange(batch + 1), indptr_h, last_page_len, page_size,
                                         kv_indices=indices_t.cpu() if not indices_t.is_cuda else None,
                                         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                                        cta_tile_q=DECODE_TILE_Q, kv_split_size=self._split_tokens(
-                                            fixed_split_size, disable_split_kv, page_size),
-                                        workspace=self._workspace)
+                                        cta_tile_q=DECODE_TILE_Q, kv_split_size=split_tokens,
+                                        heads_per_item=hpi, workspace=self._workspace)
+        self._hpi = hpi
+        if self._use_cuda_graph and self._graph_hpi is None:
+            self._graph_hpi = hpi
         # the largest page id, checked against the cache in run() (the cache is not known here);
         # unknown (-1) when the indices already live on the GPU (reading them back would sync)
         self._max_page = int(indices_t.max()) if not indices_t.is_cuda and indices_t.numel() else -1
@@ -265,8 +290,49 @@ class BatchDecodeWithPagedKVCacheWrapper:
             "sm_scale": self._sm_scale, "device": self._device, "batch": batch}, self._decode, self._module)
 
     def _module(self, v):
+        packing = {"heads_per_item": self._hpi} if v is None and self._hpi != 1 else {}
         return kernel("paged_decode", self._arch, dtype=_DTYPES[self._dtype], head_dim=self._d,
-                      stages=_STAGES[self._d], **variant_params(v))
+                      stages=_STAGES[self._d], **packing, **variant_params(v))
+
+    def _heads_per_item(self, want, indptr_h, last_page_len, page_size, hq, hk, num_ctas, invariant) -> int:
+        """kv heads per work item for this plan (``plan()``'s ``heads_per_item``; the default
+        rule: ``MIN_PACKED_ITEMS_PER_CTA``)."""
+        group, batch = hq // hk, indptr_h.shape[0] - 1
+
+        def why_not(h):
+            if h not in (1,) + PACKED_HEADS:
+                return f"must be one of {(1,) + PACKED_HEADS}"
+            if h > 1 and self._variant is not None:
+                return "head packing is built for the plain kernel only (this plan has a variant)"
+            if hk % h or h * group > DECODE_TILE_Q:
+                return f"needs num_kv_heads ({hk}) % h == 0 and h * group ({group}) <= {DECODE_TILE_Q}"
+            return None
+
+        fixed = self._graph_hpi if self._use_cuda_graph else None
+        if want is None:
+            if fixed is not None:
+                want = fixed
+            elif invariant:
+                want = 1
+            else:
+                cands = [h for h in PACKED_HEADS if why_not(h) is None
+                         and batch * (hk // h) >= MIN_PACKED_ITEMS_PER_CTA * num_ctas]
+                want = 1
+                if cands:
+                    pages = np.diff(indptr_h)
+                    last = np.asarray(last_page_len.cpu() if isinstance(last_page_len, torch.Tensor)
+                                      else last_page_len, dtype=np.int64).reshape(-1)[:batch]
+                    # kv lengths up to the last page's fill (a rule of thumb: the planner validates them)
+                    lens = np.maximum(pages - 1, 0) * int(page_size) + np.where(pages > 0, last, 0)
+                    share = hk * int(lens.sum()) / num_ctas  # one CTA's fair share, in head-tokens
+                    want = next((h for h in cands if h * int(lens.max(initial=0)) <= share), 1)
+        if fixed is not None and want != fixed:
+            raise ValueError(f"heads_per_item={want}: with use_cuda_graph=True the first plan fixed it at {fixed} "
+                             "(the captured run() keeps that kernel)")
+        err = why_not(want)
+        if err:
+            raise ValueError(f"heads_per_item={want}: {err}")
+        return want
 
     def _custom_mask(self, custom_mask, packed, indptr_h, last_page_len, page_size) -> CustomMask:
         """FlashInfer's mask conventions: per request a row-major ``[qo_len, kv_len]`` bool block,
@@ -384,7 +450,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"lse must be float32 [{q.shape[0]}, {hq}], got {lse.dtype} {tuple(lse.shape)}")
         if b:
             vw = self._views
-            group = hq // hk
+            group = self._plan.group_size  # packed rows per token and kv head (group) of the plan
             if sinks is not None and (sinks.shape != (hq,) or sinks.device != q.device):
                 raise ValueError(f"sinks must be [{hq}] on {q.device}, got {tuple(sinks.shape)} on {sinks.device}")
             module, vvals = self._binding.select(args, None if sinks is None else sinks.float())

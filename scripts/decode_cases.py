@@ -4,6 +4,11 @@ JSON line per case.  For A/B of two builds, run it alternately under each checko
 PYTHONPATH and ``CUTE_ATTN_CACHE_DIR`` pick the build) in one GPU session:
 
     PYTHONPATH=. CUTE_ATTN_CACHE_DIR=build/aot python scripts/decode_cases.py --tag new
+
+``--heads 1,2,4``: every case also with each forced head packing (kv heads per work item,
+``plan(heads_per_item=)``), the settings timed alternately in one process (best of 3 medians),
+each output compared with the first setting's; ``--cudnn``: SDPA-cuDNN on the same data laid
+out dense, in the same process (the GPU's own reference for the uniform cases).
 """
 import argparse
 import json
@@ -12,41 +17,71 @@ import torch
 from triton.testing import do_bench
 
 from cute_attn import BatchDecodeWithPagedKVCacheWrapper
-from cute_attn.bench.decode import HK, HQ, D, _paged, decode_cases
+from cute_attn.bench.common import cudnn_time
+from cute_attn.bench.decode import HK, HQ, D, _dense, _paged, decode_cases
 
 
 def cases():
     """The bench's cases, then page 1 at 256 x 1k and split-KV ones (with and without RoPE)."""
     return decode_cases() + [("bs256/kv1024/page1", [1024] * 256, 1), ("bs1/kv32768/page16", [32768], 16),
-                             ("bs8/kv8192/page16", [8192] * 8, 16), ("rope/bs64/kv4096/page16", [4096] * 64, 16),
+                             ("bs8/kv8192/page16", [8192] * 8, 16),
+                             ("bs128/kv2048/page16", [2048] * 128, 16), ("bs512/kv512/page16", [512] * 512, 16), ("rope/bs64/kv4096/page16", [4096] * 64, 16),
                              ("rope/bs1/kv32768/page16", [32768], 16)]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tag", default="ours")
-    tag = ap.parse_args().tag
+    ap.add_argument("--heads", default="auto", help="comma-separated kv heads per item to force, or auto")
+    ap.add_argument("--cudnn", action="store_true")
+    ap.add_argument("--only", default="", help="substring of the case names to run")
+    a = ap.parse_args()
+    settings = [None] if a.heads == "auto" else [int(h) for h in a.heads.split(",")]
     gen = torch.Generator().manual_seed(0)
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for name, lens, ps in cases():
+        if a.only and a.only not in name:
+            continue
         cache, indptr, indices, last = _paged(lens, ps, gen)
         q = torch.randn(len(lens), HQ, D, device="cuda", dtype=torch.bfloat16)
-        w = BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True, paged_kv_indptr_buffer=indptr.cuda(),
-                                               paged_kv_indices_buffer=indices.cuda(),
-                                               paged_kv_last_page_len_buffer=last.cuda())
         kw = {"pos_encoding_mode": "ROPE_LLAMA"} if name.startswith("rope") else {}
-        w.plan(indptr, indices, last, HQ, HK, D, ps, q_data_type=torch.bfloat16, **kw)
-        out = torch.empty_like(q)
-        w.run(q, cache, out=out)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        runs = {}
+        for h in settings:
+            if h not in (None, 1) and kw:
+                continue  # head packing is for the plain kernel only
+            ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # a plan per setting
+            w = BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True, paged_kv_indptr_buffer=indptr.cuda(),
+                                                   paged_kv_indices_buffer=indices.cuda(),
+                                                   paged_kv_last_page_len_buffer=last.cuda())
+            w.plan(indptr, indices, last, HQ, HK, D, ps, q_data_type=torch.bfloat16, heads_per_item=h, **kw)
+            out = torch.full_like(q, float("nan"))
             w.run(q, cache, out=out)
-        g.replay()
-        torch.cuda.synchronize()
-        t = min(do_bench(g.replay, warmup=25, rep=200) for _ in range(3))
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                w.run(q, cache, out=out)
+            g.replay()
+            torch.cuda.synchronize()
+            runs[h] = (g, w, out)
+        best = {h: float("inf") for h in runs}
+        for _ in range(3):
+            for h, (g, _, _) in runs.items():
+                best[h] = min(best[h], do_bench(g.replay, warmup=25, rep=200))
         kv_bytes = sum(lens) * HK * D * 2 * 2
-        print(json.dumps(dict(tag=tag, case=name, us=round(t * 1e3, 2), tbs=round(kv_bytes / t / 1e9, 3),
-                              split=bool(w._plan.has_split))), flush=True)
+        base = next(iter(runs.values()))[2].float()
+        for h, (g, w, out) in runs.items():
+            t = best[h]
+            diff = ((out.float() - base).norm() / base.norm()).item()
+            print(json.dumps(dict(tag=a.tag, case=name, heads=w._hpi, us=round(t * 1e3, 2),
+                                  tbs=round(kv_bytes / t / 1e9, 3), split=bool(w._plan.has_split),
+                                  items=w._plan.num_work_items, merges=w._plan.num_merge_tasks,
+                                  nan=bool(torch.isnan(out).any()), rel_vs_first=round(diff, 6))), flush=True)
+        del runs, cache
+        if a.cudnn and len(set(lens)) == 1:
+            qd, kd, vd = _dense(lens)
+            tc = cudnn_time(qd, kd, vd)
+            if tc is not None:
+                print(json.dumps(dict(tag="cudnn", case=name, us=round(tc, 2), tbs=round(kv_bytes / tc / 1e6, 3))),
+                      flush=True)
+            del qd, kd, vd
 
 
 if __name__ == "__main__":

@@ -61,14 +61,16 @@ def check(out, lse, ref_o, ref_lse, dtype):
 
 
 def run_case(batch, kv_lens, page_size, hq, hk, d, dtype, layout="NHD", single_tensor=False, soft_cap=None,
-             window_left=-1, seed=None):
+             window_left=-1, seed=None, heads_per_item=None):
     gen = torch.Generator().manual_seed(seed if seed is not None else random.randrange(1 << 30))
     cache, indptr, indices, last = make_paged(kv_lens, page_size, hk, d, dtype, layout, single_tensor, gen)
     q = torch.randn(batch, hq, d, generator=gen).to(dtype).cuda()
     w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
                                            kv_layout=layout)
     w.plan(indptr, indices, last, hq, hk, d, page_size, q_data_type=dtype, logits_soft_cap=soft_cap,
-           window_left=window_left)
+           window_left=window_left, heads_per_item=heads_per_item)
+    if heads_per_item is not None:
+        assert w._hpi == heads_per_item
     out = torch.full_like(q, float("nan"))
     lse = torch.full((batch, hq), float("nan"), device="cuda")
     w.run(q, cache, out=out, lse=lse)
@@ -119,6 +121,68 @@ def test_decode_batch_256():
     run_case(256, kv, 16, 32, 8, 128, torch.bfloat16)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_properties(0).multi_processor_count > 134,
+                    reason="the packing thresholds below are for a 132-SM GPU")
+@pytest.mark.parametrize("lens,want", [
+    ((900, 1100, 256, 1100), 4),   # 512 packed items of about equal length: pack four heads
+    ((1800, 2200, 128, 2200), 2),  # four would leave fewer items than CTAs: two
+    ((3500, 4500, 64, 4500), 1),   # two would too: none
+    ((1, 1000, 256, 1600), 2),     # four heads of the longest request (~6400) exceed a CTA's share (~3900)
+])
+def test_decode_default_head_packing(lens, want):
+    """The default rule (decode.MIN_PACKED_ITEMS_PER_CTA): pack while the items stay at least
+    1.9 per CTA and none exceeds a CTA's fair share; outputs checked as everywhere."""
+    lo, hi, b, longest = lens
+    rng = random.Random()
+    kv = [rng.randrange(lo, hi) for _ in range(b)]
+    kv[rng.randrange(b)] = longest
+    w = run_case(b, kv, 16, 32, 8, 128, torch.bfloat16)[0]
+    assert w._hpi == want
+
+
+# Head packing: 2 or 4 kv heads per work item (kernels/decode.py), forced.  Each case mixes
+# empty, one-token, odd, page-straddling and long (split across CTAs) requests.
+@pytest.mark.parametrize("h,hq,hk,d,dtype,page_size,layout", [
+    (4, 32, 8, 128, torch.bfloat16, 16, "NHD"),
+    (4, 32, 8, 128, torch.float16, 1, "HND"),
+    (4, 8, 8, 64, torch.float16, 16, "HND"),      # group 1: 4 of the tile's 16 rows used
+    (4, 16, 4, 256, torch.bfloat16, 64, "NHD"),
+    (4, 64, 16, 64, torch.bfloat16, 128, "NHD"),
+    (2, 64, 8, 128, torch.bfloat16, 16, "NHD"),    # group 8: the tile is full
+    (2, 16, 8, 256, torch.float16, 1, "NHD"),
+    (2, 24, 4, 64, torch.bfloat16, 16, "HND"),     # group 6: 12 rows
+    (2, 10, 2, 128, torch.float16, 64, "NHD"),     # group 5
+])
+def test_decode_head_packing(h, hq, hk, d, dtype, page_size, layout):
+    rng = random.Random()
+    kv = [0, 1, 17, 300, 64, 129, 5, 2048 + rng.randrange(64), 1000 + rng.randrange(64), 33000]
+    rng.shuffle(kv)
+    run_case(len(kv), kv, page_size, hq, hk, d, dtype, layout, heads_per_item=h)
+
+
+@pytest.mark.parametrize("h", [1, 2, 4])
+def test_decode_head_packing_batch(h):
+    """Many items per CTA, one of them split: every (request, head group) item of a big batch."""
+    rng = random.Random()
+    kv = [rng.randrange(1, 1500) for _ in range(300)] + [20000]
+    run_case(len(kv), kv, 16, 32, 8, 128, torch.bfloat16, heads_per_item=h)
+
+
+def test_decode_head_packing_errors():
+    gen = torch.Generator().manual_seed(0)
+    cache, indptr, indices, last = make_paged([10, 20], 16, 2, 128, torch.bfloat16, "NHD", False, gen)
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(32 << 20, dtype=torch.uint8, device="cuda"))
+    with pytest.raises(ValueError, match="heads_per_item=3"):
+        w.plan(indptr, indices, last, 8, 2, 128, 16, q_data_type=torch.bfloat16, heads_per_item=3)
+    with pytest.raises(ValueError, match="plain kernel only"):
+        w.plan(indptr, indices, last, 8, 2, 128, 16, q_data_type=torch.bfloat16, logits_soft_cap=30.0,
+               heads_per_item=2)
+    with pytest.raises(ValueError, match="h \\* group"):
+        w.plan(indptr, indices, last, 32, 2, 128, 16, q_data_type=torch.bfloat16, heads_per_item=2)  # group 16
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        w.plan(indptr, indices, last, 4, 2, 128, 16, q_data_type=torch.bfloat16, heads_per_item=4)  # 2 kv heads
+
+
 def test_decode_deterministic():
     kv = [5000, 17, 40000, 800]
     w, q, cache, out, lse = run_case(len(kv), kv, 16, 32, 8, 128, torch.bfloat16)
@@ -126,7 +190,8 @@ def test_decode_deterministic():
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
-def test_cuda_graph_replay_with_new_plans():
+@pytest.mark.parametrize("h", [None, 4])
+def test_cuda_graph_replay_with_new_plans(h):
     hq, hk, d, ps, max_b = 32, 8, 128, 16, 8
     gen = torch.Generator().manual_seed(random.randrange(1 << 30))
     max_pages = 4096
@@ -147,10 +212,11 @@ def test_cuda_graph_replay_with_new_plans():
         indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0)), dtype=torch.int32)
         indices = torch.randperm(max_pages, generator=gen)[:int(indptr[-1])].to(torch.int32)
         last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv_lens, pages)], dtype=torch.int32)
-        w.plan(indptr, indices, last, hq, hk, d, ps, q_data_type=torch.bfloat16)
+        w.plan(indptr, indices, last, hq, hk, d, ps, q_data_type=torch.bfloat16, heads_per_item=h)
         return indptr, indices, last
 
     plan([100] * max_b)
+    assert w._hpi == (h or 1)
     w.run(q, (k, v), out=out)  # warm-up: loads the modules outside capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -164,6 +230,10 @@ def test_cuda_graph_replay_with_new_plans():
             g.replay()
             err = ((out.float() - ref_o).norm() / ref_o.norm()).item()
             assert not torch.isnan(out).any() and err < TOL[torch.bfloat16], (kv_lens, err)
+        assert w._hpi == (h or 1)  # later plans keep the captured kernel's packing
+    if h is not None:
+        with pytest.raises(ValueError, match="first plan fixed it"):
+            w.plan(indptr, indices, last, hq, hk, d, ps, q_data_type=torch.bfloat16, heads_per_item=2)
 
 
 def test_capture_without_cuda_graph_flag_is_an_error():

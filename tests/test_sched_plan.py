@@ -423,3 +423,28 @@ def test_prefill_items_ordered_for_l2_reuse(causal):
     for k in range(int(np.diff(ind).min())):
         pairs = {(w[ind[c] + k][ws.W_REQ], w[ind[c] + k][ws.W_KV_HEAD]) for c in range(132)}
         assert len(pairs) <= 12, (k, len(pairs))
+
+
+@SETTINGS
+@given(batches(), st.sampled_from([2, 4]))
+def test_heads_per_item_is_the_plan_of_fewer_wider_heads(d, h):
+    """heads_per_item=h: the plan of num_kv_heads / h heads of group * h packed rows, its
+    per-item cost charged as alpha * tile / h (decode's head packing): byte for byte."""
+    assume(d["hk"] % h == 0)
+    pl = Planner(LIM, d["sms"], d["per_sm"], alpha=8, min_kv_chunk=d["min_chunk"], balance_tol=d["tol"])
+    qi = np.r_[0, np.cumsum(d["q"])]
+    kw = dict(causal=d["causal"], page_size=d["page"], cta_tile_q=d["tile"] or 16)
+    p = pl.plan(qi, d["kv"], num_qo_heads=d["hq"], num_kv_heads=d["hk"], heads_per_item=h, **kw)
+    wide = Planner(LIM, d["sms"], d["per_sm"], alpha=8 // h, min_kv_chunk=d["min_chunk"], balance_tol=d["tol"])
+    want = wide.plan(qi, d["kv"], num_qo_heads=d["hq"], num_kv_heads=d["hk"] // h, **kw)
+    assert p.group_size == d["hq"] // d["hk"] * h
+    for f in ("work_items", "work_indptr", "merge_tasks", "meta", "cta_cost"):
+        assert np.array_equal(getattr(p, f), getattr(want, f)), f
+    verify_plan(p, qi, d["kv"], d["hk"] // h, alpha=8 // h)
+
+
+def test_heads_per_item_errors():
+    pl = Planner(LIM, 4)
+    for h in (0, 3, 8, 2.0):
+        with pytest.raises(ValueError, match="heads_per_item"):
+            pl.plan(np.arange(3), [10, 20], num_qo_heads=8, num_kv_heads=4, heads_per_item=h)

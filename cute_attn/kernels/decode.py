@@ -18,6 +18,16 @@ Per KV block of BLOCK_N tokens:
   barrier), and the result goes to the final output (bf16/fp16 + LSE) or to a partial slot
   (fp32) for the merge kernel.
 
+Head packing (``heads_per_item`` = H in 2, 4; plain kernel only): an item covers H consecutive
+kv heads of one request, its tile the H x group packed rows of their query heads (the plan's
+group is group x H, so the row -> (token, qo head) rule is unchanged).  A block then holds
+BLOCK_N / H tokens of each of the H heads; warp w reads head w // (4 / H) and masks the tile's
+rows of the other heads (they stay m = -inf, l = 0 and drop out of the ⊕).  The MMA work per
+KV byte is the same (a GQA-4 tile used 4 of its 16 rows before); what changes is H times fewer
+items, hence item boundaries (epilogue barrier + store, record and Q loads): batch 256 x 1k
+went from 4.10 to 4.18 TB/s (BENCHMARKS, session 12).  The wrapper packs where items stay
+plentiful and whole (``decode.MIN_PACKED_ITEMS_PER_CTA``).
+
 Scores are kept in base 2 (scaled by sm_scale·log2 e), so LSE comes out in base 2 as
 FlashInfer returns it.  Variants (``cute_attn/variants``, docs/variants.md) are traced in:
 ``transform_q`` on the Q fragment once per item, ``transform_k`` on each warp's K fragment
@@ -53,14 +63,24 @@ THREADS = 32 * NUM_WARPS
 
 
 class PagedDecode:
-    def __init__(self, dtype, head_dim: int, stages: int, variant=None):
+    def __init__(self, dtype, head_dim: int, stages: int, variant=None, heads_per_item: int = 1):
         self.dtype = dtype
         self.head_dim = head_dim
         self.stages = stages
         self.hooks = Hooks(variant)
         self.chunks = head_dim // 8  # 16-byte chunks per row
         self.rows_per_thread = BLOCK_N * self.chunks // THREADS  # KV rows each thread gathers per block
+        self.row_step = THREADS // self.chunks  # a thread's gathered rows are row_step apart
         assert NUM_WARPS * 16 == BLOCK_N and stages >= 2
+        # Head packing (``heads_per_item`` = H kv heads per item, module doc): a block holds
+        # BLOCK_N // H tokens of each of the H heads, head-major; warp w reads head w // (4 // H).
+        # A thread's rows then repeat the same tokens for each head: one page lookup serves H rows.
+        assert heads_per_item in (1, 2, 4), heads_per_item
+        assert heads_per_item == 1 or variant is None, "head packing is built for the plain kernel only"
+        self.hpi = heads_per_item
+        self.tpb = BLOCK_N // heads_per_item  # tokens of each head per block
+        self.warps_per_head = NUM_WARPS // heads_per_item
+        self.n_lookups = self.tpb // self.row_step  # distinct tokens among a thread's rows of a block
         # the epilogue gives each warp an fp32 [TILE_Q, D] buffer in the 16 K and 16 V rows it
         # reads (``_o_buf``: 2 KB pieces of 512 // D fp32 rows, D // 64 halves, K then V)
         assert head_dim % 64 == 0 and (512 // head_dim) * (head_dim // 64) * 2 == TILE_Q, \
@@ -149,7 +169,7 @@ class PagedDecode:
         # p // page_size and p % page_size by multiply-high and shift (a runtime integer
         # division is ~25 instructions, and every gathered row needs one)
         page_size = cute.FastDivmodDivisorV2(mK.shape[1])
-        rows = cute.make_rmem_tensor((self.rows_per_thread,), Int32)  # the cursor's next block's rows
+        rows = cute.make_rmem_tensor((self.n_lookups,), Int32)  # the pages of the cursor's next block's rows
         item_begin, item_end = mWorkIndptr[cta], mWorkIndptr[cta + 1]
         # The loads run as one stream over this CTA's items: a load cursor (c_*) issues the
         # blocks of item after item, STAGES-1 blocks ahead of the compute, into a stage ring that
@@ -173,7 +193,7 @@ class PagedDecode:
             kv_start, kv_end, dest, qo_offset = w.kv_start, w.kv_end, w.dest, w.qo_offset
             qo_len, kv_len, qpos_base = w.qo_len, w.kv_len, w.qpos_base
             blk_start, blk_end = self._kv_blocks(w, group)
-            n_blocks = (blk_end - blk_start + BLOCK_N - 1) // BLOCK_N
+            n_blocks = (blk_end - blk_start + self.tpb - 1) // self.tpb
             sQ_i = sQ[None, None, q_cnt % self.stages]
             if const_expr(self.hooks.per_row):
                 self._item_rows(req, kv_head, row_start, group, qpos_base, qo_len, kv_len, tScS, n_rows_thr)
@@ -184,6 +204,15 @@ class PagedDecode:
             row_l = cute.make_rmem_tensor((n_rows_thr,), Float32)
             row_m.fill(-Float32.inf)
             row_l.fill(0.0)
+            # key bound per accumulator row: with head packing, a row whose kv head is not the
+            # warp's gets bound blk_start (every score masked: it stays m = -inf, l = 0, O = 0)
+            row_lim = cute.make_rmem_tensor((n_rows_thr,), Int32)
+            for r in cutlass.range_constexpr(n_rows_thr):
+                row_lim[r] = blk_end
+                if const_expr(self.hpi > 1):
+                    u = (row_start + tScS[r, 0][0]) % group  # index among the token's packed rows
+                    own = u // (group // self.hpi) == wid // self.warps_per_head
+                    row_lim[r] = cutlass.select_(own, blk_end, blk_start)
             tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ_i))
 
             for nb in cutlass.range(n_blocks):
@@ -199,7 +228,7 @@ class PagedDecode:
                     c_head, c_q)
 
                 stage = (g + nb) % self.stages
-                key0 = blk_start + nb * BLOCK_N + wid * 16
+                key0 = blk_start + nb * self.tpb + (wid % self.warps_per_head) * 16
                 sK_w = cute.local_tile(sK[None, None, stage], (16, D), (wid, 0))
                 sV_w = cute.local_tile(sV[None, None, stage], (16, D), (wid, 0))
                 # S = Q K_wᵀ  (16 rows x 16 keys)
@@ -223,7 +252,7 @@ class PagedDecode:
                         m_blk = -Float32.inf
                         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                             v = acc_S_mn[r, c] * scale_log2
-                            v = v if key0 + tScS[0, c][1] < blk_end else -Float32.inf
+                            v = v if key0 + tScS[0, c][1] < row_lim[r] else -Float32.inf
                             acc_S_mn[r, c] = v
                             m_blk = cute.arch.fmax(m_blk, v)
                     if const_expr(self.hooks.softmax):
@@ -318,12 +347,12 @@ class PagedDecode:
         while (c_nb >= c_n) & (c_item + 1 < item_end):
             c_item = c_item + 1
             c_start, c_end, c_base, c_head = self._cursor_item(mWork, mKvIndptr, c_item, group)
-            c_n = (c_end - c_start + BLOCK_N - 1) // BLOCK_N
+            c_n = (c_end - c_start + self.tpb - 1) // self.tpb
             c_nb = Int32(0)
             if c_n > 0:
                 c_q = c_q + 1
         if c_nb < c_n:
-            self._lookup(mKvIndices, rows, tidx, c_base, page_size, c_start + c_nb * BLOCK_N, c_end)
+            self._lookup(mKvIndices, rows, tidx, c_base, page_size, c_start + c_nb * self.tpb, c_end)
         return c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q
 
     @cute.jit
@@ -339,7 +368,7 @@ class PagedDecode:
         if c_nb < c_n:
             if c_nb == 0:
                 self._issue_q(mQ, mWork, sQ, tidx, group, c_item, c_q % self.stages)
-            self._issue_kv(mK, mV, sK, sV, rows, tidx, page_size, c_head, c_start + c_nb * BLOCK_N, c_end, stage)
+            self._issue_kv(mK, mV, sK, sV, rows, tidx, page_size, c_head, c_start + c_nb * self.tpb, c_end, stage)
             c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = self._cursor_next(
                 mWork, mKvIndptr, mKvIndices, rows, tidx, page_size, group, item_end, c_item, c_nb + 1, c_n,
                 c_start, c_end, c_base, c_head, c_q)
@@ -488,14 +517,14 @@ class PagedDecode:
         the last valid token: finite data, masked to -inf later).  Only the loads: their values
         are first used by the copies of the next iteration (``_issue_kv``), so no instruction
         here waits for them (the cursor's branches would otherwise stall on each lookup)."""
-        for i in cutlass.range_constexpr(self.rows_per_thread):
-            page, _ = divmod(self._row_pos(tidx, i, blk_start, kv_end), page_size)
-            rows[i] = mKvIndices[page_base + page]
+        for t in cutlass.range_constexpr(self.n_lookups):
+            page, _ = divmod(self._row_pos(tidx, t, blk_start, kv_end), page_size)
+            rows[t] = mKvIndices[page_base + page]
 
-    def _row_pos(self, tidx, i, blk_start, kv_end):
-        """Token of this thread's i-th gathered row of the block starting at blk_start, clamped
-        to the last valid token."""
-        p = blk_start + tidx // self.chunks + i * (THREADS // self.chunks)
+    def _row_pos(self, tidx, t, blk_start, kv_end):
+        """Token of this thread's t-th distinct token (its rows t, t + n_lookups, ...: one per
+        packed head) of the block starting at blk_start, clamped to the last valid token."""
+        p = blk_start + tidx // self.chunks + t * self.row_step
         return cutlass.select_(p < kv_end, p, kv_end - 1)
 
     @cute.jit
@@ -506,12 +535,15 @@ class PagedDecode:
         ``rows``) into a stage."""
         c = tidx % self.chunks
         k_base, v_base = sK.iterator.toint(), sV.iterator.toint()
+        slots = [divmod(self._row_pos(tidx, t, blk_start, kv_end), page_size)[1] for t in range(self.n_lookups)]
         for i in cutlass.range_constexpr(self.rows_per_thread):
-            r = tidx // self.chunks + i * (THREADS // self.chunks)
-            _, slot = divmod(self._row_pos(tidx, i, blk_start, kv_end), page_size)
+            # block row r = tidx // chunks + i * row_step: head i // n_lookups of the item's
+            # heads, token t = i % n_lookups of this thread's
+            r = tidx // self.chunks + i * self.row_step
+            t, h = i % self.n_lookups, kv_head * self.hpi + i // self.n_lookups
             d = self._smem_off(r, c, stage, BLOCK_N) * 2
-            cp_async_16(k_base + d, mK[rows[i], slot, kv_head, None].iterator.toint() + c * 16)
-            cp_async_16(v_base + d, mV[rows[i], slot, kv_head, None].iterator.toint() + c * 16)
+            cp_async_16(k_base + d, mK[rows[t], slots[t], h, None].iterator.toint() + c * 16)
+            cp_async_16(v_base + d, mV[rows[t], slots[t], h, None].iterator.toint() + c * 16)
 
     def _smem_off(self, r, c, s, rows: int):
         """Element offset of row r, 16-byte chunk c, slice s of a (rows, D, n) tile in this
@@ -592,5 +624,5 @@ def build_paged_decode(spec):
 
     p = spec.pdict
     variant = _spec_variant(p)
-    k = PagedDecode(_DTYPES[p["dtype"]], p["head_dim"], p["stages"], variant)
+    k = PagedDecode(_DTYPES[p["dtype"]], p["head_dim"], p["stages"], variant, p.get("heads_per_item", 1))
     return make_entry(k, _decode_abi_fixed(p), abi_args(variant))

@@ -169,7 +169,7 @@ class Planner:
     def plan(self, qo_indptr, kv_lens, *, causal: bool = False, page_size: int = 1,
              num_qo_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
              cta_tile_q: Optional[int] = None, kv_split_size: Optional[int] = None,
-             workspace=None) -> Plan:
+             heads_per_item: int = 1, workspace=None) -> Plan:
         """Plan one batch, stage it in the host buffer and, given a device ``workspace``
         tensor (>= ``layout.total_bytes`` bytes), enqueue its upload (one non-blocking copy).
 
@@ -177,6 +177,13 @@ class Planner:
         many kv tokens whatever else is in the batch, and the tile size must not depend on
         the batch either: ``cta_tile_q`` if given, else the rule applied to
         ``limits.max_qo_len`` (default ``max_total_q_tokens``) packed rows.
+
+        ``heads_per_item`` = h packs h consecutive kv heads into one item: the plan is that of
+        num_kv_heads / h heads with group * h packed rows per query token (query heads of
+        consecutive kv heads are consecutive, so the records' row -> (token, qo head) rule is
+        unchanged with the plan's ``group_size``), and an item's kv token costs h (the cost
+        model's per-item term is charged as alpha * tile / h in units of h tokens).  For the
+        decode kernel's head packing (``kernels/decode.py``).
         """
         lim = self.limits
         hq = lim.num_qo_heads if num_qo_heads is None else num_qo_heads
@@ -191,6 +198,10 @@ class Planner:
         if not isinstance(page_size, (int, np.integer)) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         group = hq // hk
+        h = heads_per_item
+        if not isinstance(h, (int, np.integer)) or h < 1 or hk % h:
+            raise ValueError(f"heads_per_item must be a positive divisor of num_kv_heads ({hk}), got {h!r}")
+        hk, group = hk // h, group * h
 
         qo_indptr = as_index_array("qo_indptr", qo_indptr)
         qo_len, qmin = indptr_lengths("qo_indptr", qo_indptr)
@@ -228,9 +239,9 @@ class Planner:
         req, row0, rows, ext, one_each = build_tiles(qo_len, kv_len, group, tile, causal, qmin, qmax)
         rec_args = (req, row0, rows, ext, one_each, qo_indptr, qo_len, kv_len, tile, group, causal)
         if kv_split_size is None:
-            p = self._plan_balanced(ext, hk, tile, int(page_size), rec_args)
+            p = self._plan_balanced(ext, hk, tile, int(page_size), self.alpha * tile // h, rec_args)
         else:
-            p = self._plan_invariant(ext, hk, tile, int(kv_split_size), rec_args)
+            p = self._plan_invariant(ext, hk, tile, int(kv_split_size), self.alpha * tile // h, rec_args)
         if not one_each:  # several tiles per request share its K/V: order for L2 reuse
             p.work_items = locality_order(p.work_items, p.work_indptr)
         self._stage(p, b, total_q, hq, hk)
@@ -258,11 +269,11 @@ class Planner:
             rec[:, ws.W_KV_LEN] = kv_len[req]
         return rec
 
-    def _plan_balanced(self, ext, hk, tile, page, rec_args):
+    def _plan_balanced(self, ext, hk, tile, page, per_item, rec_args):
         """Snake, else LPT (+ pairwise refinement), else the wrap-around split, else whole
         items (``assign`` module doc). The split is kept only if it fits the partial-slot
         section, keeps the LPT bound and lowers the makespan below whole items'."""
-        nc, beta, per_item = self.num_ctas, self.beta, self.alpha * tile
+        nc, beta = self.num_ctas, self.beta
         nt = ext.shape[0]
         n = nt * hk
         if n == 0:
@@ -399,11 +410,10 @@ class Planner:
                            pre["n"].repeat(hk), cta[by_cta], pre["loads"], hk, nt, pre["chunk"], m,
                            rec_args)
 
-    def _plan_invariant(self, ext, hk, tile, split, rec_args):
+    def _plan_invariant(self, ext, hk, tile, split, per_item, rec_args):
         """Batch-invariant mode: cut at multiples of ``split``, LPT over the chunks."""
         nc, nt = self.num_ctas, ext.shape[0]
-        n, t, c, start, end, order, cta, loads, _ = cut_schedule(ext, split, self.alpha * tile,
-                                                                  self.beta, hk, nc)
+        n, t, c, start, end, order, cta, loads, _ = cut_schedule(ext, split, per_item, self.beta, hk, nc)
         need = hk * int(n[n > 1].sum())
         max_slots = self.layout.max_partial_rows // tile
         if need > max_slots:
