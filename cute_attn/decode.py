@@ -36,6 +36,11 @@ PACKED_HEADS = (4, 2)  # kv heads per work item the plain kernel is built for, b
 # loads).  Where packing would make the planner cut items instead, it costs more than it
 # saves (BENCHMARKS, session 12: lognormal batch of 128 +1.4 %, batch 128 x 2k at h = 4 +3 %).
 MIN_PACKED_ITEMS_PER_CTA = 1.9
+# the variants whose packed kernels the compile presets ship (FlashInfer's plain / soft-cap /
+# window options), so the default rule only packs them (another variant: plan(heads_per_item=);
+# run(sinks=) on a packed plan loads the packed AttentionSink kernel, shipped at bf16 d128 and
+# f16 d64 as the unpacked one is)
+_PACKED_VARIANTS = (None, SoftCap(), SlidingWindow(), SoftCap() + SlidingWindow())
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _STAGES = {64: 4, 128: 3, 256: 2}  # KV pipeline depth that fits shared memory
 _CTAS_PER_SM = {64: 2, 128: 2, 256: 1}  # what shared memory (and 248 registers/thread) allow
@@ -67,7 +72,7 @@ def decode_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIM
         for d in head_dims:
             for v in (None, SoftCap(), SlidingWindow(), SoftCap() + SlidingWindow()):
                 out.append(decode_spec(arch, dt, d, v))
-            out += [decode_spec(arch, dt, d, None, h) for h in PACKED_HEADS]
+            out += [decode_spec(arch, dt, d, v, h) for h in PACKED_HEADS for v in _PACKED_VARIANTS]
             out.append(Spec.make("merge_partials", arch, dtype=dt, head_dim=d, tile_q=DECODE_TILE_Q))
     return out
 
@@ -83,8 +88,10 @@ def variant_test_variants():
 
 def variant_decode_specs(arch: str):
     """Decode specializations of the variant GPU tests and bench (for the compile presets):
-    every variant of :func:`variant_test_variants` at (bf16, d128) and (f16, d64)."""
-    return [decode_spec(arch, dt, d, v) for v in variant_test_variants() for dt, d in (("bf16", 128), ("f16", 64))]
+    every variant of :func:`variant_test_variants` at (bf16, d128) and (f16, d64), and the sink
+    kernels of head-packed plans (``run(sinks=)`` after a packed ``plan()``)."""
+    return [decode_spec(arch, dt, d, v, h) for dt, d in (("bf16", 128), ("f16", 64))
+            for v, h in [(v, 1) for v in variant_test_variants()] + [(AttentionSink(), h) for h in PACKED_HEADS]]
 
 
 def workspace_bytes(buf, device) -> torch.Tensor:
@@ -290,7 +297,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             "sm_scale": self._sm_scale, "device": self._device, "batch": batch}, self._decode, self._module)
 
     def _module(self, v):
-        packing = {"heads_per_item": self._hpi} if v is None and self._hpi != 1 else {}
+        packing = {"heads_per_item": self._hpi} if self._hpi != 1 else {}
         return kernel("paged_decode", self._arch, dtype=_DTYPES[self._dtype], head_dim=self._d,
                       stages=_STAGES[self._d], **packing, **variant_params(v))
 
@@ -302,8 +309,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         def why_not(h):
             if h not in (1,) + PACKED_HEADS:
                 return f"must be one of {(1,) + PACKED_HEADS}"
-            if h > 1 and self._variant is not None:
-                return "head packing is built for the plain kernel only (this plan has a variant)"
+            if h > 1 and not vbase.Hooks(self._variant).packs_heads:
+                return "head packing needs a softmax variant without query/key transforms (RoPE has them)"
             if hk % h or h * group > DECODE_TILE_Q:
                 return f"needs num_kv_heads ({hk}) % h == 0 and h * group ({group}) <= {DECODE_TILE_Q}"
             return None
@@ -315,7 +322,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             elif invariant:
                 want = 1
             else:
-                cands = [h for h in PACKED_HEADS if why_not(h) is None
+                # only where the kernel ships in the compile presets: plain, soft-cap, window
+                shipped = any(variant_params(self._variant) == variant_params(v) for v in _PACKED_VARIANTS)
+                cands = [h for h in PACKED_HEADS if shipped and why_not(h) is None
                          and batch * (hk // h) >= MIN_PACKED_ITEMS_PER_CTA * num_ctas]
                 want = 1
                 if cands:
@@ -331,7 +340,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                              "(the captured run() keeps that kernel)")
         err = why_not(want)
         if err:
-            raise ValueError(f"heads_per_item={want}: {err}")
+            how = (f" (use_cuda_graph=True: the first plan fixed heads_per_item={fixed}; pass heads_per_item=1 to "
+                   "the first plan of a wrapper whose later plans change the variant)") if fixed is not None else ""
+            raise ValueError(f"heads_per_item={want}: {err}{how}")
         return want
 
     def _custom_mask(self, custom_mask, packed, indptr_h, last_page_len, page_size) -> CustomMask:

@@ -35,6 +35,7 @@ def main():
     ap.add_argument("--heads", default="auto", help="comma-separated kv heads per item to force, or auto")
     ap.add_argument("--cudnn", action="store_true")
     ap.add_argument("--only", default="", help="substring of the case names to run")
+    ap.add_argument("--soft-cap", type=float, default=None, help="logits_soft_cap for every case but RoPE's")
     a = ap.parse_args()
     settings = [None] if a.heads == "auto" else [int(h) for h in a.heads.split(",")]
     gen = torch.Generator().manual_seed(0)
@@ -43,11 +44,12 @@ def main():
             continue
         cache, indptr, indices, last = _paged(lens, ps, gen)
         q = torch.randn(len(lens), HQ, D, device="cuda", dtype=torch.bfloat16)
-        kw = {"pos_encoding_mode": "ROPE_LLAMA"} if name.startswith("rope") else {}
+        kw = {"pos_encoding_mode": "ROPE_LLAMA"} if name.startswith("rope") else (
+            {"logits_soft_cap": a.soft_cap} if a.soft_cap else {})
         runs = {}
         for h in settings:
-            if h not in (None, 1) and kw:
-                continue  # head packing is for the plain kernel only
+            if h not in (None, 1) and "pos_encoding_mode" in kw:
+                continue  # no head packing with RoPE (a key transform)
             ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # a plan per setting
             w = BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True, paged_kv_indptr_buffer=indptr.cuda(),
                                                    paged_kv_indices_buffer=indices.cuda(),
@@ -70,7 +72,7 @@ def main():
         for h, (g, w, out) in runs.items():
             t = best[h]
             diff = ((out.float() - base).norm() / base.norm()).item()
-            print(json.dumps(dict(tag=a.tag, case=name, heads=w._hpi, us=round(t * 1e3, 2),
+            print(json.dumps(dict(tag=a.tag + ("/softcap" if "logits_soft_cap" in kw else ""), case=name, heads=w._hpi, us=round(t * 1e3, 2),
                                   tbs=round(kv_bytes / t / 1e9, 3), split=bool(w._plan.has_split),
                                   items=w._plan.num_work_items, merges=w._plan.num_merge_tasks,
                                   nan=bool(torch.isnan(out).any()), rel_vs_first=round(diff, 6))), flush=True)

@@ -142,22 +142,27 @@ def test_decode_default_head_packing(lens, want):
 
 # Head packing: 2 or 4 kv heads per work item (kernels/decode.py), forced.  Each case mixes
 # empty, one-token, odd, page-straddling and long (split across CTAs) requests.
-@pytest.mark.parametrize("h,hq,hk,d,dtype,page_size,layout", [
-    (4, 32, 8, 128, torch.bfloat16, 16, "NHD"),
-    (4, 32, 8, 128, torch.float16, 1, "HND"),
-    (4, 8, 8, 64, torch.float16, 16, "HND"),      # group 1: 4 of the tile's 16 rows used
-    (4, 16, 4, 256, torch.bfloat16, 64, "NHD"),
-    (4, 64, 16, 64, torch.bfloat16, 128, "NHD"),
-    (2, 64, 8, 128, torch.bfloat16, 16, "NHD"),    # group 8: the tile is full
-    (2, 16, 8, 256, torch.float16, 1, "NHD"),
-    (2, 24, 4, 64, torch.bfloat16, 16, "HND"),     # group 6: 12 rows
-    (2, 10, 2, 128, torch.float16, 64, "NHD"),     # group 5
+@pytest.mark.parametrize("h,hq,hk,d,dtype,page_size,layout,soft_cap,window", [
+    (4, 32, 8, 128, torch.bfloat16, 16, "NHD", None, -1),
+    (4, 32, 8, 128, torch.float16, 1, "HND", None, -1),
+    (4, 8, 8, 64, torch.float16, 16, "HND", None, -1),      # group 1: 4 of the tile's 16 rows used
+    (4, 16, 4, 256, torch.bfloat16, 64, "NHD", None, -1),
+    (4, 64, 16, 64, torch.bfloat16, 128, "NHD", None, -1),
+    (2, 64, 8, 128, torch.bfloat16, 16, "NHD", None, -1),    # group 8: the tile is full
+    (2, 16, 8, 256, torch.float16, 1, "NHD", None, -1),
+    (2, 24, 4, 64, torch.bfloat16, 16, "HND", None, -1),     # group 6: 12 rows
+    (2, 10, 2, 128, torch.float16, 64, "NHD", None, -1),     # group 5
+    (4, 32, 8, 128, torch.bfloat16, 16, "NHD", 30.0, -1),    # the shipped packed variants
+    (4, 32, 8, 64, torch.float16, 1, "HND", None, 100),
+    (2, 64, 8, 256, torch.bfloat16, 16, "NHD", 50.0, 7),
+    (2, 16, 8, 128, torch.float16, 16, "NHD", None, 0),
 ])
-def test_decode_head_packing(h, hq, hk, d, dtype, page_size, layout):
+def test_decode_head_packing(h, hq, hk, d, dtype, page_size, layout, soft_cap, window):
     rng = random.Random()
     kv = [0, 1, 17, 300, 64, 129, 5, 2048 + rng.randrange(64), 1000 + rng.randrange(64), 33000]
     rng.shuffle(kv)
-    run_case(len(kv), kv, page_size, hq, hk, d, dtype, layout, heads_per_item=h)
+    run_case(len(kv), kv, page_size, hq, hk, d, dtype, layout, soft_cap=soft_cap, window_left=window,
+             heads_per_item=h)
 
 
 @pytest.mark.parametrize("h", [1, 2, 4])
@@ -168,14 +173,38 @@ def test_decode_head_packing_batch(h):
     run_case(len(kv), kv, 16, 32, 8, 128, torch.bfloat16, heads_per_item=h)
 
 
+@pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.float16)])
+@pytest.mark.parametrize("h", [2, 4])
+def test_decode_head_packing_with_sinks(d, dtype, h):
+    """run(sinks=) on a packed plan: the packed AttentionSink kernel, each row its own head's sink."""
+    rng = random.Random()
+    kv = [0, 1, 300, 2049, 33000, 77]
+    hq, hk = 32, 8
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    cache, indptr, indices, last = make_paged(kv, 16, hk, d, dtype, "NHD", False, gen)
+    q = torch.randn(len(kv), hq, d, generator=gen).to(dtype).cuda()
+    sinks = (torch.randn(hq, generator=gen) * 2).cuda()
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+    w.plan(indptr, indices, last, hq, hk, d, 16, q_data_type=dtype, heads_per_item=h)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((len(kv), hq), float("nan"), device="cuda")
+    w.run(q, cache, out=out, lse=lse, sinks=sinks)
+    ref_o, ref_lse = paged_reference(q, cache, None, indptr, indices, last)
+    # the sink joins the softmax denominator: o' = o * l / (l + e^s), lse' = log2(2^lse + e^s)
+    s2 = sinks.float() * math.log2(math.e)
+    new_lse = torch.logaddexp2(ref_lse, s2.expand_as(ref_lse))
+    ref_o = ref_o * torch.exp2(ref_lse - new_lse).nan_to_num(0.0).unsqueeze(-1)
+    check(out, lse, ref_o, new_lse, dtype)
+
+
 def test_decode_head_packing_errors():
     gen = torch.Generator().manual_seed(0)
     cache, indptr, indices, last = make_paged([10, 20], 16, 2, 128, torch.bfloat16, "NHD", False, gen)
     w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(32 << 20, dtype=torch.uint8, device="cuda"))
     with pytest.raises(ValueError, match="heads_per_item=3"):
         w.plan(indptr, indices, last, 8, 2, 128, 16, q_data_type=torch.bfloat16, heads_per_item=3)
-    with pytest.raises(ValueError, match="plain kernel only"):
-        w.plan(indptr, indices, last, 8, 2, 128, 16, q_data_type=torch.bfloat16, logits_soft_cap=30.0,
+    with pytest.raises(ValueError, match="without query/key transforms"):
+        w.plan(indptr, indices, last, 8, 2, 128, 16, q_data_type=torch.bfloat16, pos_encoding_mode="ROPE_LLAMA",
                heads_per_item=2)
     with pytest.raises(ValueError, match="h \\* group"):
         w.plan(indptr, indices, last, 32, 2, 128, 16, q_data_type=torch.bfloat16, heads_per_item=2)  # group 16

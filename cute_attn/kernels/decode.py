@@ -76,7 +76,8 @@ class PagedDecode:
         # BLOCK_N // H tokens of each of the H heads, head-major; warp w reads head w // (4 // H).
         # A thread's rows then repeat the same tokens for each head: one page lookup serves H rows.
         assert heads_per_item in (1, 2, 4), heads_per_item
-        assert heads_per_item == 1 or variant is None, "head packing is built for the plain kernel only"
+        assert heads_per_item == 1 or self.hooks.packs_heads, \
+            "head packing needs a softmax variant without query/key transforms (Hooks.packs_heads)"
         self.hpi = heads_per_item
         self.tpb = BLOCK_N // heads_per_item  # tokens of each head per block
         self.warps_per_head = NUM_WARPS // heads_per_item
@@ -246,8 +247,9 @@ class PagedDecode:
                 acc_O_mn = mma_mn_view(acc_O)
                 for r in cutlass.range_constexpr(n_rows_thr):
                     if const_expr(self.hooks.per_row):
-                        m_blk = self._row_scores(acc_S_mn, r, tScS, key0, blk_end, req, kv_head, row_start, group,
-                                                 qpos_base, qo_len, kv_len)
+                        m_blk = self._row_scores(acc_S_mn, r, tScS, key0, row_lim[r] if const_expr(self.hpi > 1)
+                                                 else blk_end, req, kv_head, row_start, group, qpos_base, qo_len,
+                                                 kv_len)
                     else:
                         m_blk = -Float32.inf
                         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
@@ -418,8 +420,12 @@ class PagedDecode:
 
     # ---- variant hook helpers: plain Python, called while the kernel is traced --------------
     def _ctx(self, req, kv_head, row, group, qpos_base, qo_len, kv_len) -> Ctx:
-        """The hook context of packed query row ``row``."""
-        return Ctx(batch=req, qo_head=kv_head * group + row % group, kv_head=kv_head,
+        """The hook context of packed query row ``row`` (``kv_head``: the item's; with head
+        packing, ``group`` is the plan's, H x the model's, and the row's kv head is found by it)."""
+        qo_head = kv_head * group + row % group
+        if self.hpi > 1:
+            kv_head = qo_head // (group // self.hpi)
+        return Ctx(batch=req, qo_head=qo_head, kv_head=kv_head,
                    q_pos=qpos_base + row // group, qo_len=qo_len, kv_len=kv_len, head_dim=self.head_dim,
                    sm_scale=self._trace_sm_scale)
 
@@ -613,6 +619,7 @@ class PagedDecode:
 
 
 _DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
+
 
 
 def build_paged_decode(spec):

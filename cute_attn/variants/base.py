@@ -486,6 +486,10 @@ class Hooks:
         self.softmax = all(c.softmax for c in self.parts)
         self.causal = any(c.causal for c in self.parts)
         self.per_row = self.has_logits or self.has_bias or self.has_mask or self.has_kv_range
+        # decode's head packing (several kv heads per work item) masks each warp's rows of the
+        # other heads: a softmax turns them into m = -inf, l = 0 (summed weights would still
+        # count them), and query/key transforms, applied per warp fragment, would not see them
+        self.packs_heads = self.softmax and not (self.has_transform_q or self.has_transform_k)
         self.num_tensors = sum(isinstance(p, TensorParam) for c in self.parts for p in c.runtime)
         self.num_scalars = sum(isinstance(p, ScalarParam) for c in self.parts for p in c.runtime)
         if not self.softmax and (self.has_finalize or self.has_output):
