@@ -29,7 +29,7 @@ from .variants.binding import VariantBinding
 from .variants.builtins import ALiBi, AttentionSink, CustomMask, RoPE, SlidingWindow, SoftCap, mask_kv_bounds
 
 DECODE_TILE_Q = 16  # packed rows per work item: the kernel's m16 MMA tile
-PACKED_HEADS = (4, 2)  # kv heads per work item the plain kernel is built for, besides 1
+PACKED_HEADS = (4, 2)  # kv heads per work item the kernel is built for, besides 1
 # Head packing (h kv heads per work item) is chosen where, with it, the batch still has at
 # least this many items per CTA and no item is longer than a CTA's fair share: the items
 # then balance whole, and packing only saves item boundaries (fewer epilogues and record
@@ -54,7 +54,7 @@ _decode_abi_fixed, _decode_abi, _spec_variant = decode_abi_fixed, decode_abi, sp
 
 def decode_spec(arch: str, dtype: str, head_dim: int, variant=None, heads_per_item: int = 1):
     """The ``paged_decode`` specialization for a dtype (``"f16"``/``"bf16"``), head dim, variant
-    and head packing (kv heads per work item; > 1 only for the plain kernel)."""
+    and head packing (kv heads per work item; > 1 only for a variant with ``Hooks.packs_heads``)."""
     from .runtime.spec import Spec
 
     packing = {"heads_per_item": heads_per_item} if heads_per_item != 1 else {}
@@ -88,10 +88,16 @@ def variant_test_variants():
 
 def variant_decode_specs(arch: str):
     """Decode specializations of the variant GPU tests and bench (for the compile presets):
-    every variant of :func:`variant_test_variants` at (bf16, d128) and (f16, d64), and the sink
-    kernels of head-packed plans (``run(sinks=)`` after a packed ``plan()``)."""
-    return [decode_spec(arch, dt, d, v, h) for dt, d in (("bf16", 128), ("f16", 64))
-            for v, h in [(v, 1) for v in variant_test_variants()] + [(AttentionSink(), h) for h in PACKED_HEADS]]
+    every variant of :func:`variant_test_variants` at (bf16, d128) and (f16, d64), the sink
+    kernels of head-packed plans (``run(sinks=)`` after a packed plain or window ``plan()``) and
+    a few packed variants the tests force."""
+    from .variants.builtins import Causal
+
+    sinks = [AttentionSink(), SlidingWindow() + AttentionSink()]  # run(sinks=) after a packed plan
+    specs = [decode_spec(arch, dt, d, v, h) for dt, d in (("bf16", 128), ("f16", 64))
+             for v, h in [(v, 1) for v in variant_test_variants()] + [(v, h) for v in sinks for h in PACKED_HEADS]]
+    # packed variants the GPU tests force (tests/test_variants_gpu.py, test_variant_head_packing)
+    return specs + [decode_spec(arch, "bf16", 128, v, 4) for v in (Causal(), ALiBi(), CustomMask())]
 
 
 def workspace_bytes(buf, device) -> torch.Tensor:
@@ -172,6 +178,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         workspace is not used: the plan lives in the float one)."""
         self._workspace = workspace_bytes(float_workspace_buffer, self._device)
         self._views = self._plan = None
+        self._graph_hpi = None  # graphs captured on the old workspace are void: capture again
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
@@ -196,12 +203,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         applied after the built-ins).
 
         ``heads_per_item`` (an extension): kv heads per work item, 1, 2 or 4 (head packing,
-        ``kernels/decode.py``; more than 1 only without a variant and with
-        ``heads_per_item * group <= 16``).  Default: chosen from the batch size (4 or 2 where
-        the batch still has ``MIN_PACKED_ITEMS_PER_CTA`` items per CTA with it, else 1), and 1
-        with ``fixed_split_size`` / ``disable_split_kv`` (packing changes the summation order).
-        With ``use_cuda_graph=True`` the first plan's choice holds for every later plan (the
-        captured launch keeps its kernel)."""
+        ``kernels/decode.py``; more than 1 only for softmax variants without query/key
+        transforms -- not RoPE -- and with ``heads_per_item * group <= 16``).  Default: 4 or 2
+        where the batch keeps ``MIN_PACKED_ITEMS_PER_CTA`` items per CTA with it and no packed
+        item exceeds a CTA's share, for the plain kernel, soft-cap and window (the kernels the
+        presets ship), else 1; 1 with ``fixed_split_size`` / ``disable_split_kv`` (packing
+        changes the summation order).  With ``use_cuda_graph=True`` the first plan's choice
+        holds for every later plan, ``fixed_split_size`` ones included (the captured launch
+        keeps its kernel): give the first plan ``heads_per_item=1`` for outputs bitwise equal
+        to an eager wrapper's in batch-invariant mode."""
         if pos_encoding_mode not in ("NONE", "ALIBI", "ROPE_LLAMA"):
             raise ValueError(f"pos_encoding_mode must be NONE, ROPE_LLAMA or ALIBI, got {pos_encoding_mode!r}")
         if variant is not None and not isinstance(variant, vbase.Variant):
@@ -273,14 +283,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                         cta_tile_q=DECODE_TILE_Q, kv_split_size=split_tokens,
                                         heads_per_item=hpi, workspace=self._workspace)
         self._hpi = hpi
-        if self._use_cuda_graph and self._graph_hpi is None:
-            self._graph_hpi = hpi
         # the largest page id, checked against the cache in run() (the cache is not known here);
         # unknown (-1) when the indices already live on the GPU (reading them back would sync)
         self._max_page = int(indices_t.max()) if not indices_t.is_cuda and indices_t.numel() else -1
         self._kv_indptr = self._to_device(indptr, self._indptr_buf, "indptr")
         self._kv_indices = self._to_device(indices_t, self._indices_buf, "indices")
         self._plan = plan
+        if self._use_cuda_graph and self._graph_hpi is None:
+            self._graph_hpi = hpi  # once the plan is in place (a plan that failed fixes nothing)
         self._page_size = int(page_size)
         self._batch, self._hq, self._hk, self._d = batch, num_qo_heads, num_kv_heads, head_dim
         self._dtype = q_dtype
@@ -307,7 +317,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         group, batch = hq // hk, indptr_h.shape[0] - 1
 
         def why_not(h):
-            if h not in (1,) + PACKED_HEADS:
+            if not isinstance(h, int) or h not in (1,) + PACKED_HEADS:
                 return f"must be one of {(1,) + PACKED_HEADS}"
             if h > 1 and not vbase.Hooks(self._variant).packs_heads:
                 return "head packing needs a softmax variant without query/key transforms (RoPE has them)"
@@ -316,6 +326,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return None
 
         fixed = self._graph_hpi if self._use_cuda_graph else None
+        if want is not None:
+            want = int(want) if isinstance(want, (int, np.integer)) else want
         if want is None:
             if fixed is not None:
                 want = fixed
@@ -327,10 +339,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 cands = [h for h in PACKED_HEADS if shipped and why_not(h) is None
                          and batch * (hk // h) >= MIN_PACKED_ITEMS_PER_CTA * num_ctas]
                 want = 1
-                if cands:
+                last = np.asarray(last_page_len.cpu() if isinstance(last_page_len, torch.Tensor)
+                                  else last_page_len, dtype=np.int64).reshape(-1) if cands else None
+                if cands and last.shape[0] == batch:  # (else the planner says what is wrong)
                     pages = np.diff(indptr_h)
-                    last = np.asarray(last_page_len.cpu() if isinstance(last_page_len, torch.Tensor)
-                                      else last_page_len, dtype=np.int64).reshape(-1)[:batch]
                     # kv lengths up to the last page's fill (a rule of thumb: the planner validates them)
                     lens = np.maximum(pages - 1, 0) * int(page_size) + np.where(pages > 0, last, 0)
                     share = hk * int(lens.sum()) / num_ctas  # one CTA's fair share, in head-tokens

@@ -117,6 +117,20 @@ def test_two_level_decode(dtype, page_size, layout, decode_kernel):
 
 
 @gpu
+@pytest.mark.parametrize("sinks", [False, True])
+def test_two_level_decode_head_packed(sinks):
+    """256 requests x 8 kv heads: the own-tokens level's decode plan packs four kv heads per work
+    item (decode.MIN_PACKED_ITEMS_PER_CTA), with and without sinks (the packed sink kernel)."""
+    rng = random.Random()
+    batch = 256
+    groups, segs = _two_level(batch, 700 + rng.randrange(100), [rng.randrange(600, 700) for _ in range(batch)])
+    w = run_cascade(groups, segs, [1] * batch, 16, 32, 8, 128, torch.bfloat16, sinks=sinks)[0]
+    assert w._kind == ["prefill", "decode"]
+    if torch.cuda.get_device_properties(0).multi_processor_count <= 134:
+        assert w._decode[1]._hpi == 4
+
+
+@gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hq,hk,d", [(8, 8, 64), (32, 8, 128)])
 def test_three_level_append(causal, hq, hk, d):

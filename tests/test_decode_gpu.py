@@ -173,30 +173,6 @@ def test_decode_head_packing_batch(h):
     run_case(len(kv), kv, 16, 32, 8, 128, torch.bfloat16, heads_per_item=h)
 
 
-@pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.float16)])
-@pytest.mark.parametrize("h", [2, 4])
-def test_decode_head_packing_with_sinks(d, dtype, h):
-    """run(sinks=) on a packed plan: the packed AttentionSink kernel, each row its own head's sink."""
-    rng = random.Random()
-    kv = [0, 1, 300, 2049, 33000, 77]
-    hq, hk = 32, 8
-    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    cache, indptr, indices, last = make_paged(kv, 16, hk, d, dtype, "NHD", False, gen)
-    q = torch.randn(len(kv), hq, d, generator=gen).to(dtype).cuda()
-    sinks = (torch.randn(hq, generator=gen) * 2).cuda()
-    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
-    w.plan(indptr, indices, last, hq, hk, d, 16, q_data_type=dtype, heads_per_item=h)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((len(kv), hq), float("nan"), device="cuda")
-    w.run(q, cache, out=out, lse=lse, sinks=sinks)
-    ref_o, ref_lse = paged_reference(q, cache, None, indptr, indices, last)
-    # the sink joins the softmax denominator: o' = o * l / (l + e^s), lse' = log2(2^lse + e^s)
-    s2 = sinks.float() * math.log2(math.e)
-    new_lse = torch.logaddexp2(ref_lse, s2.expand_as(ref_lse))
-    ref_o = ref_o * torch.exp2(ref_lse - new_lse).nan_to_num(0.0).unsqueeze(-1)
-    check(out, lse, ref_o, new_lse, dtype)
-
-
 def test_decode_head_packing_errors():
     gen = torch.Generator().manual_seed(0)
     cache, indptr, indices, last = make_paged([10, 20], 16, 2, 128, torch.bfloat16, "NHD", False, gen)
@@ -212,15 +188,19 @@ def test_decode_head_packing_errors():
         w.plan(indptr, indices, last, 4, 2, 128, 16, q_data_type=torch.bfloat16, heads_per_item=4)  # 2 kv heads
 
 
-def test_decode_deterministic():
+@pytest.mark.parametrize("h", [None, 4])
+def test_decode_deterministic(h):
     kv = [5000, 17, 40000, 800]
-    w, q, cache, out, lse = run_case(len(kv), kv, 16, 32, 8, 128, torch.bfloat16)
+    w, q, cache, out, lse = run_case(len(kv), kv, 16, 32, 8, 128, torch.bfloat16, heads_per_item=h)
     out2, lse2 = w.run(q, cache, return_lse=True)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
-@pytest.mark.parametrize("h", [None, 4])
+@pytest.mark.parametrize("h", [None, 4, "first"])
 def test_cuda_graph_replay_with_new_plans(h):
+    """Capture once, re-plan, replay; h: packing passed to every plan, or ("first") only to the
+    first one (later plans inherit it: the captured kernel is the packed one)."""
+    first, later = (4, None) if h == "first" else (h, h)
     hq, hk, d, ps, max_b = 32, 8, 128, 16, 8
     gen = torch.Generator().manual_seed(random.randrange(1 << 30))
     max_pages = 4096
@@ -236,7 +216,7 @@ def test_cuda_graph_replay_with_new_plans(h):
     q = torch.randn(max_b, hq, d, generator=gen).to(torch.bfloat16).cuda()
     out = torch.empty_like(q)
 
-    def plan(kv_lens):
+    def plan(kv_lens, h=later):
         pages = [(n + ps - 1) // ps for n in kv_lens]
         indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0)), dtype=torch.int32)
         indices = torch.randperm(max_pages, generator=gen)[:int(indptr[-1])].to(torch.int32)
@@ -244,8 +224,8 @@ def test_cuda_graph_replay_with_new_plans(h):
         w.plan(indptr, indices, last, hq, hk, d, ps, q_data_type=torch.bfloat16, heads_per_item=h)
         return indptr, indices, last
 
-    plan([100] * max_b)
-    assert w._hpi == (h or 1)
+    plan([100] * max_b, first)
+    assert w._hpi == (first or 1)
     w.run(q, (k, v), out=out)  # warm-up: loads the modules outside capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -259,8 +239,8 @@ def test_cuda_graph_replay_with_new_plans(h):
             g.replay()
             err = ((out.float() - ref_o).norm() / ref_o.norm()).item()
             assert not torch.isnan(out).any() and err < TOL[torch.bfloat16], (kv_lens, err)
-        assert w._hpi == (h or 1)  # later plans keep the captured kernel's packing
-    if h is not None:
+        assert w._hpi == (first or 1)  # later plans keep the captured kernel's packing
+    if first is not None:
         with pytest.raises(ValueError, match="first plan fixed it"):
             w.plan(indptr, indices, last, hq, hk, d, ps, q_data_type=torch.bfloat16, heads_per_item=2)
 

@@ -73,7 +73,7 @@ NAMES = ["causal", "alibi", "rope", "sink", "custom_mask", "sigmoid", "rel_bias"
          "rope_sink"]
 
 
-def run_variant(name, dtype, d, hq, hk, page_size, kv_lens, seed=None, fixed_split_size=None):
+def run_variant(name, dtype, d, hq, hk, page_size, kv_lens, seed=None, fixed_split_size=None, heads_per_item=None):
     gen = torch.Generator().manual_seed(seed if seed is not None else random.randrange(1 << 30))
     cache, indptr, indices, last = make_paged(kv_lens, page_size, hk, d, dtype, "NHD", False, gen)
     b = len(kv_lens)
@@ -81,7 +81,9 @@ def run_variant(name, dtype, d, hq, hk, page_size, kv_lens, seed=None, fixed_spl
     plan_kw, run_args, run_kw, ref_kw = _case(name, hq, gen, kv_lens)
     w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
     w.plan(indptr, indices, last, hq, hk, d, page_size, q_data_type=dtype, fixed_split_size=fixed_split_size,
-           **plan_kw)
+           heads_per_item=heads_per_item, **plan_kw)
+    if heads_per_item is not None:
+        assert w._hpi == heads_per_item
     out = torch.full_like(q, float("nan"))
     lse = torch.full((b, hq), float("nan"), device="cuda")
     w.run(q, cache, *run_args, out=out, lse=lse, **run_kw)
@@ -104,6 +106,17 @@ def test_variant_split_kv(name):
     """A long request cut into many chunks (fixed_split_size): sinks are added once, sigmoid
     weights sum over the chunks, RoPE positions are absolute."""
     run_variant(name, torch.bfloat16, 128, 32, 8, 16, [9000, 33, 1, 4100], fixed_split_size=8)
+
+
+@pytest.mark.parametrize("name,dtype,d,h", [
+    ("sink", torch.bfloat16, 128, 2), ("sink", torch.bfloat16, 128, 4), ("sink", torch.float16, 64, 4),
+    ("window_sink", torch.bfloat16, 128, 4), ("window_sink", torch.float16, 64, 2),
+    ("causal", torch.bfloat16, 128, 4), ("alibi", torch.bfloat16, 128, 4), ("custom_mask", torch.bfloat16, 128, 4)])
+def test_variant_head_packing(name, dtype, d, h):
+    """Softmax variants without query/key transforms on a head-packed plan (2 or 4 kv heads per
+    work item): each row's hooks see its own heads (ALiBi slope, sink), masks and windows per
+    row; a 33k request is split across CTAs."""
+    run_variant(name, dtype, d, 32, 8, 16, KV_LENS + [33000], heads_per_item=h)
 
 
 def test_rope_long_context():

@@ -8,6 +8,11 @@ Packing and tiles
 qo_indptr[b]`` query tokens; for one kv head h its *packed rows* are ``r = 0 .. qo_len *
 group - 1``, row r being query token ``r // group`` (global row ``qo_indptr[b] + r //
 group`` of q / o) of qo head ``h * group + r % group``: one kv read serves the whole group.
+With ``plan(heads_per_item=H)`` (decode's head packing) the plan is that of ``num_kv_heads /
+H`` heads and ``group = H * num_qo_heads // num_kv_heads`` (``Plan.group_size``, meta
+``GROUP_SIZE``): "kv head" h below is then the head group of kv heads ``h*H .. h*H + H - 1``,
+and the rule above still names each row's qo head, since the qo heads of consecutive kv heads
+are consecutive (the row's kv head is its qo head // (group / H)).
 Packed rows are cut into tiles of ``cta_tile_q`` rows (one value per plan -- one kernel
 specialization -- in ``meta``); tile t holds rows ``[t * cta_tile_q, min((t+1) *
 cta_tile_q, qo_len * group))``.
