@@ -25,7 +25,10 @@ def cases():
     """The bench's cases, then page 1 at 256 x 1k and split-KV ones (with and without RoPE)."""
     return decode_cases() + [("bs256/kv1024/page1", [1024] * 256, 1), ("bs1/kv32768/page16", [32768], 16),
                              ("bs8/kv8192/page16", [8192] * 8, 16),
-                             ("bs128/kv2048/page16", [2048] * 128, 16), ("bs512/kv512/page16", [512] * 512, 16), ("rope/bs64/kv4096/page16", [4096] * 64, 16),
+                             ("bs128/kv2048/page16", [2048] * 128, 16), ("bs512/kv512/page16", [512] * 512, 16),
+                             ("bs192/kv1024/page16", [1024] * 192, 16), ("bs96/kv3072/page16", [3072] * 96, 16),
+                             ("uniform/bs256/512-1536/page16", [512 + (i * 977) % 1025 for i in range(256)], 16),
+                             ("uniform/bs256/1-2048/page16", [1 + (i * 1543) % 2048 for i in range(256)], 16), ("rope/bs64/kv4096/page16", [4096] * 64, 16),
                              ("rope/bs1/kv32768/page16", [32768], 16)]
 
 
