@@ -19,17 +19,17 @@ Per KV block of BLOCK_N tokens:
   (fp32) for the merge kernel.
 
 Head packing (``heads_per_item`` = H in 2, 4; softmax variants without query/key transforms,
-``Hooks.packs_heads``): an item covers H consecutive
-kv heads of one request, its tile the H x group packed rows of their query heads (the plan's
-group is group x H, so the row -> (token, qo head) rule is unchanged).  A block then holds
-BLOCK_N / H tokens of each of the H heads; warp w reads head w // (4 / H) and masks the tile's
-rows of the other heads (they stay m = -inf, l = 0 and drop out of the ⊕); each row's hook
-context carries its own kv head.  A variant's ``kv_range`` still clips the item's blocks by its
-first and last rows, which assumes the bounds depend on the query position, not the head.  The MMA work per
-KV byte is the same (a GQA-4 tile used 4 of its 16 rows before); what changes is H times fewer
-items, hence item boundaries (epilogue barrier + store, record and Q loads): batch 256 x 1k
-went from 4.10 to 4.18 TB/s (BENCHMARKS, session 12).  The wrapper packs where items stay
-plentiful and whole (``decode.MIN_PACKED_ITEMS_PER_CTA``).
+``Hooks.packs_heads``): an item covers H consecutive kv heads of one request, its tile the
+H x group packed rows of their query heads (the plan's group is group x H, so the row ->
+(token, qo head) rule is unchanged).  A block then holds BLOCK_N / H tokens of each of the H
+heads; warp w reads head w // (4 / H) and masks the tile's rows of the other heads (they stay
+m = -inf, l = 0 and drop out of the ⊕); each row's hook context carries its own kv head.  A
+variant's ``kv_range`` still clips the item's blocks by its first and last rows, which assumes
+the bounds depend on the query position, not the head.  The MMA work per KV byte is the same
+(a GQA-4 tile used 4 of its 16 rows before); what changes is H times fewer items, hence item
+boundaries (epilogue barrier + store, record and Q loads): batch 256 x 1k went from 4.10 to
+4.18 TB/s (BENCHMARKS, session 12).  The wrapper packs where items stay plentiful and whole
+(``decode.MIN_PACKED_ITEMS_PER_CTA``).
 
 Scores are kept in base 2 (scaled by sm_scale·log2 e), so LSE comes out in base 2 as
 FlashInfer returns it.  Variants (``cute_attn/variants``, docs/variants.md) are traced in:
