@@ -23,7 +23,7 @@ import torch
 from .runtime.arch import arch_of_index, sm_count_of_index
 from .runtime.loader import kernel
 from .families import PAGED_DECODE, decode_abi, decode_abi_fixed, spec_variant, variant_params  # noqa: F401
-from .sched import Limits, Planner
+from .sched import Limits, Planner, kv_lens_from_paged
 from .variants import base as vbase
 from .variants.binding import VariantBinding
 from .variants.builtins import ALiBi, AttentionSink, CustomMask, RoPE, SlidingWindow, SoftCap, mask_kv_bounds
@@ -41,6 +41,21 @@ MIN_PACKED_ITEMS_PER_CTA = 1.9
 # run(sinks=) on a packed plan loads the packed AttentionSink kernel, shipped at bf16 d128 and
 # f16 d64 as the unpacked one is)
 _PACKED_VARIANTS = (None, SoftCap(), SlidingWindow(), SoftCap() + SlidingWindow())
+_SHIPPED_PACKED: Optional[set] = None  # their spec parameters (variant_params), made on first use
+
+
+def _packing_params(heads_per_item: int) -> dict:
+    """The spec parameter of head packing: absent for one kv head per item (the unpacked
+    kernels' specs predate it)."""
+    return {"heads_per_item": heads_per_item} if heads_per_item != 1 else {}
+
+
+def _packed_kernel_ships(variant) -> bool:
+    """Whether the compile presets hold packed kernels of ``variant`` (``_PACKED_VARIANTS``)."""
+    global _SHIPPED_PACKED
+    if _SHIPPED_PACKED is None:
+        _SHIPPED_PACKED = {tuple(variant_params(v).items()) for v in _PACKED_VARIANTS}
+    return tuple(variant_params(variant).items()) in _SHIPPED_PACKED
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _STAGES = {64: 4, 128: 3, 256: 2}  # KV pipeline depth that fits shared memory
 _CTAS_PER_SM = {64: 2, 128: 2, 256: 1}  # what shared memory (and 248 registers/thread) allow
@@ -57,9 +72,8 @@ def decode_spec(arch: str, dtype: str, head_dim: int, variant=None, heads_per_it
     and head packing (kv heads per work item; > 1 only for a variant with ``Hooks.packs_heads``)."""
     from .runtime.spec import Spec
 
-    packing = {"heads_per_item": heads_per_item} if heads_per_item != 1 else {}
     return Spec.make("paged_decode", arch, dtype=dtype, head_dim=head_dim, stages=_STAGES[head_dim],
-                     **packing, **variant_params(variant))
+                     **_packing_params(heads_per_item), **variant_params(variant))
 
 
 def decode_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS):
@@ -240,6 +254,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         batch = indptr_h.shape[0] - 1
         if batch < 0:
             raise ValueError("indptr must have at least one element")
+        indices_t = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices, dtype=torch.int32)
+        # kv lengths, checked, once per plan: the planner, the packing rule and a custom mask use them
+        kv_lens = kv_lens_from_paged(indptr_h, last_page_len, page_size,
+                                     kv_indices=indices_t.cpu() if not indices_t.is_cuda else None)
         parts = []
         if pos_encoding_mode == "ROPE_LLAMA":
             parts.append(RoPE(rope_scale=1.0 if rope_scale is None else float(rope_scale),
@@ -251,10 +269,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if window_left >= 0:
             parts.append(SlidingWindow(window_left=int(window_left)))
         if custom_mask is not None or packed_custom_mask is not None:
-            parts.append(self._custom_mask(custom_mask, packed_custom_mask, indptr_h, last_page_len, page_size))
+            parts.append(self._custom_mask(custom_mask, packed_custom_mask, kv_lens))
         parts.extend(vbase.components(variant))
         self._variant = parts[0] if len(parts) == 1 else (vbase.Compose(*parts) if parts else None)
-        if vbase.Hooks(self._variant).has_output:
+        hooks = vbase.Hooks(self._variant)
+        if hooks.has_output:
             disable_split_kv = True  # an output transform must see the whole row (not a partial state)
         per_sm = self._ctas_per_sm or _CTAS_PER_SM[head_dim]
         num_ctas = sm_count_of_index(self._dev) * per_sm
@@ -273,15 +292,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
                              f"(batch {batch}, {num_qo_heads} qo heads, head_dim {head_dim})")
         if self._views is None:  # section offsets are fixed per planner: views made once
             self._views = self._planner.layout.views(self._workspace)
-        indices_t = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices, dtype=torch.int32)
         split_tokens = self._split_tokens(fixed_split_size, disable_split_kv, page_size)
-        hpi = self._heads_per_item(heads_per_item, indptr_h, last_page_len, page_size, num_qo_heads,
-                                   num_kv_heads, num_ctas, split_tokens is not None)
-        plan = self._planner.plan_paged(np.arange(batch + 1), indptr_h, last_page_len, page_size,
-                                        kv_indices=indices_t.cpu() if not indices_t.is_cuda else None,
-                                        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                                        cta_tile_q=DECODE_TILE_Q, kv_split_size=split_tokens,
-                                        heads_per_item=hpi, workspace=self._workspace)
+        hpi = self._heads_per_item(heads_per_item, kv_lens, num_qo_heads, num_kv_heads, num_ctas,
+                                   split_tokens is not None, hooks.packs_heads)
+        plan = self._planner.plan(np.arange(batch + 1), kv_lens, page_size=int(page_size),
+                                  num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, cta_tile_q=DECODE_TILE_Q,
+                                  kv_split_size=split_tokens, heads_per_item=hpi, workspace=self._workspace)
         self._hpi = hpi
         # the largest page id, checked against the cache in run() (the cache is not known here);
         # unknown (-1) when the indices already live on the GPU (reading them back would sync)
@@ -307,19 +323,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
             "sm_scale": self._sm_scale, "device": self._device, "batch": batch}, self._decode, self._module)
 
     def _module(self, v):
-        packing = {"heads_per_item": self._hpi} if self._hpi != 1 else {}
         return kernel("paged_decode", self._arch, dtype=_DTYPES[self._dtype], head_dim=self._d,
-                      stages=_STAGES[self._d], **packing, **variant_params(v))
+                      stages=_STAGES[self._d], **_packing_params(self._hpi), **variant_params(v))
 
-    def _heads_per_item(self, want, indptr_h, last_page_len, page_size, hq, hk, num_ctas, invariant) -> int:
+    def _heads_per_item(self, want, kv_lens, hq, hk, num_ctas, invariant, packable) -> int:
         """kv heads per work item for this plan (``plan()``'s ``heads_per_item``; the default
-        rule: ``MIN_PACKED_ITEMS_PER_CTA``)."""
-        group, batch = hq // hk, indptr_h.shape[0] - 1
+        rule: ``MIN_PACKED_ITEMS_PER_CTA``).  ``packable``: the variant's ``Hooks.packs_heads``."""
+        group, batch = hq // hk, kv_lens.shape[0]
 
         def why_not(h):
             if not isinstance(h, int) or h not in (1,) + PACKED_HEADS:
                 return f"must be one of {(1,) + PACKED_HEADS}"
-            if h > 1 and not vbase.Hooks(self._variant).packs_heads:
+            if h > 1 and not packable:
                 return "head packing needs a softmax variant without query/key transforms (RoPE has them)"
             if hk % h or h * group > DECODE_TILE_Q:
                 return f"needs num_kv_heads ({hk}) % h == 0 and h * group ({group}) <= {DECODE_TILE_Q}"
@@ -328,25 +343,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
         fixed = self._graph_hpi if self._use_cuda_graph else None
         if want is not None:
             want = int(want) if isinstance(want, (int, np.integer)) else want
-        if want is None:
-            if fixed is not None:
-                want = fixed
-            elif invariant:
-                want = 1
-            else:
-                # only where the kernel ships in the compile presets: plain, soft-cap, window
-                shipped = any(variant_params(self._variant) == variant_params(v) for v in _PACKED_VARIANTS)
-                cands = [h for h in PACKED_HEADS if shipped and why_not(h) is None
-                         and batch * (hk // h) >= MIN_PACKED_ITEMS_PER_CTA * num_ctas]
-                want = 1
-                last = np.asarray(last_page_len.cpu() if isinstance(last_page_len, torch.Tensor)
-                                  else last_page_len, dtype=np.int64).reshape(-1) if cands else None
-                if cands and last.shape[0] == batch:  # (else the planner says what is wrong)
-                    pages = np.diff(indptr_h)
-                    # kv lengths up to the last page's fill (a rule of thumb: the planner validates them)
-                    lens = np.maximum(pages - 1, 0) * int(page_size) + np.where(pages > 0, last, 0)
-                    share = hk * int(lens.sum()) / num_ctas  # one CTA's fair share, in head-tokens
-                    want = next((h for h in cands if h * int(lens.max(initial=0)) <= share), 1)
+        elif fixed is not None:
+            want = fixed
+        elif invariant:
+            want = 1
+        else:
+            cands = [h for h in PACKED_HEADS if batch * (hk // h) >= MIN_PACKED_ITEMS_PER_CTA * num_ctas
+                     and why_not(h) is None]
+            want = 1
+            # only where the kernel ships in the compile presets (plain, soft-cap, window), and no
+            # packed item longer than one CTA's fair share (in head-tokens)
+            if cands and _packed_kernel_ships(self._variant):
+                share, longest = hk * int(kv_lens.sum()) / num_ctas, int(kv_lens.max())
+                want = next((h for h in cands if h * longest <= share), 1)
         if fixed is not None and want != fixed:
             raise ValueError(f"heads_per_item={want}: with use_cuda_graph=True the first plan fixed it at {fixed} "
                              "(the captured run() keeps that kernel)")
@@ -357,13 +366,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"heads_per_item={want}: {err}{how}")
         return want
 
-    def _custom_mask(self, custom_mask, packed, indptr_h, last_page_len, page_size) -> CustomMask:
+    def _custom_mask(self, custom_mask, packed, kv_lens) -> CustomMask:
         """FlashInfer's mask conventions: per request a row-major ``[qo_len, kv_len]`` bool block,
         bit-packed per request (little bit order), ``mask_indptr`` = byte offset per request."""
-        last = np.asarray(last_page_len.cpu() if isinstance(last_page_len, torch.Tensor) else last_page_len,
-                          dtype=np.int64).reshape(-1)
-        pages = np.diff(indptr_h)
-        kv_lens = np.where(pages > 0, (pages - 1) * int(page_size) + last, 0)
         nbytes = (kv_lens + 7) // 8
         mask_indptr = np.concatenate([[0], np.cumsum(nbytes)]).astype(np.int32)
         if packed is None:
