@@ -3,18 +3,32 @@
 Importing the package needs neither a GPU nor the CuTe DSL: the DSL is only needed to compile
 kernels (see ``python -m cute_attn compile``); running them needs the CUDA runtime.
 """
-from ._version import __version__  # noqa: F401
 
+from ._version import __version__  # noqa: F401
+from .cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402,F401
 from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache  # noqa: E402,F401
 from .merge import merge_state, merge_state_in_place, merge_states  # noqa: E402,F401
-from .prefill import (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper,  # noqa: E402,F401
-                      single_prefill_with_kv_cache, single_prefill_with_kv_cache_return_lse)
-from .cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402,F401
+from .prefill import (  # noqa: E402,F401
+    BatchPrefillWithPagedKVCacheWrapper,
+    BatchPrefillWithRaggedKVCacheWrapper,
+    single_prefill_with_kv_cache,
+    single_prefill_with_kv_cache_return_lse,
+)
 from .sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper  # noqa: E402,F401
 
 # FlashInfer's top-level names that exist here: ``import cute_attn as flashinfer`` works for them
-__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache", "BatchPrefillWithPagedKVCacheWrapper",
-           "BatchPrefillWithRaggedKVCacheWrapper", "single_prefill_with_kv_cache",
-           "single_prefill_with_kv_cache_return_lse", "MultiLevelCascadeAttentionWrapper",
-           "BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper", "merge_state",
-           "merge_state_in_place", "merge_states", "__version__"]
+__all__ = [
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "single_decode_with_kv_cache",
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
+    "single_prefill_with_kv_cache",
+    "single_prefill_with_kv_cache_return_lse",
+    "MultiLevelCascadeAttentionWrapper",
+    "BlockSparseAttentionWrapper",
+    "VariableBlockSparseAttentionWrapper",
+    "merge_state",
+    "merge_state_in_place",
+    "merge_states",
+    "__version__",
+]

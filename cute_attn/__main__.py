@@ -6,6 +6,7 @@ compile  build specializations for one or more arches into the module cache (no 
 info     versions, cache location and contents, CUDA runtime and GPU (if any).
 bench    side-by-side benchmarks on a GPU machine (see cute_attn/bench/).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,15 @@ def _compile_worker(args) -> int:
         try:
             entry = build(spec, root, force=args.force)
             meta = entry.meta
-            rec = {"ok": True, "spec": spec.describe(), "seconds": round(time.perf_counter() - t0, 2),
-                   "size": (entry.path / "module.so").stat().st_size, "instructions": meta["instructions"],
-                   "resources": meta["resources"], "path": str(entry.path)}
+            rec = {
+                "ok": True,
+                "spec": spec.describe(),
+                "seconds": round(time.perf_counter() - t0, 2),
+                "size": (entry.path / "module.so").stat().st_size,
+                "instructions": meta["instructions"],
+                "resources": meta["resources"],
+                "path": str(entry.path),
+            }
         except Exception as e:  # report and go on with the other specs
             rc = 1
             rec = {"ok": False, "spec": spec.describe(), "error": f"{type(e).__name__}: {e}"}
@@ -54,7 +61,15 @@ def _cmd_compile(args) -> int:
     total = sum(len(v) for _, v in jobs)
     procs = []
     for arch, specs in jobs:
-        cmd = [sys.executable, "-m", "cute_attn", "_compile_worker", "--arch", arch, *sum([["--spec", s] for s in specs], [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "cute_attn",
+            "_compile_worker",
+            "--arch",
+            arch,
+            *sum([["--spec", s] for s in specs], []),
+        ]
         if args.out:
             cmd += ["--out", args.out]
         if args.force:
@@ -62,7 +77,7 @@ def _cmd_compile(args) -> int:
         env = dict(os.environ, CUTE_DSL_ARCH=arch)
         procs.append((arch, subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)))
     rows, done, t0 = [], 0, time.perf_counter()
-    for arch, p in procs:  # workers run concurrently; read them one after the other
+    for _arch, p in procs:  # workers run concurrently; read them one after the other
         for line in p.stdout:
             try:
                 rec = json.loads(line)
@@ -76,8 +91,10 @@ def _cmd_compile(args) -> int:
     print(file=sys.stderr)
     _print_table(rows)
     failed = [r for r in rows if not r["ok"]] or [a for a, p in procs if p.returncode]
-    print(f"{len(rows) - len([r for r in rows if not r['ok']])}/{total} specializations ready in "
-          f"{time.perf_counter() - t0:.1f} s; cache: {args.out or _cache_root()}")
+    print(
+        f"{len(rows) - len([r for r in rows if not r['ok']])}/{total} specializations ready in "
+        f"{time.perf_counter() - t0:.1f} s; cache: {args.out or _cache_root()}"
+    )
     return 1 if failed else 0
 
 
@@ -90,8 +107,10 @@ def _print_table(rows) -> None:
             continue
         ins = ", ".join(f"{k} {'yes' if v else ('NO' if v is False else '?')}" for k, v in r["instructions"].items())
         res = r["resources"]
-        print(f"{name:<58} {arch:<8} {r['seconds']:>6.2f} {r['size'] / 1024:>6.0f} {res.get('registers', '?'):>5} "
-              f"{res.get('local', '?'):>5}  {ins}")
+        print(
+            f"{name:<58} {arch:<8} {r['seconds']:>6.2f} {r['size'] / 1024:>6.0f} {res.get('registers', '?'):>5} "
+            f"{res.get('local', '?'):>5}  {ins}"
+        )
 
 
 def _cache_root():
@@ -106,7 +125,8 @@ def _cmd_info(args) -> int:
 
     root = _cache_root()
     print(f"cute_attn {__version__}")
-    print(f"nvidia-cutlass-dsl: {installed_dsl_version() or 'not installed (kernels can run from the cache, not compile)'}")
+    dsl = installed_dsl_version() or "not installed (kernels can run from the cache, not compile)"
+    print(f"nvidia-cutlass-dsl: {dsl}")
     print(f"cache: {root}  (CUTE_ATTN_CACHE_DIR)")
     for arch_dir in sorted(root.glob("sm_*")) if root.exists() else []:
         n = len([d for d in arch_dir.iterdir() if d.is_dir() and not d.name.startswith(".")])
@@ -135,13 +155,16 @@ def _cmd_bench(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cute_attn", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m cute_attn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("compile", help="compile specializations into the cache")
     c.add_argument("--arch", action="append", choices=["sm_90a", "sm_100a"], help="repeatable; default both")
     c.add_argument("--preset", default="default", help="named set of specializations (cute_attn/presets.py)")
-    c.add_argument("--spec", action="append", help="one specialization, 'family:k=v,...' (repeatable; overrides --preset)")
+    c.add_argument(
+        "--spec", action="append", help="one specialization, 'family:k=v,...' (repeatable; overrides --preset)"
+    )
     c.add_argument("--out", help="cache directory (default $CUTE_ATTN_CACHE_DIR or ~/.cache/cute_attn)")
     c.add_argument("--force", action="store_true", help="rebuild even if cached")
     c.add_argument("--jobs", "-j", type=int, default=1, help="worker processes per arch (default 1)")
@@ -156,8 +179,9 @@ def main(argv=None) -> int:
     b.add_argument("--json", help="merge records into this results.json")
     b.add_argument("--quick", action="store_true", help="fewer sizes / repetitions")
     args = ap.parse_args(argv)
-    return {"compile": _cmd_compile, "_compile_worker": _compile_worker, "info": _cmd_info,
-            "bench": _cmd_bench}[args.cmd](args)
+    return {"compile": _cmd_compile, "_compile_worker": _compile_worker, "info": _cmd_info, "bench": _cmd_bench}[
+        args.cmd
+    ](args)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ Variants (docs/variants.md): FlashInfer's options map onto built-ins (``logits_s
 ``"ROPE_LLAMA"`` -> ``RoPE``, ``run(sinks=)`` -> ``AttentionSink``); ``plan(variant=...)`` adds
 any other variant, whose runtime arguments follow the cache in ``run(q, kv, *args)``.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,9 +21,9 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import torch
 
+from .families import PAGED_DECODE, decode_abi, decode_abi_fixed, spec_variant, variant_params  # noqa: F401
 from .runtime.arch import arch_of_index, sm_count_of_index
 from .runtime.loader import kernel
-from .families import PAGED_DECODE, decode_abi, decode_abi_fixed, spec_variant, variant_params  # noqa: F401
 from .sched import Limits, Planner, kv_lens_from_paged
 from .variants import base as vbase
 from .variants.binding import VariantBinding
@@ -56,6 +57,8 @@ def _packed_kernel_ships(variant) -> bool:
     if _SHIPPED_PACKED is None:
         _SHIPPED_PACKED = {tuple(variant_params(v).items()) for v in _PACKED_VARIANTS}
     return tuple(variant_params(variant).items()) in _SHIPPED_PACKED
+
+
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _STAGES = {64: 4, 128: 3, 256: 2}  # KV pipeline depth that fits shared memory
 _CTAS_PER_SM = {64: 2, 128: 2, 256: 1}  # what shared memory (and 248 registers/thread) allow
@@ -72,8 +75,15 @@ def decode_spec(arch: str, dtype: str, head_dim: int, variant=None, heads_per_it
     and head packing (kv heads per work item; > 1 only for a variant with ``Hooks.packs_heads``)."""
     from .runtime.spec import Spec
 
-    return Spec.make("paged_decode", arch, dtype=dtype, head_dim=head_dim, stages=_STAGES[head_dim],
-                     **_packing_params(heads_per_item), **variant_params(variant))
+    return Spec.make(
+        "paged_decode",
+        arch,
+        dtype=dtype,
+        head_dim=head_dim,
+        stages=_STAGES[head_dim],
+        **_packing_params(heads_per_item),
+        **variant_params(variant),
+    )
 
 
 def decode_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS):
@@ -96,8 +106,18 @@ def variant_test_variants():
     from .variants.builtins import Causal, FlashSigmoid
     from .variants.examples import RelativePositionBias
 
-    return [Causal(), ALiBi(), RoPE(), AttentionSink(), CustomMask(), FlashSigmoid(), RelativePositionBias(),
-            SlidingWindow() + AttentionSink(), ALiBi() + SoftCap(), RoPE() + AttentionSink()]
+    return [
+        Causal(),
+        ALiBi(),
+        RoPE(),
+        AttentionSink(),
+        CustomMask(),
+        FlashSigmoid(),
+        RelativePositionBias(),
+        SlidingWindow() + AttentionSink(),
+        ALiBi() + SoftCap(),
+        RoPE() + AttentionSink(),
+    ]
 
 
 def variant_decode_specs(arch: str):
@@ -108,8 +128,11 @@ def variant_decode_specs(arch: str):
     from .variants.builtins import Causal
 
     sinks = [AttentionSink(), SlidingWindow() + AttentionSink()]  # run(sinks=) after a packed plan
-    specs = [decode_spec(arch, dt, d, v, h) for dt, d in (("bf16", 128), ("f16", 64))
-             for v, h in [(v, 1) for v in variant_test_variants()] + [(v, h) for v in sinks for h in PACKED_HEADS]]
+    specs = [
+        decode_spec(arch, dt, d, v, h)
+        for dt, d in (("bf16", 128), ("f16", 64))
+        for v, h in [(v, 1) for v in variant_test_variants()] + [(v, h) for v in sinks for h in PACKED_HEADS]
+    ]
     # packed variants the GPU tests force (tests/test_variants_gpu.py, test_variant_head_packing)
     return specs + [decode_spec(arch, "bf16", 128, v, 4) for v in (Causal(), ALiBi(), CustomMask())]
 
@@ -135,7 +158,9 @@ def _kv_views(paged_kv_cache, kv_layout: str):
         k, v = paged_kv_cache
     else:
         if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
-            raise ValueError(f"a single paged_kv_cache tensor must be [pages, 2, ...], got {tuple(paged_kv_cache.shape)}")
+            raise ValueError(
+                f"a single paged_kv_cache tensor must be [pages, 2, ...], got {tuple(paged_kv_cache.shape)}"
+            )
         k, v = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
     if k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"k/v caches must be 4-D and equal in shape, got {tuple(k.shape)} / {tuple(v.shape)}")
@@ -152,12 +177,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
     ``plan()`` is called again with other lengths/batch composition within the buffers' sizes.
     """
 
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
-                 use_cuda_graph: bool = False, use_tensor_cores: bool = False,
-                 paged_kv_indptr_buffer: Optional[torch.Tensor] = None,
-                 paged_kv_indices_buffer: Optional[torch.Tensor] = None,
-                 paged_kv_last_page_len_buffer: Optional[torch.Tensor] = None,
-                 backend: str = "auto", jit_args=None, ctas_per_sm: Optional[int] = None):
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        use_tensor_cores: bool = False,
+        paged_kv_indptr_buffer: Optional[torch.Tensor] = None,
+        paged_kv_indices_buffer: Optional[torch.Tensor] = None,
+        paged_kv_last_page_len_buffer: Optional[torch.Tensor] = None,
+        backend: str = "auto",
+        jit_args=None,
+        ctas_per_sm: Optional[int] = None,
+    ):
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
         if not isinstance(float_workspace_buffer, torch.Tensor) or not float_workspace_buffer.is_cuda:
@@ -169,12 +201,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._dev = self._device.index if self._device.index is not None else torch.cuda.current_device()
         self._ctas_per_sm = ctas_per_sm  # None: the most that fit for the head dim
         if use_cuda_graph:
-            for name, buf in (("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
-                              ("paged_kv_indices_buffer", paged_kv_indices_buffer),
-                              ("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer)):
+            for name, buf in (
+                ("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
+                ("paged_kv_indices_buffer", paged_kv_indices_buffer),
+                ("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer),
+            ):
                 if buf is None or not buf.is_cuda or buf.dtype != torch.int32:
-                    raise ValueError(f"use_cuda_graph=True needs {name} (an int32 CUDA tensor sized for the "
-                                     "largest batch), as in FlashInfer")
+                    raise ValueError(
+                        f"use_cuda_graph=True needs {name} (an int32 CUDA tensor sized for the "
+                        "largest batch), as in FlashInfer"
+                    )
         self._indptr_buf = paged_kv_indptr_buffer
         self._indices_buf = paged_kv_indices_buffer
         self._planner: Optional[Planner] = None
@@ -194,15 +230,35 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._views = self._plan = None
         self._graph_hpi = None  # graphs captured on the old workspace are void: capture again
 
-    def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-             page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
-             logits_soft_cap: Optional[float] = None, q_data_type="float16", kv_data_type=None,
-             data_type=None, sm_scale: Optional[float] = None, rope_scale: Optional[float] = None,
-             rope_theta: Optional[float] = None, non_blocking: bool = True, o_data_type=None,
-             block_tables: Optional[torch.Tensor] = None, seq_lens: Optional[torch.Tensor] = None,
-             fixed_split_size: Optional[int] = None, disable_split_kv: bool = False,
-             variant=None, custom_mask: Optional[torch.Tensor] = None,
-             packed_custom_mask: Optional[torch.Tensor] = None, heads_per_item: Optional[int] = None) -> None:
+    def plan(
+        self,
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        pos_encoding_mode: str = "NONE",
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        q_data_type="float16",
+        kv_data_type=None,
+        data_type=None,
+        sm_scale: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+        non_blocking: bool = True,
+        o_data_type=None,
+        block_tables: Optional[torch.Tensor] = None,
+        seq_lens: Optional[torch.Tensor] = None,
+        fixed_split_size: Optional[int] = None,
+        disable_split_kv: bool = False,
+        variant=None,
+        custom_mask: Optional[torch.Tensor] = None,
+        packed_custom_mask: Optional[torch.Tensor] = None,
+        heads_per_item: Optional[int] = None,
+    ) -> None:
         """FlashInfer's arguments.  ``fixed_split_size`` (in pages, as FlashInfer): every request's
         KV is cut at multiples of it and nothing else, so a request's output is bitwise the same
         whatever else is in the batch.  ``disable_split_kv``: no request is split (one work item
@@ -241,8 +297,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if _as_dtype(o_data_type) not in (None, q_dtype):
             raise NotImplementedError(f"o_data_type must equal the q dtype ({q_dtype}), got {o_data_type}")
         if block_tables is not None or seq_lens is not None:
-            raise NotImplementedError("block_tables / seq_lens (the trtllm-gen backend's inputs) are not supported; "
-                                      "pass indptr / indices / last_page_len")
+            raise NotImplementedError(
+                "block_tables / seq_lens (the trtllm-gen backend's inputs) are not supported; "
+                "pass indptr / indices / last_page_len"
+            )
         if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or fixed_split_size < 1):
             raise ValueError(f"fixed_split_size must be a positive number of pages, got {fixed_split_size!r}")
         if window_left is None or window_left < -1:
@@ -256,12 +314,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError("indptr must have at least one element")
         indices_t = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices, dtype=torch.int32)
         # kv lengths, checked, once per plan: the planner, the packing rule and a custom mask use them
-        kv_lens = kv_lens_from_paged(indptr_h, last_page_len, page_size,
-                                     kv_indices=indices_t.cpu() if not indices_t.is_cuda else None)
+        kv_lens = kv_lens_from_paged(
+            indptr_h, last_page_len, page_size, kv_indices=indices_t.cpu() if not indices_t.is_cuda else None
+        )
         parts = []
         if pos_encoding_mode == "ROPE_LLAMA":
-            parts.append(RoPE(rope_scale=1.0 if rope_scale is None else float(rope_scale),
-                              rope_theta=1e4 if rope_theta is None else float(rope_theta)))
+            parts.append(
+                RoPE(
+                    rope_scale=1.0 if rope_scale is None else float(rope_scale),
+                    rope_theta=1e4 if rope_theta is None else float(rope_theta),
+                )
+            )
         elif pos_encoding_mode == "ALIBI":
             parts.append(ALiBi())
         if logits_soft_cap:
@@ -288,16 +351,27 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._num_ctas = self._planner.num_ctas
         need = self._planner.layout.total_bytes
         if self._workspace.numel() < need:
-            raise ValueError(f"float_workspace_buffer has {self._workspace.numel()} bytes; this plan needs {need} "
-                             f"(batch {batch}, {num_qo_heads} qo heads, head_dim {head_dim})")
+            raise ValueError(
+                f"float_workspace_buffer has {self._workspace.numel()} bytes; this plan needs {need} "
+                f"(batch {batch}, {num_qo_heads} qo heads, head_dim {head_dim})"
+            )
         if self._views is None:  # section offsets are fixed per planner: views made once
             self._views = self._planner.layout.views(self._workspace)
         split_tokens = self._split_tokens(fixed_split_size, disable_split_kv, page_size)
-        hpi = self._heads_per_item(heads_per_item, kv_lens, num_qo_heads, num_kv_heads, num_ctas,
-                                   split_tokens is not None, hooks.packs_heads)
-        plan = self._planner.plan(np.arange(batch + 1), kv_lens, page_size=int(page_size),
-                                  num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, cta_tile_q=DECODE_TILE_Q,
-                                  kv_split_size=split_tokens, heads_per_item=hpi, workspace=self._workspace)
+        hpi = self._heads_per_item(
+            heads_per_item, kv_lens, num_qo_heads, num_kv_heads, num_ctas, split_tokens is not None, hooks.packs_heads
+        )
+        plan = self._planner.plan(
+            np.arange(batch + 1),
+            kv_lens,
+            page_size=int(page_size),
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            cta_tile_q=DECODE_TILE_Q,
+            kv_split_size=split_tokens,
+            heads_per_item=hpi,
+            workspace=self._workspace,
+        )
         self._hpi = hpi
         # the largest page id, checked against the cache in run() (the cache is not known here);
         # unknown (-1) when the indices already live on the GPU (reading them back would sync)
@@ -318,13 +392,30 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._arch = arch
         self._decode = self._module(self._variant)
         self._merge = kernel("merge_partials", arch, dtype=dt, head_dim=head_dim, tile_q=DECODE_TILE_Q)
-        self._binding = VariantBinding(self._variant, {
-            "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-            "sm_scale": self._sm_scale, "device": self._device, "batch": batch}, self._decode, self._module)
+        self._binding = VariantBinding(
+            self._variant,
+            {
+                "num_qo_heads": num_qo_heads,
+                "num_kv_heads": num_kv_heads,
+                "head_dim": head_dim,
+                "sm_scale": self._sm_scale,
+                "device": self._device,
+                "batch": batch,
+            },
+            self._decode,
+            self._module,
+        )
 
     def _module(self, v):
-        return kernel("paged_decode", self._arch, dtype=_DTYPES[self._dtype], head_dim=self._d,
-                      stages=_STAGES[self._d], **_packing_params(self._hpi), **variant_params(v))
+        return kernel(
+            "paged_decode",
+            self._arch,
+            dtype=_DTYPES[self._dtype],
+            head_dim=self._d,
+            stages=_STAGES[self._d],
+            **_packing_params(self._hpi),
+            **variant_params(v),
+        )
 
     def _heads_per_item(self, want, kv_lens, hq, hk, num_ctas, invariant, packable) -> int:
         """kv heads per work item for this plan (``plan()``'s ``heads_per_item``; the default
@@ -348,8 +439,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         elif invariant:
             want = 1
         else:
-            cands = [h for h in PACKED_HEADS if batch * (hk // h) >= MIN_PACKED_ITEMS_PER_CTA * num_ctas
-                     and why_not(h) is None]
+            cands = [
+                h
+                for h in PACKED_HEADS
+                if batch * (hk // h) >= MIN_PACKED_ITEMS_PER_CTA * num_ctas and why_not(h) is None
+            ]
             want = 1
             # only where the kernel ships in the compile presets (plain, soft-cap, window), and no
             # packed item longer than one CTA's fair share (in head-tokens)
@@ -357,12 +451,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 share, longest = hk * int(kv_lens.sum()) / num_ctas, int(kv_lens.max())
                 want = next((h for h in cands if h * longest <= share), 1)
         if fixed is not None and want != fixed:
-            raise ValueError(f"heads_per_item={want}: with use_cuda_graph=True the first plan fixed it at {fixed} "
-                             "(the captured run() keeps that kernel)")
+            raise ValueError(
+                f"heads_per_item={want}: with use_cuda_graph=True the first plan fixed it at {fixed} "
+                "(the captured run() keeps that kernel)"
+            )
         err = why_not(want)
         if err:
-            how = (f" (use_cuda_graph=True: the first plan fixed heads_per_item={fixed}; pass heads_per_item=1 to "
-                   "the first plan of a wrapper whose later plans change the variant)") if fixed is not None else ""
+            how = (
+                (
+                    f" (use_cuda_graph=True: the first plan fixed heads_per_item={fixed}; pass heads_per_item=1 to "
+                    "the first plan of a wrapper whose later plans change the variant)"
+                )
+                if fixed is not None
+                else ""
+            )
             raise ValueError(f"heads_per_item={want}: {err}{how}")
         return want
 
@@ -376,8 +478,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if flat.size != kv_lens.sum():
                 raise ValueError(f"custom_mask has {flat.size} entries, expected sum(kv_len) = {kv_lens.sum()}")
             offs = np.concatenate([[0], np.cumsum(kv_lens)])
-            packed_np = np.concatenate([np.packbits(flat[offs[b]:offs[b + 1]], bitorder="little")
-                                        for b in range(len(kv_lens))] + [np.zeros(1, np.uint8)])
+            packed_np = np.concatenate(
+                [np.packbits(flat[offs[b] : offs[b + 1]], bitorder="little") for b in range(len(kv_lens))]
+                + [np.zeros(1, np.uint8)]
+            )
             packed = torch.from_numpy(packed_np)
         packed = packed.reshape(-1).to(torch.uint8)
         batch, n = len(kv_lens), packed.numel()
@@ -385,25 +489,31 @@ class BatchDecodeWithPagedKVCacheWrapper:
         index = dict(mask_indptr=torch.from_numpy(mask_indptr), qo_indptr=torch.arange(batch + 1, dtype=torch.int32))
         if not self._use_cuda_graph:
             words = CustomMask.words(packed, device=self._device)
-            return CustomMask(packed_custom_mask=words,
-                              kv_bounds=mask_kv_bounds(words.view(torch.uint8)[:n], mask_indptr, ones, kv_lens),
-                              **{k: t.to(self._device, non_blocking=True) for k, t in index.items()})
+            return CustomMask(
+                packed_custom_mask=words,
+                kv_bounds=mask_kv_bounds(words.view(torch.uint8)[:n], mask_indptr, ones, kv_lens),
+                **{k: t.to(self._device, non_blocking=True) for k, t in index.items()},
+            )
         # a captured run() keeps the tensors of the plan it was captured with: later plans write
         # theirs into the same buffers, sized by the first plan (an extension: FlashInfer's decode
         # has no custom mask, hence no user buffers for it)
         sizes = dict(packed_custom_mask=n // 4 + 1, kv_bounds=max(batch, 1), **{k: t.numel() for k, t in index.items()})
         bufs = getattr(self, "_mask_bufs", None)
         if bufs is None:
-            bufs = self._mask_bufs = {k: torch.zeros((m, 2) if k == "kv_bounds" else m, dtype=torch.int32,
-                                                     device=self._device) for k, m in sizes.items()}
+            bufs = self._mask_bufs = {
+                k: torch.zeros((m, 2) if k == "kv_bounds" else m, dtype=torch.int32, device=self._device)
+                for k, m in sizes.items()
+            }
         for k, m in sizes.items():
             if m > bufs[k].shape[0]:
-                raise ValueError(f"use_cuda_graph=True: this plan's custom mask needs {m} entries of {k}, "
-                                 f"the first plan fixed {bufs[k].shape[0]}")
+                raise ValueError(
+                    f"use_cuda_graph=True: this plan's custom mask needs {m} entries of {k}, "
+                    f"the first plan fixed {bufs[k].shape[0]}"
+                )
         words = CustomMask.words(packed, bufs["packed_custom_mask"])
         mask_kv_bounds(words.view(torch.uint8)[:n], mask_indptr, ones, kv_lens, out=bufs["kv_bounds"])
         for k, t in index.items():
-            bufs[k][:t.numel()].copy_(t, non_blocking=True)
+            bufs[k][: t.numel()].copy_(t, non_blocking=True)
         return CustomMask(**bufs)
 
     @staticmethod
@@ -423,31 +533,51 @@ class BatchDecodeWithPagedKVCacheWrapper:
             max_batch = max(batch, self._planner.limits.max_batch)
         # Partial slots: DECODE_TILE_Q rows each, 8 per CTA is ample for split-KV decode (the
         # default sizing is for 128-row prefill tiles and would need 4x the workspace).
-        return Limits(max_batch=max(max_batch, 1), max_total_q_tokens=max(max_batch, 1), num_qo_heads=hq,
-                      num_kv_heads=hk, head_dim=d, max_qo_len=1, max_partial_rows=8 * num_ctas * DECODE_TILE_Q)
+        return Limits(
+            max_batch=max(max_batch, 1),
+            max_total_q_tokens=max(max_batch, 1),
+            num_qo_heads=hq,
+            num_kv_heads=hk,
+            head_dim=d,
+            max_qo_len=1,
+            max_partial_rows=8 * num_ctas * DECODE_TILE_Q,
+        )
 
     def _to_device(self, t, buf, name):
         t = t if isinstance(t, torch.Tensor) else torch.as_tensor(t)
         if buf is not None:
             if t.numel() > buf.numel():
                 raise ValueError(f"{name} has {t.numel()} entries, its CUDA-graph buffer only {buf.numel()}")
-            buf[:t.numel()].copy_(t.reshape(-1), non_blocking=True)
+            buf[: t.numel()].copy_(t.reshape(-1), non_blocking=True)
             return buf
         return t.to(device=self._device, dtype=torch.int32, non_blocking=True).reshape(-1)
 
-    def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
-            out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None, return_lse: bool = False,
-            enable_pdl=None, window_left: Optional[int] = None,
-            sinks: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache,
+        *args,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+        return_lse: bool = False,
+        enable_pdl=None,
+        window_left: Optional[int] = None,
+        sinks: Optional[torch.Tensor] = None,
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """``*args``: the runtime arguments of plan()'s ``variant`` not given to its constructor,
         in declaration order.  ``sinks``: per-head sink logits ``[num_qo_heads]`` (FlashInfer's
         attention-sink argument; natural units; the returned LSE includes them)."""
         if self._plan is None:
             raise RuntimeError("run() before plan()")
         if torch.cuda.is_current_stream_capturing() and not self._use_cuda_graph:
-            raise RuntimeError("run() is being captured into a CUDA graph but the wrapper was created with "
-                               "use_cuda_graph=False; its buffers may move between plans. Create it with "
-                               "use_cuda_graph=True and fixed paged_kv_*_buffer tensors.")
+            raise RuntimeError(
+                "run() is being captured into a CUDA graph but the wrapper was created with "
+                "use_cuda_graph=False; its buffers may move between plans. Create it with "
+                "use_cuda_graph=True and fixed paged_kv_*_buffer tensors."
+            )
         if window_left is not None and window_left != self._window_left:
             raise ValueError("run(window_left=...) differs from plan(); pass it to plan()")
         if q_scale is not None or k_scale is not None or v_scale is not None:
@@ -459,13 +589,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
         rows_ok = q.dim() == 3 and (q.shape[0] >= b if self._use_cuda_graph else q.shape[0] == b)
         if not rows_ok or q.shape[1:] != (hq, d) or q.dtype != self._dtype or q.device != self._device:
             rows = f">= {b}" if self._use_cuda_graph else f"{b}"
-            raise ValueError(f"q must be {self._dtype} [{rows}, {hq}, {d}] on {self._device}, got {q.dtype} "
-                             f"{tuple(q.shape)} on {q.device}")
+            raise ValueError(
+                f"q must be {self._dtype} [{rows}, {hq}, {d}] on {self._device}, got {q.dtype} "
+                f"{tuple(q.shape)} on {q.device}"
+            )
         if k.dtype != q.dtype or k.device != q.device:
             raise ValueError(f"paged_kv_cache must be {q.dtype} on {q.device}, got {k.dtype} on {k.device}")
         if k.shape[1] != self._page_size or k.shape[2] != hk or k.shape[3] != d:
-            raise ValueError(f"paged_kv_cache ({self._kv_layout}) has page_size/kv_heads/head_dim "
-                             f"{tuple(k.shape[1:])}, plan() said ({self._page_size}, {hk}, {d})")
+            raise ValueError(
+                f"paged_kv_cache ({self._kv_layout}) has page_size/kv_heads/head_dim "
+                f"{tuple(k.shape[1:])}, plan() said ({self._page_size}, {hk}, {d})"
+            )
         if self._max_page >= k.shape[0]:
             raise ValueError(f"kv indices reference page {self._max_page}, the cache has {k.shape[0]} pages")
         if out is None:
@@ -483,14 +617,44 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(f"sinks must be [{hq}] on {q.device}, got {tuple(sinks.shape)} on {sinks.device}")
             module, vvals = self._binding.select(args, None if sinks is None else sinks.float())
             if vvals:
-                module(q, k, v, self._kv_indptr, self._kv_indices, out, lse, vw["work_items"], vw["work_indptr"],
-                       vw["partial_o"], vw["partial_lse"], group, self._sm_scale, self._num_ctas, *vvals)
+                module(
+                    q,
+                    k,
+                    v,
+                    self._kv_indptr,
+                    self._kv_indices,
+                    out,
+                    lse,
+                    vw["work_items"],
+                    vw["work_indptr"],
+                    vw["partial_o"],
+                    vw["partial_lse"],
+                    group,
+                    self._sm_scale,
+                    self._num_ctas,
+                    *vvals,
+                )
             else:
-                module(q, k, v, self._kv_indptr, self._kv_indices, out, lse, vw["work_items"], vw["work_indptr"],
-                       vw["partial_o"], vw["partial_lse"], group, self._sm_scale, self._num_ctas)
+                module(
+                    q,
+                    k,
+                    v,
+                    self._kv_indptr,
+                    self._kv_indices,
+                    out,
+                    lse,
+                    vw["work_items"],
+                    vw["work_indptr"],
+                    vw["partial_o"],
+                    vw["partial_lse"],
+                    group,
+                    self._sm_scale,
+                    self._num_ctas,
+                )
             if self._use_cuda_graph or self._plan.has_split:
-                self._merge(vw["partial_o"], vw["partial_lse"], vw["merge_tasks"], vw["meta"], out, lse, group,
-                            self._num_ctas)
+                self._merge(
+                    vw["partial_o"], vw["partial_lse"], vw["merge_tasks"], vw["meta"], out, lse, group, self._num_ctas
+                )
         return (out, lse) if return_lse else out
 
     forward = run
@@ -504,27 +668,42 @@ def _arange(n: int, device) -> torch.Tensor:
     """0..n-1 as int32 on ``device``, from one cached (grown by doubling) tensor."""
     t = _ARANGE.get(device)
     if t is None or t.numel() < n:
-        t = _ARANGE[device] = torch.arange(max(n, 2 * (t.numel() if t is not None else 4096)),
-                                           dtype=torch.int32, device=device)
+        t = _ARANGE[device] = torch.arange(
+            max(n, 2 * (t.numel() if t is not None else 4096)), dtype=torch.int32, device=device
+        )
     return t[:n]
 
 
 def _single_kv_nhd(q, k, v, kv_layout, q_dim, q_shape):
     """The single-request functions' shape and layout checks; k / v as [kv_len, heads, dim] views."""
     if q.dim() != q_dim or k.dim() != 3 or k.shape != v.shape:
-        raise ValueError(f"q must be {q_shape} and k/v equal 3-D tensors, got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q must be {q_shape} and k/v equal 3-D tensors, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if kv_layout not in ("NHD", "HND"):
         raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
     return (k.transpose(0, 1), v.transpose(0, 1)) if kv_layout == "HND" else (k, v)
 
 
-def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str = "NHD",
-                                pos_encoding_mode: str = "NONE", use_tensor_cores: bool = False,
-                                q_scale=None, k_scale=None, v_scale=None, window_left: int = -1,
-                                logits_soft_cap: Optional[float] = None, sm_scale: Optional[float] = None,
-                                rope_scale=None, rope_theta=None, return_lse: bool = False, variant=None,
-                                sinks: Optional[torch.Tensor] = None):
+def single_decode_with_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layout: str = "NHD",
+    pos_encoding_mode: str = "NONE",
+    use_tensor_cores: bool = False,
+    q_scale=None,
+    k_scale=None,
+    v_scale=None,
+    window_left: int = -1,
+    logits_soft_cap: Optional[float] = None,
+    sm_scale: Optional[float] = None,
+    rope_scale=None,
+    rope_theta=None,
+    return_lse: bool = False,
+    variant=None,
+    sinks: Optional[torch.Tensor] = None,
+):
     """Decode one request: q [num_qo_heads, head_dim], k/v [kv_len, kv_heads, head_dim] (NHD) or
     [kv_heads, kv_len, head_dim] (HND).  The KV is read in place, as kv_len pages of one token
     (page size 1 is a first-class path of the kernel), so a long request is still split across
@@ -539,10 +718,24 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     w = _SINGLE.get(key)
     if w is None:
         w = _SINGLE[key] = BatchDecodeWithPagedKVCacheWrapper(
-            torch.empty(128 << 20, dtype=torch.uint8, device=q.device), kv_layout="NHD")
-    w.plan(torch.tensor([0, kv_len], dtype=torch.int32), _arange(kv_len, q.device),
-           torch.tensor([1], dtype=torch.int32), q.shape[0], hk, q.shape[1], 1,
-           pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
-           q_data_type=q.dtype, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta, variant=variant)
+            torch.empty(128 << 20, dtype=torch.uint8, device=q.device), kv_layout="NHD"
+        )
+    w.plan(
+        torch.tensor([0, kv_len], dtype=torch.int32),
+        _arange(kv_len, q.device),
+        torch.tensor([1], dtype=torch.int32),
+        q.shape[0],
+        hk,
+        q.shape[1],
+        1,
+        pos_encoding_mode=pos_encoding_mode,
+        window_left=window_left,
+        logits_soft_cap=logits_soft_cap,
+        q_data_type=q.dtype,
+        sm_scale=sm_scale,
+        rope_scale=rope_scale,
+        rope_theta=rope_theta,
+        variant=variant,
+    )
     out, lse = w.run(q.unsqueeze(0), (k.unsqueeze(1), v.unsqueeze(1)), return_lse=True, sinks=sinks)
     return (out[0], lse[0]) if return_lse else out[0]

@@ -6,6 +6,7 @@ states are all empty (s = -inf) merges to v = 0, s = -inf (FlashInfer gives NaN 
 The last dim (head_dim) must be contiguous; other strides are free as long as they keep
 16-byte alignment — otherwise the input is copied to a contiguous tensor first.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -14,9 +15,8 @@ import torch
 
 from .runtime.abi import ScalarArg, TensorArg
 from .runtime.arch import arch_of_index
-from .runtime.loader import LaunchError, kernel
 from .runtime.family import KernelFamily, register
-from .runtime.spec import Spec
+from .runtime.loader import LaunchError, kernel
 
 _DTYPE_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 _VEC = {"f16": 8, "bf16": 8, "f32": 4}  # elements per 16-byte vector
@@ -27,39 +27,58 @@ LOAD_BATCH = 4  # merge_states: states whose loads each thread issues together
 GRID_CAP = 2**31 - 1
 
 # PTX/SASS that the merge kernels must contain: 16-byte vector loads, on both arches.
-MERGE_EXPECT = {arch: {"16B ld.global (PTX)": r"ptx:ld\.global(\.\w+)*\.(v4\.[bfu]32|v2\.[bfu]64)",
-                        "LDG.E.128 (SASS)": r"sass:LDG\.E\.128"}
-                 for arch in ("sm_90a", "sm_100a")}
+MERGE_EXPECT = {
+    arch: {
+        "16B ld.global (PTX)": r"ptx:ld\.global(\.\w+)*\.(v4\.[bfu]32|v2\.[bfu]64)",
+        "LDG.E.128 (SASS)": r"sass:LDG\.E\.128",
+    }
+    for arch in ("sm_90a", "sm_100a")
+}
 
 
 def _vtensor(name, dtype, rank, head_dim):
     v = _VEC[dtype]
-    return TensorArg(name, dtype, (None,) * (rank - 1) + (head_dim,), (None,) * (rank - 1) + (1,),
-                     stride_divisibility=v, align=16)
+    return TensorArg(
+        name, dtype, (None,) * (rank - 1) + (head_dim,), (None,) * (rank - 1) + (1,), stride_divisibility=v, align=16
+    )
 
 
 def _stensor(name, rank):
     return TensorArg(name, "f32", (None,) * rank, (None,) * rank, 1, 4)
 
 
-MERGE_STATES = register(KernelFamily(
-    name="merge_states",
-    builder="cute_attn.kernels.merge:build_merge_states",
-    abi=lambda p: [_vtensor("mV", p["dtype"], 4, p["head_dim"]), _stensor("mS", 3),
-                   _vtensor("mO", p["dtype"], 3, p["head_dim"]), _stensor("mLse", 2), ScalarArg("max_ctas", "i32")],
-    expect=MERGE_EXPECT,
-))
+MERGE_STATES = register(
+    KernelFamily(
+        name="merge_states",
+        builder="cute_attn.kernels.merge:build_merge_states",
+        abi=lambda p: [
+            _vtensor("mV", p["dtype"], 4, p["head_dim"]),
+            _stensor("mS", 3),
+            _vtensor("mO", p["dtype"], 3, p["head_dim"]),
+            _stensor("mLse", 2),
+            ScalarArg("max_ctas", "i32"),
+        ],
+        expect=MERGE_EXPECT,
+    )
+)
 
-MERGE_PAIR = register(KernelFamily(
-    name="merge_pair",
-    builder="cute_attn.kernels.merge:build_merge_pair",
-    abi=lambda p: [_vtensor("mVa", p["dtype"], 3, p["head_dim"]), _stensor("mSa", 2),
-                   _vtensor("mVb", p["dtype"], 3, p["head_dim"]), _stensor("mSb", 2),
-                   _vtensor("mO", p["dtype"], 3, p["head_dim"]), _stensor("mLse", 2),
-                   TensorArg("mMask", "u8", (None,) if p["masked"] else (1,), (1,), 1, 1),
-                   ScalarArg("max_ctas", "i32")],
-    expect=MERGE_EXPECT,
-))
+MERGE_PAIR = register(
+    KernelFamily(
+        name="merge_pair",
+        builder="cute_attn.kernels.merge:build_merge_pair",
+        abi=lambda p: [
+            _vtensor("mVa", p["dtype"], 3, p["head_dim"]),
+            _stensor("mSa", 2),
+            _vtensor("mVb", p["dtype"], 3, p["head_dim"]),
+            _stensor("mSb", 2),
+            _vtensor("mO", p["dtype"], 3, p["head_dim"]),
+            _stensor("mLse", 2),
+            TensorArg("mMask", "u8", (None,) if p["masked"] else (1,), (1,), 1, 1),
+            ScalarArg("max_ctas", "i32"),
+        ],
+        expect=MERGE_EXPECT,
+    )
+)
 
 
 _UNUSED_MASKS: dict = {}
@@ -141,12 +160,13 @@ def merge_states(v, s, *, out=None, lse=None) -> Tuple[torch.Tensor, torch.Tenso
 def merge_pair_module(dtype: torch.dtype, head_dim: int, device_index: int, masked: bool = False):
     """The ``merge_pair`` module for values of ``dtype`` (loaded or built on first use; callers
     that launch it inside a CUDA-graph capture call this beforehand)."""
-    return kernel("merge_pair", arch_of_index(device_index), dtype=_DTYPE_NAMES[dtype], head_dim=head_dim,
-                  masked=masked)
+    return kernel(
+        "merge_pair", arch_of_index(device_index), dtype=_DTYPE_NAMES[dtype], head_dim=head_dim, masked=masked
+    )
 
 
 def _merge_pair(va, sa, vb, sb, out, lse, mask) -> None:
-    dt = _value_dtype(va, "v_a", 3)
+    _value_dtype(va, "v_a", 3)
     if vb.dtype != va.dtype or vb.shape != va.shape:
         raise ValueError(f"v_a and v_b must match: {va.dtype}{tuple(va.shape)} vs {vb.dtype}{tuple(vb.shape)}")
     seq, h, d = va.shape

@@ -34,6 +34,7 @@ What is not supported yet raises ``NotImplementedError`` from one place
 (``_reject_unsupported``): fp8, ``head_dim_vo != head_dim_qk``, an output dtype other than the
 query's, custom (``jit_args``) kernels and FlashInfer's multi-item-scoring / trtllm-gen inputs.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,9 +45,8 @@ import numpy as np
 import torch
 
 from .decode import _DTYPES, SUPPORTED_HEAD_DIMS, _arange, _as_dtype, _kv_views, _single_kv_nhd, workspace_bytes
-from .families import variant_params
+from .families import BATCH_PREFILL_SM90, PREFILL_ARCH, prefill_abi, prefill_abi_fixed, variant_params  # noqa: F401
 from .runtime.arch import arch_of_index, sm_count_of_index
-from .families import BATCH_PREFILL_SM90, PREFILL_ARCH, prefill_abi, prefill_abi_fixed  # noqa: F401
 from .runtime.loader import KernelNotAvailable, kernel
 from .sched import Limits, Planner, WorkspaceLayout
 from .sched.cost import choose_cta_tile_q
@@ -55,14 +55,16 @@ from .variants import base as vbase
 from .variants.binding import VariantBinding
 from .variants.builtins import ALiBi, AttentionSink, Causal, CustomMask, RoPE, SoftCap, mask_kv_bounds
 
-PREFILL_TILES = (64, 128)     # packed query rows per work item: one or two consumer warpgroups
-_FIXED_SPLIT_TILE = 128       # fixed_split_size: a tile that does not depend on the batch
-PAGE_BOX = 16                 # paged K/V by TMA, one box per 16 rows of a page (page sizes k*16)
-_NO_SPLIT = 1 << 30           # disable_split_kv: a kv_split_size longer than any request
-_KV_PASS_CTAS_PER_SM = 8      # the KV pass's grid per SM (256 threads each; 64 or 80 registers: 3-4 resident)
-_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-             if hasattr(torch, n))
-
+PREFILL_TILES = (64, 128)  # packed query rows per work item: one or two consumer warpgroups
+_FIXED_SPLIT_TILE = 128  # fixed_split_size: a tile that does not depend on the batch
+PAGE_BOX = 16  # paged K/V by TMA, one box per 16 rows of a page (page sizes k*16)
+_NO_SPLIT = 1 << 30  # disable_split_kv: a kv_split_size longer than any request
+_KV_PASS_CTAS_PER_SM = 8  # the KV pass's grid per SM (256 threads each; 64 or 80 registers: 3-4 resident)
+_FP8 = tuple(
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, n)
+)
 
 
 _prefill_abi_fixed, _prefill_abi = prefill_abi_fixed, prefill_abi  # the family: families.py
@@ -91,8 +93,14 @@ def kv_pass_spec(arch: str, dtype: str, head_dim: int, paged: bool, variant):
     transform = variant is not None and vbase.Hooks(variant).has_transform_k
     if not (paged or transform):
         return None
-    return Spec.make("kv_pass", arch, dtype=dtype, head_dim=head_dim, paged=bool(paged),
-                     **(variant_params(variant) if transform else {}))
+    return Spec.make(
+        "kv_pass",
+        arch,
+        dtype=dtype,
+        head_dim=head_dim,
+        paged=bool(paged),
+        **(variant_params(variant) if transform else {}),
+    )
 
 
 # When the KV pass pays for a paged cache (``kv_pass_pays``).  Its cost: read + write K and V
@@ -103,15 +111,25 @@ def kv_pass_spec(arch: str, dtype: str, head_dim: int, paged: bool, variant):
 # Measured by scripts/kv_pass_sweep.py (BENCHMARKS.md, batch prefill session 10, device runs
 # 2 and 9): constants fitted to its cases, where the model then picks the faster path or one
 # within 2 % (in-sample; 9 further cases of run 6 out of sample, all right).
-PASS_COPY_RATE = 3.3e12         # bytes / s, read + write, of the pass
-PASS_ATTN_RATE = 600e12         # FLOP / s of the prefill kernel
-PASS_SAVES_GATHER = 0.2         # in-kernel cp.async gather: share of the kernel's time
-PASS_SAVES_TRANSFORM = 1.0      # in-kernel gather + transform_k of every K block
-PASS_SAVES_BOXES = 0.08         # in-kernel TMA page boxes (page sizes k*16): 6-16 % measured (run 9)
+PASS_COPY_RATE = 3.3e12  # bytes / s, read + write, of the pass
+PASS_ATTN_RATE = 600e12  # FLOP / s of the prefill kernel
+PASS_SAVES_GATHER = 0.2  # in-kernel cp.async gather: share of the kernel's time
+PASS_SAVES_TRANSFORM = 1.0  # in-kernel gather + transform_k of every K block
+PASS_SAVES_BOXES = 0.08  # in-kernel TMA page boxes (page sizes k*16): 6-16 % measured (run 9)
 
 
-def kv_pass_pays(qo_lens, kv_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int, causal: bool,
-                 transform: bool, elt_bytes: int = 2, window_left: int = -1, page_boxes: bool = False) -> bool:
+def kv_pass_pays(
+    qo_lens,
+    kv_lens,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    causal: bool,
+    transform: bool,
+    elt_bytes: int = 2,
+    window_left: int = -1,
+    page_boxes: bool = False,
+) -> bool:
     """Whether gathering a paged cache by the KV pass (then reading it by TMA) beats the
     kernel's in-kernel gather, by the model above: the pass costs 2 x 2 x kv_tokens x kv_heads
     x head_dim x elt_bytes bytes; it saves a share of 4 x head_dim x qo_heads x (query, key)
@@ -136,8 +154,18 @@ def kv_pass_pays(qo_lens, kv_lens, num_qo_heads: int, num_kv_heads: int, head_di
     return bool(kv.sum() > 0 and saves * t_attn > t_pass)
 
 
-def prefill_spec(arch: str, dtype: str, head_dim: int, tile_q: int, paged: bool, causal: bool = False,
-                 soft_cap: bool = False, window: bool = False, variant=None, page_box: int = 0):
+def prefill_spec(
+    arch: str,
+    dtype: str,
+    head_dim: int,
+    tile_q: int,
+    paged: bool,
+    causal: bool = False,
+    soft_cap: bool = False,
+    window: bool = False,
+    variant=None,
+    page_box: int = 0,
+):
     """One ``batch_prefill_sm90`` specialization; ``variant``: the traced variant beyond the
     static flags (see :func:`resolve_variant`), None for the plain kernel; ``page_box``: see
     :func:`page_box_for` (a parameter only when set); ``keys_transformed`` follows from the
@@ -149,28 +177,62 @@ def prefill_spec(arch: str, dtype: str, head_dim: int, tile_q: int, paged: bool,
         extra["page_box"] = int(page_box)
     if keys_pretransformed(paged, variant):
         extra["keys_transformed"] = True
-    return Spec.make("batch_prefill_sm90", arch, dtype=dtype, head_dim=head_dim, tile_q=tile_q, paged=bool(paged),
-                     causal=bool(causal), soft_cap=bool(soft_cap), window=bool(window), **extra)
+    return Spec.make(
+        "batch_prefill_sm90",
+        arch,
+        dtype=dtype,
+        head_dim=head_dim,
+        tile_q=tile_q,
+        paged=bool(paged),
+        causal=bool(causal),
+        soft_cap=bool(soft_cap),
+        window=bool(window),
+        **extra,
+    )
 
 
-def prefill_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, tiles=PREFILL_TILES,
-                  paged=(False, True), causal=(False, True), variants=((False, False),), page_boxes=(PAGE_BOX, 0)):
+def prefill_specs(
+    arch: str,
+    dtypes=("f16", "bf16"),
+    head_dims=SUPPORTED_HEAD_DIMS,
+    tiles=PREFILL_TILES,
+    paged=(False, True),
+    causal=(False, True),
+    variants=((False, False),),
+    page_boxes=(PAGE_BOX, 0),
+):
     """Specializations ``run()`` may need (for the compile presets); ``variants``: the
     (soft_cap, window) pairs; ``page_boxes``: the paged kernels (TMA per 16-row page box for
     page sizes k*16, the cp.async gather for the others).  Empty for any arch but sm_90a."""
     if arch != PREFILL_ARCH:
         return []
-    return [prefill_spec(arch, dt, d, t, p, c, cap, win, page_box=pb)
-            for dt in dtypes for d in head_dims for t in tiles for p in paged for c in causal
-            for cap, win in variants for pb in (page_boxes if p else (0,))]
+    return [
+        prefill_spec(arch, dt, d, t, p, c, cap, win, page_box=pb)
+        for dt in dtypes
+        for d in head_dims
+        for t in tiles
+        for p in paged
+        for c in causal
+        for cap, win in variants
+        for pb in (page_boxes if p else (0,))
+    ]
 
 
 _POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 
 
-def resolve_variant(*, causal: bool = False, window_left: int = -1, logits_soft_cap: Optional[float] = None,
-                    pos_encoding_mode: str = "NONE", rope_scale: Optional[float] = None,
-                    rope_theta: Optional[float] = None, custom_mask=None, variant=None, sinks: bool = False):
+def resolve_variant(
+    *,
+    causal: bool = False,
+    window_left: int = -1,
+    logits_soft_cap: Optional[float] = None,
+    pos_encoding_mode: str = "NONE",
+    rope_scale: Optional[float] = None,
+    rope_theta: Optional[float] = None,
+    custom_mask=None,
+    variant=None,
+    sinks: bool = False,
+):
     """FlashInfer's options -> (causal, soft_cap, window, traced variant or None): what the
     prefill kernel specializes on.  Causal, window and soft-cap stay the kernel's static flags
     (mask-free blocks, block skipping, the folded soft-cap); the rest is composed in decode's
@@ -185,8 +247,12 @@ def resolve_variant(*, causal: bool = False, window_left: int = -1, logits_soft_
         raise TypeError(f"variant must be a cute_attn.variants.Variant, got {type(variant).__name__}")
     head, tail = [], []
     if pos_encoding_mode == "ROPE_LLAMA":
-        head.append(RoPE(rope_scale=1.0 if rope_scale is None else float(rope_scale),
-                         rope_theta=1e4 if rope_theta is None else float(rope_theta)))
+        head.append(
+            RoPE(
+                rope_scale=1.0 if rope_scale is None else float(rope_scale),
+                rope_theta=1e4 if rope_theta is None else float(rope_theta),
+            )
+        )
     elif pos_encoding_mode == "ALIBI":
         head.append(ALiBi())
     if custom_mask is not None:
@@ -217,14 +283,22 @@ def variant_test_cases():
     from .variants.builtins import FlashSigmoid
     from .variants.examples import RelativePositionBias
 
-    return [("causal", dict(variant=Causal())), ("alibi", dict(pos_encoding_mode="ALIBI")),
-            ("rope", dict(pos_encoding_mode="ROPE_LLAMA")), ("sink", dict(sinks=True)),
-            ("custom_mask", dict(custom_mask=True)), ("sigmoid", dict(variant=FlashSigmoid())),
-            ("rel_bias", dict(variant=RelativePositionBias())), ("window_sink", dict(window_left=100, sinks=True)),
-            ("alibi_softcap", dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0)),
-            ("rope_sink", dict(pos_encoding_mode="ROPE_LLAMA", sinks=True)),
-            ("alibi_softcap_rel_bias", dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0,
-                                            variant=RelativePositionBias()))]
+    return [
+        ("causal", dict(variant=Causal())),
+        ("alibi", dict(pos_encoding_mode="ALIBI")),
+        ("rope", dict(pos_encoding_mode="ROPE_LLAMA")),
+        ("sink", dict(sinks=True)),
+        ("custom_mask", dict(custom_mask=True)),
+        ("sigmoid", dict(variant=FlashSigmoid())),
+        ("rel_bias", dict(variant=RelativePositionBias())),
+        ("window_sink", dict(window_left=100, sinks=True)),
+        ("alibi_softcap", dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0)),
+        ("rope_sink", dict(pos_encoding_mode="ROPE_LLAMA", sinks=True)),
+        (
+            "alibi_softcap_rel_bias",
+            dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0, variant=RelativePositionBias()),
+        ),
+    ]
 
 
 # (dtype, head_dim, page size (0: ragged), causal) of the GPU tests' configurations (tile 128
@@ -245,7 +319,7 @@ def variant_prefill_specs(arch: str):
         kw = dict(cases[name])
         paged = page_size > 0
         # a sink case plans without its sinks (plan() picks that kernel) and runs with them
-        for sinks in ((False, True) if kw.get("sinks") else (kw.get("sinks", False),)):
+        for sinks in (False, True) if kw.get("sinks") else (kw.get("sinks", False),):
             c, cap, win, v = resolve_variant(causal=causal, **dict(kw, sinks=sinks))
             specs = [prefill_spec(arch, dt, d, 128, paged, c, cap, win, v, page_box_for(paged, page_size))]
             if paged:  # plan(kv_pass=True): the pass gathers the cache, then the ragged kernel runs
@@ -273,8 +347,12 @@ def prefill_merge_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_H
 
     if arch != PREFILL_ARCH:
         return []
-    return [Spec.make("merge_partials", arch, dtype=dt, head_dim=d, tile_q=t)
-            for dt in dtypes for d in head_dims for t in tiles]
+    return [
+        Spec.make("merge_partials", arch, dtype=dt, head_dim=d, tile_q=t)
+        for dt in dtypes
+        for d in head_dims
+        for t in tiles
+    ]
 
 
 def _rows_per_cta(head_dim: int) -> int:
@@ -298,8 +376,17 @@ def _dtype(x, what: str) -> Optional[torch.dtype]:
         raise ValueError(f"{what} {x!r} is not a torch dtype") from None
 
 
-def _reject_unsupported(*, q_dtype=None, kv_dtype=None, o_dtype=None, head_dim_qk=None, head_dim_vo=None,
-                        jit_args=None, fp8_scales=(), extra=()):
+def _reject_unsupported(
+    *,
+    q_dtype=None,
+    kv_dtype=None,
+    o_dtype=None,
+    head_dim_qk=None,
+    head_dim_vo=None,
+    jit_args=None,
+    fp8_scales=(),
+    extra=(),
+):
     """Everything the prefill path does not support *yet*, in one place: raises
     NotImplementedError.  ``extra``: (name, value) pairs of FlashInfer arguments that must be None."""
     if q_dtype in _FP8 or kv_dtype in _FP8:
@@ -311,8 +398,10 @@ def _reject_unsupported(*, q_dtype=None, kv_dtype=None, o_dtype=None, head_dim_q
     if head_dim_vo is not None and head_dim_qk is not None and head_dim_vo != head_dim_qk:
         raise NotImplementedError(f"head_dim_vo ({head_dim_vo}) != head_dim_qk ({head_dim_qk}) is not supported yet")
     if jit_args is not None:
-        raise NotImplementedError("custom kernels (jit_args / jit_kwargs) are not supported; variants come "
-                                  "through cute_attn's own variant API (plan(variant=...))")
+        raise NotImplementedError(
+            "custom kernels (jit_args / jit_kwargs) are not supported; variants come "
+            "through cute_attn's own variant API (plan(variant=...))"
+        )
     for name, value in extra:
         if value is not None:
             raise NotImplementedError(f"{name} is not supported")
@@ -327,7 +416,7 @@ def pack_custom_mask(custom_mask, qo_lens, kv_lens) -> Tuple[torch.Tensor, np.nd
     if flat.size != n.sum():
         raise ValueError(f"custom_mask has {flat.size} entries, expected sum(qo_len * kv_len) = {int(n.sum())}")
     offs = np.concatenate([[0], np.cumsum(n)])
-    packed = [np.packbits(flat[offs[b]:offs[b + 1]], bitorder="little") for b in range(n.shape[0])]
+    packed = [np.packbits(flat[offs[b] : offs[b + 1]], bitorder="little") for b in range(n.shape[0])]
     indptr = np.concatenate([[0], np.cumsum((n + 7) // 8)]).astype(np.int64)
     return torch.from_numpy(np.concatenate(packed + [np.zeros(1, np.uint8)])), indptr
 
@@ -342,8 +431,7 @@ class _BatchPrefillBase:
 
     _PAGED = False
 
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str, use_cuda_graph: bool,
-                 jit_args=None):
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str, use_cuda_graph: bool, jit_args=None):
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
         if not isinstance(float_workspace_buffer, torch.Tensor) or not float_workspace_buffer.is_cuda:
@@ -358,8 +446,8 @@ class _BatchPrefillBase:
         self._planner: Optional[Planner] = None
         self._views = None
         self._plan = None
-        self._fixed = None       # CUDA-graph mode: what the first plan fixed (a captured run() bakes it)
-        self._max_rows = None    # CUDA-graph mode: query tokens, fixed by the first plan (as FlashInfer)
+        self._fixed = None  # CUDA-graph mode: what the first plan fixed (a captured run() bakes it)
+        self._max_rows = None  # CUDA-graph mode: query tokens, fixed by the first plan (as FlashInfer)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -372,16 +460,35 @@ class _BatchPrefillBase:
         self._views = self._plan = None
 
     # -- plan -----------------------------------------------------------------------------
-    def _check_common(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type,
-                      o_data_type, window_left, logits_soft_cap, fixed_split_size, pos_encoding_mode="NONE",
-                      variant=None, **unsupported):
+    def _check_common(
+        self,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        head_dim_vo,
+        q_data_type,
+        kv_data_type,
+        o_data_type,
+        window_left,
+        logits_soft_cap,
+        fixed_split_size,
+        pos_encoding_mode="NONE",
+        variant=None,
+        **unsupported,
+    ):
         """Argument checks shared by both plans; returns (q dtype, head_dim)."""
         _check_capture_plan()
         q_dtype = _dtype(q_data_type, "q_data_type")
         kv_dtype = _dtype(kv_data_type, "kv_data_type") or q_dtype
         o_dtype = _dtype(o_data_type, "o_data_type")
-        _reject_unsupported(q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, head_dim_qk=head_dim_qk,
-                            head_dim_vo=head_dim_vo, **unsupported)
+        _reject_unsupported(
+            q_dtype=q_dtype,
+            kv_dtype=kv_dtype,
+            o_dtype=o_dtype,
+            head_dim_qk=head_dim_qk,
+            head_dim_vo=head_dim_vo,
+            **unsupported,
+        )
         if pos_encoding_mode not in _POS_MODES:
             raise ValueError(f"pos_encoding_mode must be one of {_POS_MODES}, got {pos_encoding_mode!r}")
         if variant is not None and not isinstance(variant, vbase.Variant):
@@ -399,19 +506,42 @@ class _BatchPrefillBase:
             raise ValueError(f"window_left must be >= -1, got {window_left}")
         if logits_soft_cap is not None and logits_soft_cap < 0:
             raise ValueError(f"logits_soft_cap must be >= 0 (0 or None: off), got {logits_soft_cap}")
-        if fixed_split_size is not None and (not isinstance(fixed_split_size, (int, np.integer))
-                                             or fixed_split_size < 1):
+        if fixed_split_size is not None and (
+            not isinstance(fixed_split_size, (int, np.integer)) or fixed_split_size < 1
+        ):
             raise ValueError(f"fixed_split_size must be a positive int, got {fixed_split_size!r}")
         arch = arch_of_index(self._dev)
         if arch != PREFILL_ARCH:
-            raise RuntimeError(f"batch prefill runs on Hopper (sm_90a) GPUs only for now: its kernel is built on "
-                               f"wgmma; cuda:{self._dev} is {arch}, for which no prefill kernel exists yet")
+            raise RuntimeError(
+                f"batch prefill runs on Hopper (sm_90a) GPUs only for now: its kernel is built on "
+                f"wgmma; cuda:{self._dev} is {arch}, for which no prefill kernel exists yet"
+            )
         return q_dtype, int(head_dim_qk)
 
-    def _plan_common(self, qo_h, kv_lens, *, num_qo_heads, num_kv_heads, head_dim, q_dtype, causal, page_size,
-                     window_left, logits_soft_cap, sm_scale, split_tokens, disable_split_kv, pos_encoding_mode="NONE",
-                     rope_scale=None, rope_theta=None, custom_mask=None, packed_custom_mask=None, variant=None,
-                     kv_pass=None):
+    def _plan_common(
+        self,
+        qo_h,
+        kv_lens,
+        *,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        q_dtype,
+        causal,
+        page_size,
+        window_left,
+        logits_soft_cap,
+        sm_scale,
+        split_tokens,
+        disable_split_kv,
+        pos_encoding_mode="NONE",
+        rope_scale=None,
+        rope_theta=None,
+        custom_mask=None,
+        packed_custom_mask=None,
+        variant=None,
+        kv_pass=None,
+    ):
         """Validate lengths, (re)make the planner, plan + upload, pick the kernels. Returns the
         state ``_commit`` stores once the device copies are queued.  ``kv_pass`` (paged): gather
         the cache by the KV pass first (True), never (False) or when it pays (None)."""
@@ -422,26 +552,43 @@ class _BatchPrefillBase:
         if custom_mask is not None or packed_custom_mask is not None:
             mask_v = self._custom_mask(custom_mask, packed_custom_mask, qo_len, kv_lens)
         causal, cap_flag, _, var = resolve_variant(
-            causal=causal, window_left=window_left, logits_soft_cap=logits_soft_cap,
-            pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale, rope_theta=rope_theta, custom_mask=mask_v,
-            variant=variant)
+            causal=causal,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            pos_encoding_mode=pos_encoding_mode,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+            custom_mask=mask_v,
+            variant=variant,
+        )
         if vbase.Hooks(var).has_output:
             disable_split_kv = True  # an output transform must see whole rows, not partial states
         if causal and batch:
             short = np.flatnonzero(kv_lens < qo_len)
             if short.size:
                 i = int(short[0])
-                raise ValueError(f"causal=True needs kv_len >= qo_len for every request (as FlashInfer); request {i} "
-                                 f"has qo_len {int(qo_len[i])}, kv_len {int(kv_lens[i])}")
+                raise ValueError(
+                    f"causal=True needs kv_len >= qo_len for every request (as FlashInfer); request {i} "
+                    f"has qo_len {int(qo_len[i])}, kv_len {int(kv_lens[i])}"
+                )
         total_q = int(qo_h[-1])
         group = hq // hk
         soft_cap = float(logits_soft_cap) if logits_soft_cap and cap_flag else 0.0
         window_left = int(window_left)
-        launch = dict(dtype=_DTYPES[q_dtype], head_dim=d, causal=bool(causal), soft_cap=soft_cap > 0,
-                      window=window_left >= 0, hq=hq, hk=hk,
-                      sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d),
-                      soft_cap_value=soft_cap, window_left=window_left, variant=vbase.encode(var),
-                      page_box=page_box_for(self._PAGED, int(page_size)))  # the KV pass may change it
+        launch = dict(
+            dtype=_DTYPES[q_dtype],
+            head_dim=d,
+            causal=bool(causal),
+            soft_cap=soft_cap > 0,
+            window=window_left >= 0,
+            hq=hq,
+            hk=hk,
+            sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d),
+            soft_cap_value=soft_cap,
+            window_left=window_left,
+            variant=vbase.encode(var),
+            page_box=page_box_for(self._PAGED, int(page_size)),
+        )  # the KV pass may change it
 
         batch_invariant = split_tokens is not None  # fixed_split_size: nothing may depend on the batch
         if batch_invariant:
@@ -459,20 +606,25 @@ class _BatchPrefillBase:
             else:
                 changed = [k for k in self._fixed if k != "tile_q" and self._fixed[k] != launch[k]]
                 if changed:
-                    raise ValueError(f"use_cuda_graph=True: plan() changed {changed} since the first plan; a captured "
-                                     f"run() bakes them (kernel specialization and launch scalars). Keep them "
-                                     f"fixed or use another wrapper.")
+                    raise ValueError(
+                        f"use_cuda_graph=True: plan() changed {changed} since the first plan; a captured "
+                        f"run() bakes them (kernel specialization and launch scalars). Keep them "
+                        f"fixed or use another wrapper."
+                    )
                 tile = self._fixed["tile_q"]  # the captured kernel's tile
             if total_q > self._max_rows:
-                raise ValueError(f"use_cuda_graph=True: qo_indptr[-1] = {total_q} exceeds the {self._max_rows} query "
-                                 f"tokens of the first plan (which fixes the workspace layout, as in FlashInfer)")
+                raise ValueError(
+                    f"use_cuda_graph=True: qo_indptr[-1] = {total_q} exceeds the {self._max_rows} query "
+                    f"tokens of the first plan (which fixes the workspace layout, as in FlashInfer)"
+                )
         lim, grow = self._choose_limits(batch, total_q, hq, hk, d, num_ctas)
         gather = None  # (offset, bytes per tensor) of the gathered K / V in the workspace
         if self._PAGED:
             # batch-invariant plans take the pass only when asked: the model weighs the whole batch
             want = False if kv_pass is None and batch_invariant else kv_pass
-            gather = self._gather_region(want, lim, num_ctas, int(page_size), var, qo_len, kv_lens, causal,
-                                         window_left, hq, hk, d, q_dtype)
+            gather = self._gather_region(
+                want, lim, num_ctas, int(page_size), var, qo_len, kv_lens, causal, window_left, hq, hk, d, q_dtype
+            )
         # modules first (loaded here, outside any capture): a missing one must fail before the
         # new plan overwrites the workspace that the previous plan's state still describes
         try:
@@ -486,22 +638,52 @@ class _BatchPrefillBase:
             paged, spec_kw, pass_var, pass_module, attn = self._kernels(launch, tile, d, var, page_size, gather)
         merge = kernel("merge_partials", PREFILL_ARCH, dtype=launch["dtype"], head_dim=d, tile_q=tile)
         planner = self._install_planner(lim, num_ctas, grow)
-        plan = planner.plan(qo_h, kv_lens, causal=bool(causal), page_size=int(page_size) if paged else 1,
-                            num_qo_heads=hq, num_kv_heads=hk, cta_tile_q=tile, kv_split_size=split_tokens,
-                            workspace=self._workspace)
+        plan = planner.plan(
+            qo_h,
+            kv_lens,
+            causal=bool(causal),
+            page_size=int(page_size) if paged else 1,
+            num_qo_heads=hq,
+            num_kv_heads=hk,
+            cta_tile_q=tile,
+            kv_split_size=split_tokens,
+            workspace=self._workspace,
+        )
         if self._use_cuda_graph and self._fixed is None:
             self._fixed = dict(launch, tile_q=tile)
-        return dict(plan=plan, launch=launch, tile=tile, attn=attn, merge=merge, batch=batch, total_q=total_q,
-                    q_dtype=q_dtype, group=group, num_ctas=planner.num_ctas, variant=var, spec_kw=spec_kw,
-                    kv_pass=pass_module, pass_variant=pass_var, gather=gather, kv_lens=kv_lens)
+        return dict(
+            plan=plan,
+            launch=launch,
+            tile=tile,
+            attn=attn,
+            merge=merge,
+            batch=batch,
+            total_q=total_q,
+            q_dtype=q_dtype,
+            group=group,
+            num_ctas=planner.num_ctas,
+            variant=var,
+            spec_kw=spec_kw,
+            kv_pass=pass_module,
+            pass_variant=pass_var,
+            gather=gather,
+            kv_lens=kv_lens,
+        )
 
     def _kernels(self, launch, tile, d, var, page_size, gather):
         """Load the plan's modules: (kernel reads a paged cache, its spec params, the KV pass's
         variant, the pass module or None, the attention module); sets ``launch["page_box"]``."""
         paged = self._PAGED and gather is None  # the kernel reads the cache itself
         launch["page_box"] = page_box_for(paged, int(page_size))
-        spec_kw = dict(dtype=launch["dtype"], head_dim=d, tile_q=tile, paged=paged, causal=launch["causal"],
-                       soft_cap=launch["soft_cap"], window=launch["window"])
+        spec_kw = dict(
+            dtype=launch["dtype"],
+            head_dim=d,
+            tile_q=tile,
+            paged=paged,
+            causal=launch["causal"],
+            soft_cap=launch["soft_cap"],
+            window=launch["window"],
+        )
         if launch["page_box"]:
             spec_kw["page_box"] = launch["page_box"]
         if keys_pretransformed(paged, var):
@@ -512,8 +694,9 @@ class _BatchPrefillBase:
         attn = kernel("batch_prefill_sm90", PREFILL_ARCH, **spec_kw, **self._variant_kw(var))
         return paged, spec_kw, pass_var, pass_module, attn
 
-    def _gather_region(self, want, lim, num_ctas, page_size, var, qo_len, kv_lens, causal, window_left, hq, hk, d,
-                       q_dtype):
+    def _gather_region(
+        self, want, lim, num_ctas, page_size, var, qo_len, kv_lens, causal, window_left, hq, hk, d, q_dtype
+    ):
         """Whether this paged plan gathers the cache by the KV pass (``kv_pass_pays`` when
         ``want`` is None) and where: (byte offset, bytes per tensor) of K / V in the workspace,
         past the plan's sections; None for the in-kernel gather.  Not in CUDA-graph mode: a
@@ -524,19 +707,24 @@ class _BatchPrefillBase:
         transform = var is not None and vbase.Hooks(var).has_transform_k
         if want is None:
             boxes = bool(page_box_for(True, page_size))  # else the kernel's cp.async gather
-            if self._use_cuda_graph or not kv_pass_pays(qo_len, kv_lens, hq, hk, d, bool(causal), transform, elt,
-                                                        window_left, boxes):
+            if self._use_cuda_graph or not kv_pass_pays(
+                qo_len, kv_lens, hq, hk, d, bool(causal), transform, elt, window_left, boxes
+            ):
                 return None
         elif self._use_cuda_graph:
-            raise ValueError("kv_pass=True is not available with use_cuda_graph=True (a captured run() bakes the "
-                             "path; the in-kernel gather serves every plan)")
+            raise ValueError(
+                "kv_pass=True is not available with use_cuda_graph=True (a captured run() bakes the "
+                "path; the in-kernel gather serves every plan)"
+            )
         per = -(-int(kv_lens.sum()) * hk * d * elt // 256) * 256
         start = -(-WorkspaceLayout(lim, num_ctas).total_bytes // 256) * 256
         have = self._workspace.numel()
         if start + 2 * per > have:
             if want:
-                raise ValueError(f"kv_pass=True: float_workspace_buffer has {have} bytes; the plan and the gathered "
-                                 f"K / V need {start + 2 * per}")
+                raise ValueError(
+                    f"kv_pass=True: float_workspace_buffer has {have} bytes; the plan and the gathered "
+                    f"K / V need {start + 2 * per}"
+                )
             return None
         return start, per
 
@@ -556,8 +744,10 @@ class _BatchPrefillBase:
         else:
             indptr = np.concatenate([[0], np.cumsum((nbits + 7) // 8)])
             if packed.numel() < indptr[-1]:
-                raise ValueError(f"packed_custom_mask has {packed.numel()} bytes, the lengths need {int(indptr[-1])} "
-                                 f"(per request ceil(qo_len * kv_len / 8), FlashInfer's segment_packbits)")
+                raise ValueError(
+                    f"packed_custom_mask has {packed.numel()} bytes, the lengths need {int(indptr[-1])} "
+                    f"(per request ceil(qo_len * kv_len / 8), FlashInfer's segment_packbits)"
+                )
             if packed.dtype != torch.uint8:
                 raise ValueError(f"packed_custom_mask must be uint8, got {packed.dtype}")
         indptr_t = torch.from_numpy(indptr.astype(np.int32))
@@ -568,30 +758,43 @@ class _BatchPrefillBase:
         mbuf, ibuf = getattr(self, "_mask_buf", None), getattr(self, "_mask_indptr_buf", None)
         if self._use_cuda_graph:
             if mbuf is None or ibuf is None:
-                raise ValueError("use_cuda_graph=True with a custom mask needs custom_mask_buf (uint8) and "
-                                 "mask_indptr_buf (int32) in the constructor, as in FlashInfer")
+                raise ValueError(
+                    "use_cuda_graph=True with a custom mask needs custom_mask_buf (uint8) and "
+                    "mask_indptr_buf (int32) in the constructor, as in FlashInfer"
+                )
             if packed.numel() > mbuf.numel() or indptr_t.numel() > ibuf.numel():
-                raise ValueError(f"the packed mask ({packed.numel()} bytes, {indptr_t.numel()} offsets) exceeds "
-                                 f"custom_mask_buf / mask_indptr_buf ({mbuf.numel()} / {ibuf.numel()})")
+                raise ValueError(
+                    f"the packed mask ({packed.numel()} bytes, {indptr_t.numel()} offsets) exceeds "
+                    f"custom_mask_buf / mask_indptr_buf ({mbuf.numel()} / {ibuf.numel()})"
+                )
             if getattr(self, "_mask_words_buf", None) is None:  # the kernel reads words: a fixed int32 twin
                 self._mask_words_buf = torch.zeros(mbuf.numel() // 4 + 1, dtype=torch.int32, device=self._device)
             if getattr(self, "_mask_bounds_buf", None) is None:  # the first plan fixes the query tokens
                 self._mask_bounds_buf = torch.zeros((max(int(qo_h[-1]), 1), 2), dtype=torch.int32, device=self._device)
                 self._mask_qo_buf = torch.zeros(self._qo_indptr_buf.numel(), dtype=torch.int32, device=self._device)
             if qo_h[-1] > self._mask_bounds_buf.shape[0] or qo_h.size > self._mask_qo_buf.numel():
-                raise ValueError(f"use_cuda_graph=True: {int(qo_h[-1])} query tokens / batch {qo_h.size - 1} exceed "
-                                 f"the first plan's {self._mask_bounds_buf.shape[0]} / {self._mask_qo_buf.numel() - 1}")
-            ibuf[:indptr_t.numel()].copy_(indptr_t, non_blocking=True)
-            self._mask_qo_buf[:qo_h.size].copy_(torch.from_numpy(qo_h), non_blocking=True)
+                raise ValueError(
+                    f"use_cuda_graph=True: {int(qo_h[-1])} query tokens / batch {qo_h.size - 1} exceed "
+                    f"the first plan's {self._mask_bounds_buf.shape[0]} / {self._mask_qo_buf.numel() - 1}"
+                )
+            ibuf[: indptr_t.numel()].copy_(indptr_t, non_blocking=True)
+            self._mask_qo_buf[: qo_h.size].copy_(torch.from_numpy(qo_h), non_blocking=True)
             words = CustomMask.words(packed, self._mask_words_buf)
-            return CustomMask(packed_custom_mask=words, mask_indptr=ibuf, qo_indptr=self._mask_qo_buf,
-                              kv_bounds=mask_kv_bounds(words.view(torch.uint8)[:packed.numel()], indptr, qo_len,
-                                                       kv_lens, out=self._mask_bounds_buf))
+            return CustomMask(
+                packed_custom_mask=words,
+                mask_indptr=ibuf,
+                qo_indptr=self._mask_qo_buf,
+                kv_bounds=mask_kv_bounds(
+                    words.view(torch.uint8)[: packed.numel()], indptr, qo_len, kv_lens, out=self._mask_bounds_buf
+                ),
+            )
         words = CustomMask.words(packed, device=self._device)
-        return CustomMask(packed_custom_mask=words,
-                          mask_indptr=indptr_t.to(self._device, non_blocking=True),
-                          qo_indptr=torch.from_numpy(qo_h).to(self._device, non_blocking=True),
-                          kv_bounds=mask_kv_bounds(words.view(torch.uint8)[:packed.numel()], indptr, qo_len, kv_lens))
+        return CustomMask(
+            packed_custom_mask=words,
+            mask_indptr=indptr_t.to(self._device, non_blocking=True),
+            qo_indptr=torch.from_numpy(qo_h).to(self._device, non_blocking=True),
+            kv_bounds=mask_kv_bounds(words.view(torch.uint8)[: packed.numel()], indptr, qo_len, kv_lens),
+        )
 
     def _choose_limits(self, batch, total_q, hq, hk, d, num_ctas):
         """The planner limits for this plan and the bytes the workspace must grow to (0: it
@@ -599,8 +802,14 @@ class _BatchPrefillBase:
         rows = _rows_per_cta(d) * num_ctas
 
         def limits(max_batch, max_q):
-            return Limits(max_batch=max(max_batch, 1), max_total_q_tokens=max(max_q, 1), num_qo_heads=hq,
-                          num_kv_heads=hk, head_dim=d, max_partial_rows=rows)
+            return Limits(
+                max_batch=max(max_batch, 1),
+                max_total_q_tokens=max(max_q, 1),
+                num_qo_heads=hq,
+                num_kv_heads=hk,
+                head_dim=d,
+                max_partial_rows=rows,
+            )
 
         have = self._workspace.numel()
         if self._use_cuda_graph:  # fixed by the buffers and the first plan: offsets never move
@@ -619,8 +828,10 @@ class _BatchPrefillBase:
             return lim, 0
         need = WorkspaceLayout(cands[-1], num_ctas).total_bytes
         if not self._grow_workspace:
-            raise ValueError(f"float_workspace_buffer has {have} bytes; this plan needs {need} (batch {batch}, "
-                             f"{total_q} query tokens, {hq} qo heads, head_dim {d})")
+            raise ValueError(
+                f"float_workspace_buffer has {have} bytes; this plan needs {need} (batch {batch}, "
+                f"{total_q} query tokens, {hq} qo heads, head_dim {d})"
+            )
         return cands[-1], need
 
     def _install_planner(self, lim, num_ctas, grow) -> Planner:
@@ -648,21 +859,36 @@ class _BatchPrefillBase:
         L = st["launch"]
         self._hq, self._hk, self._d = L["hq"], L["hk"], L["head_dim"]
         self._causal, self._sm_scale, self._soft_cap, self._window_left = (
-            L["causal"], L["sm_scale"], L["soft_cap_value"], L["window_left"])
+            L["causal"],
+            L["sm_scale"],
+            L["soft_cap_value"],
+            L["window_left"],
+        )
         self._variant, self._spec_kw = st["variant"], st["spec_kw"]
-        info = {"num_qo_heads": self._hq, "num_kv_heads": self._hk, "head_dim": self._d, "sm_scale": self._sm_scale,
-                "device": self._device, "batch": self._batch}
-        self._binding = VariantBinding(self._variant, info, self._attn, lambda v: kernel(
-            "batch_prefill_sm90", PREFILL_ARCH, **self._spec_kw, **self._variant_kw(v)))
+        info = {
+            "num_qo_heads": self._hq,
+            "num_kv_heads": self._hk,
+            "head_dim": self._d,
+            "sm_scale": self._sm_scale,
+            "device": self._device,
+            "batch": self._batch,
+        }
+        self._binding = VariantBinding(
+            self._variant,
+            info,
+            self._attn,
+            lambda v: kernel("batch_prefill_sm90", PREFILL_ARCH, **self._spec_kw, **self._variant_kw(v)),
+        )
         # the KV pass: the plan's key transform, if any (run()'s sinks do not touch keys)
-        self._kv_pass = None if st["kv_pass"] is None else VariantBinding(st["pass_variant"], info, st["kv_pass"],
-                                                                           None)
+        self._kv_pass = None if st["kv_pass"] is None else VariantBinding(st["pass_variant"], info, st["kv_pass"], None)
         self._gathered = None
         if st["gather"] is not None:  # the pass's output: contiguous K / V in the workspace
             off, per = st["gather"]
             n = int(st["kv_lens"].sum())
-            self._gathered = tuple(self._workspace[o:o + per].view(self._dtype)[:n * self._hk * self._d]
-                                   .view(1, n, self._hk, self._d) for o in (off, off + per))
+            self._gathered = tuple(
+                self._workspace[o : o + per].view(self._dtype)[: n * self._hk * self._d].view(1, n, self._hk, self._d)
+                for o in (off, off + per)
+            )
 
     def _to_device(self, t, buf, name):
         """An index array on the device: copied into ``buf`` (CUDA-graph mode) or a new tensor."""
@@ -670,7 +896,7 @@ class _BatchPrefillBase:
         if buf is not None:
             if t.numel() > buf.numel():
                 raise ValueError(f"{name} has {t.numel()} entries, its CUDA-graph buffer only {buf.numel()}")
-            buf[:t.numel()].copy_(t.reshape(-1), non_blocking=True)
+            buf[: t.numel()].copy_(t.reshape(-1), non_blocking=True)
             return buf
         return t.to(device=self._device, dtype=torch.int32, non_blocking=True).reshape(-1)
 
@@ -679,43 +905,56 @@ class _BatchPrefillBase:
         if self._plan is None:
             raise RuntimeError("run() before plan()")
         if torch.cuda.is_current_stream_capturing() and not self._use_cuda_graph:
-            raise RuntimeError("run() is being captured into a CUDA graph but the wrapper was created with "
-                               "use_cuda_graph=False; its buffers may move between plans. Create it with "
-                               "use_cuda_graph=True and fixed *_buf index tensors.")
+            raise RuntimeError(
+                "run() is being captured into a CUDA graph but the wrapper was created with "
+                "use_cuda_graph=False; its buffers may move between plans. Create it with "
+                "use_cuda_graph=True and fixed *_buf index tensors."
+            )
         if args and self._variant is None:
-            raise TypeError(f"run() got {len(args)} extra positional argument(s): those are the runtime arguments of "
-                            f"plan(variant=...), and this plan has no variant (custom jit_args kernels are not "
-                            f"supported)")
+            raise TypeError(
+                f"run() got {len(args)} extra positional argument(s): those are the runtime arguments of "
+                f"plan(variant=...), and this plan has no variant (custom jit_args kernels are not "
+                f"supported)"
+            )
         _reject_unsupported(fp8_scales=fp8_scales, extra=tuple(unsupported.items()))
         hq, d, n = self._hq, self._d, self._total_q
         rows_ok = q.dim() == 3 and (q.shape[0] >= n if self._use_cuda_graph else q.shape[0] == n)
         if not rows_ok or q.shape[1:] != (hq, d) or q.dtype != self._dtype or q.device != self._device:
             rows = f">= {n}" if self._use_cuda_graph else f"{n}"
-            raise ValueError(f"q must be {self._dtype} [{rows} (qo_indptr[-1]), {hq}, {d}] on {self._device}, got "
-                             f"{q.dtype} {tuple(q.shape)} on {q.device}")
+            raise ValueError(
+                f"q must be {self._dtype} [{rows} (qo_indptr[-1]), {hq}, {d}] on {self._device}, got "
+                f"{q.dtype} {tuple(q.shape)} on {q.device}"
+            )
         if out is None:
             out = torch.empty_like(q)
         elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-            raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} on {q.device}, got {out.dtype} "
-                             f"{tuple(out.shape)} on {out.device}")
+            raise ValueError(
+                f"out must be {q.dtype} {tuple(q.shape)} on {q.device}, got {out.dtype} "
+                f"{tuple(out.shape)} on {out.device}"
+            )
         if lse is None:
             lse = torch.empty((q.shape[0], hq), dtype=torch.float32, device=q.device)
         elif lse.shape != (q.shape[0], hq) or lse.dtype != torch.float32 or lse.device != q.device:
-            raise ValueError(f"lse must be float32 [{q.shape[0]}, {hq}] on {q.device}, got {lse.dtype} "
-                             f"{tuple(lse.shape)} on {lse.device}")
+            raise ValueError(
+                f"lse must be float32 [{q.shape[0]}, {hq}] on {q.device}, got {lse.dtype} "
+                f"{tuple(lse.shape)} on {lse.device}"
+            )
         return out, lse
 
     def _check_kv(self, k, v, what):
         if k.dtype != self._dtype or v.dtype != self._dtype or k.device != self._device or v.device != self._device:
-            raise ValueError(f"{what} must be {self._dtype} on {self._device}, got {k.dtype} / {v.dtype} on "
-                             f"{k.device} / {v.device}")
+            raise ValueError(
+                f"{what} must be {self._dtype} on {self._device}, got {k.dtype} / {v.dtype} on {k.device} / {v.device}"
+            )
 
     def _variant_args(self, args, sinks):
         """(module, runtime values of its variant) for this run (see ``VariantBinding``)."""
         if sinks is not None:
             if not isinstance(sinks, torch.Tensor) or sinks.shape != (self._hq,) or sinks.device != self._device:
-                raise ValueError(f"sinks must be a [{self._hq}] tensor on {self._device}, got "
-                                 f"{tuple(getattr(sinks, 'shape', ()))} on {getattr(sinks, 'device', None)}")
+                raise ValueError(
+                    f"sinks must be a [{self._hq}] tensor on {self._device}, got "
+                    f"{tuple(getattr(sinks, 'shape', ()))} on {getattr(sinks, 'device', None)}"
+                )
             sinks = sinks.float()
         return self._binding.select(args, sinks)
 
@@ -737,21 +976,62 @@ class _BatchPrefillBase:
             grid = self._num_ctas * _KV_PASS_CTAS_PER_SM
             if self._gathered is not None:  # paged -> contiguous K and V (ragged from here on)
                 k_g, v_g = self._gathered
-                pass_module(k4, v4, k_g, v_g, self._qo_indptr, self._kv_tok_indptr, kv_indptr, kv_indices,
-                            self._batch, self._sm_scale, grid, *pass_vals)
+                pass_module(
+                    k4,
+                    v4,
+                    k_g,
+                    v_g,
+                    self._qo_indptr,
+                    self._kv_tok_indptr,
+                    kv_indptr,
+                    kv_indices,
+                    self._batch,
+                    self._sm_scale,
+                    grid,
+                    *pass_vals,
+                )
                 k4, v4, kv_indptr, kv_indices = k_g, v_g, self._kv_tok_indptr, self._no_indices
             else:  # ragged K through the variant's transform_k, once per key (V and pages unused)
                 k_t = torch.empty((1, k4.shape[1], self._hk, self._d), dtype=k4.dtype, device=k4.device)
-                pass_module(k4, k4, k_t, k_t, self._qo_indptr, kv_indptr, kv_indptr, kv_indptr,
-                            kv_indptr.numel() - 1, self._sm_scale, grid, *pass_vals)
+                pass_module(
+                    k4,
+                    k4,
+                    k_t,
+                    k_t,
+                    self._qo_indptr,
+                    kv_indptr,
+                    kv_indptr,
+                    kv_indptr,
+                    kv_indptr.numel() - 1,
+                    self._sm_scale,
+                    grid,
+                    *pass_vals,
+                )
                 k4 = k_t
         vw = self._views
-        module(q, k4, v4, kv_indptr, kv_indices, out, lse, vw["work_items"], vw["work_indptr"],
-               vw["partial_o"], vw["partial_lse"], self._group, self._sm_scale, self._soft_cap,
-               self._window_left, self._num_ctas, *vvals)
+        module(
+            q,
+            k4,
+            v4,
+            kv_indptr,
+            kv_indices,
+            out,
+            lse,
+            vw["work_items"],
+            vw["work_indptr"],
+            vw["partial_o"],
+            vw["partial_lse"],
+            self._group,
+            self._sm_scale,
+            self._soft_cap,
+            self._window_left,
+            self._num_ctas,
+            *vvals,
+        )
         if self._use_cuda_graph or self._plan.has_split:
-            self._merge(vw["partial_o"], vw["partial_lse"], vw["merge_tasks"], vw["meta"], out, lse, self._group,
-                        self._num_ctas)
+            self._merge(
+                vw["partial_o"], vw["partial_lse"], vw["merge_tasks"], vw["meta"], out, lse, self._group, self._num_ctas
+            )
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
@@ -769,34 +1049,71 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
 
     _PAGED = False
 
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
-                 qo_indptr_buf: Optional[torch.Tensor] = None, kv_indptr_buf: Optional[torch.Tensor] = None,
-                 custom_mask_buf: Optional[torch.Tensor] = None, mask_indptr_buf: Optional[torch.Tensor] = None,
-                 backend: str = "auto", jit_args=None, jit_kwargs=None):
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        qo_indptr_buf: Optional[torch.Tensor] = None,
+        kv_indptr_buf: Optional[torch.Tensor] = None,
+        custom_mask_buf: Optional[torch.Tensor] = None,
+        mask_indptr_buf: Optional[torch.Tensor] = None,
+        backend: str = "auto",
+        jit_args=None,
+        jit_kwargs=None,
+    ):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, jit_args)
         if use_cuda_graph:
             for name, buf in (("qo_indptr_buf", qo_indptr_buf), ("kv_indptr_buf", kv_indptr_buf)):
                 if buf is None or not buf.is_cuda or buf.dtype != torch.int32 or buf.dim() != 1:
-                    raise ValueError(f"use_cuda_graph=True needs {name} (a 1-D int32 CUDA tensor of batch_size + 1 "
-                                     f"entries), as in FlashInfer")
+                    raise ValueError(
+                        f"use_cuda_graph=True needs {name} (a 1-D int32 CUDA tensor of batch_size + 1 "
+                        f"entries), as in FlashInfer"
+                    )
             if kv_indptr_buf.numel() != qo_indptr_buf.numel():
-                raise ValueError(f"kv_indptr_buf has {kv_indptr_buf.numel()} entries, qo_indptr_buf "
-                                 f"{qo_indptr_buf.numel()}: both must be batch_size + 1")
+                raise ValueError(
+                    f"kv_indptr_buf has {kv_indptr_buf.numel()} entries, qo_indptr_buf "
+                    f"{qo_indptr_buf.numel()}: both must be batch_size + 1"
+                )
         self._qo_indptr_buf = qo_indptr_buf if use_cuda_graph else None
         self._kv_indptr_buf = kv_indptr_buf if use_cuda_graph else None
         self._mask_buf, self._mask_indptr_buf = custom_mask_buf, mask_indptr_buf
 
-    def plan(self, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
-             head_dim_vo: Optional[int] = None, custom_mask: Optional[torch.Tensor] = None,
-             packed_custom_mask: Optional[torch.Tensor] = None, causal: bool = False,
-             pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, window_left: int = -1,
-             logits_soft_cap: Optional[float] = None, sm_scale: Optional[float] = None,
-             rope_scale: Optional[float] = None, rope_theta: Optional[float] = None,
-             q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking: bool = True,
-             prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0,
-             max_item_len_ptr=None, fixed_split_size: Optional[int] = None, disable_split_kv: bool = False,
-             seq_lens=None, seq_lens_q=None, max_token_per_sequence: Optional[int] = None,
-             max_sequence_kv: Optional[int] = None, v_indptr=None, variant=None) -> None:
+    def plan(
+        self,
+        qo_indptr,
+        kv_indptr,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        head_dim_vo: Optional[int] = None,
+        custom_mask: Optional[torch.Tensor] = None,
+        packed_custom_mask: Optional[torch.Tensor] = None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        sm_scale: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+        q_data_type="float16",
+        kv_data_type=None,
+        o_data_type=None,
+        non_blocking: bool = True,
+        prefix_len_ptr=None,
+        token_pos_in_items_ptr=None,
+        token_pos_in_items_len: int = 0,
+        max_item_len_ptr=None,
+        fixed_split_size: Optional[int] = None,
+        disable_split_kv: bool = False,
+        seq_lens=None,
+        seq_lens_q=None,
+        max_token_per_sequence: Optional[int] = None,
+        max_sequence_kv: Optional[int] = None,
+        v_indptr=None,
+        variant=None,
+    ) -> None:
         """FlashInfer's arguments.  Index arrays are best passed on the CPU (a CUDA one is read
         back, which synchronizes).  ``fixed_split_size`` (kv tokens): every request's KV is cut
         at multiples of it and nothing else, with a fixed 128-row tile, so a request's output is
@@ -816,25 +1133,57 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         applied after the built-ins; its runtime arguments not given to its constructor
         follow the KV in ``run()``)."""
         q_dtype, d = self._check_common(
-            num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type, o_data_type,
-            window_left, logits_soft_cap, fixed_split_size, pos_encoding_mode=pos_encoding_mode, variant=variant,
-            extra=(("prefix_len_ptr", prefix_len_ptr), ("token_pos_in_items_ptr", token_pos_in_items_ptr),
-                   ("max_item_len_ptr", max_item_len_ptr), ("seq_lens", seq_lens), ("seq_lens_q", seq_lens_q),
-                   ("v_indptr", v_indptr)))
+            num_qo_heads,
+            num_kv_heads,
+            head_dim_qk,
+            head_dim_vo,
+            q_data_type,
+            kv_data_type,
+            o_data_type,
+            window_left,
+            logits_soft_cap,
+            fixed_split_size,
+            pos_encoding_mode=pos_encoding_mode,
+            variant=variant,
+            extra=(
+                ("prefix_len_ptr", prefix_len_ptr),
+                ("token_pos_in_items_ptr", token_pos_in_items_ptr),
+                ("max_item_len_ptr", max_item_len_ptr),
+                ("seq_lens", seq_lens),
+                ("seq_lens_q", seq_lens_q),
+                ("v_indptr", v_indptr),
+            ),
+        )
         qo_h = as_index_array("qo_indptr", qo_indptr)
         kv_h = as_index_array("kv_indptr", kv_indptr)
         if qo_h.shape != kv_h.shape:
-            raise ValueError(f"qo_indptr and kv_indptr must have the same length (batch_size + 1), got "
-                             f"{qo_h.shape[0]} and {kv_h.shape[0]}")
+            raise ValueError(
+                f"qo_indptr and kv_indptr must have the same length (batch_size + 1), got "
+                f"{qo_h.shape[0]} and {kv_h.shape[0]}"
+            )
         check_indptr("qo_indptr", qo_h)
         kv_lens = kv_lens_from_ragged(kv_h)
-        st = self._plan_common(qo_h, kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=d,
-                               q_dtype=q_dtype, causal=causal, page_size=1, window_left=window_left,
-                               logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-                               split_tokens=None if fixed_split_size is None else int(fixed_split_size),
-                               disable_split_kv=disable_split_kv, pos_encoding_mode=pos_encoding_mode,
-                               rope_scale=rope_scale, rope_theta=rope_theta, custom_mask=custom_mask,
-                               packed_custom_mask=packed_custom_mask, variant=variant)
+        st = self._plan_common(
+            qo_h,
+            kv_lens,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=d,
+            q_dtype=q_dtype,
+            causal=causal,
+            page_size=1,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale,
+            split_tokens=None if fixed_split_size is None else int(fixed_split_size),
+            disable_split_kv=disable_split_kv,
+            pos_encoding_mode=pos_encoding_mode,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+            custom_mask=custom_mask,
+            packed_custom_mask=packed_custom_mask,
+            variant=variant,
+        )
         if self._use_cuda_graph:
             # the buffers' unused tail repeats the last offset (empty requests): the key-transform
             # pass walks every entry of the buffer a captured run() was given
@@ -850,10 +1199,23 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
 
     begin_forward = plan
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, q_scale=None, k_scale=None,
-            v_scale=None, o_scale=None, out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
-            return_lse: bool = False, enable_pdl=None, sinks: Optional[torch.Tensor] = None,
-            kv_cache_sf=None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *args,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+        o_scale=None,
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+        return_lse: bool = False,
+        enable_pdl=None,
+        sinks: Optional[torch.Tensor] = None,
+        kv_cache_sf=None,
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """``*args``: the runtime arguments of plan()'s ``variant`` not given to its constructor,
         in declaration order.  ``sinks``: per-head sink logits ``[num_qo_heads]`` (natural
         units; the returned LSE includes them)."""
@@ -864,12 +1226,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             k, v = k.transpose(0, 1), v.transpose(0, 1)
         self._check_kv(k, v, "k/v")
         if k.shape[0] < self._kv_total or k.shape[1:] != (self._hk, self._d):
-            raise ValueError(f"k/v ({self._kv_layout}) must hold {self._kv_total} (kv_indptr[-1]) tokens of "
-                             f"{self._hk} kv heads x {self._d}, got {tuple(k.shape)} as [tokens, heads, dim]")
+            raise ValueError(
+                f"k/v ({self._kv_layout}) must hold {self._kv_total} (kv_indptr[-1]) tokens of "
+                f"{self._hk} kv heads x {self._d}, got {tuple(k.shape)} as [tokens, heads, dim]"
+            )
         if not self._use_cuda_graph:
             # exactly the planned tokens: a KV block that runs past the last request's end then
             # reads TMA's zero fill, never what lies beyond in the caller's tensor (0 * NaN = NaN)
-            k, v = k[:self._kv_total], v[:self._kv_total]
+            k, v = k[: self._kv_total], v[: self._kv_total]
         self._launch(q, k.unsqueeze(0), v.unsqueeze(0), self._kv_indptr, self._kv_indices, out, lse, args, sinks)
         return (out, lse) if return_lse else out
 
@@ -898,40 +1262,85 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
 
     _PAGED = True
 
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
-                 qo_indptr_buf: Optional[torch.Tensor] = None, paged_kv_indptr_buf: Optional[torch.Tensor] = None,
-                 paged_kv_indices_buf: Optional[torch.Tensor] = None,
-                 paged_kv_last_page_len_buf: Optional[torch.Tensor] = None,
-                 custom_mask_buf: Optional[torch.Tensor] = None, mask_indptr_buf: Optional[torch.Tensor] = None,
-                 backend: str = "auto", jit_args=None, jit_kwargs=None):
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        qo_indptr_buf: Optional[torch.Tensor] = None,
+        paged_kv_indptr_buf: Optional[torch.Tensor] = None,
+        paged_kv_indices_buf: Optional[torch.Tensor] = None,
+        paged_kv_last_page_len_buf: Optional[torch.Tensor] = None,
+        custom_mask_buf: Optional[torch.Tensor] = None,
+        mask_indptr_buf: Optional[torch.Tensor] = None,
+        backend: str = "auto",
+        jit_args=None,
+        jit_kwargs=None,
+    ):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, jit_args)
-        bufs = (("qo_indptr_buf", qo_indptr_buf), ("paged_kv_indptr_buf", paged_kv_indptr_buf),
-                ("paged_kv_indices_buf", paged_kv_indices_buf),
-                ("paged_kv_last_page_len_buf", paged_kv_last_page_len_buf))
+        bufs = (
+            ("qo_indptr_buf", qo_indptr_buf),
+            ("paged_kv_indptr_buf", paged_kv_indptr_buf),
+            ("paged_kv_indices_buf", paged_kv_indices_buf),
+            ("paged_kv_last_page_len_buf", paged_kv_last_page_len_buf),
+        )
         if use_cuda_graph:
             for name, buf in bufs:
                 if buf is None or not buf.is_cuda or buf.dtype != torch.int32 or buf.dim() != 1:
-                    raise ValueError(f"use_cuda_graph=True needs {name} (a 1-D int32 CUDA tensor sized for the "
-                                     f"largest batch), as in FlashInfer")
+                    raise ValueError(
+                        f"use_cuda_graph=True needs {name} (a 1-D int32 CUDA tensor sized for the "
+                        f"largest batch), as in FlashInfer"
+                    )
             b = qo_indptr_buf.numel() - 1
             if paged_kv_indptr_buf.numel() != b + 1 or paged_kv_last_page_len_buf.numel() != b:
-                raise ValueError(f"paged_kv_indptr_buf must have batch_size + 1 = {b + 1} entries and "
-                                 f"paged_kv_last_page_len_buf batch_size = {b} (qo_indptr_buf has {b + 1})")
+                raise ValueError(
+                    f"paged_kv_indptr_buf must have batch_size + 1 = {b + 1} entries and "
+                    f"paged_kv_last_page_len_buf batch_size = {b} (qo_indptr_buf has {b + 1})"
+                )
         self._qo_indptr_buf, self._indptr_buf, self._indices_buf, self._last_buf = (
-            (b for _, b in bufs) if use_cuda_graph else (None,) * 4)
+            (b for _, b in bufs) if use_cuda_graph else (None,) * 4
+        )
         self._mask_buf, self._mask_indptr_buf = custom_mask_buf, mask_indptr_buf
 
-    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
-             num_kv_heads: int, head_dim_qk: int, page_size: int, head_dim_vo: Optional[int] = None,
-             custom_mask: Optional[torch.Tensor] = None, packed_custom_mask: Optional[torch.Tensor] = None,
-             causal: bool = False, pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
-             sm_scale: Optional[float] = None, window_left: int = -1, logits_soft_cap: Optional[float] = None,
-             rope_scale: Optional[float] = None, rope_theta: Optional[float] = None, q_data_type="float16",
-             kv_data_type=None, o_data_type=None, non_blocking: bool = True, prefix_len_ptr=None,
-             token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0, max_item_len_ptr=None,
-             seq_lens=None, seq_lens_q=None, block_tables=None, max_token_per_sequence: Optional[int] = None,
-             max_sequence_kv: Optional[int] = None, fixed_split_size: Optional[int] = None,
-             disable_split_kv: bool = False, variant=None, kv_pass: Optional[bool] = None) -> None:
+    def plan(
+        self,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        page_size: int,
+        head_dim_vo: Optional[int] = None,
+        custom_mask: Optional[torch.Tensor] = None,
+        packed_custom_mask: Optional[torch.Tensor] = None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        sm_scale: Optional[float] = None,
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+        q_data_type="float16",
+        kv_data_type=None,
+        o_data_type=None,
+        non_blocking: bool = True,
+        prefix_len_ptr=None,
+        token_pos_in_items_ptr=None,
+        token_pos_in_items_len: int = 0,
+        max_item_len_ptr=None,
+        seq_lens=None,
+        seq_lens_q=None,
+        block_tables=None,
+        max_token_per_sequence: Optional[int] = None,
+        max_sequence_kv: Optional[int] = None,
+        fixed_split_size: Optional[int] = None,
+        disable_split_kv: bool = False,
+        variant=None,
+        kv_pass: Optional[bool] = None,
+    ) -> None:
         """FlashInfer's arguments (see the ragged wrapper's ``plan``, variants included).
         ``fixed_split_size`` is in pages, as in FlashInfer.
 
@@ -944,31 +1353,66 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         the workspace is too small or in CUDA-graph mode); ``False``: never (the kernel gathers
         each block itself)."""
         q_dtype, d = self._check_common(
-            num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type, o_data_type,
-            window_left, logits_soft_cap, fixed_split_size, pos_encoding_mode=pos_encoding_mode, variant=variant,
-            extra=(("prefix_len_ptr", prefix_len_ptr), ("token_pos_in_items_ptr", token_pos_in_items_ptr),
-                   ("max_item_len_ptr", max_item_len_ptr), ("seq_lens", seq_lens), ("seq_lens_q", seq_lens_q),
-                   ("block_tables", block_tables)))
+            num_qo_heads,
+            num_kv_heads,
+            head_dim_qk,
+            head_dim_vo,
+            q_data_type,
+            kv_data_type,
+            o_data_type,
+            window_left,
+            logits_soft_cap,
+            fixed_split_size,
+            pos_encoding_mode=pos_encoding_mode,
+            variant=variant,
+            extra=(
+                ("prefix_len_ptr", prefix_len_ptr),
+                ("token_pos_in_items_ptr", token_pos_in_items_ptr),
+                ("max_item_len_ptr", max_item_len_ptr),
+                ("seq_lens", seq_lens),
+                ("seq_lens_q", seq_lens_q),
+                ("block_tables", block_tables),
+            ),
+        )
         if not isinstance(page_size, (int, np.integer)) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         qo_h = as_index_array("qo_indptr", qo_indptr)
         indptr_h = as_index_array("paged_kv_indptr", paged_kv_indptr)
         if qo_h.shape != indptr_h.shape:
-            raise ValueError(f"qo_indptr and paged_kv_indptr must have the same length (batch_size + 1), got "
-                             f"{qo_h.shape[0]} and {indptr_h.shape[0]}")
+            raise ValueError(
+                f"qo_indptr and paged_kv_indptr must have the same length (batch_size + 1), got "
+                f"{qo_h.shape[0]} and {indptr_h.shape[0]}"
+            )
         check_indptr("qo_indptr", qo_h)
-        indices_t = (paged_kv_indices if isinstance(paged_kv_indices, torch.Tensor)
-                     else torch.as_tensor(np.asarray(paged_kv_indices), dtype=torch.int32))
+        indices_t = (
+            paged_kv_indices
+            if isinstance(paged_kv_indices, torch.Tensor)
+            else torch.as_tensor(np.asarray(paged_kv_indices), dtype=torch.int32)
+        )
         host_indices = None if indices_t.is_cuda else indices_t
         kv_lens = kv_lens_from_paged(indptr_h, paged_kv_last_page_len, int(page_size), host_indices)
-        st = self._plan_common(qo_h, kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=d,
-                               q_dtype=q_dtype, causal=causal, page_size=int(page_size), window_left=window_left,
-                               logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-                               split_tokens=(None if fixed_split_size is None
-                                             else int(fixed_split_size) * int(page_size)),
-                               disable_split_kv=disable_split_kv, pos_encoding_mode=pos_encoding_mode,
-                               rope_scale=rope_scale, rope_theta=rope_theta, custom_mask=custom_mask,
-                               packed_custom_mask=packed_custom_mask, variant=variant, kv_pass=kv_pass)
+        st = self._plan_common(
+            qo_h,
+            kv_lens,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=d,
+            q_dtype=q_dtype,
+            causal=causal,
+            page_size=int(page_size),
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale,
+            split_tokens=(None if fixed_split_size is None else int(fixed_split_size) * int(page_size)),
+            disable_split_kv=disable_split_kv,
+            pos_encoding_mode=pos_encoding_mode,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+            custom_mask=custom_mask,
+            packed_custom_mask=packed_custom_mask,
+            variant=variant,
+            kv_pass=kv_pass,
+        )
         # the largest page id, checked against the cache in run() (the cache is not known here);
         # unknown (-1) when the indices already live on the GPU (reading them back would sync)
         used = int(indptr_h[-1])
@@ -989,26 +1433,50 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
 
     begin_forward = plan
 
-    def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
-            out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None, return_lse: bool = False,
-            enable_pdl=None, window_left: Optional[int] = None, sinks=None, kv_cache_sf=None,
-            skip_softmax_threshold_scale_factor=None, use_fp16_softmax=None,
-            uses_spcompress=None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache,
+        *args,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+        return_lse: bool = False,
+        enable_pdl=None,
+        window_left: Optional[int] = None,
+        sinks=None,
+        kv_cache_sf=None,
+        skip_softmax_threshold_scale_factor=None,
+        use_fp16_softmax=None,
+        uses_spcompress=None,
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """``*args``: the runtime arguments of plan()'s ``variant`` not given to its constructor,
         in declaration order.  ``sinks``: per-head sink logits ``[num_qo_heads]`` (natural
         units; the returned LSE includes them)."""
-        out, lse = self._check_run(q, out, lse, (q_scale, k_scale, v_scale), args, kv_cache_sf=kv_cache_sf,
-                                   skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor)
+        out, lse = self._check_run(
+            q,
+            out,
+            lse,
+            (q_scale, k_scale, v_scale),
+            args,
+            kv_cache_sf=kv_cache_sf,
+            skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+        )
         if window_left is not None and window_left != self._window_left:
             raise ValueError("run(window_left=...) differs from plan(); pass it to plan()")
         k, v = _kv_views(paged_kv_cache, self._kv_layout)
         self._check_kv(k, v, "paged_kv_cache")
         if k.shape[1:] != (self._page_size, self._hk, self._d):
-            raise ValueError(f"paged_kv_cache ({self._kv_layout}) has page_size/kv_heads/head_dim "
-                             f"{tuple(k.shape[1:])}, plan() said ({self._page_size}, {self._hk}, {self._d})")
+            raise ValueError(
+                f"paged_kv_cache ({self._kv_layout}) has page_size/kv_heads/head_dim "
+                f"{tuple(k.shape[1:])}, plan() said ({self._page_size}, {self._hk}, {self._d})"
+            )
         if self._max_page >= k.shape[0] or (self._kv_tokens and k.shape[0] == 0):
-            raise ValueError(f"paged_kv_indices reference page {max(self._max_page, 0)}, the cache has {k.shape[0]} "
-                             f"pages")
+            raise ValueError(
+                f"paged_kv_indices reference page {max(self._max_page, 0)}, the cache has {k.shape[0]} pages"
+            )
         self._launch(q, k, v, self._kv_indptr, self._kv_indices, out, lse, args, sinks)
         return (out, lse) if return_lse else out
 
@@ -1024,16 +1492,34 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
 _SINGLE: dict = {}
 
 
-def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_q=None, scale_k=None,
-                                 scale_v=None, o_dtype=None, custom_mask: Optional[torch.Tensor] = None,
-                                 packed_custom_mask: Optional[torch.Tensor] = None, causal: bool = False,
-                                 kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
-                                 use_fp16_qk_reduction: bool = False, sm_scale: Optional[float] = None,
-                                 window_left: int = -1, logits_soft_cap: Optional[float] = None,
-                                 rope_scale: Optional[float] = None, rope_theta: Optional[float] = None,
-                                 backend: str = "auto", return_lse: bool = False, kv_cache_sf=None,
-                                 k_scale=None, v_scale=None, sinks: Optional[torch.Tensor] = None, variant=None,
-                                 *variant_args):
+def single_prefill_with_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale_q=None,
+    scale_k=None,
+    scale_v=None,
+    o_dtype=None,
+    custom_mask: Optional[torch.Tensor] = None,
+    packed_custom_mask: Optional[torch.Tensor] = None,
+    causal: bool = False,
+    kv_layout: str = "NHD",
+    pos_encoding_mode: str = "NONE",
+    use_fp16_qk_reduction: bool = False,
+    sm_scale: Optional[float] = None,
+    window_left: int = -1,
+    logits_soft_cap: Optional[float] = None,
+    rope_scale: Optional[float] = None,
+    rope_theta: Optional[float] = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    kv_cache_sf=None,
+    k_scale=None,
+    v_scale=None,
+    sinks: Optional[torch.Tensor] = None,
+    variant=None,
+    *variant_args,
+):
     """Prefill / append for one request (FlashInfer's argument order): q ``[qo_len, num_qo_heads,
     head_dim]``, k/v ``[kv_len, num_kv_heads, head_dim]`` (NHD) or ``[num_kv_heads, kv_len,
     head_dim]`` (HND), read in place.  Runs the batch kernel on a batch of one, so a long
@@ -1042,9 +1528,13 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     ``[qo_len, kv_len]`` bool (or flat), ``packed_custom_mask`` its bits (little bit order),
     ``sinks`` per-head sink logits, ``variant`` (with its missing runtime arguments as
     ``variant_args``)."""
-    _reject_unsupported(q_dtype=q.dtype, kv_dtype=k.dtype,
-                        o_dtype=_dtype(o_dtype, "o_dtype"), fp8_scales=(scale_q, scale_k, scale_v, k_scale, v_scale),
-                        extra=(("kv_cache_sf", kv_cache_sf),))
+    _reject_unsupported(
+        q_dtype=q.dtype,
+        kv_dtype=k.dtype,
+        o_dtype=_dtype(o_dtype, "o_dtype"),
+        fp8_scales=(scale_q, scale_k, scale_v, k_scale, v_scale),
+        extra=(("kv_cache_sf", kv_cache_sf),),
+    )
     k, v = _single_kv_nhd(q, k, v, kv_layout, 3, "[qo_len, heads, dim]")
     if not q.is_cuda:
         raise ValueError(f"q must be a CUDA tensor, got one on {q.device}")
@@ -1055,10 +1545,25 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         w = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device=q.device))
         w._grow_workspace = True
         _SINGLE[key] = w
-    w.plan(np.array([0, qo_len]), np.array([0, kv_len]), q.shape[1], hk, q.shape[2], causal=causal,
-           window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, q_data_type=q.dtype,
-           kv_data_type=k.dtype, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
-           pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale, rope_theta=rope_theta, variant=variant)
+    w.plan(
+        np.array([0, qo_len]),
+        np.array([0, kv_len]),
+        q.shape[1],
+        hk,
+        q.shape[2],
+        causal=causal,
+        window_left=window_left,
+        logits_soft_cap=logits_soft_cap,
+        sm_scale=sm_scale,
+        q_data_type=q.dtype,
+        kv_data_type=k.dtype,
+        custom_mask=custom_mask,
+        packed_custom_mask=packed_custom_mask,
+        pos_encoding_mode=pos_encoding_mode,
+        rope_scale=rope_scale,
+        rope_theta=rope_theta,
+        variant=variant,
+    )
     out, lse = w.run(q, k, v, *variant_args, return_lse=True, sinks=sinks)
     return (out, lse) if return_lse else out
 

@@ -3,6 +3,7 @@
 ``default`` is what a GPU machine needs for the shipped ops at the common head dims; later
 kernel families add themselves here.  ``smoke`` is a tiny set for quick checks.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -40,8 +41,9 @@ def _prefill(arch: str) -> List[Spec]:
     KV pass's gather of a paged cache per dtype x head_dim (6)."""
     from .prefill import kv_pass_specs, prefill_merge_specs, prefill_specs
 
-    variants = prefill_specs(arch, head_dims=(128,), tiles=(128,), paged=(False,),
-                             variants=((True, False), (False, True), (True, True)))
+    variants = prefill_specs(
+        arch, head_dims=(128,), tiles=(128,), paged=(False,), variants=((True, False), (False, True), (True, True))
+    )
     return prefill_specs(arch) + variants + prefill_merge_specs(arch) + kv_pass_specs(arch)
 
 
@@ -60,15 +62,27 @@ def _variants(arch: str) -> List[Spec]:
     from .decode import decode_specs, variant_decode_specs
 
     # the decode bench's plain / soft-cap / window rows (bf16 d128) and the merges
-    specs = variant_decode_specs(arch) + decode_specs(arch, dtypes=("bf16",), head_dims=(128,)) + [
-        s for s in decode_specs(arch, dtypes=("f16",), head_dims=(64,)) if s.family == "merge_partials"]
+    specs = (
+        variant_decode_specs(arch)
+        + decode_specs(arch, dtypes=("bf16",), head_dims=(128,))
+        + [s for s in decode_specs(arch, dtypes=("f16",), head_dims=(64,)) if s.family == "merge_partials"]
+    )
     if _prefill_kernel_present():
         from .prefill import prefill_merge_specs, prefill_specs, variant_prefill_specs
 
         # + the prefill bench's plain / soft-cap / window rows (bf16 d128 ragged tile 128)
-        specs += variant_prefill_specs(arch) + prefill_merge_specs(arch, tiles=(128,)) + prefill_specs(
-            arch, dtypes=("bf16",), head_dims=(128,), tiles=(128,), paged=(False,),
-            variants=((False, False), (True, False), (False, True)))
+        specs += (
+            variant_prefill_specs(arch)
+            + prefill_merge_specs(arch, tiles=(128,))
+            + prefill_specs(
+                arch,
+                dtypes=("bf16",),
+                head_dims=(128,),
+                tiles=(128,),
+                paged=(False,),
+                variants=((False, False), (True, False), (False, True)),
+            )
+        )
     return list(dict.fromkeys(specs))
 
 
@@ -95,8 +109,9 @@ PRESETS: Dict[str, callable] = {
     "variants": _variants,
     "smoke": lambda arch: _merge(arch, ("bf16",), (128,)),
     # tuning sweep for `python -m cute_attn bench --only merge_sweep`
-    "merge_sweep": lambda arch: [Spec.make("merge_states", arch, dtype="bf16", head_dim=128, load_batch=b)
-                                 for b in (1, 2, 4, 8)],
+    "merge_sweep": lambda arch: [
+        Spec.make("merge_states", arch, dtype="bf16", head_dim=128, load_batch=b) for b in (1, 2, 4, 8)
+    ],
 }
 
 

@@ -21,6 +21,7 @@ Each impl's mean is its own total / num_ctas, so splitting overhead shows up in 
 
     python scripts/bench_plan.py [--calls 2000] [--json PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,15 +41,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from cute_attn.sched import Limits, Planner  # noqa: E402
 from cute_attn.sched.cost import build_tiles  # noqa: E402
 
-NUM_SMS = 132          # H100 / H200
-HQ, HK, HEAD_DIM = 32, 8, 128   # Llama-3-8B-like GQA (group 4)
+NUM_SMS = 132  # H100 / H200
+HQ, HK, HEAD_DIM = 32, 8, 128  # Llama-3-8B-like GQA (group 4)
 PAGE = 16
 ALPHA, BETA = 2, 1
 
 
 def limits():
-    return Limits(max_batch=1024, max_total_q_tokens=32768, num_qo_heads=HQ, num_kv_heads=HK,
-                  head_dim=HEAD_DIM)
+    return Limits(max_batch=1024, max_total_q_tokens=32768, num_qo_heads=HQ, num_kv_heads=HK, head_dim=HEAD_DIM)
 
 
 # -- length distributions ----------------------------------------------------------------
@@ -143,19 +143,22 @@ def main():
     def rec(case, metric, value):
         records.append({"case": case, "metric": metric, "value": round(value, 4)})
 
-    print(f"plan() time, median of {a.calls} calls, one core, C={planner.num_ctas} CTAs, "
-          f"{HQ}/{HK} heads, page {PAGE}")
-    print(f"{'case':34s} {'us':>8s} {'p10-p90':>13s} {'items':>7s} {'merges':>7s} {'tile':>5s} "
-          f"{'max/mean':>9s} {'items/CTA max':>13s}")
+    print(f"plan() time, median of {a.calls} calls, one core, C={planner.num_ctas} CTAs, {HQ}/{HK} heads, page {PAGE}")
+    print(
+        f"{'case':34s} {'us':>8s} {'p10-p90':>13s} {'items':>7s} {'merges':>7s} {'tile':>5s} "
+        f"{'max/mean':>9s} {'items/CTA max':>13s}"
+    )
 
     def one(case, pl, qi, kv, kw):
         us, lo, hi = time_plan(pl, (qi, kv), kw, a.calls)
         p = pl.plan(qi, kv, **kw)
         ratio = p.cta_cost.max() / p.cta_cost.mean()
         per = np.diff(p.work_indptr)
-        print(f"{case:34s} {us:8.1f} {f'{lo:.0f}-{hi:.0f}':>13s} {p.num_work_items:7d} "
-              f"{p.num_merge_tasks:7d} {p.cta_tile_q:5d} {ratio:9.3f} "
-              f"{f'{per.max()} ({per.mean():.1f})':>13s}")
+        print(
+            f"{case:34s} {us:8.1f} {f'{lo:.0f}-{hi:.0f}':>13s} {p.num_work_items:7d} "
+            f"{p.num_merge_tasks:7d} {p.cta_tile_q:5d} {ratio:9.3f} "
+            f"{f'{per.max()} ({per.mean():.1f})':>13s}"
+        )
         rec(case, "us", us)
 
     timing = [
@@ -169,10 +172,23 @@ def main():
     ]
     # The H200 decode regression case (132 SMs x 2 CTAs, alpha 8, tol 0.01): 128 lognormal
     # requests; the kernel pays per item and per split, so items/CTA and merges matter.
-    h200 = Planner(Limits(max_batch=128, max_total_q_tokens=128, num_qo_heads=HQ,
-                          num_kv_heads=HK, head_dim=HEAD_DIM, max_qo_len=1,
-                          max_partial_rows=HK * 264 * 16),
-                   NUM_SMS, 2, alpha=8, beta=BETA, balance_tol=0.01, pin_memory=False)
+    h200 = Planner(
+        Limits(
+            max_batch=128,
+            max_total_q_tokens=128,
+            num_qo_heads=HQ,
+            num_kv_heads=HK,
+            head_dim=HEAD_DIM,
+            max_qo_len=1,
+            max_partial_rows=HK * 264 * 16,
+        ),
+        NUM_SMS,
+        2,
+        alpha=8,
+        beta=BETA,
+        balance_tol=0.01,
+        pin_memory=False,
+    )
     for case, mode, dist, b in timing:
         qi, kv, causal = batch(mode, dist, b, rng)
         if mode == "prefill" and qi[-1] > 32768:  # keep within max_total_q_tokens
@@ -181,8 +197,7 @@ def main():
         one(case, planner, qi, kv, dict(causal=causal, page_size=PAGE))
     lr = __import__("random").Random(0)
     kv = np.array([max(1, min(32768, int(lr.lognormvariate(7.0, 1.0)))) for _ in range(128)])
-    one("plan/decode/bs128/lognormal/264cta", h200, np.arange(129), kv,
-        dict(page_size=PAGE, cta_tile_q=16))
+    one("plan/decode/bs128/lognormal/264cta", h200, np.arange(129), kv, dict(page_size=PAGE, cta_tile_q=16))
 
     print("\nbalance: max/mean CTA cost (max/ideal), mean of 5 seeds, worst seed in brackets")
     print(f"{'case':34s} {'cute_attn':>22s} {'per_request':>22s} {'split_k':>22s}")
@@ -209,8 +224,15 @@ def main():
 
     if a.json:
         try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True, cwd=os.path.dirname(__file__)).stdout.strip() or None
+            commit = (
+                subprocess.run(
+                    ["git", "rev-parse", "--short", "HEAD"],
+                    capture_output=True,
+                    text=True,
+                    cwd=os.path.dirname(__file__),
+                ).stdout.strip()
+                or None
+            )
         except OSError:
             commit = None
         device = f"CPU: {platform.processor() or platform.machine()} (1 core)"

@@ -10,6 +10,7 @@ alone (its bandwidth: K and V read + written).  Checks the model's thresholds on
 set from), page 1, causal.  ``--page16``: page 16 plain, where the kernel reads the pages by
 TMA boxes and the model never picks the pass (is there something to gain?).
 """
+
 import argparse
 import json
 
@@ -25,9 +26,17 @@ def check_cases():
     """(name, qo lens, kv lens, hq, hk, head dim, page size, causal, RoPE), page 1 plain causal:
     hd64 and hd256, GQA 8, near and far from the break-even."""
     out = []
-    for d, hq, hk, qo, kv, b in ((64, 32, 8, 256, 8192, 8), (64, 32, 8, 1024, 8192, 4), (64, 32, 8, 4096, 4096, 2),
-                                 (256, 16, 4, 256, 8192, 4), (256, 16, 4, 1024, 8192, 2), (256, 16, 4, 4096, 4096, 2),
-                                 (128, 64, 8, 128, 8192, 8), (128, 64, 8, 512, 8192, 4), (128, 64, 8, 4096, 4096, 2)):
+    for d, hq, hk, qo, kv, b in (
+        (64, 32, 8, 256, 8192, 8),
+        (64, 32, 8, 1024, 8192, 4),
+        (64, 32, 8, 4096, 4096, 2),
+        (256, 16, 4, 256, 8192, 4),
+        (256, 16, 4, 1024, 8192, 2),
+        (256, 16, 4, 4096, 4096, 2),
+        (128, 64, 8, 128, 8192, 8),
+        (128, 64, 8, 512, 8192, 4),
+        (128, 64, 8, 4096, 4096, 2),
+    ):
         out.append((f"check/hd{d}/{hq}x{hk}/{b}x{qo}on{kv}", [qo] * b, [kv] * b, hq, hk, d, 1, True, False))
     return out
 
@@ -38,8 +47,19 @@ def page16_cases():
     for d, hq, hk in ((128, 16, 16), (128, 32, 8), (256, 16, 16)):
         for causal in (False, True):
             for qo, kv, b in ((8192, 8192, 2), (1024, 8192, 2)):
-                out.append((f"page16/hd{d}/{hq}x{hk}/{'c' if causal else 'nc'}/{b}x{qo}on{kv}", [qo] * b, [kv] * b,
-                            hq, hk, d, 16, causal, False))
+                out.append(
+                    (
+                        f"page16/hd{d}/{hq}x{hk}/{'c' if causal else 'nc'}/{b}x{qo}on{kv}",
+                        [qo] * b,
+                        [kv] * b,
+                        hq,
+                        hk,
+                        d,
+                        16,
+                        causal,
+                        False,
+                    )
+                )
     return out
 
 
@@ -49,10 +69,17 @@ def cases():
     (16 / 2 heads, non-causal: the specs the variant tests compile)."""
     out = []
     for causal in (True, False):
-        for qo, kv, b in ((128, 8192, 8), (512, 8192, 4), (1024, 8192, 4), (2048, 8192, 2), (4096, 8192, 2),
-                          (8192, 8192, 1)):
-            out.append((f"page1/{'c' if causal else 'nc'}/{b}x{qo}on{kv}", [qo] * b, [kv] * b, 32, 8, 128, 1, causal,
-                        False))
+        for qo, kv, b in (
+            (128, 8192, 8),
+            (512, 8192, 4),
+            (1024, 8192, 4),
+            (2048, 8192, 2),
+            (4096, 8192, 2),
+            (8192, 8192, 1),
+        ):
+            out.append(
+                (f"page1/{'c' if causal else 'nc'}/{b}x{qo}on{kv}", [qo] * b, [kv] * b, 32, 8, 128, 1, causal, False)
+            )
     for qo, kv, b in ((32, 8192, 8), (128, 8192, 8), (512, 8192, 4), (2048, 8192, 2)):
         out.append((f"rope/page16/nc/{b}x{qo}on{kv}", [qo] * b, [kv] * b, 16, 2, 128, 16, False, True))
     return out
@@ -86,18 +113,33 @@ def main():
         outs = {}
         for kv_pass in (True, False):
             w = BatchPrefillWithPagedKVCacheWrapper(ws)
-            w.plan(qo_indptr, indptr, indices, last, hq, hk, d, ps, causal=causal, q_data_type=DT, kv_pass=kv_pass, **kw)
+            w.plan(
+                qo_indptr, indptr, indices, last, hq, hk, d, ps, causal=causal, q_data_type=DT, kv_pass=kv_pass, **kw
+            )
             out = torch.empty_like(q)
             w.run(q, cache, out=out)
             outs[kv_pass] = out.float()
-            rec["pass_us" if kv_pass else "in_kernel_us"] = round(min(
-                do_bench(lambda: w.run(q, cache, out=out), warmup=25, rep=100) for _ in range(2)) * 1e3, 1)
+            rec["pass_us" if kv_pass else "in_kernel_us"] = round(
+                min(do_bench(lambda: w.run(q, cache, out=out), warmup=25, rep=100) for _ in range(2)) * 1e3, 1
+            )
             if kv_pass:  # the pass alone (internal handles: a dev script)
                 mod, vals = w._kv_pass.select(())
                 k_g, v_g = w._gathered
                 k4, v4 = cache
-                args = (k4, v4, k_g, v_g, w._qo_indptr, w._kv_tok_indptr, w._kv_indptr, w._kv_indices, w._batch,
-                        w._sm_scale, w._num_ctas * 8, *vals)
+                args = (
+                    k4,
+                    v4,
+                    k_g,
+                    v_g,
+                    w._qo_indptr,
+                    w._kv_tok_indptr,
+                    w._kv_indptr,
+                    w._kv_indices,
+                    w._batch,
+                    w._sm_scale,
+                    w._num_ctas * 8,
+                    *vals,
+                )
                 t = do_bench(lambda: mod(*args), warmup=25, rep=100) * 1e3
                 rec["pass_alone_us"] = round(t, 1)
                 rec["pass_TBps"] = round(2 * 2 * sum(kv) * hk * d * 2 / t / 1e6, 2)

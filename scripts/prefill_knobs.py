@@ -16,6 +16,7 @@ ragged, paged page 16 (random page order) and page 1, hd128 / hd256, causal or n
 Edit KNOBS below for the experiment at hand; this is a development tool, not a benchmark of
 record (``python -m cute_attn bench`` is).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,13 +35,12 @@ KNOBS = {
 
 
 def _spec_kw(d, causal, paged, **knob):
-    return dict(dtype="bf16", head_dim=d, tile_q=128, paged=paged, causal=causal, soft_cap=False, window=False,
-                **knob)
+    return dict(dtype="bf16", head_dim=d, tile_q=128, paged=paged, causal=causal, soft_cap=False, window=False, **knob)
 
 
 def specs():
-    from cute_attn.runtime.spec import Spec
     import cute_attn.prefill  # noqa: F401  (registers the family)
+    from cute_attn.runtime.spec import Spec
 
     out = []
     for (d, _kv), knobs in KNOBS.items():
@@ -85,8 +85,11 @@ def run(json_path) -> None:
         out.fill_(float("nan"))
         call()
         torch.cuda.synchronize()
-        r = dict(label=label, nan=int(torch.isnan(out).sum()),
-                 maxdiff=(out.float() - ref.float()).abs().max().item() if ref is not None else 0.0)
+        r = dict(
+            label=label,
+            nan=int(torch.isnan(out).sum()),
+            maxdiff=(out.float() - ref.float()).abs().max().item() if ref is not None else 0.0,
+        )
         r["us"] = min(do_bench(call, warmup=25, rep=150) for _ in range(2)) * 1e3
         if t_ref:
             r["over_ragged"] = r["us"] / t_ref
@@ -102,8 +105,7 @@ def run(json_path) -> None:
             w = P.BatchPrefillWithRaggedKVCacheWrapper(ws)
             w.plan(ind, ind, H, H, d, causal=causal, q_data_type=torch.bfloat16)
             out = torch.empty_like(q)
-            t_r = case(f"{tag}/ragged", w, lambda: w.run(q, k, v, out=out), out, _spec_kw(d, causal, False), None,
-                       None)
+            t_r = case(f"{tag}/ragged", w, lambda: w.run(q, k, v, out=out), out, _spec_kw(d, causal, False), None, None)
             ref = out.clone()
             for kv in ("page16", "page1"):
                 ps = 16 if kv == "page16" else 1
@@ -114,17 +116,42 @@ def run(json_path) -> None:
                 kc[perm.cuda()] = k.view(n, ps, H, d)
                 vc[perm.cuda()] = v.view(n, ps, H, d)
                 wp = P.BatchPrefillWithPagedKVCacheWrapper(ws)
-                wp.plan(ind, ind // ps, perm.to(torch.int32), torch.full((B,), ps, dtype=torch.int32), H, H, d, ps,
-                        causal=causal, q_data_type=torch.bfloat16)
+                wp.plan(
+                    ind,
+                    ind // ps,
+                    perm.to(torch.int32),
+                    torch.full((B,), ps, dtype=torch.int32),
+                    H,
+                    H,
+                    d,
+                    ps,
+                    causal=causal,
+                    q_data_type=torch.bfloat16,
+                )
                 outp = torch.empty_like(q)
                 default = dict(wp._spec_kw)  # what plan() chose for this page size
                 default.pop("head_dim"), default.pop("causal"), default.pop("paged")
                 for kn in [default] + KNOBS.get((d, kv), []):
-                    name = ",".join(f"{a}={b}" for a, b in kn.items() if a not in ("dtype", "tile_q", "soft_cap",
-                                                                                    "window")) or "default"
-                    case(f"{tag}/{kv}/{name}", wp, lambda: wp.run(q, (kc, vc), out=outp), outp,
-                         _spec_kw(d, causal, True, **{a: b for a, b in kn.items() if a not in (
-                             "dtype", "tile_q", "soft_cap", "window")}), ref, t_r)
+                    name = (
+                        ",".join(
+                            f"{a}={b}" for a, b in kn.items() if a not in ("dtype", "tile_q", "soft_cap", "window")
+                        )
+                        or "default"
+                    )
+                    case(
+                        f"{tag}/{kv}/{name}",
+                        wp,
+                        lambda: wp.run(q, (kc, vc), out=outp),
+                        outp,
+                        _spec_kw(
+                            d,
+                            causal,
+                            True,
+                            **{a: b for a, b in kn.items() if a not in ("dtype", "tile_q", "soft_cap", "window")},
+                        ),
+                        ref,
+                        t_r,
+                    )
     if json_path:
         with open(json_path, "w") as f:
             json.dump(res, f, indent=1)

@@ -3,6 +3,7 @@
     ncu --clock-control none -k regex:PagedDecode --launch-skip 2 --launch-count 1 \
         python scripts/profile_decode.py --batch 64 --kv 4096 --page 16
 """
+
 import argparse
 
 import torch
@@ -22,8 +23,9 @@ def main():
     gen = torch.Generator().manual_seed(0)
     cache, indptr, indices, last = _paged([a.kv] * a.batch, a.page, gen)
     q = torch.randn(a.batch, HQ, D, device="cuda", dtype=torch.bfloat16)
-    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
-                                           ctas_per_sm=a.ctas_per_sm)
+    w = BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), ctas_per_sm=a.ctas_per_sm
+    )
     w.plan(indptr, indices, last, HQ, HK, D, a.page, q_data_type=torch.bfloat16)
     out = torch.empty_like(q)
     for _ in range(a.iters):

@@ -5,6 +5,7 @@ a cache's bytes.  The copy's meta.json lists only the files kept, so its checksu
 
     python scripts/slim_cache.py build/aot build/aot_run
 """
+
 import json
 import shutil
 import sys

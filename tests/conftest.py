@@ -1,5 +1,5 @@
 """Test markers: ``gpu`` tests skip without a CUDA device, ``compile`` tests without the CuTe DSL."""
-import os
+
 import subprocess
 import sys
 
@@ -44,7 +44,24 @@ def tmp_cache(tmp_path, monkeypatch):
 def aot_cache(tmp_path_factory):
     """The default preset compiled for both arches by the CLI, once per session: (dir, CLI output)."""
     out = tmp_path_factory.mktemp("aot")
-    proc = subprocess.run([sys.executable, "-m", "cute_attn", "compile", "--arch", "sm_90a", "--arch", "sm_100a",
-                           "--preset", "default", "--out", str(out)], capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cute_attn",
+            "compile",
+            "--arch",
+            "sm_90a",
+            "--arch",
+            "sm_100a",
+            "--preset",
+            "default",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return out, proc.stdout

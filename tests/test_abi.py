@@ -5,6 +5,7 @@ records the kernel parameters of a launch.  For tensors of random shapes and str
 kernel must receive exactly their data pointers, dynamic extents (int32) and dynamic strides
 (int64), in ABI order; the stream must pass through.
 """
+
 import json
 import os
 import shutil
@@ -96,8 +97,13 @@ def test_kernel_params_match_tensors(stub_lib, aot_cache):
     # Load from the prebuilt cache: a process that imports the DSL binds the modules' CUDA
     # runtime symbols to the DSL's own runtime instead of the stub.
     env = dict(os.environ, CUTE_ATTN_CUDART=str(stub_lib), CUTE_ATTN_CACHE_DIR=str(aot_cache[0]))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(stub_lib), str(int.from_bytes(os.urandom(4), "little"))],
-                          capture_output=True, text=True, env=env, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(stub_lib), str(int.from_bytes(os.urandom(4), "little"))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["checked"] > 0

@@ -1,4 +1,5 @@
 """Module cache: key stability, atomic publish, corrupt entries, concurrent builds (CPU only)."""
+
 import json
 import multiprocessing as mp
 import os
@@ -25,9 +26,14 @@ def test_key_is_stable_and_order_independent():
     b = Spec.make("merge_states", "sm_90a", head_dim=128, dtype="bf16")
     assert a.key == b.key
     # Same key in a fresh interpreter (no dependence on hash seeds or import order).
-    code = "from cute_attn.runtime.spec import Spec; print(Spec.make('merge_states','sm_90a',head_dim=128,dtype='bf16').key)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env=dict(os.environ, PYTHONHASHSEED="123")).stdout.strip()
+    code = "from cute_attn.runtime.spec import Spec; print(Spec.make('merge_states','sm_90a',head_dim=128,dtype='bf16').key)"  # noqa: E501
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ, PYTHONHASHSEED="123"),
+    ).stdout.strip()
     assert out == a.key
 
 
@@ -59,6 +65,7 @@ def _fake_build(payload: bytes):
         (tmp / "module.so").write_bytes(payload)
         (tmp / "kernel.ptx").write_text("ptx")
         return {"build_id": uuid.uuid4().hex, "dsl_version": cache.installed_dsl_version()}
+
     return build
 
 
@@ -109,6 +116,7 @@ def test_corrupt_entry_is_detected_and_replaced(tmp_cache, damage):
 
 def test_stale_dsl_version_is_rebuilt_only_with_dsl(tmp_cache, monkeypatch):
     s = _spec()
+
     def old_build(tmp):
         (tmp / "module.so").write_bytes(b"x")
         return {"dsl_version": "0.0.1"}
@@ -151,13 +159,19 @@ def test_concurrent_publish_builds_once(tmp_cache):
 def test_concurrent_compile_from_two_processes(tmp_cache):
     """Two processes compile the same spec at once: one compiles, both load one valid entry."""
     spec_text = "merge_states:dtype=f16,head_dim=64,load_batch=4"
-    code = ("import json,sys; from cute_attn.runtime.build import build; from cute_attn.runtime.spec import Spec;"
-            f"e=build(Spec.parse('{spec_text}','sm_90a')); print(json.dumps([e.meta['created'], e.meta['files']]))")
+    code = (
+        "import json,sys; from cute_attn.runtime.build import build; from cute_attn.runtime.spec import Spec;"
+        f"e=build(Spec.parse('{spec_text}','sm_90a')); print(json.dumps([e.meta['created'], e.meta['files']]))"
+    )
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (o, e) in zip(procs, outs):
+    for p, (_o, e) in zip(procs, outs):
         assert p.returncode == 0, e
     metas = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
     assert metas[0] == metas[1]
@@ -201,7 +215,11 @@ def test_instruction_checks_match_and_count():
 
     batched = "WARPGROUP.ARRIVE\n" + "HGMMA.64x112x16\n" * 8 + "WARPGROUP.ARRIVE\n" + "HGMMA.64x128x16\n" * 7
     serialized = "WARPGROUP.ARRIVE\nHGMMA.64x112x16\n" * 15
-    expect = {"wgmma": r"ptx:wgmma\.mma_async", "hgmma": r"sass:HGMMA\.64x", "async": r"sass%HGMMA/WARPGROUP\.ARRIVE>=3"}
+    expect = {
+        "wgmma": r"ptx:wgmma\.mma_async",
+        "hgmma": r"sass:HGMMA\.64x",
+        "async": r"sass%HGMMA/WARPGROUP\.ARRIVE>=3",
+    }
     assert check_instructions(expect, "wgmma.mma_async.sync", batched) == {"wgmma": True, "hgmma": True, "async": True}
     assert check_instructions(expect, "mma.sync", serialized) == {"wgmma": False, "hgmma": True, "async": False}
     assert check_instructions(expect, "wgmma.mma_async", None) == {"wgmma": True, "hgmma": None, "async": None}

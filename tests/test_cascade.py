@@ -15,13 +15,14 @@ CPU tests (run in CI): the wrapper's wiring with the prefill kernels emulated
 merge done by the reference ⊕: which kernel each level gets, causal at the last level only,
 the merged output; and the argument errors.
 """
+
 import random
 
 import pytest
 import torch
+from test_prefill_gpu import DTYPES, _cpu_ws, _cumsum, _fake_cuda, _gen, check, emu, make_paged  # noqa: F401
 
 from cute_attn.testing import merge_state_reference, paged_reference, ragged_reference
-from test_prefill_gpu import DTYPES, _cpu_ws, _cumsum, _fake_cuda, _gen, check, emu, make_paged  # noqa: F401
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -33,18 +34,24 @@ def make_cascade(groups, seg_lens, qo_lens, page_size, hq, hk, d, dtype, layout,
     ``[(first, stop), ...]`` covering every request; ``seg_lens[l][g]``: that group's kv tokens.
     Returns (q, cache, per-level plan arrays, (k_cat, v_cat, kv token indptr) per request)."""
     segs = [n for lens in seg_lens for n in lens]
-    cache, indptr, indices, last, (k_rag, v_rag), kv_tok = make_paged(segs, page_size, hk, d, dtype, layout,
-                                                                      single_tensor, gen, device, spare=2)
+    cache, indptr, indices, last, (k_rag, v_rag), kv_tok = make_paged(
+        segs, page_size, hk, d, dtype, layout, single_tensor, gen, device, spare=2
+    )
     q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(dtype).to(device)
     qo_cum = _cumsum(qo_lens)
     levels, seg0 = [], 0
     per_req = [[] for _ in qo_lens]  # (start, stop) tokens of each request's segments, level order
-    for lvl, rng in enumerate(groups):
+    for _lvl, rng in enumerate(groups):
         ng = len(rng)
         p0, p1 = int(indptr[seg0]), int(indptr[seg0 + ng])
-        levels.append(dict(qo=torch.tensor([qo_cum[a] for a, _ in rng] + [qo_cum[rng[-1][1]]], dtype=torch.int32),
-                           indptr=indptr[seg0:seg0 + ng + 1] - p0, indices=indices[p0:p1].clone(),
-                           last=last[seg0:seg0 + ng].clone()))
+        levels.append(
+            dict(
+                qo=torch.tensor([qo_cum[a] for a, _ in rng] + [qo_cum[rng[-1][1]]], dtype=torch.int32),
+                indptr=indptr[seg0 : seg0 + ng + 1] - p0,
+                indices=indices[p0:p1].clone(),
+                last=last[seg0 : seg0 + ng].clone(),
+            )
+        )
         for g, (a, b) in enumerate(rng):
             for r in range(a, b):
                 per_req[r].append((int(kv_tok[seg0 + g]), int(kv_tok[seg0 + g + 1])))
@@ -56,28 +63,53 @@ def make_cascade(groups, seg_lens, qo_lens, page_size, hq, hk, d, dtype, layout,
 
 
 def plan_args(levels):
-    return ([lv["qo"] for lv in levels], [lv["indptr"] for lv in levels], [lv["indices"] for lv in levels],
-            [lv["last"] for lv in levels])
+    return (
+        [lv["qo"] for lv in levels],
+        [lv["indptr"] for lv in levels],
+        [lv["indices"] for lv in levels],
+        [lv["last"] for lv in levels],
+    )
 
 
-def run_cascade(groups, seg_lens, qo_lens, page_size, hq, hk, d, dtype, *, causal=False, layout="NHD",
-                soft_cap=None, device=DEV, workspace=None, seed=None, single_tensor=False, sinks=False, **plan_kw):
+def run_cascade(
+    groups,
+    seg_lens,
+    qo_lens,
+    page_size,
+    hq,
+    hk,
+    d,
+    dtype,
+    *,
+    causal=False,
+    layout="NHD",
+    soft_cap=None,
+    device=DEV,
+    workspace=None,
+    seed=None,
+    single_tensor=False,
+    sinks=False,
+    **plan_kw,
+):
     from cute_attn import MultiLevelCascadeAttentionWrapper
 
     gen = _gen(seed)
-    q, cache, levels, (k_cat, v_cat, cat_tok) = make_cascade(groups, seg_lens, qo_lens, page_size, hq, hk, d, dtype,
-                                                             layout, gen, device, single_tensor)
+    q, cache, levels, (k_cat, v_cat, cat_tok) = make_cascade(
+        groups, seg_lens, qo_lens, page_size, hq, hk, d, dtype, layout, gen, device, single_tensor
+    )
     ws = workspace if workspace is not None else torch.empty(256 << 20, dtype=torch.uint8, device=device)
     w = MultiLevelCascadeAttentionWrapper(len(groups), ws, layout)
-    w.plan(*plan_args(levels), hq, hk, d, page_size, causal=causal, logits_soft_cap=soft_cap, q_data_type=dtype,
-           **plan_kw)
+    w.plan(
+        *plan_args(levels), hq, hk, d, page_size, causal=causal, logits_soft_cap=soft_cap, q_data_type=dtype, **plan_kw
+    )
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], hq), float("nan"), device=device)
     sink = torch.randn(hq, generator=gen).to(device) if sinks else None
     got = w.run(q, cache, out=out, lse=lse, return_lse=True, sinks=sink)
     assert got[0] is out and got[1] is lse
-    ref_o, ref_lse = ragged_reference(q, k_cat, v_cat, torch.tensor(_cumsum(qo_lens)), cat_tok, causal=causal,
-                                      logits_soft_cap=soft_cap)
+    ref_o, ref_lse = ragged_reference(
+        q, k_cat, v_cat, torch.tensor(_cumsum(qo_lens)), cat_tok, causal=causal, logits_soft_cap=soft_cap
+    )
     if sinks:  # the sink joins each row's denominator once: o * l / (l + e^sink), lse ⊕ sink
         s2 = (sink.float() * LOG2E).view(1, hq).expand_as(ref_lse).to(ref_lse)
         new = torch.logaddexp2(ref_lse, s2)
@@ -93,8 +125,10 @@ def _two_level(batch, prefix, unique):
 
 def _three_level(batch, prefix, mid, unique):
     h = batch // 2
-    return ([[(0, batch)], [(0, h), (h, batch)], [(r, r + 1) for r in range(batch)]],
-            [[prefix], list(mid), list(unique)])
+    return (
+        [[(0, batch)], [(0, h), (h, batch)], [(r, r + 1) for r in range(batch)]],
+        [[prefix], list(mid), list(unique)],
+    )
 
 
 # =========================================================================== GPU tests
@@ -111,8 +145,9 @@ def test_two_level_decode(dtype, page_size, layout, decode_kernel):
     rng = random.Random()
     batch = 12
     groups, segs = _two_level(batch, 1000 + rng.randrange(200), [rng.randrange(1, 300) for _ in range(batch)])
-    w = run_cascade(groups, segs, [1] * batch, page_size, 32, 8, 128, DTYPES[dtype], layout=layout,
-                    decode_kernel=decode_kernel)[0]
+    w = run_cascade(
+        groups, segs, [1] * batch, page_size, 32, 8, 128, DTYPES[dtype], layout=layout, decode_kernel=decode_kernel
+    )[0]
     assert w._kind == ["prefill", "prefill" if decode_kernel is False else "decode"]
 
 
@@ -152,8 +187,7 @@ def test_soft_cap(causal):
     rng = random.Random()
     batch = 5
     groups, segs = _two_level(batch, 700, [20 + rng.randrange(0, 200) for _ in range(batch)])
-    run_cascade(groups, segs, [20] * batch, 16, 16, 4, 128, torch.bfloat16, causal=causal, soft_cap=30.0,
-                kv_pass=True)
+    run_cascade(groups, segs, [20] * batch, 16, 16, 4, 128, torch.bfloat16, causal=causal, soft_cap=30.0, kv_pass=True)
 
 
 @gpu
@@ -185,23 +219,36 @@ def test_cuda_graph_replay_new_plan():
 
     batch, hq, hk, d, ps, dtype = 8, 32, 8, 128, 16, torch.bfloat16
     max_pages = [[128], [64] * batch]
-    bufs = [[torch.zeros(len(m) + 1, dtype=torch.int32, device=DEV) for m in max_pages],
-            [torch.zeros(len(m) + 1, dtype=torch.int32, device=DEV) for m in max_pages],
-            [torch.zeros(sum(m), dtype=torch.int32, device=DEV) for m in max_pages],
-            [torch.zeros(len(m), dtype=torch.int32, device=DEV) for m in max_pages]]
+    bufs = [
+        [torch.zeros(len(m) + 1, dtype=torch.int32, device=DEV) for m in max_pages],
+        [torch.zeros(len(m) + 1, dtype=torch.int32, device=DEV) for m in max_pages],
+        [torch.zeros(sum(m), dtype=torch.int32, device=DEV) for m in max_pages],
+        [torch.zeros(len(m), dtype=torch.int32, device=DEV) for m in max_pages],
+    ]
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
-    w = MultiLevelCascadeAttentionWrapper(2, ws, "NHD", use_cuda_graph=True, qo_indptr_buf_arr=bufs[0],
-                                          paged_kv_indptr_buf_arr=bufs[1], paged_kv_indices_buf_arr=bufs[2],
-                                          paged_kv_last_page_len_buf_arr=bufs[3])
+    w = MultiLevelCascadeAttentionWrapper(
+        2,
+        ws,
+        "NHD",
+        use_cuda_graph=True,
+        qo_indptr_buf_arr=bufs[0],
+        paged_kv_indptr_buf_arr=bufs[1],
+        paged_kv_indices_buf_arr=bufs[2],
+        paged_kv_last_page_len_buf_arr=bufs[3],
+    )
     gen = _gen()
     out = lse = graph = q = kv = None
     # the third plan has 6 requests: q stays at the captured 8 rows, rows 6-7 are ignored
-    for prefix, unique in [(900, [5, 300, 17, 1, 64, 99, 250, 8]),
-                           (130, [1000, 2, 3, 700, 1, 1, 40, 512]), (2000, [33, 1, 900, 17, 4, 600])]:
+    for prefix, unique in [
+        (900, [5, 300, 17, 1, 64, 99, 250, 8]),
+        (130, [1000, 2, 3, 700, 1, 1, 40, 512]),
+        (2000, [33, 1, 900, 17, 4, 600]),
+    ]:
         b = len(unique)
         groups, segs = _two_level(b, prefix, unique)
-        q_new, cache, levels, (k_cat, v_cat, cat_tok) = make_cascade(groups, segs, [1] * b, ps, hq, hk, d, dtype,
-                                                                     "NHD", gen, DEV)
+        q_new, cache, levels, (k_cat, v_cat, cat_tok) = make_cascade(
+            groups, segs, [1] * b, ps, hq, hk, d, dtype, "NHD", gen, DEV
+        )
         w.plan(*plan_args(levels), hq, hk, d, ps, q_data_type=dtype)
         if graph is None:
             q = q_new.clone()
@@ -210,7 +257,7 @@ def test_cuda_graph_replay_new_plan():
             q[:b].copy_(q_new)
         for dst, src in zip(kv, cache):  # the captured cache: this plan's pages first, NaN past them
             dst.fill_(float("nan"))
-            dst[:src.shape[0]].copy_(src)
+            dst[: src.shape[0]].copy_(src)
         if graph is None:
             out = torch.full_like(q, float("nan"))
             lse = torch.full((q.shape[0], hq), float("nan"), device=DEV)
@@ -248,8 +295,9 @@ class _RefDecode:
 
     def run(self, q, cache, *args, out=None, lse=None, return_lse=False, sinks=None):
         indptr, indices, last, kw = self.args
-        o, s = paged_reference(q, cache, None, indptr, indices, last, kv_layout=self.layout,
-                               logits_soft_cap=kw.get("logits_soft_cap"))
+        o, s = paged_reference(
+            q, cache, None, indptr, indices, last, kv_layout=self.layout, logits_soft_cap=kw.get("logits_soft_cap")
+        )
         out = torch.empty_like(q) if out is None else out
         lse = torch.empty(q.shape[:2]) if lse is None else lse
         out.copy_(o.to(out.dtype))
@@ -265,8 +313,12 @@ def emu_cascade(emu, monkeypatch):
     merges = []
 
     def merge_in_place(v, s, v_o, s_o, mask=None):
-        o, l = merge_state_reference(v.as_subclass(torch.Tensor), s.as_subclass(torch.Tensor),
-                                     v_o.as_subclass(torch.Tensor), s_o.as_subclass(torch.Tensor))
+        o, l = merge_state_reference(
+            v.as_subclass(torch.Tensor),
+            s.as_subclass(torch.Tensor),
+            v_o.as_subclass(torch.Tensor),
+            s_o.as_subclass(torch.Tensor),
+        )
         v.copy_(o.to(v.dtype))
         s.copy_(l)
         merges.append(1)
@@ -284,8 +336,9 @@ def test_cpu_cascade_wiring(emu_cascade, causal):
     batch = 4
     qo = [1, 3, 2, 5]
     groups, segs = _three_level(batch, 300, [40, 0], [9, 30, 2, 64])
-    _, _, levels = run_cascade(groups, segs, qo, 16, 8, 2, 64, torch.bfloat16, causal=causal, device="cpu",
-                               workspace=_cpu_ws(96), seed=5)[1]
+    _, _, levels = run_cascade(
+        groups, segs, qo, 16, 8, 2, 64, torch.bfloat16, causal=causal, device="cpu", workspace=_cpu_ws(96), seed=5
+    )[1]
     prefill = [p for f, p in emu_cascade.calls if f == "batch_prefill_sm90"]
     assert len(prefill) == 3 and len(emu_cascade.merges) == 2
     # causal reaches the last level only (the queries follow every shared prefix)
@@ -299,8 +352,22 @@ def test_cpu_cascade_decode_level(emu_cascade, decode_kernel):
     decode_kernel=False); the shared level (one request owning all queries) stays on prefill."""
     batch = 5
     groups, segs = _two_level(batch, 200, [3, 17, 1, 40, 9])
-    run_cascade(groups, segs, [1] * batch, 16, 8, 2, 64, torch.bfloat16, causal=True, soft_cap=20.0, device="cpu",
-                workspace=_cpu_ws(96), seed=6, decode_kernel=decode_kernel)
+    run_cascade(
+        groups,
+        segs,
+        [1] * batch,
+        16,
+        8,
+        2,
+        64,
+        torch.bfloat16,
+        causal=True,
+        soft_cap=20.0,
+        device="cpu",
+        workspace=_cpu_ws(96),
+        seed=6,
+        decode_kernel=decode_kernel,
+    )
     prefill = [p for f, p in emu_cascade.calls if f == "batch_prefill_sm90"]
     if decode_kernel is False:
         assert not _RefDecode.made and len(prefill) == 2
@@ -325,8 +392,9 @@ def test_cpu_cascade_errors(emu_cascade):
     with pytest.raises(ValueError, match="one entry per level"):
         w.plan(qo[:1], ind, idx, last, 4, 4, 64, 16, q_data_type=torch.float16)
     with pytest.raises(ValueError, match="same number of query rows"):
-        w.plan([qo[0], torch.tensor([0, 1, 2], dtype=torch.int32)], ind, idx, last, 4, 4, 64, 16,
-               q_data_type=torch.float16)
+        w.plan(
+            [qo[0], torch.tensor([0, 1, 2], dtype=torch.int32)], ind, idx, last, 4, 4, 64, 16, q_data_type=torch.float16
+        )
     for v in (FlashSigmoid(), AttentionSink()):
         with pytest.raises(NotImplementedError, match="does not merge"):
             w.plan(qo, ind, idx, last, 4, 4, 64, 16, q_data_type=torch.float16, variant=v)
@@ -339,14 +407,21 @@ def test_cpu_cascade_errors(emu_cascade):
     # CUDA-graph mode: a level planned on the decode kernel stays there
     bufs = [[torch.zeros(n, dtype=torch.int32) for n in sizes] for sizes in ([2, 4], [2, 4], [64, 64], [1, 3])]
     bufs = [[_fake_cuda(t) for t in arr] for arr in bufs]
-    g = MultiLevelCascadeAttentionWrapper(2, _cpu_ws(64), use_cuda_graph=True, qo_indptr_buf_arr=bufs[0],
-                                          paged_kv_indptr_buf_arr=bufs[1], paged_kv_indices_buf_arr=bufs[2],
-                                          paged_kv_last_page_len_buf_arr=bufs[3])
+    g = MultiLevelCascadeAttentionWrapper(
+        2,
+        _cpu_ws(64),
+        use_cuda_graph=True,
+        qo_indptr_buf_arr=bufs[0],
+        paged_kv_indptr_buf_arr=bufs[1],
+        paged_kv_indices_buf_arr=bufs[2],
+        paged_kv_last_page_len_buf_arr=bufs[3],
+    )
     g.plan(qo, ind, idx, last, 4, 4, 64, 16, q_data_type=torch.float16)
     assert g._kind == ["prefill", "decode"]
     with pytest.raises(ValueError, match="decode kernel since the first plan"):
-        g.plan([torch.tensor([0, 4]), torch.tensor([0, 1, 2, 4])], ind, idx, last, 4, 4, 64, 16,
-               q_data_type=torch.float16)
+        g.plan(
+            [torch.tensor([0, 4]), torch.tensor([0, 1, 2, 4])], ind, idx, last, 4, 4, 64, 16, q_data_type=torch.float16
+        )
     small = MultiLevelCascadeAttentionWrapper(2, _cpu_ws(1))  # 512 KB per level
     with pytest.raises(ValueError, match="cascade level 0"):
         small.plan(qo, ind, idx, last, 4, 4, 64, 16, q_data_type=torch.float16)
@@ -356,9 +431,16 @@ def test_flashinfer_names():
     import cute_attn
     import cute_attn.cascade as C
 
-    for name in ("MultiLevelCascadeAttentionWrapper", "BatchPrefillWithPagedKVCacheWrapper",
-                 "BatchPrefillWithRaggedKVCacheWrapper", "BatchDecodeWithPagedKVCacheWrapper",
-                 "single_prefill_with_kv_cache", "single_decode_with_kv_cache", "merge_state",
-                 "merge_state_in_place", "merge_states"):
+    for name in (
+        "MultiLevelCascadeAttentionWrapper",
+        "BatchPrefillWithPagedKVCacheWrapper",
+        "BatchPrefillWithRaggedKVCacheWrapper",
+        "BatchDecodeWithPagedKVCacheWrapper",
+        "single_prefill_with_kv_cache",
+        "single_decode_with_kv_cache",
+        "merge_state",
+        "merge_state_in_place",
+        "merge_states",
+    ):
         assert getattr(cute_attn, name) is not None, name
     assert C.merge_state is cute_attn.merge_state and C.merge_states is cute_attn.merge_states

@@ -1,13 +1,14 @@
 """Every kernel of the default preset compiles for sm_90a and sm_100a without a GPU, and its
 PTX/SASS holds the instructions its family promises (CI runs this on a CPU machine)."""
+
 import subprocess
 import sys
 
 import pytest
 
 from cute_attn.presets import preset_specs
-from cute_attn.runtime.cache import lookup
 from cute_attn.runtime.build import find_tool
+from cute_attn.runtime.cache import lookup
 
 pytestmark = pytest.mark.compile
 
@@ -33,7 +34,11 @@ def test_recompile_is_a_cache_hit(aot_cache):
     root, _ = aot_cache
     spec = preset_specs("smoke", "sm_90a")[0]
     before = lookup(spec, root).meta["created"]
-    proc = subprocess.run([sys.executable, "-m", "cute_attn", "compile", "--arch", "sm_90a", "--spec", spec.cli(),
-                           "--out", str(root)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cute_attn", "compile", "--arch", "sm_90a", "--spec", spec.cli(), "--out", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     assert lookup(spec, root).meta["created"] == before

@@ -6,7 +6,7 @@ Tolerances: relative L2 error of the output vs the fp32 reference (inputs in the
 bf16 2e-2, fp16 4e-3 (the kernel rounds P to the input dtype for the PV product, as FlashInfer
 and FA do); LSE (base 2) absolute 2e-3 where finite, and -inf exactly where the reference has it.
 """
-import math
+
 import random
 
 import pytest
@@ -28,12 +28,12 @@ def make_paged(kv_lens, page_size, hk, d, dtype, layout, single_tensor, gen):
     indptr = [0]
     for p in pages_per:
         indptr.append(indptr[-1] + p)
-    indices = perm[:indptr[-1]].to(torch.int32)
+    indices = perm[: indptr[-1]].to(torch.int32)
     last = [(n - (p - 1) * page_size) if p else 0 for n, p in zip(kv_lens, pages_per)]
     shape = (total, page_size, hk, d) if layout == "NHD" else (total, hk, page_size, d)
     k = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
     v = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-    for b, n in enumerate(kv_lens):
+    for b, _n in enumerate(kv_lens):
         for t in range(pages_per[b]):
             fill = page_size if t < pages_per[b] - 1 else last[b]
             pg = int(indices[indptr[b] + t])
@@ -60,22 +60,46 @@ def check(out, lse, ref_o, ref_lse, dtype):
     assert (out[~fin] == 0).all()
 
 
-def run_case(batch, kv_lens, page_size, hq, hk, d, dtype, layout="NHD", single_tensor=False, soft_cap=None,
-             window_left=-1, seed=None, heads_per_item=None):
+def run_case(
+    batch,
+    kv_lens,
+    page_size,
+    hq,
+    hk,
+    d,
+    dtype,
+    layout="NHD",
+    single_tensor=False,
+    soft_cap=None,
+    window_left=-1,
+    seed=None,
+    heads_per_item=None,
+):
     gen = torch.Generator().manual_seed(seed if seed is not None else random.randrange(1 << 30))
     cache, indptr, indices, last = make_paged(kv_lens, page_size, hk, d, dtype, layout, single_tensor, gen)
     q = torch.randn(batch, hq, d, generator=gen).to(dtype).cuda()
-    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
-                                           kv_layout=layout)
-    w.plan(indptr, indices, last, hq, hk, d, page_size, q_data_type=dtype, logits_soft_cap=soft_cap,
-           window_left=window_left, heads_per_item=heads_per_item)
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), kv_layout=layout)
+    w.plan(
+        indptr,
+        indices,
+        last,
+        hq,
+        hk,
+        d,
+        page_size,
+        q_data_type=dtype,
+        logits_soft_cap=soft_cap,
+        window_left=window_left,
+        heads_per_item=heads_per_item,
+    )
     if heads_per_item is not None:
         assert w._hpi == heads_per_item
     out = torch.full_like(q, float("nan"))
     lse = torch.full((batch, hq), float("nan"), device="cuda")
     w.run(q, cache, out=out, lse=lse)
-    ref_o, ref_lse = paged_reference(q, cache, None, indptr, indices, last, kv_layout=layout,
-                                     logits_soft_cap=soft_cap, window_left=window_left)
+    ref_o, ref_lse = paged_reference(
+        q, cache, None, indptr, indices, last, kv_layout=layout, logits_soft_cap=soft_cap, window_left=window_left
+    )
     check(out, lse, ref_o, ref_lse, dtype)
     return w, q, cache, out, lse
 
@@ -121,14 +145,19 @@ def test_decode_batch_256():
     run_case(256, kv, 16, 32, 8, 128, torch.bfloat16)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_properties(0).multi_processor_count > 134,
-                    reason="the packing thresholds below are for a 132-SM GPU")
-@pytest.mark.parametrize("lens,want", [
-    ((900, 1100, 256, 1100), 4),   # 512 packed items of about equal length: pack four heads
-    ((1800, 2200, 128, 2200), 2),  # four would leave fewer items than CTAs: two
-    ((3500, 4500, 64, 4500), 1),   # two would too: none
-    ((1, 1000, 256, 1600), 2),     # four heads of the longest request (~6400) exceed a CTA's share (~3900)
-])
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_properties(0).multi_processor_count > 134,
+    reason="the packing thresholds below are for a 132-SM GPU",
+)
+@pytest.mark.parametrize(
+    "lens,want",
+    [
+        ((900, 1100, 256, 1100), 4),  # 512 packed items of about equal length: pack four heads
+        ((1800, 2200, 128, 2200), 2),  # four would leave fewer items than CTAs: two
+        ((3500, 4500, 64, 4500), 1),  # two would too: none
+        ((1, 1000, 256, 1600), 2),  # four heads of the longest request (~6400) exceed a CTA's share (~3900)
+    ],
+)
 def test_decode_default_head_packing(lens, want):
     """The default rule (decode.MIN_PACKED_ITEMS_PER_CTA): pack while the items stay at least
     1.9 per CTA and none exceeds a CTA's fair share; outputs checked as everywhere."""
@@ -142,27 +171,29 @@ def test_decode_default_head_packing(lens, want):
 
 # Head packing: 2 or 4 kv heads per work item (kernels/decode.py), forced.  Each case mixes
 # empty, one-token, odd, page-straddling and long (split across CTAs) requests.
-@pytest.mark.parametrize("h,hq,hk,d,dtype,page_size,layout,soft_cap,window", [
-    (4, 32, 8, 128, torch.bfloat16, 16, "NHD", None, -1),
-    (4, 32, 8, 128, torch.float16, 1, "HND", None, -1),
-    (4, 8, 8, 64, torch.float16, 16, "HND", None, -1),      # group 1: 4 of the tile's 16 rows used
-    (4, 16, 4, 256, torch.bfloat16, 64, "NHD", None, -1),
-    (4, 64, 16, 64, torch.bfloat16, 128, "NHD", None, -1),
-    (2, 64, 8, 128, torch.bfloat16, 16, "NHD", None, -1),    # group 8: the tile is full
-    (2, 16, 8, 256, torch.float16, 1, "NHD", None, -1),
-    (2, 24, 4, 64, torch.bfloat16, 16, "HND", None, -1),     # group 6: 12 rows
-    (2, 10, 2, 128, torch.float16, 64, "NHD", None, -1),     # group 5
-    (4, 32, 8, 128, torch.bfloat16, 16, "NHD", 30.0, -1),    # the shipped packed variants
-    (4, 32, 8, 64, torch.float16, 1, "HND", None, 100),
-    (2, 64, 8, 256, torch.bfloat16, 16, "NHD", 50.0, 7),
-    (2, 16, 8, 128, torch.float16, 16, "NHD", None, 0),
-])
+@pytest.mark.parametrize(
+    "h,hq,hk,d,dtype,page_size,layout,soft_cap,window",
+    [
+        (4, 32, 8, 128, torch.bfloat16, 16, "NHD", None, -1),
+        (4, 32, 8, 128, torch.float16, 1, "HND", None, -1),
+        (4, 8, 8, 64, torch.float16, 16, "HND", None, -1),  # group 1: 4 of the tile's 16 rows used
+        (4, 16, 4, 256, torch.bfloat16, 64, "NHD", None, -1),
+        (4, 64, 16, 64, torch.bfloat16, 128, "NHD", None, -1),
+        (2, 64, 8, 128, torch.bfloat16, 16, "NHD", None, -1),  # group 8: the tile is full
+        (2, 16, 8, 256, torch.float16, 1, "NHD", None, -1),
+        (2, 24, 4, 64, torch.bfloat16, 16, "HND", None, -1),  # group 6: 12 rows
+        (2, 10, 2, 128, torch.float16, 64, "NHD", None, -1),  # group 5
+        (4, 32, 8, 128, torch.bfloat16, 16, "NHD", 30.0, -1),  # the shipped packed variants
+        (4, 32, 8, 64, torch.float16, 1, "HND", None, 100),
+        (2, 64, 8, 256, torch.bfloat16, 16, "NHD", 50.0, 7),
+        (2, 16, 8, 128, torch.float16, 16, "NHD", None, 0),
+    ],
+)
 def test_decode_head_packing(h, hq, hk, d, dtype, page_size, layout, soft_cap, window):
     rng = random.Random()
     kv = [0, 1, 17, 300, 64, 129, 5, 2048 + rng.randrange(64), 1000 + rng.randrange(64), 33000]
     rng.shuffle(kv)
-    run_case(len(kv), kv, page_size, hq, hk, d, dtype, layout, soft_cap=soft_cap, window_left=window,
-             heads_per_item=h)
+    run_case(len(kv), kv, page_size, hq, hk, d, dtype, layout, soft_cap=soft_cap, window_left=window, heads_per_item=h)
 
 
 @pytest.mark.parametrize("h", [1, 2, 4])
@@ -180,8 +211,18 @@ def test_decode_head_packing_errors():
     with pytest.raises(ValueError, match="heads_per_item=3"):
         w.plan(indptr, indices, last, 8, 2, 128, 16, q_data_type=torch.bfloat16, heads_per_item=3)
     with pytest.raises(ValueError, match="without query/key transforms"):
-        w.plan(indptr, indices, last, 8, 2, 128, 16, q_data_type=torch.bfloat16, pos_encoding_mode="ROPE_LLAMA",
-               heads_per_item=2)
+        w.plan(
+            indptr,
+            indices,
+            last,
+            8,
+            2,
+            128,
+            16,
+            q_data_type=torch.bfloat16,
+            pos_encoding_mode="ROPE_LLAMA",
+            heads_per_item=2,
+        )
     with pytest.raises(ValueError, match="h \\* group"):
         w.plan(indptr, indices, last, 32, 2, 128, 16, q_data_type=torch.bfloat16, heads_per_item=2)  # group 16
     with pytest.raises(ValueError, match="num_kv_heads"):
@@ -207,10 +248,13 @@ def test_cuda_graph_replay_with_new_plans(h):
     indptr_buf = torch.zeros(max_b + 1, dtype=torch.int32, device="cuda")
     indices_buf = torch.zeros(max_pages, dtype=torch.int32, device="cuda")
     last_buf = torch.zeros(max_b, dtype=torch.int32, device="cuda")
-    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
-                                           use_cuda_graph=True, paged_kv_indptr_buffer=indptr_buf,
-                                           paged_kv_indices_buffer=indices_buf,
-                                           paged_kv_last_page_len_buffer=last_buf)
+    w = BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
+        use_cuda_graph=True,
+        paged_kv_indptr_buffer=indptr_buf,
+        paged_kv_indices_buffer=indices_buf,
+        paged_kv_last_page_len_buffer=last_buf,
+    )
     k = torch.randn(max_pages, ps, hk, d, generator=gen).to(torch.bfloat16).cuda()
     v = torch.randn(max_pages, ps, hk, d, generator=gen).to(torch.bfloat16).cuda()
     q = torch.randn(max_b, hq, d, generator=gen).to(torch.bfloat16).cuda()
@@ -219,7 +263,7 @@ def test_cuda_graph_replay_with_new_plans(h):
     def plan(kv_lens, h=later):
         pages = [(n + ps - 1) // ps for n in kv_lens]
         indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0)), dtype=torch.int32)
-        indices = torch.randperm(max_pages, generator=gen)[:int(indptr[-1])].to(torch.int32)
+        indices = torch.randperm(max_pages, generator=gen)[: int(indptr[-1])].to(torch.int32)
         last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv_lens, pages)], dtype=torch.int32)
         w.plan(indptr, indices, last, hq, hk, d, ps, q_data_type=torch.bfloat16, heads_per_item=h)
         return indptr, indices, last

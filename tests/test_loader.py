@@ -1,4 +1,5 @@
 """Loader: argument packing, error messages, arch detection (CPU only)."""
+
 import ctypes
 import struct
 
@@ -23,17 +24,21 @@ def test_struct_format_matches_c_layout(nshape, nstride):
     if nstride:
         fields.append(("strides", ctypes.c_int64 * nstride))
     C = type("C", (ctypes.Structure,), {"_fields_": fields})
-    arg = abi.TensorArg("t", "f32", (None,) * nshape + (4,) * (4 - nshape) if nshape < 4 else (None,) * 4,
-                        (None,) * nstride + (1,) * (4 - nstride) if nstride < 4 else (None,) * 4)
+    arg = abi.TensorArg(
+        "t",
+        "f32",
+        (None,) * nshape + (4,) * (4 - nshape) if nshape < 4 else (None,) * 4,
+        (None,) * nstride + (1,) * (4 - nstride) if nstride < 4 else (None,) * 4,
+    )
     fmt = "=" + abi.struct_format(arg)
     assert struct.calcsize(fmt) == ctypes.sizeof(C)
     vals = [0x1234] + list(range(1, nshape + 1)) + list(range(100, 100 + nstride))
     c = C.from_buffer_copy(struct.pack(fmt, *vals))
     assert c.data == 0x1234
     if nshape:
-        assert list(c.shapes) == vals[1:1 + nshape]
+        assert list(c.shapes) == vals[1 : 1 + nshape]
     if nstride:
-        assert list(c.strides) == vals[1 + nshape:]
+        assert list(c.strides) == vals[1 + nshape :]
 
 
 def test_parse_header_sample():
@@ -60,7 +65,11 @@ static inline int32_t cute_dsl_p_wrapper(p_Kernel_Module_t *module, p_Tensor_mA_
 """
     h = abi.parse_header(text)
     assert (h.init_symbol, h.load_symbol, h.launch_symbol, h.num_args) == (
-        "_mlir_p_cuda_init", "_mlir_p_cuda_load_to_device", "_mlir_p__mlir_ciface_fn", 4)
+        "_mlir_p_cuda_init",
+        "_mlir_p_cuda_load_to_device",
+        "_mlir_p__mlir_ciface_fn",
+        4,
+    )
     assert h.tensor_structs == (("p_Tensor_mA", 2, 1), ("p_Tensor_mB", 0, 0))
     args = [abi.TensorArg("mA", "f32", (None, None, 8), (None, 8, 1)), abi.TensorArg("mB", "f32", (4,), (1,))]
     abi.check_header(h, args, "p")
@@ -104,8 +113,9 @@ def test_build_without_dsl_is_a_clear_error(tmp_cache, monkeypatch):
         build.build(Spec.make("merge_states", "sm_90a", dtype="bf16", head_dim=128))
 
 
-@pytest.mark.parametrize("cap,expect", [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((8, 0), None), ((9, 1), None),
-                                        ((12, 0), None)])
+@pytest.mark.parametrize(
+    "cap,expect", [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((8, 0), None), ((9, 1), None), ((12, 0), None)]
+)
 def test_arch_detection(monkeypatch, cap, expect):
     arch.arch_of_index.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: cap)

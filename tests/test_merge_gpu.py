@@ -5,6 +5,7 @@ NaN so an unwritten element fails.  Tolerances: relative L2 error of v against t
 reference (the kernel accumulates in fp32 and stores the value dtype):
 f32 1e-5, f16 2e-3, bf16 1e-2; LSE (fp32) absolute 1e-4.
 """
+
 import pytest
 import torch
 

@@ -22,6 +22,7 @@ Tolerances (as the decode tests): relative L2 error of the output vs the fp32 re
 FA do); LSE (base 2) absolute 2e-3 where finite, and -inf exactly where the reference has it
 (with o = 0 there).
 """
+
 import math
 import random
 
@@ -72,7 +73,7 @@ def make_paged(kv_lens, page_size, hk, d, dtype, layout, single_tensor, gen, dev
     pages = [(n + ps - 1) // ps for n in kv_lens]
     total = sum(pages) + spare
     indptr = _cumsum(pages)
-    indices = torch.randperm(total, generator=gen)[:indptr[-1]].to(torch.int32)
+    indices = torch.randperm(total, generator=gen)[: indptr[-1]].to(torch.int32)
     tk = sum(kv_lens)
     k_rag = torch.randn(tk, hk, d, generator=gen).to(dtype)
     v_rag = torch.randn(tk, hk, d, generator=gen).to(dtype)
@@ -91,8 +92,7 @@ def make_paged(kv_lens, page_size, hk, d, dtype, layout, single_tensor, gen, dev
     cache = torch.stack([kc, vc], dim=1) if single_tensor else (kc, vc)
     last = torch.tensor([n - (p - 1) * ps if p else 0 for n, p in zip(kv_lens, pages)], dtype=torch.int32)
     kv_tok = torch.tensor(_cumsum(kv_lens), dtype=torch.int32)
-    return (cache, torch.tensor(indptr, dtype=torch.int32), indices, last,
-            (k_rag.to(device), v_rag.to(device)), kv_tok)
+    return (cache, torch.tensor(indptr, dtype=torch.int32), indices, last, (k_rag.to(device), v_rag.to(device)), kv_tok)
 
 
 def check(out, lse, ref_o, ref_lse, dtype, rows=None):
@@ -118,43 +118,102 @@ def _ws(device, mb=128):
     return torch.empty(mb << 20, dtype=torch.uint8, device=device)
 
 
-def run_ragged(qo_lens, kv_lens, hq, hk, d, dtype, *, causal=False, layout="NHD", soft_cap=None, window_left=-1,
-               device=None, workspace=None, seed=None, tail=0, **plan_kw):
+def run_ragged(
+    qo_lens,
+    kv_lens,
+    hq,
+    hk,
+    d,
+    dtype,
+    *,
+    causal=False,
+    layout="NHD",
+    soft_cap=None,
+    window_left=-1,
+    device=None,
+    workspace=None,
+    seed=None,
+    tail=0,
+    **plan_kw,
+):
     from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
 
     device = device or DEV
     gen = _gen(seed)
     q, k, v, qo, kv, (k_ref, v_ref) = make_ragged(qo_lens, kv_lens, hq, hk, d, dtype, layout, gen, device, tail)
     w = BatchPrefillWithRaggedKVCacheWrapper(workspace if workspace is not None else _ws(device), kv_layout=layout)
-    w.plan(qo, kv, hq, hk, d, causal=causal, q_data_type=dtype, logits_soft_cap=soft_cap, window_left=window_left,
-           **plan_kw)
+    w.plan(
+        qo,
+        kv,
+        hq,
+        hk,
+        d,
+        causal=causal,
+        q_data_type=dtype,
+        logits_soft_cap=soft_cap,
+        window_left=window_left,
+        **plan_kw,
+    )
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], hq), float("nan"), device=device)
     w.run(q, k, v, out=out, lse=lse)
-    ref_o, ref_lse = ragged_reference(q, k_ref, v_ref, qo, kv, causal=causal, logits_soft_cap=soft_cap,
-                                      window_left=window_left)
+    ref_o, ref_lse = ragged_reference(
+        q, k_ref, v_ref, qo, kv, causal=causal, logits_soft_cap=soft_cap, window_left=window_left
+    )
     check(out, lse, ref_o, ref_lse, dtype)
     return w, (q, k, v), out, lse
 
 
-def run_paged(qo_lens, kv_lens, page_size, hq, hk, d, dtype, *, causal=False, layout="NHD", single_tensor=False,
-              soft_cap=None, window_left=-1, device=None, workspace=None, seed=None, **plan_kw):
+def run_paged(
+    qo_lens,
+    kv_lens,
+    page_size,
+    hq,
+    hk,
+    d,
+    dtype,
+    *,
+    causal=False,
+    layout="NHD",
+    single_tensor=False,
+    soft_cap=None,
+    window_left=-1,
+    device=None,
+    workspace=None,
+    seed=None,
+    **plan_kw,
+):
     from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
 
     device = device or DEV
     gen = _gen(seed)
-    cache, indptr, indices, last, (k_ref, v_ref), kv_tok = make_paged(kv_lens, page_size, hk, d, dtype, layout,
-                                                                      single_tensor, gen, device)
+    cache, indptr, indices, last, (k_ref, v_ref), kv_tok = make_paged(
+        kv_lens, page_size, hk, d, dtype, layout, single_tensor, gen, device
+    )
     q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(dtype).to(device)
     qo = torch.tensor(_cumsum(qo_lens), dtype=torch.int32)
     w = BatchPrefillWithPagedKVCacheWrapper(workspace if workspace is not None else _ws(device), kv_layout=layout)
-    w.plan(qo, indptr, indices, last, hq, hk, d, page_size, causal=causal, q_data_type=dtype,
-           logits_soft_cap=soft_cap, window_left=window_left, **plan_kw)
+    w.plan(
+        qo,
+        indptr,
+        indices,
+        last,
+        hq,
+        hk,
+        d,
+        page_size,
+        causal=causal,
+        q_data_type=dtype,
+        logits_soft_cap=soft_cap,
+        window_left=window_left,
+        **plan_kw,
+    )
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], hq), float("nan"), device=device)
     w.run(q, cache, out=out, lse=lse)
-    ref_o, ref_lse = ragged_reference(q, k_ref, v_ref, qo, kv_tok, causal=causal, logits_soft_cap=soft_cap,
-                                      window_left=window_left)
+    ref_o, ref_lse = ragged_reference(
+        q, k_ref, v_ref, qo, kv_tok, causal=causal, logits_soft_cap=soft_cap, window_left=window_left
+    )
     check(out, lse, ref_o, ref_lse, dtype)
     return w, (q, cache), out, lse
 
@@ -189,8 +248,19 @@ def test_paged_pages_layouts(page_size, layout, single_tensor, causal):
     pinned off: at page 1 these lengths are near the KV pass's break-even)."""
     rng = random.Random()
     qo, kv = _append_lens(rng, 9, 700, 1500)
-    w = run_paged(qo, kv, page_size, 32, 8, 128, torch.bfloat16, causal=causal, layout=layout,
-                  single_tensor=single_tensor, kv_pass=False)[0]
+    w = run_paged(
+        qo,
+        kv,
+        page_size,
+        32,
+        8,
+        128,
+        torch.bfloat16,
+        causal=causal,
+        layout=layout,
+        single_tensor=single_tensor,
+        kv_pass=False,
+    )[0]
     assert w._gathered is None and w._spec_kw["paged"]
 
 
@@ -288,15 +358,17 @@ def test_softcap_all_logits_near_minus_cap(soft_cap):
     u = torch.randn(128, generator=gen).to(DEV)
     u = u / u.norm()
     k[:] = u.to(k.dtype)  # k_ref is a view of k
-    q[:] = (-40.0 * 128 ** 0.5 * u).to(q.dtype)  # q·k·sm_scale = -40 · 3 = -120 with sm_scale 3 / sqrt(128)
+    q[:] = (-40.0 * 128**0.5 * u).to(q.dtype)  # q·k·sm_scale = -40 · 3 = -120 with sm_scale 3 / sqrt(128)
     w = BatchPrefillWithRaggedKVCacheWrapper(_ws(DEV))
-    w.plan(qo, kv, 8, 2, 128, causal=False, q_data_type=torch.bfloat16, logits_soft_cap=soft_cap,
-           sm_scale=3.0 * 128 ** -0.5)  # x3: q.k * sm_scale ~ -120, far past every cap here
+    w.plan(
+        qo, kv, 8, 2, 128, causal=False, q_data_type=torch.bfloat16, logits_soft_cap=soft_cap, sm_scale=3.0 * 128**-0.5
+    )  # x3: q.k * sm_scale ~ -120, far past every cap here
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], 8), float("nan"), device=DEV)
     w.run(q, k, v, out=out, lse=lse)
-    ref_o, ref_lse = ragged_reference(q, k_ref, v_ref, qo, kv, causal=False, logits_soft_cap=soft_cap,
-                                      sm_scale=3.0 * 128 ** -0.5)
+    ref_o, ref_lse = ragged_reference(
+        q, k_ref, v_ref, qo, kv, causal=False, logits_soft_cap=soft_cap, sm_scale=3.0 * 128**-0.5
+    )
     assert torch.isfinite(ref_lse).all()
     check(out, lse, ref_o, ref_lse, torch.bfloat16)
 
@@ -319,9 +391,17 @@ def test_empty_requests():
 
 @gpu
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("page_size,layout,single_tensor,d,dtype", [
-    (1, "NHD", False, 128, "bf16"), (1, "HND", True, 64, "f16"), (3, "NHD", True, 256, "bf16"),
-    (16, "HND", False, 128, "f16"), (64, "NHD", False, 64, "bf16"), (5, "HND", False, 256, "f16")])
+@pytest.mark.parametrize(
+    "page_size,layout,single_tensor,d,dtype",
+    [
+        (1, "NHD", False, 128, "bf16"),
+        (1, "HND", True, 64, "f16"),
+        (3, "NHD", True, 256, "bf16"),
+        (16, "HND", False, 128, "f16"),
+        (64, "NHD", False, 64, "bf16"),
+        (5, "HND", False, 256, "f16"),
+    ],
+)
 def test_paged_kv_pass(page_size, layout, single_tensor, d, dtype, causal):
     """plan(kv_pass=True): the KV pass gathers the cache (NaN in every slot no request owns)
     into the workspace and the ragged kernel reads it by TMA; a second run is bitwise equal."""
@@ -329,8 +409,19 @@ def test_paged_kv_pass(page_size, layout, single_tensor, d, dtype, causal):
     qo, kv = _append_lens(rng, 7, 600, 1500)
     if not causal:  # requests without queries / without keys
         qo, kv = qo + [0, 4], kv + [33, 0]
-    w, (q, cache), out, lse = run_paged(qo, kv, page_size, 16, 4, d, DTYPES[dtype], causal=causal, layout=layout,
-                                        single_tensor=single_tensor, kv_pass=True)
+    w, (q, cache), out, lse = run_paged(
+        qo,
+        kv,
+        page_size,
+        16,
+        4,
+        d,
+        DTYPES[dtype],
+        causal=causal,
+        layout=layout,
+        single_tensor=single_tensor,
+        kv_pass=True,
+    )
     assert w._gathered is not None and not w._spec_kw["paged"]
     out2, lse2 = w.run(q, cache, return_lse=True)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
@@ -358,8 +449,12 @@ def test_kv_pass_replans_one_wrapper():
     hq, hk, d, ps, dt = 8, 1, 128, 1, torch.bfloat16
     w = BatchPrefillWithPagedKVCacheWrapper(_ws(DEV))
     gen = _gen()
-    for qo, kv, kv_pass, gathered in (([3000, 64], [3000, 900], None, True), ([5, 9], [700, 40], None, False),
-                                      ([3000], [3100], False, False), ([1200, 7, 300], [4000, 7, 300], True, True)):
+    for qo, kv, kv_pass, gathered in (
+        ([3000, 64], [3000, 900], None, True),
+        ([5, 9], [700, 40], None, False),
+        ([3000], [3100], False, False),
+        ([1200, 7, 300], [4000, 7, 300], True, True),
+    ):
         cache, indptr, indices, last, (k_ref, v_ref), kv_tok = make_paged(kv, ps, hk, d, dt, "NHD", False, gen, DEV)
         q = torch.randn(sum(qo), hq, d, generator=gen).to(dt).to(DEV)
         qo_t = torch.tensor(_cumsum(qo), dtype=torch.int32)
@@ -424,15 +519,25 @@ def test_fixed_split_size_is_batch_invariant(paged, ps):
                 off = 0
                 for b, n in enumerate(kv):
                     p0 = sum(pages[:b])
-                    kc.view(-1, hk, d)[p0 * ps:p0 * ps + n] = k[off:off + n]
-                    vc.view(-1, hk, d)[p0 * ps:p0 * ps + n] = v[off:off + n]
+                    kc.view(-1, hk, d)[p0 * ps : p0 * ps + n] = k[off : off + n]
+                    vc.view(-1, hk, d)[p0 * ps : p0 * ps + n] = v[off : off + n]
                     off += n
                 last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv, pages)], dtype=torch.int32)
                 w = BatchPrefillWithPagedKVCacheWrapper(_ws(dev))
                 kw = dict(disable_split_kv=True) if disable else dict(fixed_split_size=1024 // ps)  # 1024 tokens
-                w.plan(qo_t, torch.tensor(_cumsum(pages), dtype=torch.int32),
-                       torch.arange(sum(pages), dtype=torch.int32), last, hq, hk, d, ps, causal=True,
-                       q_data_type=torch.bfloat16, **kw)
+                w.plan(
+                    qo_t,
+                    torch.tensor(_cumsum(pages), dtype=torch.int32),
+                    torch.arange(sum(pages), dtype=torch.int32),
+                    last,
+                    hq,
+                    hk,
+                    d,
+                    ps,
+                    causal=True,
+                    q_data_type=torch.bfloat16,
+                    **kw,
+                )
                 out, lse = w.run(q, (kc, vc), return_lse=True)
             else:
                 from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
@@ -474,8 +579,9 @@ def replay_ragged_plans(hq, hk, d, t_max, kv_max, first, cases, reference, **pla
     gen = _gen()
     qo_buf = torch.zeros(len(first[0]) + 1, dtype=torch.int32, device="cuda")
     kv_buf = torch.zeros(len(first[0]) + 1, dtype=torch.int32, device="cuda")
-    w = BatchPrefillWithRaggedKVCacheWrapper(_ws("cuda"), use_cuda_graph=True, qo_indptr_buf=qo_buf,
-                                             kv_indptr_buf=kv_buf)
+    w = BatchPrefillWithRaggedKVCacheWrapper(
+        _ws("cuda"), use_cuda_graph=True, qo_indptr_buf=qo_buf, kv_indptr_buf=kv_buf
+    )
     q = torch.randn(t_max, hq, d, generator=gen).to(torch.bfloat16).cuda()
     k = torch.randn(kv_max, hk, d, generator=gen).to(torch.bfloat16).cuda()
     v = torch.randn(kv_max, hk, d, generator=gen).to(torch.bfloat16).cuda()
@@ -506,12 +612,20 @@ def replay_ragged_plans(hq, hk, d, t_max, kv_max, first, cases, reference, **pla
 @gpu
 def test_cuda_graph_ragged_replay_with_new_plans():
     replay_ragged_plans(
-        16, 4, 128, 4096, 40000, ([2000, 24, 1000, 1072], [2000, 1024, 1007, 4072]),  # fixes 4096 query tokens
-        [([1, 1, 1, 4093], [1, 1, 1, 30000]),   # split by the planner
-         ([1000, 1000, 1000, 1000], [1000, 5000, 1000, 9000]),
-         ([5, 77, 300, 1], [5, 77, 300, 1]),
-         ([2000, 24, 1000], [2000, 1024, 1007])],  # a smaller batch
-        lambda q, k, v, qo_t, kv_t: ragged_reference(q, k, v, qo_t, kv_t, causal=True))
+        16,
+        4,
+        128,
+        4096,
+        40000,
+        ([2000, 24, 1000, 1072], [2000, 1024, 1007, 4072]),  # fixes 4096 query tokens
+        [
+            ([1, 1, 1, 4093], [1, 1, 1, 30000]),  # split by the planner
+            ([1000, 1000, 1000, 1000], [1000, 5000, 1000, 9000]),
+            ([5, 77, 300, 1], [5, 77, 300, 1]),
+            ([2000, 24, 1000], [2000, 1024, 1007]),
+        ],  # a smaller batch
+        lambda q, k, v, qo_t, kv_t: ragged_reference(q, k, v, qo_t, kv_t, causal=True),
+    )
 
 
 @gpu
@@ -520,10 +634,12 @@ def test_cuda_graph_paged_replay_with_new_plans():
 
     hq, hk, d, ps, max_b, t_max, max_pages = 32, 8, 128, 16, 4, 2048, 4096
     gen = _gen()
-    bufs = dict(qo_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device="cuda"),
-                paged_kv_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device="cuda"),
-                paged_kv_indices_buf=torch.zeros(max_pages, dtype=torch.int32, device="cuda"),
-                paged_kv_last_page_len_buf=torch.zeros(max_b, dtype=torch.int32, device="cuda"))
+    bufs = dict(
+        qo_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device="cuda"),
+        paged_kv_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device="cuda"),
+        paged_kv_indices_buf=torch.zeros(max_pages, dtype=torch.int32, device="cuda"),
+        paged_kv_last_page_len_buf=torch.zeros(max_b, dtype=torch.int32, device="cuda"),
+    )
     w = BatchPrefillWithPagedKVCacheWrapper(_ws("cuda"), kv_layout="HND", use_cuda_graph=True, **bufs)
     kc = torch.randn(max_pages, hk, ps, d, generator=gen).to(torch.bfloat16).cuda()
     vc = torch.randn(max_pages, hk, ps, d, generator=gen).to(torch.bfloat16).cuda()
@@ -533,7 +649,7 @@ def test_cuda_graph_paged_replay_with_new_plans():
 
     def plan(qo, kv):
         pages = [(n + ps - 1) // ps for n in kv]
-        indices = torch.randperm(max_pages, generator=gen)[:sum(pages)].to(torch.int32)
+        indices = torch.randperm(max_pages, generator=gen)[: sum(pages)].to(torch.int32)
         last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv, pages)], dtype=torch.int32)
         qo_t, indptr = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(pages), dtype=torch.int32)
         w.plan(qo_t, indptr, indices, last, hq, hk, d, ps, q_data_type=torch.bfloat16)
@@ -545,8 +661,11 @@ def test_cuda_graph_paged_replay_with_new_plans():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         w.run(q, (kc, vc), out=out, lse=lse)
-    for qo, kv in (([1, 2047, 0, 0], [9000, 2047, 1, 1]), ([500, 500, 500, 500], [500, 30000, 700, 900]),
-                   ([3, 1, 4, 1], [3, 1, 4, 1])):
+    for qo, kv in (
+        ([1, 2047, 0, 0], [9000, 2047, 1, 1]),
+        ([500, 500, 500, 500], [500, 30000, 700, 900]),
+        ([3, 1, 4, 1], [3, 1, 4, 1]),
+    ):
         qo_t, indptr, indices, last = plan(qo, kv)
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
@@ -606,9 +725,11 @@ def test_gpu_validation_errors():
         w.plan(big, big, 64, 8, 128, q_data_type=torch.bfloat16)
     w = run_ragged([10], [10], 8, 8, 64, torch.float16)[0]
     with pytest.raises(ValueError, match="q must be"):
-        w.run(torch.randn(10, 8, 64, dtype=torch.bfloat16, device="cuda"),
-              torch.randn(10, 8, 64, dtype=torch.float16, device="cuda"),
-              torch.randn(10, 8, 64, dtype=torch.float16, device="cuda"))
+        w.run(
+            torch.randn(10, 8, 64, dtype=torch.bfloat16, device="cuda"),
+            torch.randn(10, 8, 64, dtype=torch.float16, device="cuda"),
+            torch.randn(10, 8, 64, dtype=torch.float16, device="cuda"),
+        )
 
 
 # =========================================================================== CPU tests
@@ -643,8 +764,25 @@ def _plain(t):
     return t.as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) else t
 
 
-def _emulate_prefill(p, q, k4, v4, kv_indptr, kv_indices, out, lse, work, work_indptr, part_o, part_lse, group,
-                     sm_scale, soft_cap, window_left, num_ctas):
+def _emulate_prefill(
+    p,
+    q,
+    k4,
+    v4,
+    kv_indptr,
+    kv_indices,
+    out,
+    lse,
+    work,
+    work_indptr,
+    part_o,
+    part_lse,
+    group,
+    sm_scale,
+    soft_cap,
+    window_left,
+    num_ctas,
+):
     """What kernels/prefill_sm90.py must compute, item by item (fp64)."""
     from cute_attn.sched import workspace as ws
 
@@ -693,8 +831,8 @@ def _emulate_prefill(p, q, k4, v4, kv_indptr, kv_indices, out, lse, work, work_i
                 out[qoff + tok, heads] = o.to(out.dtype)
                 lse[qoff + tok, heads] = row_lse.float()
             else:
-                part_o[dest * tile:dest * tile + nr] = o.float()
-                part_lse[dest * tile:dest * tile + nr] = row_lse.float()
+                part_o[dest * tile : dest * tile + nr] = o.float()
+                part_lse[dest * tile : dest * tile + nr] = row_lse.float()
 
 
 def _emulate_merge(p, part_o, part_lse, tasks, meta, out, lse, group, num_ctas):
@@ -713,15 +851,17 @@ def _emulate_merge(p, part_o, part_lse, tasks, meta, out, lse, group, num_ctas):
         wgt = torch.exp2(s - m)
         tot = wgt.sum(0)
         num = (wgt[..., None] * o).sum(0)  # a slot the attention kernel did not write is NaN
-        merged = torch.where(tot[:, None] > 0, num / tot.clamp_min(1e-300)[:, None],
-                             torch.zeros(1, dtype=torch.float64))
+        merged = torch.where(
+            tot[:, None] > 0, num / tot.clamp_min(1e-300)[:, None], torch.zeros(1, dtype=torch.float64)
+        )
         tok, heads = qoff + rows // group, h * group + rows % group
         out[tok, heads] = merged.to(out.dtype)
         lse[tok, heads] = (m + torch.log2(tot)).float()
 
 
-def _emulate_kv_pass(p, k, v, k_out, v_out, qo_indptr, kv_indptr, page_indptr, page_indices, batch, sm_scale,
-                     num_ctas, *vargs):
+def _emulate_kv_pass(
+    p, k, v, k_out, v_out, qo_indptr, kv_indptr, page_indptr, page_indices, batch, sm_scale, num_ctas, *vargs
+):
     """kernels/kv_pass.py: ``paged``: request b's tokens gathered from its pages into rows
     ``kv_indptr[b]..`` of the outputs (K and V); a variant: its keys through ``transform_k``
     (RoPE: key j of a request at position j), rounded to the input dtype; other rows left alone."""
@@ -745,8 +885,9 @@ def _emulate_kv_pass(p, k, v, k_out, v_out, qo_indptr, kv_indptr, page_indptr, p
         kk = kk.float()
         for i, comp in enumerate(components(v_)):
             if isinstance(comp, RoPE):
-                kk = rope_reference(kk, torch.arange(b - a), float(val[f"v{i}_rope_scale"]),
-                                    float(val[f"v{i}_rope_theta"]))
+                kk = rope_reference(
+                    kk, torch.arange(b - a), float(val[f"v{i}_rope_scale"]), float(val[f"v{i}_rope_theta"])
+                )
         k_out[0, a:b] = kk.to(k_out.dtype)
 
 
@@ -761,8 +902,11 @@ class _Emulated:
 
         self.family, self.params, self.calls = family, params, calls
         self.pack = make_packer(get_family(family).abi(params))
-        self.emulate = {"batch_prefill_sm90": prefill or _emulate_prefill, "merge_partials": _emulate_merge,
-                        "kv_pass": _emulate_kv_pass}[family]
+        self.emulate = {
+            "batch_prefill_sm90": prefill or _emulate_prefill,
+            "merge_partials": _emulate_merge,
+            "kv_pass": _emulate_kv_pass,
+        }[family]
 
     def __call__(self, *args):
         args = [_plain(a) for a in args]
@@ -791,26 +935,70 @@ def _cpu_ws(mb=64):
     return _fake_cuda(torch.empty(mb << 20, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("hq,hk,causal,soft_cap,window,layout", [
-    (4, 4, False, None, -1, "NHD"), (8, 2, True, None, -1, "HND"), (8, 2, True, 30.0, 5, "NHD"),
-    (4, 4, False, None, 40, "HND"), (8, 2, False, 20.0, -1, "NHD"), (4, 4, True, None, 0, "NHD")])
+@pytest.mark.parametrize(
+    "hq,hk,causal,soft_cap,window,layout",
+    [
+        (4, 4, False, None, -1, "NHD"),
+        (8, 2, True, None, -1, "HND"),
+        (8, 2, True, 30.0, 5, "NHD"),
+        (4, 4, False, None, 40, "HND"),
+        (8, 2, False, 20.0, -1, "NHD"),
+        (4, 4, True, None, 0, "NHD"),
+    ],
+)
 def test_cpu_ragged_wiring(emu, hq, hk, causal, soft_cap, window, layout):
     qo, kv = [1, 17, 130, 0, 64], [1, 40, 500, 9, 64]
-    w = run_ragged(qo, kv, hq, hk, 64, torch.bfloat16, causal=causal, soft_cap=soft_cap, window_left=window,
-                   layout=layout, device="cpu", workspace=_cpu_ws(), seed=1, tail=5)[0]
+    w = run_ragged(
+        qo,
+        kv,
+        hq,
+        hk,
+        64,
+        torch.bfloat16,
+        causal=causal,
+        soft_cap=soft_cap,
+        window_left=window,
+        layout=layout,
+        device="cpu",
+        workspace=_cpu_ws(),
+        seed=1,
+        tail=5,
+    )[0]
     fam, params = emu.calls[0]
     assert fam == "batch_prefill_sm90"
-    assert params == dict(dtype="bf16", head_dim=64, tile_q=w._tile, paged=False, causal=causal,
-                          soft_cap=soft_cap is not None, window=window >= 0)
+    assert params == dict(
+        dtype="bf16",
+        head_dim=64,
+        tile_q=w._tile,
+        paged=False,
+        causal=causal,
+        soft_cap=soft_cap is not None,
+        window=window >= 0,
+    )
     assert w._tile in (64, 128)
 
 
-@pytest.mark.parametrize("page_size,layout,single_tensor", [(1, "NHD", False), (1, "HND", True), (16, "HND", False),
-                                                            (16, "NHD", True), (64, "NHD", False), (64, "HND", True)])
+@pytest.mark.parametrize(
+    "page_size,layout,single_tensor",
+    [(1, "NHD", False), (1, "HND", True), (16, "HND", False), (16, "NHD", True), (64, "NHD", False), (64, "HND", True)],
+)
 def test_cpu_paged_wiring(emu, page_size, layout, single_tensor):
     qo, kv = [1, 17, 130, 0, 3], [1, 40, 500, 9, 3]
-    run_paged(qo, kv, page_size, 8, 2, 64, torch.float16, causal=True, layout=layout, single_tensor=single_tensor,
-              device="cpu", workspace=_cpu_ws(), seed=2)
+    run_paged(
+        qo,
+        kv,
+        page_size,
+        8,
+        2,
+        64,
+        torch.float16,
+        causal=True,
+        layout=layout,
+        single_tensor=single_tensor,
+        device="cpu",
+        workspace=_cpu_ws(),
+        seed=2,
+    )
     assert emu.calls[0][1]["paged"] is True
 
 
@@ -818,15 +1006,20 @@ def test_cpu_paged_wiring(emu, page_size, layout, single_tensor):
 def test_cpu_split_and_merge(emu, paged):
     """8 emulated SMs and one tile x 2 kv heads over long KV: the planner splits, the merge runs; fixed_split_size
     forces cuts; disable_split_kv forbids them."""
-    for kw, split in ((dict(), True), (dict(fixed_split_size=64 if paged else 1024), True),
-                      (dict(disable_split_kv=True), False)):
+    for kw, split in (
+        (dict(), True),
+        (dict(fixed_split_size=64 if paged else 1024), True),
+        (dict(disable_split_kv=True), False),
+    ):
         emu.calls.clear()
         if paged:
-            w = run_paged([64], [3000], 16, 4, 2, 64, torch.bfloat16, causal=True, device="cpu",
-                          workspace=_cpu_ws(), seed=3, **kw)[0]
+            w = run_paged(
+                [64], [3000], 16, 4, 2, 64, torch.bfloat16, causal=True, device="cpu", workspace=_cpu_ws(), seed=3, **kw
+            )[0]
         else:
-            w = run_ragged([64], [3000], 4, 2, 64, torch.bfloat16, causal=True, device="cpu",
-                           workspace=_cpu_ws(), seed=3, **kw)[0]
+            w = run_ragged(
+                [64], [3000], 4, 2, 64, torch.bfloat16, causal=True, device="cpu", workspace=_cpu_ws(), seed=3, **kw
+            )[0]
         assert w._plan.has_split == split, kw
         assert [c[0] for c in emu.calls] == ["batch_prefill_sm90"] + (["merge_partials"] if split else [])
         if split:
@@ -848,21 +1041,22 @@ def test_kv_pass_pays_model():
     from cute_attn.prefill import kv_pass_pays
 
     # queries per key x group decides: ~1800 for the gather alone, ~360 with a key transform
-    assert kv_pass_pays([8192], [8192], 16, 16, 128, True, False)          # 8k causal, no GQA
-    assert not kv_pass_pays([256], [8192], 32, 8, 128, False, False)       # 256-token chunk on 8k: 1024
-    assert kv_pass_pays([256], [8192], 32, 8, 128, False, True)            # ... unless K is rotated too
-    assert kv_pass_pays([512], [8192], 32, 8, 128, False, False)           # 2048
+    assert kv_pass_pays([8192], [8192], 16, 16, 128, True, False)  # 8k causal, no GQA
+    assert not kv_pass_pays([256], [8192], 32, 8, 128, False, False)  # 256-token chunk on 8k: 1024
+    assert kv_pass_pays([256], [8192], 32, 8, 128, False, True)  # ... unless K is rotated too
+    assert kv_pass_pays([512], [8192], 32, 8, 128, False, False)  # 2048
     assert not kv_pass_pays([1] * 64, [4096] * 64, 32, 8, 128, False, True)  # decode-like
-    assert not kv_pass_pays([0, 0], [0, 0], 8, 8, 64, False, False)        # nothing to read
+    assert not kv_pass_pays([0, 0], [0, 0], 8, 8, 64, False, False)  # nothing to read
     # where the kernel reads the pages by TMA boxes, the pass pays only from ~4500
-    assert not kv_pass_pays([1024], [8192], 32, 8, 128, False, False, page_boxes=True)     # 4096
-    assert kv_pass_pays([2048], [8192], 32, 8, 128, False, False, page_boxes=True)         # 8192
-    assert kv_pass_pays([2048], [8192], 32, 8, 128, False, True, page_boxes=True)          # RoPE: the gather's
+    assert not kv_pass_pays([1024], [8192], 32, 8, 128, False, False, page_boxes=True)  # 4096
+    assert kv_pass_pays([2048], [8192], 32, 8, 128, False, False, page_boxes=True)  # 8192
+    assert kv_pass_pays([2048], [8192], 32, 8, 128, False, True, page_boxes=True)  # RoPE: the gather's
     # a window bounds the keys per query
     assert not kv_pass_pays([8192], [8192], 16, 16, 128, True, False, window_left=511)
     # causal halves the pairs: the same lengths can stop paying
     assert kv_pass_pays([800], [800], 32, 8, 128, False, False) and not kv_pass_pays(
-        [800], [800], 32, 8, 128, True, False)
+        [800], [800], 32, 8, 128, True, False
+    )
 
 
 def test_cpu_kv_pass_choice(emu):
@@ -888,15 +1082,26 @@ def test_cpu_kv_pass_choice(emu):
     emu.calls.clear()
     w = run_paged([3, 50], [40, 900], 16, 32, 4, 64, torch.float16, device="cpu", workspace=_cpu_ws(), kv_pass=True)[0]
     assert w._gathered is not None and emu.calls[0][0] == "kv_pass"
-    w = run_paged(long_qo, long_kv, 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws(),
-                  kv_pass=False)[0]
+    w = run_paged(long_qo, long_kv, 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws(), kv_pass=False)[0]
     assert w._gathered is None
     # fixed_split_size (batch-invariant output): the model, which weighs the whole batch, is off
-    w = run_paged(long_qo, long_kv, 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws(),
-                  fixed_split_size=1024)[0]
+    w = run_paged(
+        long_qo, long_kv, 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws(), fixed_split_size=1024
+    )[0]
     assert w._gathered is None
-    w = run_paged(long_qo, long_kv, 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws(),
-                  fixed_split_size=1024, kv_pass=True)[0]
+    w = run_paged(
+        long_qo,
+        long_kv,
+        1,
+        32,
+        4,
+        64,
+        torch.bfloat16,
+        device="cpu",
+        workspace=_cpu_ws(),
+        fixed_split_size=1024,
+        kv_pass=True,
+    )[0]
     assert w._gathered is not None
     # a workspace with room for the plan but not for K / V: the kernel gathers; forced: an error
     gathered = 2 * sum(long_kv) * 4 * 64 * 2
@@ -904,15 +1109,27 @@ def test_cpu_kv_pass_choice(emu):
     w = run_paged(long_qo, long_kv, 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=small)[0]
     assert w._gathered is None
     with pytest.raises(ValueError, match="kv_pass=True: float_workspace_buffer has"):
-        run_paged(long_qo, long_kv, 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=small,
-                  kv_pass=True)
+        run_paged(long_qo, long_kv, 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=small, kv_pass=True)
     # CUDA-graph mode: never by itself, an error when forced
     bufs = [_fake_cuda(torch.zeros(n, dtype=torch.int32)) for n in (3, 3, 500, 2)]
-    wg = BatchPrefillWithPagedKVCacheWrapper(_cpu_ws(), use_cuda_graph=True, qo_indptr_buf=bufs[0],
-                                             paged_kv_indptr_buf=bufs[1], paged_kv_indices_buf=bufs[2],
-                                             paged_kv_last_page_len_buf=bufs[3])
-    args = (torch.tensor([0, 400, 405]), torch.tensor([0, 400, 420]), torch.arange(420, dtype=torch.int32),
-            torch.tensor([1, 1]), 32, 4, 64, 1)
+    wg = BatchPrefillWithPagedKVCacheWrapper(
+        _cpu_ws(),
+        use_cuda_graph=True,
+        qo_indptr_buf=bufs[0],
+        paged_kv_indptr_buf=bufs[1],
+        paged_kv_indices_buf=bufs[2],
+        paged_kv_last_page_len_buf=bufs[3],
+    )
+    args = (
+        torch.tensor([0, 400, 405]),
+        torch.tensor([0, 400, 420]),
+        torch.arange(420, dtype=torch.int32),
+        torch.tensor([1, 1]),
+        32,
+        4,
+        64,
+        1,
+    )
     wg.plan(*args, q_data_type=torch.bfloat16)
     assert wg._gathered is None
     with pytest.raises(ValueError, match="kv_pass=True is not available with use_cuda_graph"):
@@ -936,14 +1153,23 @@ def test_cpu_kv_pass_missing_kernels(emu, monkeypatch):
     w = run_paged([400, 5], [400, 20], 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws())[0]
     assert w._gathered is None and w._spec_kw["paged"] and w._spec_kw.get("page_box") is None
     with pytest.raises(KernelNotAvailable):
-        run_paged([400, 5], [400, 20], 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws(),
-                  kv_pass=True)
+        run_paged([400, 5], [400, 20], 1, 32, 4, 64, torch.bfloat16, device="cpu", workspace=_cpu_ws(), kv_pass=True)
 
 
 def test_cpu_kv_pass_empty_requests(emu):
     """The gathered path with requests without queries / keys, and a batch without any key."""
-    run_paged([0, 5, 0, 300, 7], [10, 0, 0, 500, 7], 1, 8, 8, 64, torch.bfloat16, device="cpu",
-              workspace=_cpu_ws(), kv_pass=True)
+    run_paged(
+        [0, 5, 0, 300, 7],
+        [10, 0, 0, 500, 7],
+        1,
+        8,
+        8,
+        64,
+        torch.bfloat16,
+        device="cpu",
+        workspace=_cpu_ws(),
+        kv_pass=True,
+    )
     emu.calls.clear()
     run_paged([4, 9], [0, 0], 1, 8, 8, 64, torch.float16, device="cpu", workspace=_cpu_ws(), kv_pass=True)
     assert emu.calls == []  # o = 0, lse = -inf without a kernel
@@ -954,8 +1180,7 @@ def test_cpu_cuda_graph_mode(emu):
 
     hq, hk, d = 8, 2, 64
     qo_buf, kv_buf = _fake_cuda(torch.zeros(5, dtype=torch.int32)), _fake_cuda(torch.zeros(5, dtype=torch.int32))
-    w = BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws(), use_cuda_graph=True, qo_indptr_buf=qo_buf,
-                                             kv_indptr_buf=kv_buf)
+    w = BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws(), use_cuda_graph=True, qo_indptr_buf=qo_buf, kv_indptr_buf=kv_buf)
     gen = _gen(4)
     q = torch.randn(600, hq, d, generator=gen).to(torch.bfloat16)
     k = torch.randn(4000, hk, d, generator=gen).to(torch.bfloat16)
@@ -964,7 +1189,7 @@ def test_cpu_cuda_graph_mode(emu):
     for qo, kv in (([300, 100, 200, 0], [300, 1000, 200, 0]), ([1, 1, 598], [1, 1, 3998]), ([50], [50])):
         qo_t, kv_t = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(kv), dtype=torch.int32)
         w.plan(qo_t, kv_t, hq, hk, d, causal=True, q_data_type=torch.bfloat16)
-        assert w._kv_indptr is kv_buf and torch.equal(qo_buf[:len(qo) + 1], qo_t)
+        assert w._kv_indptr is kv_buf and torch.equal(qo_buf[: len(qo) + 1], qo_t)
         if views is None:
             views = {n: t.data_ptr() for n, t in w._views.items()}
         assert {n: t.data_ptr() for n, t in w._views.items()} == views  # fixed offsets
@@ -988,13 +1213,27 @@ def test_cpu_cuda_graph_mode(emu):
 
 
 def test_cpu_validation_errors(emu):
-    from cute_attn.prefill import (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper,
-                                   single_prefill_with_kv_cache)
+    from cute_attn.prefill import (
+        BatchPrefillWithPagedKVCacheWrapper,
+        BatchPrefillWithRaggedKVCacheWrapper,
+        single_prefill_with_kv_cache,
+    )
 
     w = BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws())
     ind = torch.tensor([0, 8], dtype=torch.int32)
-    plan = lambda **kw: w.plan(**dict(dict(qo_indptr=ind, kv_indptr=ind, num_qo_heads=8, num_kv_heads=2,  # noqa: E731
-                                           head_dim_qk=128, q_data_type=torch.bfloat16), **kw))
+    plan = lambda **kw: w.plan(
+        **dict(
+            dict(
+                qo_indptr=ind,
+                kv_indptr=ind,
+                num_qo_heads=8,
+                num_kv_heads=2,  # noqa: E731
+                head_dim_qk=128,
+                q_data_type=torch.bfloat16,
+            ),
+            **kw,
+        )
+    )
     with pytest.raises(ValueError, match="head_dim 96"):
         plan(head_dim_qk=96)
     with pytest.raises(NotImplementedError, match="head_dim_vo"):
@@ -1027,7 +1266,8 @@ def test_cpu_validation_errors(emu):
         plan(prefix_len_ptr=torch.zeros(1))
     with pytest.raises(ValueError, match="bytes"):
         BatchPrefillWithRaggedKVCacheWrapper(_fake_cuda(torch.empty(1 << 20, dtype=torch.uint8))).plan(
-            torch.tensor([0, 1 << 19]), torch.tensor([0, 1 << 19]), 64, 8, 128, q_data_type=torch.bfloat16)
+            torch.tensor([0, 1 << 19]), torch.tensor([0, 1 << 19]), 64, 8, 128, q_data_type=torch.bfloat16
+        )
     emu.state["arch"] = "sm_100a"
     with pytest.raises(RuntimeError, match="Hopper"):
         plan()
@@ -1038,8 +1278,9 @@ def test_cpu_validation_errors(emu):
     emu.state["capturing"] = False
 
     with pytest.raises(RuntimeError, match="before plan"):
-        BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws()).run(torch.zeros(8, 8, 128), torch.zeros(8, 2, 128),
-                                                            torch.zeros(8, 2, 128))
+        BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws()).run(
+            torch.zeros(8, 8, 128), torch.zeros(8, 2, 128), torch.zeros(8, 2, 128)
+        )
     plan()
     bf = dict(dtype=torch.bfloat16)
     q, k = torch.zeros(8, 8, 128, **bf), torch.zeros(8, 2, 128, **bf)
@@ -1090,9 +1331,12 @@ def test_cpu_validation_errors(emu):
         pw.run(q, torch.zeros(8, 2, 16, 2, 128, **bf), sinks=torch.zeros(4))
     pw.run(q, torch.zeros(8, 2, 16, 2, 128, **bf))
     with pytest.raises(ValueError, match="paged_kv_indices_buf"):
-        BatchPrefillWithPagedKVCacheWrapper(_cpu_ws(), use_cuda_graph=True,
-                                            qo_indptr_buf=_fake_cuda(torch.zeros(2, dtype=torch.int32)),
-                                            paged_kv_indptr_buf=_fake_cuda(torch.zeros(2, dtype=torch.int32)))
+        BatchPrefillWithPagedKVCacheWrapper(
+            _cpu_ws(),
+            use_cuda_graph=True,
+            qo_indptr_buf=_fake_cuda(torch.zeros(2, dtype=torch.int32)),
+            paged_kv_indptr_buf=_fake_cuda(torch.zeros(2, dtype=torch.int32)),
+        )
 
     with pytest.raises(ValueError, match="CUDA"):
         single_prefill_with_kv_cache(q, k, k)

@@ -21,37 +21,63 @@ and merge as tests/test_prefill_gpu.py, plus the variant's hooks as torch ops): 
 the runtime values the wrappers pass (ALiBi slopes, RoPE scalars, packed mask + offsets, sinks,
 the example's table) and the split-KV semantics of sinks and sigmoid.
 """
+
 import math
 
 import numpy as np
 import pytest
 import torch
+from test_prefill_gpu import (
+    DTYPES,
+    _cpu_ws,
+    _cumsum,
+    _Emulated,
+    _FakeEvent,
+    _gen,
+    _ws,
+    check,
+    make_paged,
+    make_ragged,
+    replay_ragged_plans,
+)
 
 from cute_attn.testing.reference import LOG2E, rope_reference, variant_reference
 from cute_attn.variants import Causal, FlashSigmoid, get_alibi_slopes
 from cute_attn.variants.examples import RelativePositionBias
-from test_prefill_gpu import (DTYPES, _cumsum, _cpu_ws, _Emulated, _FakeEvent, _gen, _ws, check, make_paged,
-                              make_ragged, replay_ragged_plans)
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
 
 # (name, dtype, head_dim, paged, causal, num_qo_heads, num_kv_heads, page_size): must match
 # cute_attn.prefill.VARIANT_TEST_CONFIGS (the compiled specs)
-CONFIGS = [("bf16-d128-ragged-causal-h32x8", "bf16", 128, False, True, 32, 8, 0),
-           ("bf16-d128-p16-h16x2", "bf16", 128, True, False, 16, 2, 16),
-           ("f16-d64-p1-causal-h8x8", "f16", 64, True, True, 8, 8, 1),
-           ("f16-d64-ragged-h32x4", "f16", 64, False, False, 32, 4, 0)]
+CONFIGS = [
+    ("bf16-d128-ragged-causal-h32x8", "bf16", 128, False, True, 32, 8, 0),
+    ("bf16-d128-p16-h16x2", "bf16", 128, True, False, 16, 2, 16),
+    ("f16-d64-p1-causal-h8x8", "f16", 64, True, True, 8, 8, 1),
+    ("f16-d64-ragged-h32x4", "f16", 64, False, False, 32, 4, 0),
+]
 QO_LENS = [1, 17, 300, 5, 0, 77, 130]
 KV_LENS = [1, 117, 300, 2005, 9, 77, 400]  # kv >= qo; request 4 has kv but no queries
-NAMES = ["causal", "alibi", "rope", "sink", "custom_mask", "sigmoid", "rel_bias", "window_sink", "alibi_softcap",
-         "rope_sink", "alibi_softcap_rel_bias"]
+NAMES = [
+    "causal",
+    "alibi",
+    "rope",
+    "sink",
+    "custom_mask",
+    "sigmoid",
+    "rel_bias",
+    "window_sink",
+    "alibi_softcap",
+    "rope_sink",
+    "alibi_softcap_rel_bias",
+]
 
 
 def _rel_bias_mod(table, bucket_size=16, num_buckets=32):
     def mod(s, b, h, qp, kp):
         bucket = ((qp - kp).clamp_min(0) // bucket_size).clamp_max(num_buckets - 1)
         return s + table[h, bucket]
+
     return mod
 
 
@@ -60,10 +86,10 @@ def _segment_packbits(mask, qo_lens, kv_lens):
     qo_len * kv_len bits, little bit order, each request starting on a byte."""
     out, off = [], 0
     for q, k in zip(qo_lens, kv_lens):
-        bits = mask[off:off + q * k].tolist()
+        bits = mask[off : off + q * k].tolist()
         off += q * k
         for i in range(0, len(bits), 8):
-            out.append(sum(1 << j for j, b in enumerate(bits[i:i + 8]) if b))
+            out.append(sum(1 << j for j, b in enumerate(bits[i : i + 8]) if b))
     return torch.tensor(out or [0], dtype=torch.uint8)
 
 
@@ -75,8 +101,12 @@ def _case(name, hq, gen, qo_lens, kv_lens, causal, dev, packed=False):
     if name == "alibi":
         return dict(pos_encoding_mode="ALIBI"), (), {}, dict(alibi_slopes=get_alibi_slopes(hq), **ref_causal)
     if name == "rope":
-        return (dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5), (), {},
-                dict(rope=(2.0, 5e5), **ref_causal))
+        return (
+            dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5),
+            (),
+            {},
+            dict(rope=(2.0, 5e5), **ref_causal),
+        )
     if name == "sink":
         sinks = (torch.randn(hq, generator=gen) * 2).to(dev)
         return {}, (), dict(sinks=sinks), dict(sinks=sinks, **ref_causal)
@@ -100,17 +130,28 @@ def _case(name, hq, gen, qo_lens, kv_lens, causal, dev, packed=False):
         sinks = (torch.randn(hq, generator=gen) * 2).to(dev)
         return dict(window_left=100), (), dict(sinks=sinks), dict(window_left=100, sinks=sinks, **ref_causal)
     if name == "alibi_softcap":
-        return (dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0), (), {},
-                dict(alibi_slopes=get_alibi_slopes(hq), logits_soft_cap=5.0, **ref_causal))
+        return (
+            dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0),
+            (),
+            {},
+            dict(alibi_slopes=get_alibi_slopes(hq), logits_soft_cap=5.0, **ref_causal),
+        )
     if name == "alibi_softcap_rel_bias":  # ALiBi's bias seeded, the cap, then the example's bias as a logit
         table = torch.randn(hq, 32, generator=gen).to(dev)
-        return (dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0, variant=RelativePositionBias()), (table,), {},
-                dict(alibi_slopes=get_alibi_slopes(hq), logits_soft_cap=5.0, score_mod=_rel_bias_mod(table),
-                     **ref_causal))
+        return (
+            dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0, variant=RelativePositionBias()),
+            (table,),
+            {},
+            dict(alibi_slopes=get_alibi_slopes(hq), logits_soft_cap=5.0, score_mod=_rel_bias_mod(table), **ref_causal),
+        )
     if name == "rope_sink":
         sinks = (torch.randn(hq, generator=gen) * 2).to(dev)
-        return (dict(pos_encoding_mode="ROPE_LLAMA"), (), dict(sinks=sinks),
-                dict(rope=(1.0, 1e4), sinks=sinks, **ref_causal))
+        return (
+            dict(pos_encoding_mode="ROPE_LLAMA"),
+            (),
+            dict(sinks=sinks),
+            dict(rope=(1.0, 1e4), sinks=sinks, **ref_causal),
+        )
     raise KeyError(name)
 
 
@@ -124,8 +165,24 @@ def _reference(q, k, v, qo, kv, dtype, ref_kw):
     return variant_reference(q, k, v, qo, kv, **ref_kw)
 
 
-def run_variant(name, dtype, d, paged, causal, hq, hk, page_size, qo_lens, kv_lens, *, seed=None, device=None,
-                workspace=None, packed=False, **plan_extra):
+def run_variant(
+    name,
+    dtype,
+    d,
+    paged,
+    causal,
+    hq,
+    hk,
+    page_size,
+    qo_lens,
+    kv_lens,
+    *,
+    seed=None,
+    device=None,
+    workspace=None,
+    packed=False,
+    **plan_extra,
+):
     from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
 
     device = device or DEV
@@ -134,16 +191,19 @@ def run_variant(name, dtype, d, paged, causal, hq, hk, page_size, qo_lens, kv_le
     qo = torch.tensor(_cumsum(qo_lens), dtype=torch.int32)
     ws = workspace if workspace is not None else _ws(device)
     if paged:
-        cache, indptr, indices, last, (k_ref, v_ref), kv_tok = make_paged(kv_lens, page_size, hk, d, dtype, "NHD",
-                                                                          False, gen, device)
+        cache, indptr, indices, last, (k_ref, v_ref), kv_tok = make_paged(
+            kv_lens, page_size, hk, d, dtype, "NHD", False, gen, device
+        )
         q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(dtype).to(device)
         w = BatchPrefillWithPagedKVCacheWrapper(ws)
-        w.plan(qo, indptr, indices, last, hq, hk, d, page_size, causal=causal, q_data_type=dtype, **plan_kw,
-               **plan_extra)
+        w.plan(
+            qo, indptr, indices, last, hq, hk, d, page_size, causal=causal, q_data_type=dtype, **plan_kw, **plan_extra
+        )
         kv_args = (cache,)
     else:
-        q, k, v, qo, kv_tok, (k_ref, v_ref) = make_ragged(qo_lens, kv_lens, hq, hk, d, dtype, "NHD", gen, device,
-                                                          tail=5)
+        q, k, v, qo, kv_tok, (k_ref, v_ref) = make_ragged(
+            qo_lens, kv_lens, hq, hk, d, dtype, "NHD", gen, device, tail=5
+        )
         w = BatchPrefillWithRaggedKVCacheWrapper(ws)
         w.plan(qo, kv_tok, hq, hk, d, causal=causal, q_data_type=dtype, **plan_kw, **plan_extra)
         kv_args = (k, v)
@@ -164,8 +224,20 @@ def run_variant(name, dtype, d, paged, causal, hq, hk, page_size, qo_lens, kv_le
 def test_variant_prefill(name, config):
     _, dt, d, paged, causal, hq, hk, ps = config
     # a paged cache read by the kernel itself (test_variant_prefill_kv_pass: through the KV pass)
-    run_variant(name, DTYPES[dt], d, paged, causal, hq, hk, ps, QO_LENS, KV_LENS, packed=paged,
-                **(dict(kv_pass=False) if paged else {}))
+    run_variant(
+        name,
+        DTYPES[dt],
+        d,
+        paged,
+        causal,
+        hq,
+        hk,
+        ps,
+        QO_LENS,
+        KV_LENS,
+        packed=paged,
+        **(dict(kv_pass=False) if paged else {}),
+    )
 
 
 @gpu
@@ -181,8 +253,11 @@ def test_variant_prefill_kv_pass(name, config):
 
 
 @gpu
-@pytest.mark.parametrize("config,kv_pass", [(CONFIGS[0], None), (CONFIGS[1], False), (CONFIGS[1], True)],
-                         ids=["ragged", "paged", "paged-kv_pass"])
+@pytest.mark.parametrize(
+    "config,kv_pass",
+    [(CONFIGS[0], None), (CONFIGS[1], False), (CONFIGS[1], True)],
+    ids=["ragged", "paged", "paged-kv_pass"],
+)
 def test_rope_prefill_long_context(config, kv_pass):
     """Appends at positions past 32k: ragged (the KV pass rotates K), paged (the producer's
     rotation of K blocks) and paged through the KV pass; angles of ~20000 rad at the lowest dims
@@ -203,8 +278,9 @@ def test_variant_prefill_hd256(name):
 def test_variant_prefill_split_kv(name):
     """Long requests cut into chunks (fixed_split_size, tile 128): sinks are added once per row,
     sigmoid weights sum over the chunks, RoPE positions are absolute, masks index whole rows."""
-    w = run_variant(name, torch.bfloat16, 128, False, True, 32, 8, 0, [300, 1, 64], [5000, 2000, 64],
-                    fixed_split_size=2048)[0]
+    w = run_variant(
+        name, torch.bfloat16, 128, False, True, 32, 8, 0, [300, 1, 64], [5000, 2000, 64], fixed_split_size=2048
+    )[0]
     assert w._plan.has_split
 
 
@@ -225,10 +301,12 @@ def test_custom_mask_cuda_graph_replay_with_new_plans():
 
     hq, hk, d, max_b, t_max, kv_max = 32, 8, 128, 3, 1024, 4096
     gen = _gen()
-    bufs = dict(qo_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device=DEV),
-                kv_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device=DEV),
-                custom_mask_buf=torch.zeros(1 << 20, dtype=torch.uint8, device=DEV),
-                mask_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device=DEV))
+    bufs = dict(
+        qo_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device=DEV),
+        kv_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device=DEV),
+        custom_mask_buf=torch.zeros(1 << 20, dtype=torch.uint8, device=DEV),
+        mask_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device=DEV),
+    )
     w = BatchPrefillWithRaggedKVCacheWrapper(_ws(DEV), use_cuda_graph=True, **bufs)
     q = torch.randn(t_max, hq, d, generator=gen).to(torch.bfloat16).to(DEV)
     k = torch.randn(kv_max, hk, d, generator=gen).to(torch.bfloat16).to(DEV)
@@ -237,9 +315,15 @@ def test_custom_mask_cuda_graph_replay_with_new_plans():
     lse = torch.empty(t_max, hq, device=DEV)
 
     def plan(qo, kv, doc):
-        mask = torch.cat([((torch.arange(b - a, b)[:, None] // doc == torch.arange(b)[None, :] // doc)
-                           & (torch.arange(b)[None, :] <= torch.arange(b - a, b)[:, None])).reshape(-1)
-                          for a, b in zip(qo, kv)])
+        mask = torch.cat(
+            [
+                (
+                    (torch.arange(b - a, b)[:, None] // doc == torch.arange(b)[None, :] // doc)
+                    & (torch.arange(b)[None, :] <= torch.arange(b - a, b)[:, None])
+                ).reshape(-1)
+                for a, b in zip(qo, kv)
+            ]
+        )
         qo_t, kv_t = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(kv), dtype=torch.int32)
         w.plan(qo_t, kv_t, hq, hk, d, custom_mask=mask, q_data_type=torch.bfloat16)
         return qo_t, kv_t, mask
@@ -266,13 +350,24 @@ def test_rope_ragged_cuda_graph_replay_with_new_plans():
     offsets from the indptr buffers, so later plans -- a smaller batch (the buffers' tail
     repeats the last offset), other lengths, a split -- replay correctly."""
     replay_ragged_plans(
-        32, 8, 128, 2048, 12000, ([1000, 24, 500, 524], [1000, 1024, 1007, 4072]),  # fixes 2048 query tokens
-        [([1, 1, 2, 2044], [1, 1, 9, 11000]),  # long: split by the planner
-         ([300, 0, 77], [5000, 9, 77]),        # a smaller batch, a request without queries
-         ([5, 7], [5, 3000])],
-        lambda q, k, v, qo_t, kv_t: _reference(q, k[:int(kv_t[-1])], v[:int(kv_t[-1])], qo_t, kv_t, torch.bfloat16,
-                                               dict(rope=(2.0, 5e5), causal=True)),
-        pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5)
+        32,
+        8,
+        128,
+        2048,
+        12000,
+        ([1000, 24, 500, 524], [1000, 1024, 1007, 4072]),  # fixes 2048 query tokens
+        [
+            ([1, 1, 2, 2044], [1, 1, 9, 11000]),  # long: split by the planner
+            ([300, 0, 77], [5000, 9, 77]),  # a smaller batch, a request without queries
+            ([5, 7], [5, 3000]),
+        ],
+        lambda q, k, v, qo_t, kv_t: _reference(
+            q, k[: int(kv_t[-1])], v[: int(kv_t[-1])], qo_t, kv_t, torch.bfloat16, dict(rope=(2.0, 5e5), causal=True)
+        ),
+        pos_encoding_mode="ROPE_LLAMA",
+        rope_scale=2.0,
+        rope_theta=5e5,
+    )
 
 
 @gpu
@@ -316,9 +411,9 @@ def test_mask_kv_bounds():
     assert b.dtype == torch.int32 and b.shape == (int(qo.sum()), 2)
     row = off = 0
     for q, k in zip(qo, kv):
-        m = flat[off:off + q * k].view(q, k)
+        m = flat[off : off + q * k].view(q, k)
         off += q * k
-        lo, hi = b[row:row + q, 0], b[row:row + q, 1]
+        lo, hi = b[row : row + q, 0], b[row : row + q, 1]
         row += q
         if q == 0:
             continue
@@ -329,9 +424,10 @@ def test_mask_kv_bounds():
         if q == 6:
             assert lo.tolist() == [0] * 6 and hi.tolist() == list(range(1, 7))
         if k == 0:
-            assert b[row - q:row].tolist() == [[0, 0]] * q
-    only_empty = mask_kv_bounds(*pack_custom_mask(torch.zeros(8, dtype=torch.bool), np.array([2]), np.array([4])),
-                                np.array([2]), np.array([4]))
+            assert b[row - q : row].tolist() == [[0, 0]] * q
+    only_empty = mask_kv_bounds(
+        *pack_custom_mask(torch.zeros(8, dtype=torch.bool), np.array([2]), np.array([4])), np.array([2]), np.array([4])
+    )
     assert only_empty.tolist() == [[4, 0], [4, 0]]
 
 
@@ -344,11 +440,11 @@ def test_pack_custom_mask_matches_segment_packbits():
     packed, indptr = pack_custom_mask(mask, np.array(qo), np.array(kv))
     ref = _segment_packbits(mask, qo, kv)
     assert indptr.tolist() == _cumsum([(q * k + 7) // 8 for q, k in zip(qo, kv)])
-    assert torch.equal(packed[:indptr[-1]], ref[:indptr[-1]])
+    assert torch.equal(packed[: indptr[-1]], ref[: indptr[-1]])
     # bit (i, j) of request b is bit (i * kv + j) of its segment, little bit order
     b, i, j = 3, 4, 11
     bit = i * kv[b] + j
-    seg = packed[indptr[b]:indptr[b + 1]]
+    seg = packed[indptr[b] : indptr[b + 1]]
     off = sum(q * k for q, k in zip(qo[:b], kv[:b]))
     assert bool((int(seg[bit // 8]) >> (bit % 8)) & 1) == bool(mask[off + bit])
     with pytest.raises(ValueError, match="sum"):
@@ -391,8 +487,13 @@ def test_resolve_variant_rules():
 
 def test_variant_prefill_specs_and_abi():
     from cute_attn.decode import _spec_variant
-    from cute_attn.prefill import (PREFILL_ARCH, VARIANT_TEST_CONFIGS, _prefill_abi, _prefill_abi_fixed,
-                                   variant_prefill_specs)
+    from cute_attn.prefill import (
+        PREFILL_ARCH,
+        VARIANT_TEST_CONFIGS,
+        _prefill_abi,
+        _prefill_abi_fixed,
+        variant_prefill_specs,
+    )
     from cute_attn.runtime.abi import ScalarArg, TensorArg
     from cute_attn.variants import abi_args, fingerprint
 
@@ -406,10 +507,14 @@ def test_variant_prefill_specs_and_abi():
     # such pass is listed
     pre = [s for s in specs if s.pdict.get("keys_transformed")]
     assert pre and all(not s.param("paged") and "RoPE" in s.param("variant") for s in pre)
-    assert all(bool(s.pdict.get("keys_transformed")) == (not s.param("paged"))
-               for s in specs if "RoPE" in s.pdict.get("variant", ""))
+    assert all(
+        bool(s.pdict.get("keys_transformed")) == (not s.param("paged"))
+        for s in specs
+        if "RoPE" in s.pdict.get("variant", "")
+    )
     assert {(s.param("dtype"), s.param("head_dim"), s.param("variant")) for s in passes if "variant" in s.pdict} == {
-        (s.param("dtype"), s.param("head_dim"), s.param("variant")) for s in pre if "Sink" not in s.param("variant")}
+        (s.param("dtype"), s.param("head_dim"), s.param("variant")) for s in pre if "Sink" not in s.param("variant")
+    }
     # the paged configurations' gathers (plan(kv_pass=...)), without a key transform too
     paged_cfgs = {(dt, d) for dt, d, ps, _ in VARIANT_TEST_CONFIGS if ps}
     assert {(s.param("dtype"), s.param("head_dim")) for s in passes if s.param("paged")} == paged_cfgs
@@ -421,14 +526,14 @@ def test_variant_prefill_specs_and_abi():
         p = s.pdict
         v = _spec_variant(p)
         abi = _prefill_abi(p)
-        assert abi[:len(fixed)] == _prefill_abi_fixed(p)
-        assert abi[len(fixed):] == abi_args(v)
+        assert abi[: len(fixed)] == _prefill_abi_fixed(p)
+        assert abi[len(fixed) :] == abi_args(v)
         if v is None:
             assert "variant" not in p  # plain specs keep their parameters (the `prefill` preset's keys)
         else:
             assert p["variant_fp"] == fingerprint(v)
             fps.add(p["variant"])
-        extra = abi[len(fixed):]
+        extra = abi[len(fixed) :]
         assert [type(a) for a in extra] == sorted((type(a) for a in extra), key=lambda t: t is ScalarArg)
         assert all(isinstance(a, (TensorArg, ScalarArg)) for a in extra)
     assert {"ALiBi", "RoPE", "AttentionSink", "CustomMask", "FlashSigmoid", "RoPE+AttentionSink"} <= fps
@@ -456,8 +561,26 @@ def test_presets_list_the_variant_specs():
 # ---- the wrappers on the CPU against an emulation of the kernel's variant contract
 
 
-def _emulate_variant_prefill(p, q, k4, v4, kv_indptr, kv_indices, out, lse, work, work_indptr, part_o, part_lse,
-                             group, sm_scale, soft_cap, window_left, num_ctas, *vargs):
+def _emulate_variant_prefill(
+    p,
+    q,
+    k4,
+    v4,
+    kv_indptr,
+    kv_indices,
+    out,
+    lse,
+    work,
+    work_indptr,
+    part_o,
+    part_lse,
+    group,
+    sm_scale,
+    soft_cap,
+    window_left,
+    num_ctas,
+    *vargs,
+):
     """What kernels/prefill_sm90.py computes for a spec with a variant, item by item (fp64):
     RoPE rotates q/k (rounded to the input dtype), the seeded biases before the soft-cap flag,
     logits hooks in order, masks intersect,
@@ -465,15 +588,15 @@ def _emulate_variant_prefill(p, q, k4, v4, kv_indptr, kv_indices, out, lse, work
     split item writes (o / s, log2 s), s = its share of the tile's kv extent."""
     from cute_attn.decode import _spec_variant
     from cute_attn.sched import workspace as ws
-    from cute_attn.variants import (ALiBi, AttentionSink, CustomMask, FlashSigmoid, RoPE, SoftCap, abi_args,
-                                    components)
+    from cute_attn.variants import ALiBi, AttentionSink, CustomMask, FlashSigmoid, RoPE, SoftCap, abi_args, components
 
     v = _spec_variant(p)
     names = [a.name for a in abi_args(v)]
     assert len(names) == len(vargs), (names, len(vargs))
     val = dict(zip(names, vargs))
-    comps = [(c, {n.split("_", 1)[1]: val[n] for n in names if n.startswith(f"v{i}_")})
-             for i, c in enumerate(components(v))]
+    comps = [
+        (c, {n.split("_", 1)[1]: val[n] for n in names if n.startswith(f"v{i}_")}) for i, c in enumerate(components(v))
+    ]
     tile = p["tile_q"]
     part_o.fill_(float("nan"))
     part_lse.fill_(float("nan"))
@@ -498,8 +621,15 @@ def _emulate_variant_prefill(p, q, k4, v4, kv_indptr, kv_indices, out, lse, work
             for comp, a in comps:
                 if isinstance(comp, RoPE):
                     rs, rt = float(a["rope_scale"]), float(a["rope_theta"])
-                    qv = torch.stack([rope_reference(qv[i:i + 1, None], qpos[i:i + 1], rs, rt)[0, 0]
-                                      for i in range(nr)]).to(q.dtype).float() if nr else qv
+                    qv = (
+                        torch.stack(
+                            [rope_reference(qv[i : i + 1, None], qpos[i : i + 1], rs, rt)[0, 0] for i in range(nr)]
+                        )
+                        .to(q.dtype)
+                        .float()
+                        if nr
+                        else qv
+                    )
                     if not p.get("keys_transformed"):  # else the key-transform pass did it
                         kk = rope_reference(kk[:, None], pos, rs, rt)[:, 0].to(q.dtype).float()
             s = qv.double() @ kk.double().T * sm_scale
@@ -564,15 +694,16 @@ def _emulate_variant_prefill(p, q, k4, v4, kv_indptr, kv_indices, out, lse, work
                 l_ = e.sum(1)
                 if sink is not None and ks == 0:
                     l_ = l_ + torch.exp2(sink - mu)
-                o = torch.where(l_[:, None] > 0, (e @ vv) / l_.clamp_min(1e-300)[:, None],
-                                torch.zeros(1, dtype=torch.float64))
+                o = torch.where(
+                    l_[:, None] > 0, (e @ vv) / l_.clamp_min(1e-300)[:, None], torch.zeros(1, dtype=torch.float64)
+                )
                 row_lse = mu + torch.log2(l_)
             if dest < 0:
                 out[qoff + tok, heads] = o.to(out.dtype)
                 lse[qoff + tok, heads] = row_lse.float()
             else:
-                part_o[dest * tile:dest * tile + nr] = o.float()
-                part_lse[dest * tile:dest * tile + nr] = row_lse.float()
+                part_o[dest * tile : dest * tile + nr] = o.float()
+                part_lse[dest * tile : dest * tile + nr] = row_lse.float()
 
 
 @pytest.fixture
@@ -582,26 +713,54 @@ def emu(monkeypatch):
     calls = []
     monkeypatch.setattr(P, "arch_of_index", lambda i: "sm_90a")
     monkeypatch.setattr(P, "sm_count_of_index", lambda i: 8)
-    monkeypatch.setattr(P, "kernel", lambda family, arch, **params: _Emulated(
-        family, params, calls, _emulate_variant_prefill))
+    monkeypatch.setattr(
+        P, "kernel", lambda family, arch, **params: _Emulated(family, params, calls, _emulate_variant_prefill)
+    )
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     return calls
 
 
-CPU_CONFIGS = [("bf16", 64, False, True, 8, 2, 0), ("f16", 64, True, False, 4, 4, 16), ("bf16", 64, True, True, 8, 2, 1)]
+CPU_CONFIGS = [
+    ("bf16", 64, False, True, 8, 2, 0),
+    ("f16", 64, True, False, 4, 4, 16),
+    ("bf16", 64, True, True, 8, 2, 1),
+]
 
 
-@pytest.mark.parametrize("config,kv_pass", [(c, None) for c in CPU_CONFIGS] + [(c, True) for c in CPU_CONFIGS if c[2]],
-                         ids=lambda x: (f"{x[0]}-{'paged' if x[2] else 'ragged'}-c{int(x[3])}" if isinstance(x, tuple)
-                                        else "auto" if x is None else "kv_pass"))
+@pytest.mark.parametrize(
+    "config,kv_pass",
+    [(c, None) for c in CPU_CONFIGS] + [(c, True) for c in CPU_CONFIGS if c[2]],
+    ids=lambda x: (
+        f"{x[0]}-{'paged' if x[2] else 'ragged'}-c{int(x[3])}"
+        if isinstance(x, tuple)
+        else "auto"
+        if x is None
+        else "kv_pass"
+    ),
+)
 @pytest.mark.parametrize("name", NAMES)
 def test_cpu_variant_wiring(emu, name, config, kv_pass):
     dt, d, paged, causal, hq, hk, ps = config
     qo, kv = [1, 17, 40, 0, 9], [1, 40, 90, 9, 9]
-    run_variant(name, DTYPES[dt], d, paged, causal, hq, hk, ps, qo, kv, seed=11, device="cpu", workspace=_cpu_ws(),
-                packed=paged, **({} if kv_pass is None else dict(kv_pass=kv_pass)))
+    run_variant(
+        name,
+        DTYPES[dt],
+        d,
+        paged,
+        causal,
+        hq,
+        hk,
+        ps,
+        qo,
+        kv,
+        seed=11,
+        device="cpu",
+        workspace=_cpu_ws(),
+        packed=paged,
+        **({} if kv_pass is None else dict(kv_pass=kv_pass)),
+    )
     fams = [c[0] for c in emu]
     fam, params = emu[fams.index("batch_prefill_sm90")]
     # RoPE over ragged KV, or a paged cache the KV pass gathers: the pass, then a kernel that
@@ -627,8 +786,22 @@ def test_cpu_variant_split(emu, name):
     """8 emulated SMs, fixed_split_size: chunks + merge, sinks once per row, sigmoid sums."""
     # 300 queries x group 2 = 5 tiles: causal tiles before the last end at their last row's
     # diagonal (the sigmoid share is of that extent, not of kv_len)
-    w = run_variant(name, torch.bfloat16, 64, False, True, 4, 2, 0, [300, 1], [3000, 700], seed=3, device="cpu",
-                    workspace=_cpu_ws(), fixed_split_size=1024)[0]
+    w = run_variant(
+        name,
+        torch.bfloat16,
+        64,
+        False,
+        True,
+        4,
+        2,
+        0,
+        [300, 1],
+        [3000, 700],
+        seed=3,
+        device="cpu",
+        workspace=_cpu_ws(),
+        fixed_split_size=1024,
+    )[0]
     assert w._plan.has_split and [c[0] for c in emu].count("merge_partials") == 1
 
 
@@ -637,8 +810,19 @@ def test_cpu_variant_errors(emu):
 
     w = BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws())
     ind = torch.tensor([0, 8], dtype=torch.int32)
-    plan = lambda **kw: w.plan(**dict(dict(qo_indptr=ind, kv_indptr=ind, num_qo_heads=8, num_kv_heads=2,  # noqa: E731
-                                           head_dim_qk=64, q_data_type=torch.bfloat16), **kw))
+    plan = lambda **kw: w.plan(
+        **dict(
+            dict(
+                qo_indptr=ind,
+                kv_indptr=ind,
+                num_qo_heads=8,
+                num_kv_heads=2,  # noqa: E731
+                head_dim_qk=64,
+                q_data_type=torch.bfloat16,
+            ),
+            **kw,
+        )
+    )
     with pytest.raises(ValueError, match="pos_encoding_mode"):
         plan(pos_encoding_mode="ROPE")
     with pytest.raises(TypeError, match="Variant"):
@@ -661,7 +845,17 @@ def test_cpu_variant_errors(emu):
         w.run(q, k, k, torch.zeros(1))
     pw = BatchPrefillWithPagedKVCacheWrapper(_cpu_ws())
     pages = torch.tensor([0, 1], dtype=torch.int32)
-    pw.plan(ind, pages, torch.tensor([0]), torch.tensor([8]), 8, 2, 64, 16, q_data_type=torch.bfloat16,
-            pos_encoding_mode="ALIBI")
+    pw.plan(
+        ind,
+        pages,
+        torch.tensor([0]),
+        torch.tensor([8]),
+        8,
+        2,
+        64,
+        16,
+        q_data_type=torch.bfloat16,
+        pos_encoding_mode="ALIBI",
+    )
     pw.run(q, torch.zeros(2, 2, 16, 2, 64, dtype=torch.bfloat16), sinks=torch.zeros(8))
     assert emu[-1][1]["variant"] == "ALiBi+AttentionSink"

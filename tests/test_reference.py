@@ -169,9 +169,7 @@ def test_gqa_head_mapping():
     torch.testing.assert_close(out, out2, **F64)
     torch.testing.assert_close(lse, lse2, **F64)
     # a wrong mapping (h % num_kv_heads) would differ
-    out3, _ = ragged_reference(
-        q, k.repeat(1, 4, 1), v.repeat(1, 4, 1), qi, ki, causal=True, dtype=torch.float64
-    )
+    out3, _ = ragged_reference(q, k.repeat(1, 4, 1), v.repeat(1, 4, 1), qi, ki, causal=True, dtype=torch.float64)
     assert not torch.allclose(out, out3)
 
 
@@ -199,9 +197,7 @@ def test_custom_mask(causal):
         for i in range(a):
             c[i, i + b - a] = True  # every row keeps its (bottom-right) diagonal key
         customs.append(c)
-    out, lse = ragged_reference(
-        q, k, v, qi, ki, causal=causal, custom_mask=flat_mask(customs), dtype=torch.float64
-    )
+    out, lse = ragged_reference(q, k, v, qi, ki, causal=causal, custom_mask=flat_mask(customs), dtype=torch.float64)
     masks = [keep_mask(a, b, causal=causal, custom=c) for a, b, c in zip(qo, kv, customs)]
     for m in masks:
         assert m.any(1).all()
@@ -224,9 +220,7 @@ def test_soft_cap_direct_formula():
     q, k, v, qi, ki = make_batch(g, qo, kv, 4, 2, 64)
     q = q * 4  # large logits so the cap matters
     cap, scale = 5.0, 0.2
-    out, lse = ragged_reference(
-        q, k, v, qi, ki, causal=True, logits_soft_cap=cap, sm_scale=scale, dtype=torch.float64
-    )
+    out, lse = ragged_reference(q, k, v, qi, ki, causal=True, logits_soft_cap=cap, sm_scale=scale, dtype=torch.float64)
     out_nocap, _ = ragged_reference(q, k, v, qi, ki, causal=True, sm_scale=scale, dtype=torch.float64)
     assert not torch.allclose(out, out_nocap)
     for b in range(2):
@@ -259,14 +253,16 @@ def test_empty_rows_no_nan():
     # req2: custom mask hides row 0 and 2 entirely; req3: qo_len 0
     qo, kv = [3, 7, 4, 0], [0, 3, 6, 5]
     q, k, v, qi, ki = make_batch(g, qo, kv, 4, 2, 32)
-    customs = [torch.zeros(3, 0, dtype=torch.bool), torch.ones(7, 3, dtype=torch.bool), torch.ones(4, 6, dtype=torch.bool),
-               torch.zeros(0, 5, dtype=torch.bool)]
+    customs = [
+        torch.zeros(3, 0, dtype=torch.bool),
+        torch.ones(7, 3, dtype=torch.bool),
+        torch.ones(4, 6, dtype=torch.bool),
+        torch.zeros(0, 5, dtype=torch.bool),
+    ]
     customs[2][0] = False
     customs[2][2] = False
     for dtype in (torch.float32, torch.float64):
-        out, lse = ragged_reference(
-            q, k, v, qi, ki, causal=True, custom_mask=flat_mask(customs), dtype=dtype
-        )
+        out, lse = ragged_reference(q, k, v, qi, ki, causal=True, custom_mask=flat_mask(customs), dtype=dtype)
         assert not torch.isnan(out).any() and not torch.isnan(lse).any()
         _assert_empty(out, lse, slice(0, 3))  # kv_len 0
         _assert_empty(out, lse, slice(3, 7))  # causal, rows 0..3 of req1
@@ -331,7 +327,12 @@ def make_paged(g, k, v, kv_lens, page_size, layout, single_tensor, extra_pages=3
     if layout == "HND":
         kc, vc = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
     cache = torch.stack([kc, vc], dim=1) if single_tensor else (kc, vc)
-    return cache, torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int32), torch.tensor(last, dtype=torch.int32)
+    return (
+        cache,
+        torch.tensor(indptr, dtype=torch.int32),
+        torch.tensor(indices, dtype=torch.int32),
+        torch.tensor(last, dtype=torch.int32),
+    )
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16])
@@ -398,8 +399,13 @@ def test_single_reference():
     got = single_reference(q, k, v, causal=True, custom_mask=cm, dtype=torch.float64)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     got = single_reference(
-        q, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), kv_layout="HND",
-        causal=True, custom_mask=cm, dtype=torch.float64,
+        q,
+        k.transpose(0, 1).contiguous(),
+        v.transpose(0, 1).contiguous(),
+        kv_layout="HND",
+        causal=True,
+        custom_mask=cm,
+        dtype=torch.float64,
     )
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     # decode: q [H, D] -> out [H, D], lse [H]; equals the last row of a causal prefill
@@ -505,8 +511,16 @@ def test_property_vs_naive(lens, group, causal, window_left, cap, use_mask, seed
     q, k, v, qi, ki = make_batch(g, qo, kv, hk * group, hk, 8)
     customs = [torch.rand(a, b, generator=g) < 0.7 for a, b in lens] if use_mask else None
     out, lse = ragged_reference(
-        q, k, v, qi, ki, causal=causal, window_left=window_left, logits_soft_cap=cap,
-        custom_mask=flat_mask(customs) if use_mask else None, dtype=torch.float64,
+        q,
+        k,
+        v,
+        qi,
+        ki,
+        causal=causal,
+        window_left=window_left,
+        logits_soft_cap=cap,
+        custom_mask=flat_mask(customs) if use_mask else None,
+        dtype=torch.float64,
     )
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     scale = 1 / math.sqrt(8)
@@ -626,8 +640,15 @@ def test_cuda_matches_cpu():
     for dtype, tol in ((torch.float32, F32), (torch.float64, F64)):
         ref = paged_reference(q, cache, qi, pi, pidx, last, kv_layout="HND", dtype=dtype, **kw)
         got = paged_reference(
-            q.to(dev), cache.to(dev), qi.to(dev), pi.to(dev), pidx.to(dev), last.to(dev),
-            kv_layout="HND", dtype=dtype, **kw,
+            q.to(dev),
+            cache.to(dev),
+            qi.to(dev),
+            pi.to(dev),
+            pidx.to(dev),
+            last.to(dev),
+            kv_layout="HND",
+            dtype=dtype,
+            **kw,
         )
         assert got[0].device.type == "cuda" and got[0].dtype == dtype
         torch.testing.assert_close(got[0].cpu(), ref[0], **tol)

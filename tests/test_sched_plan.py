@@ -1,9 +1,11 @@
 """Scheduler properties (CPU only): exact cover, LPT bound, determinism, fixed workspace
 offsets, batch invariance, input validation, upload without device synchronization."""
+
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from cute_attn.sched import Limits, Planner, WorkspaceLayout, kv_lens_from_paged, kv_lens_from_ragged
 from cute_attn.sched import workspace as ws
@@ -11,8 +13,9 @@ from cute_attn.sched.assign import Snake, lpt_assign, refine_pairs, wrap_fill
 from cute_attn.sched.check import verify_plan
 from cute_attn.sched.cost import MIN_CHUNK_FLOOR, min_chunk_len
 
-LIM = Limits(max_batch=48, max_total_q_tokens=4096, num_qo_heads=8, num_kv_heads=4, head_dim=64,
-             max_partial_rows=1 << 18)
+LIM = Limits(
+    max_batch=48, max_total_q_tokens=4096, num_qo_heads=8, num_kv_heads=4, head_dim=64, max_partial_rows=1 << 18
+)
 SETTINGS = settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -24,26 +27,41 @@ def batches(draw):
         q = [1] * b
     else:
         q = draw(st.lists(st.integers(0, 64 if kind == "mixed" else 160), min_size=b, max_size=b))
-    kv = draw(st.lists(st.one_of(st.integers(0, 2), st.integers(0, 3000), st.integers(0, 60000)),
-                       min_size=b, max_size=b))
+    kv = draw(
+        st.lists(st.one_of(st.integers(0, 2), st.integers(0, 3000), st.integers(0, 60000)), min_size=b, max_size=b)
+    )
     if draw(st.booleans()) and b:  # causal needs kv >= q only for bottom-right rows to see keys
         kv = [max(k, x) for k, x in zip(kv, q)]
     hk = draw(st.sampled_from([1, 2, 4]))
     hq = hk * draw(st.sampled_from([1, 2]))
-    return dict(q=np.array(q, np.int64), kv=np.array(kv, np.int64), hq=hq, hk=hk,
-                causal=draw(st.booleans()), page=draw(st.sampled_from([1, 16, 64])),
-                sms=draw(st.integers(1, 40)), per_sm=draw(st.sampled_from([1, 2])),
-                tile=draw(st.sampled_from([None, None, 16, 64, 128])),
-                min_chunk=draw(st.sampled_from([16, 256])),
-                tol=draw(st.sampled_from([0.05, 0.05, 0.0])))  # 0: split whenever it helps
+    return dict(
+        q=np.array(q, np.int64),
+        kv=np.array(kv, np.int64),
+        hq=hq,
+        hk=hk,
+        causal=draw(st.booleans()),
+        page=draw(st.sampled_from([1, 16, 64])),
+        sms=draw(st.integers(1, 40)),
+        per_sm=draw(st.sampled_from([1, 2])),
+        tile=draw(st.sampled_from([None, None, 16, 64, 128])),
+        min_chunk=draw(st.sampled_from([16, 256])),
+        tol=draw(st.sampled_from([0.05, 0.05, 0.0])),
+    )  # 0: split whenever it helps
 
 
 def _plan(d, planner=None, **kw):
-    pl = planner or Planner(LIM, d["sms"], d["per_sm"], min_kv_chunk=d["min_chunk"],
-                            balance_tol=d["tol"])
+    pl = planner or Planner(LIM, d["sms"], d["per_sm"], min_kv_chunk=d["min_chunk"], balance_tol=d["tol"])
     qi = np.r_[0, np.cumsum(d["q"])]
-    p = pl.plan(qi, d["kv"], causal=d["causal"], page_size=d["page"], num_qo_heads=d["hq"],
-                num_kv_heads=d["hk"], cta_tile_q=d["tile"], **kw)
+    p = pl.plan(
+        qi,
+        d["kv"],
+        causal=d["causal"],
+        page_size=d["page"],
+        num_qo_heads=d["hq"],
+        num_kv_heads=d["hk"],
+        cta_tile_q=d["tile"],
+        **kw,
+    )
     return pl, qi, p
 
 
@@ -94,8 +112,17 @@ def test_batch_invariant_mode(d, split):
         verify_plan(p, qi, case["kv"], case["hk"])
         w = p.work_items[p.work_items[:, ws.W_REQ] == idx]
         key = np.lexsort((w[:, ws.W_CHUNK], w[:, ws.W_ROW_START], w[:, ws.W_KV_HEAD]))
-        cols = [ws.W_KV_HEAD, ws.W_ROW_START, ws.W_NUM_ROWS, ws.W_KV_START, ws.W_KV_END, ws.W_QO_LEN,
-                ws.W_KV_LEN, ws.W_CHUNK, ws.W_NUM_CHUNKS]
+        cols = [
+            ws.W_KV_HEAD,
+            ws.W_ROW_START,
+            ws.W_NUM_ROWS,
+            ws.W_KV_START,
+            ws.W_KV_END,
+            ws.W_QO_LEN,
+            ws.W_KV_LEN,
+            ws.W_CHUNK,
+            ws.W_NUM_CHUNKS,
+        ]
         mine.append((w[key][:, cols], (w[key][:, ws.W_DEST] >= 0), p.cta_tile_q))
         # Chunks sit at multiples of the split size; merge order = chunk order = kv order.
         assert (w[:, ws.W_KV_START] == w[:, ws.W_CHUNK] * split).all()
@@ -104,8 +131,7 @@ def test_batch_invariant_mode(d, split):
 
 
 def test_batch_invariant_tile_from_limits():
-    lim = Limits(max_batch=8, max_total_q_tokens=512, num_qo_heads=4, num_kv_heads=4, head_dim=64,
-                 max_qo_len=1)
+    lim = Limits(max_batch=8, max_total_q_tokens=512, num_qo_heads=4, num_kv_heads=4, head_dim=64, max_qo_len=1)
     p = Planner(lim, 8).plan([0, 1, 2], [100, 5000], kv_split_size=512)
     assert p.cta_tile_q == 16  # decode wrapper: max_qo_len 1 -> 16, whatever the batch
 
@@ -159,8 +185,8 @@ def test_upload_layout_and_no_sync(monkeypatch):
     v = pl.layout.views(wsb)
     assert torch.equal(v["meta"], torch.from_numpy(p.meta))
     assert torch.equal(v["work_indptr"], torch.from_numpy(p.work_indptr))
-    assert torch.equal(v["work_items"][:p.num_work_items], torch.from_numpy(p.work_items))
-    assert torch.equal(v["merge_tasks"][:p.num_merge_tasks], torch.from_numpy(p.merge_tasks))
+    assert torch.equal(v["work_items"][: p.num_work_items], torch.from_numpy(p.work_items))
+    assert torch.equal(v["merge_tasks"][: p.num_merge_tasks], torch.from_numpy(p.merge_tasks))
     assert int(v["meta"][ws.META_BATCH_SIZE]) == 3 and int(v["meta"][ws.META_TOTAL_QO_ROWS]) == 40
 
 
@@ -169,7 +195,10 @@ def test_staging_buffers_rotate():
     a = pl.plan([0, 1], [10])
     a_bytes = [getattr(a, f).tobytes() for f in ("work_items", "work_indptr", "meta", "cta_cost")]
     b = pl.plan([0, 1, 2], [10, 20])
-    w1, w2 = torch.zeros(pl.layout.total_bytes, dtype=torch.uint8), torch.zeros(pl.layout.total_bytes, dtype=torch.uint8)
+    w1, w2 = (
+        torch.zeros(pl.layout.total_bytes, dtype=torch.uint8),
+        torch.zeros(pl.layout.total_bytes, dtype=torch.uint8),
+    )
     pl.upload(w2)  # the last plan
     assert int(pl.layout.views(w2)["meta"][ws.META_NUM_WORK_ITEMS]) == b.num_work_items
     with pytest.raises(ValueError, match="workspace has"):
@@ -195,38 +224,45 @@ def test_kv_lens_helpers():
         kv_lens_from_paged([0, 2, 5], [1, 1], 4, kv_indices=[0, 1, 2])
 
 
-@pytest.mark.parametrize("args, kw, msg", [
-    (([0, 3, 12, 9, 20], [1, 1, 1, 1]), {}, r"qo_indptr is not non-decreasing at index 3 \(12 > 9\)"),
-    (([1, 3], [1]), {}, r"qo_indptr\[0\] must be 0, got 1"),
-    (([0, 1, 2], [5, -1]), {}, r"kv_lens\[1\] is negative \(-1\)"),
-    (([0, 1, 2], [5]), {}, r"kv_lens must have length 2, got 1"),
-    (([0, 1], [2**31]), {}, r"kv_lens\[0\] = 2147483648 exceeds max_kv_len"),
-    ((np.arange(50), np.ones(49, int)), {}, r"batch size 49 .* exceeds max_batch \(48\)"),
-    (([0, 5000], [1]), {}, r"qo_indptr\[-1\] = 5000 query tokens exceeds max_total_q_tokens \(4096\)"),
-    (([0, 1], [1]), {"num_qo_heads": 6, "num_kv_heads": 4}, r"not a multiple of num_kv_heads"),
-    (([0, 1], [1]), {"num_kv_heads": 8}, r"exceed the limits"),
-    (([0, 1], [1]), {"cta_tile_q": 24}, r"cta_tile_q must be a multiple of 16"),
-    (([0, 1], [1]), {"page_size": 0}, r"page_size must be a positive int"),
-    (([0, 1], [1]), {"kv_split_size": 0}, r"kv_split_size must be a positive int"),
-    (([[0, 1]], [1]), {}, r"qo_indptr must be 1-D"),
-    (([0.0, 1.5], [1]), {}, r"qo_indptr must hold integers"),
-])
+@pytest.mark.parametrize(
+    "args, kw, msg",
+    [
+        (([0, 3, 12, 9, 20], [1, 1, 1, 1]), {}, r"qo_indptr is not non-decreasing at index 3 \(12 > 9\)"),
+        (([1, 3], [1]), {}, r"qo_indptr\[0\] must be 0, got 1"),
+        (([0, 1, 2], [5, -1]), {}, r"kv_lens\[1\] is negative \(-1\)"),
+        (([0, 1, 2], [5]), {}, r"kv_lens must have length 2, got 1"),
+        (([0, 1], [2**31]), {}, r"kv_lens\[0\] = 2147483648 exceeds max_kv_len"),
+        ((np.arange(50), np.ones(49, int)), {}, r"batch size 49 .* exceeds max_batch \(48\)"),
+        (([0, 5000], [1]), {}, r"qo_indptr\[-1\] = 5000 query tokens exceeds max_total_q_tokens \(4096\)"),
+        (([0, 1], [1]), {"num_qo_heads": 6, "num_kv_heads": 4}, r"not a multiple of num_kv_heads"),
+        (([0, 1], [1]), {"num_kv_heads": 8}, r"exceed the limits"),
+        (([0, 1], [1]), {"cta_tile_q": 24}, r"cta_tile_q must be a multiple of 16"),
+        (([0, 1], [1]), {"page_size": 0}, r"page_size must be a positive int"),
+        (([0, 1], [1]), {"kv_split_size": 0}, r"kv_split_size must be a positive int"),
+        (([[0, 1]], [1]), {}, r"qo_indptr must be 1-D"),
+        (([0.0, 1.5], [1]), {}, r"qo_indptr must hold integers"),
+    ],
+)
 def test_validation_errors(args, kw, msg):
     with pytest.raises(ValueError, match=msg):
         Planner(LIM, 4).plan(*args, **kw)
 
 
 def test_partial_capacity_error_in_invariant_mode():
-    lim = Limits(max_batch=4, max_total_q_tokens=64, num_qo_heads=4, num_kv_heads=4, head_dim=64,
-                 max_partial_rows=64)
+    lim = Limits(max_batch=4, max_total_q_tokens=64, num_qo_heads=4, num_kv_heads=4, head_dim=64, max_partial_rows=64)
     with pytest.raises(ValueError, match="partial slots"):
         Planner(lim, 4).plan([0, 1], [100000], kv_split_size=16)
 
 
 def test_empty_and_degenerate_batches():
     pl = Planner(LIM, 8)
-    for qi, kv, causal in (([0], [], False), ([0, 0, 0], [5, 0], True), ([0, 1, 2], [0, 0], False),
-                           ([0, 5], [2], True), ([0, 1], [1], True)):
+    for qi, kv, causal in (
+        ([0], [], False),
+        ([0, 0, 0], [5, 0], True),
+        ([0, 1, 2], [0, 0], False),
+        ([0, 5], [2], True),
+        ([0, 1], [1], True),
+    ):
         p = pl.plan(qi, kv, causal=causal)
         verify_plan(p, qi, kv, LIM.num_kv_heads)
     p = pl.plan([0, 5], [2], causal=True)  # 5 queries, 2 keys: the first 3 rows see nothing
@@ -267,8 +303,13 @@ def test_snake_tables(c):
 
 
 @SETTINGS
-@given(st.lists(st.integers(0, 20000), min_size=1, max_size=60), st.integers(1, 40),
-       st.sampled_from([0, 32, 256]), st.sampled_from([1, 16, 64]), st.sampled_from([16, 64, 256]))
+@given(
+    st.lists(st.integers(0, 20000), min_size=1, max_size=60),
+    st.integers(1, 40),
+    st.sampled_from([0, 32, 256]),
+    st.sampled_from([1, 16, 64]),
+    st.sampled_from([16, 64, 256]),
+)
 def test_wrap_fill(ext, c, per_item, page, m):
     """Pieces tile every item in order, cuts are page-aligned and leave >= m, CTAs are
     non-decreasing, loads are the pieces' costs."""
@@ -307,8 +348,7 @@ def _lengths(dist, b, rng):
 def test_decode_balance_targets(dist, b):
     """Issue 3's balance target on the H100/H200 grid (132 CTAs, 32/8 heads, page 16):
     max / mean CTA cost <= 1.05 on average over seeds (and <= 1.06 for each)."""
-    lim = Limits(max_batch=1024, max_total_q_tokens=32768, num_qo_heads=32, num_kv_heads=8,
-                 head_dim=128)
+    lim = Limits(max_batch=1024, max_total_q_tokens=32768, num_qo_heads=32, num_kv_heads=8, head_dim=128)
     pl = Planner(lim, 132)
     ratios = []
     for seed in range(10):
@@ -322,8 +362,7 @@ def test_decode_balance_targets(dist, b):
 
 def test_uniform_decode_is_not_split():
     """Equal-ish decode items are balanced whole (snake / LPT): no partials, no merge."""
-    lim = Limits(max_batch=1024, max_total_q_tokens=32768, num_qo_heads=32, num_kv_heads=8,
-                 head_dim=128)
+    lim = Limits(max_batch=1024, max_total_q_tokens=32768, num_qo_heads=32, num_kv_heads=8, head_dim=128)
     pl = Planner(lim, 132)
     for b, seed in ((64, 0), (256, 1), (1024, 2)):
         kv = np.random.default_rng(seed).integers(512, 8193, b)
@@ -359,8 +398,7 @@ def test_prefill_balance_targets(dist, b):
     """Causal chunked prefill (qo <= 512 of the kv tail), 132 CTAs: max / mean <= 1.05 on
     average over seeds; a single small batch may stay up to ~7 % above, where cutting would
     cost more per-item overhead than it saves (the plan with the lower makespan wins)."""
-    lim = Limits(max_batch=1024, max_total_q_tokens=32768, num_qo_heads=32, num_kv_heads=8,
-                 head_dim=128)
+    lim = Limits(max_batch=1024, max_total_q_tokens=32768, num_qo_heads=32, num_kv_heads=8, head_dim=128)
     pl = Planner(lim, 132)
     ratios = []
     for seed in range(10):
@@ -384,9 +422,17 @@ def test_lognormal_decode_few_items_per_cta_and_few_splits(tol, alpha):
     Such a batch must get at most 2x the mean number of items on any CTA and at most 10 %
     of its (tile, kv head) pairs split, within the balance target."""
     import random
+
     b = 128
-    lim = Limits(max_batch=b, max_total_q_tokens=b, num_qo_heads=32, num_kv_heads=8,
-                 head_dim=128, max_qo_len=1, max_partial_rows=8 * 264 * 16)
+    lim = Limits(
+        max_batch=b,
+        max_total_q_tokens=b,
+        num_qo_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_qo_len=1,
+        max_partial_rows=8 * 264 * 16,
+    )
     pl = Planner(lim, 132, 2, balance_tol=tol, alpha=alpha, pin_memory=False)
     for seed in range(8):
         rng = random.Random(seed)
@@ -409,14 +455,14 @@ def test_prefill_items_ordered_for_l2_reuse(causal):
     changes no CTA's load and the plan stays a valid exact cover."""
     s, h = 8192, 16
     qo = np.array([0, s, 2 * s])
-    lim = Limits(max_batch=2, max_total_q_tokens=2 * s, num_qo_heads=h, num_kv_heads=h, head_dim=128,
-                 max_partial_rows=128 * 132)
-    p = Planner(lim, 132, 1).plan(qo, np.array([s, s]), causal=causal, num_qo_heads=h, num_kv_heads=h,
-                                  cta_tile_q=128)
+    lim = Limits(
+        max_batch=2, max_total_q_tokens=2 * s, num_qo_heads=h, num_kv_heads=h, head_dim=128, max_partial_rows=128 * 132
+    )
+    p = Planner(lim, 132, 1).plan(qo, np.array([s, s]), causal=causal, num_qo_heads=h, num_kv_heads=h, cta_tile_q=128)
     verify_plan(p, qo, np.array([s, s]), h)
-    w, ind = p.work_items[:p.num_work_items], p.work_indptr
+    w, ind = p.work_items[: p.num_work_items], p.work_indptr
     for c in range(132):
-        seg = w[ind[c]:ind[c + 1]]
+        seg = w[ind[c] : ind[c + 1]]
         key = [(r[ws.W_REQ], r[ws.W_KV_HEAD], -r[ws.W_ROW_START]) for r in seg]
         assert key == sorted(key)
     # at the k-th item of every CTA, only a few (request, head) pairs are in use (was 16-32)

@@ -14,15 +14,16 @@ no key: out 0, LSE -inf.
 CPU tests (run in CI): the same mapping with the prefill kernel emulated (``test_prefill_gpu``'s
 ``emu`` fixture), the mask layout conversion, and the argument errors.
 """
+
 import random
 
 import numpy as np
 import pytest
 import torch
+from test_prefill_gpu import _cpu_ws, _gen, check, emu  # noqa: F401
 
 from cute_attn.prefill import pack_custom_mask
 from cute_attn.testing import single_reference
-from test_prefill_gpu import _cpu_ws, _gen, check, emu  # noqa: F401
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -49,12 +50,28 @@ def dense_mask(M, N, R, C, indptr, indices, mask=None):
     for i in range(len(ip) - 1):
         for z in range(ip[i], ip[i + 1]):
             j = int(indices[z])
-            full[i * R:(i + 1) * R, j * C:(j + 1) * C] = True if mask is None else mask[z].cpu()
+            full[i * R : (i + 1) * R, j * C : (j + 1) * C] = True if mask is None else mask[z].cpu()
     return full[:M]
 
 
-def run_bsr(M, N, R, C, hq, hk, d, dtype, *, density=0.3, with_mask=None, soft_cap=None, device=DEV, workspace=None,
-            seed=None, **plan_kw):
+def run_bsr(
+    M,
+    N,
+    R,
+    C,
+    hq,
+    hk,
+    d,
+    dtype,
+    *,
+    density=0.3,
+    with_mask=None,
+    soft_cap=None,
+    device=DEV,
+    workspace=None,
+    seed=None,
+    **plan_kw,
+):
     from cute_attn import BlockSparseAttentionWrapper
 
     gen = _gen(seed)
@@ -70,19 +87,22 @@ def run_bsr(M, N, R, C, hq, hk, d, dtype, *, density=0.3, with_mask=None, soft_c
             from cute_attn.sparse import convert_bsr_mask_layout
 
             nblk = (indptr[1:] - indptr[:-1]).numpy()
-            kw["packed_mask"] = pack_custom_mask(convert_bsr_mask_layout(mask, indptr), np.full(nblk.shape, R),
-                                                 nblk * C)[0].to(device)
+            kw["packed_mask"] = pack_custom_mask(
+                convert_bsr_mask_layout(mask, indptr), np.full(nblk.shape, R), nblk * C
+            )[0].to(device)
         else:
             kw["mask"] = mask.to(device)
-    w = BlockSparseAttentionWrapper(workspace if workspace is not None else torch.empty(256 << 20, dtype=torch.uint8,
-                                                                                        device=device))
+    w = BlockSparseAttentionWrapper(
+        workspace if workspace is not None else torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    )
     w.plan(indptr, indices, M, N, R, C, hq, hk, d, q_data_type=dtype, logits_soft_cap=soft_cap, **kw)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((M, hq), float("nan"), device=device)
     got = w.run(q, k, v, out=out, lse=lse, return_lse=True)
     assert got[0] is out and got[1] is lse
-    ref_o, ref_lse = single_reference(q, k, v, custom_mask=dense_mask(M, N, R, C, indptr, indices, mask).to(device),
-                                      logits_soft_cap=soft_cap)
+    ref_o, ref_lse = single_reference(
+        q, k, v, custom_mask=dense_mask(M, N, R, C, indptr, indices, mask).to(device), logits_soft_cap=soft_cap
+    )
     check(out, lse, ref_o, ref_lse, dtype)
     return w
 
@@ -94,8 +114,9 @@ def _sizes(total, n, gen):
     return [b - a for a, b in zip(edges, edges[1:])]
 
 
-def run_vbsr(hq, hk, M, N, mb, nb, d, dtype, *, density=0.4, soft_cap=None, device=DEV, workspace=None, seed=None,
-             **plan_kw):
+def run_vbsr(
+    hq, hk, M, N, mb, nb, d, dtype, *, density=0.4, soft_cap=None, device=DEV, workspace=None, seed=None, **plan_kw
+):
     from cute_attn import VariableBlockSparseAttentionWrapper
 
     gen = _gen(seed)
@@ -105,10 +126,20 @@ def run_vbsr(hq, hk, M, N, mb, nb, d, dtype, *, density=0.4, soft_cap=None, devi
     q = torch.randn(hq, M, d, generator=gen).to(dtype).to(device)
     k = torch.randn(hk, N, d, generator=gen).to(dtype).to(device)
     v = torch.randn(hk, N, d, generator=gen).to(dtype).to(device)
-    w = VariableBlockSparseAttentionWrapper(workspace if workspace is not None else
-                                            torch.empty(256 << 20, dtype=torch.uint8, device=device))
-    w.plan(bmap.to(device), rows.to(device), cols.to(device), hq, hk, d, q_data_type=dtype, logits_soft_cap=soft_cap,
-           **plan_kw)
+    w = VariableBlockSparseAttentionWrapper(
+        workspace if workspace is not None else torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    )
+    w.plan(
+        bmap.to(device),
+        rows.to(device),
+        cols.to(device),
+        hq,
+        hk,
+        d,
+        q_data_type=dtype,
+        logits_soft_cap=soft_cap,
+        **plan_kw,
+    )
     out = torch.full_like(q, float("nan"))
     lse = torch.full((hq, M), float("nan"), device=device)
     got = w.run(q, k, v, out=out, lse=lse, return_lse=True)
@@ -120,13 +151,23 @@ def run_vbsr(hq, hk, M, N, mb, nb, d, dtype, *, density=0.4, soft_cap=None, devi
         c_off = [0] + torch.cumsum(cols[h], 0).tolist()
         dense = torch.zeros(M, N, dtype=torch.bool)
         for i, j in bmap[h].nonzero().tolist():
-            dense[r_off[i]:r_off[i + 1], c_off[j]:c_off[j + 1]] = True
-        o, s = single_reference(q[h * g:(h + 1) * g].transpose(0, 1), k[h].unsqueeze(1), v[h].unsqueeze(1),
-                                custom_mask=dense.to(device), logits_soft_cap=soft_cap)
+            dense[r_off[i] : r_off[i + 1], c_off[j] : c_off[j + 1]] = True
+        o, s = single_reference(
+            q[h * g : (h + 1) * g].transpose(0, 1),
+            k[h].unsqueeze(1),
+            v[h].unsqueeze(1),
+            custom_mask=dense.to(device),
+            logits_soft_cap=soft_cap,
+        )
         ref_o.append(o.transpose(0, 1))
         ref_lse.append(s.transpose(0, 1))
-    check(out.transpose(0, 1), lse.transpose(0, 1), torch.cat(ref_o).transpose(0, 1),
-          torch.cat(ref_lse).transpose(0, 1), dtype)
+    check(
+        out.transpose(0, 1),
+        lse.transpose(0, 1),
+        torch.cat(ref_o).transpose(0, 1),
+        torch.cat(ref_lse).transpose(0, 1),
+        dtype,
+    )
     return w
 
 
@@ -134,14 +175,17 @@ def run_vbsr(hq, hk, M, N, mb, nb, d, dtype, *, density=0.4, soft_cap=None, devi
 
 
 @gpu
-@pytest.mark.parametrize("M,N,R,C,hq,hk,d,dtype", [
-    (1000, 1024, 64, 64, 32, 8, 128, torch.bfloat16),   # M % R != 0, TMA page boxes
-    (512, 512, 16, 16, 8, 8, 64, torch.float16),
-    (300, 256, 1, 16, 16, 4, 128, torch.bfloat16),      # one query row per block
-    (257, 96, 32, 1, 4, 1, 256, torch.bfloat16),        # C = 1: the cp.async gather
-    (1024, 2048, 128, 32, 32, 8, 128, torch.float16),
-    (640, 4096, 64, 128, 32, 8, 128, torch.bfloat16),   # long rows: split KV + merge
-])
+@pytest.mark.parametrize(
+    "M,N,R,C,hq,hk,d,dtype",
+    [
+        (1000, 1024, 64, 64, 32, 8, 128, torch.bfloat16),  # M % R != 0, TMA page boxes
+        (512, 512, 16, 16, 8, 8, 64, torch.float16),
+        (300, 256, 1, 16, 16, 4, 128, torch.bfloat16),  # one query row per block
+        (257, 96, 32, 1, 4, 1, 256, torch.bfloat16),  # C = 1: the cp.async gather
+        (1024, 2048, 128, 32, 32, 8, 128, torch.float16),
+        (640, 4096, 64, 128, 32, 8, 128, torch.bfloat16),  # long rows: split KV + merge
+    ],
+)
 def test_block_sparse(M, N, R, C, hq, hk, d, dtype):
     run_bsr(M, N, R, C, hq, hk, d, dtype, density=random.choice([0.2, 0.5]))
 
@@ -161,12 +205,15 @@ def test_block_sparse_soft_cap_kv_pass():
 
 
 @gpu
-@pytest.mark.parametrize("hq,hk,M,N,mb,nb,d,dtype", [
-    (8, 2, 1000, 1200, 7, 9, 128, torch.bfloat16),
-    (4, 4, 333, 500, 5, 4, 64, torch.float16),
-    (16, 2, 2048, 4096, 16, 32, 128, torch.bfloat16),
-    (8, 1, 700, 300, 3, 6, 256, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "hq,hk,M,N,mb,nb,d,dtype",
+    [
+        (8, 2, 1000, 1200, 7, 9, 128, torch.bfloat16),
+        (4, 4, 333, 500, 5, 4, 64, torch.float16),
+        (16, 2, 2048, 4096, 16, 32, 128, torch.bfloat16),
+        (8, 1, 700, 300, 3, 6, 256, torch.bfloat16),
+    ],
+)
 def test_variable_block_sparse(hq, hk, M, N, mb, nb, d, dtype):
     run_vbsr(hq, hk, M, N, mb, nb, d, dtype)
 
@@ -200,9 +247,9 @@ def test_cpu_mask_layout():
     dense = dense_mask(M, N, R, C, indptr, indices, mask)
     off = 0
     for i in range(M // R):
-        cols = torch.cat([torch.arange(int(j) * C, (int(j) + 1) * C) for j in indices[indptr[i]:indptr[i + 1]]])
-        blk = dense[i * R:(i + 1) * R][:, cols].reshape(-1)
-        assert torch.equal(flat[off:off + blk.numel()], blk)
+        cols = torch.cat([torch.arange(int(j) * C, (int(j) + 1) * C) for j in indices[indptr[i] : indptr[i + 1]]])
+        blk = dense[i * R : (i + 1) * R][:, cols].reshape(-1)
+        assert torch.equal(flat[off : off + blk.numel()], blk)
         off += blk.numel()
     assert off == flat.numel()
 
@@ -240,8 +287,11 @@ def test_cpu_block_sparse_errors(emu):
             w.plan(ip, idx, *args, variant=v)
     w.plan(ip, idx, *args, q_data_type=torch.float16)
     with pytest.raises(ValueError, match=r"k must be \[N, num_kv_heads, head_dim\] = \[64, 4, 64\]"):
-        w.run(torch.zeros(32, 4, 64, dtype=torch.float16), torch.zeros(60, 4, 64, dtype=torch.float16),
-              torch.zeros(64, 4, 64, dtype=torch.float16))
+        w.run(
+            torch.zeros(32, 4, 64, dtype=torch.float16),
+            torch.zeros(60, 4, 64, dtype=torch.float16),
+            torch.zeros(64, 4, 64, dtype=torch.float16),
+        )
 
 
 @pytest.mark.parametrize("hq,hk", [(4, 2), (2, 2), (8, 1)])
@@ -275,5 +325,8 @@ def test_cpu_variable_block_sparse_errors(emu):
         w.plan(bm, rows, cols, 4, 2, 64, variant=AttentionSink())
     w.plan(bm, rows, cols, 4, 2, 64, q_data_type=torch.float16)
     with pytest.raises(ValueError, match=r"q must be \[num_qo_heads, M, head_dim\] = \[4, 8, 64\]"):
-        w.run(torch.zeros(8, 4, 64, dtype=torch.float16), torch.zeros(2, 6, 64, dtype=torch.float16),
-              torch.zeros(2, 6, 64, dtype=torch.float16))
+        w.run(
+            torch.zeros(8, 4, 64, dtype=torch.float16),
+            torch.zeros(2, 6, 64, dtype=torch.float16),
+            torch.zeros(2, 6, 64, dtype=torch.float16),
+        )

@@ -1,5 +1,6 @@
 """The variant interface on the CPU: fingerprints, spec encoding, ABI, runtime arguments, and
 (compile marker) that variant specs compile in a separate process."""
+
 import json
 import subprocess
 import sys
@@ -9,12 +10,29 @@ import pytest
 from cute_attn.decode import _decode_abi, _spec_variant, decode_spec, variant_decode_specs, variant_params
 from cute_attn.runtime.abi import ScalarArg, TensorArg
 from cute_attn.runtime.spec import Spec
-from cute_attn.variants import (ALiBi, AttentionSink, Causal, Compose, CustomMask, FlashSigmoid, RoPE, ScalarParam,
-                                SlidingWindow, SoftCap, TensorParam, Variant, abi_args, decode, encode, fingerprint,
-                                get_alibi_slopes, runtime_values)
+from cute_attn.variants import (
+    ALiBi,
+    AttentionSink,
+    Causal,
+    Compose,
+    CustomMask,
+    FlashSigmoid,
+    RoPE,
+    ScalarParam,
+    SlidingWindow,
+    SoftCap,
+    TensorParam,
+    Variant,
+    abi_args,
+    decode,
+    encode,
+    fingerprint,
+    get_alibi_slopes,
+    runtime_values,
+)
 from cute_attn.variants.examples import RelativePositionBias
 
-USER_SRC = '''
+USER_SRC = """
 from cute_attn.variants import TensorParam, Variant, dsl
 
 def _times(x, k):  # a module-level helper of the hook: part of the variant's code
@@ -26,7 +44,7 @@ class HeadBias(Variant):
 
     def logits(self, ctx, s):
         return s + _times(ctx.args.bias[ctx.qo_head], SCALE_EXPR)
-'''
+"""
 
 
 def _write_user_module(tmp_path, expr="self.scale", name="user_variant_mod", helper="k"):
@@ -35,8 +53,10 @@ def _write_user_module(tmp_path, expr="self.scale", name="user_variant_mod", hel
 
 
 def _fp_in_subprocess(tmp_path, module, ctor="HeadBias()"):
-    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import {module} as m; " \
-           f"from cute_attn.variants import fingerprint, encode; v = m.{ctor}; print(encode(v)); print(fingerprint(v))"
+    code = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import {module} as m; "
+        f"from cute_attn.variants import fingerprint, encode; v = m.{ctor}; print(encode(v)); print(fingerprint(v))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     return out[0], out[1]
 
@@ -50,8 +70,12 @@ def test_fingerprint_stable_across_instances_and_processes(tmp_path):
     # built-ins: same across instances here and in another process
     v = ALiBi() + SoftCap()
     assert fingerprint(v) == fingerprint(ALiBi() + SoftCap())
-    out = subprocess.run([sys.executable, "-c", "from cute_attn.variants import *; "
-                          "print(fingerprint(ALiBi() + SoftCap()))"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "from cute_attn.variants import *; print(fingerprint(ALiBi() + SoftCap()))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == fingerprint(v)
     # runtime values do not enter the identity
     assert fingerprint(SoftCap(logits_soft_cap=30.0)) == fingerprint(SoftCap(logits_soft_cap=50.0))
@@ -72,15 +96,35 @@ def test_fingerprint_changes_with_code_and_static_params(tmp_path):
     _write_user_module(tmp_path)  # back to the original code: the original fingerprint
     assert _fp_in_subprocess(tmp_path, mod) == (enc, fp)
     # built-ins: distinct per class, composition order matters, static params of the example
-    fps = {fingerprint(v) for v in (Causal(), SlidingWindow(), SoftCap(), ALiBi(), AttentionSink(), CustomMask(),
-                                    FlashSigmoid(), RoPE(), ALiBi() + SoftCap(), SoftCap() + ALiBi(), None)}
+    fps = {
+        fingerprint(v)
+        for v in (
+            Causal(),
+            SlidingWindow(),
+            SoftCap(),
+            ALiBi(),
+            AttentionSink(),
+            CustomMask(),
+            FlashSigmoid(),
+            RoPE(),
+            ALiBi() + SoftCap(),
+            SoftCap() + ALiBi(),
+            None,
+        )
+    }
     assert len(fps) == 11
     assert fingerprint(RelativePositionBias(num_buckets=16)) != fingerprint(RelativePositionBias())
 
 
 def test_encode_decode_and_spec_round_trip():
-    for v in [None, SoftCap(), SoftCap() + SlidingWindow(), RelativePositionBias(bucket_size=8, num_buckets=64),
-              RoPE() + AttentionSink(), ALiBi() + SoftCap() + SlidingWindow() + CustomMask()]:
+    for v in [
+        None,
+        SoftCap(),
+        SoftCap() + SlidingWindow(),
+        RelativePositionBias(bucket_size=8, num_buckets=64),
+        RoPE() + AttentionSink(),
+        ALiBi() + SoftCap() + SlidingWindow() + CustomMask(),
+    ]:
         text = encode(v)
         assert "," not in text
         back = decode(text)
@@ -121,7 +165,7 @@ def test_abi_and_runtime_values():
     import torch
 
     slopes = runtime_values(ALiBi(), {"num_qo_heads": 12, "device": "cpu"})[0]
-    assert slopes.shape == (12,) and abs(float(slopes[0]) - 2 ** -1) < 1e-7  # n = 8: 2^(-8/8)
+    assert slopes.shape == (12,) and abs(float(slopes[0]) - 2**-1) < 1e-7  # n = 8: 2^(-8/8)
     assert torch.allclose(get_alibi_slopes(8), torch.tensor([2.0 ** (-(i + 1)) for i in range(8)]))
 
 
@@ -274,13 +318,15 @@ def test_builtins_fill_without_the_dsl():
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['cutlass'] = None\n"
-            "from cute_attn.variants import RoPE, ALiBi\n"
-            "from cute_attn.variants.base import runtime_values\n"
-            "from cute_attn.variants.dsl import sincos_multiple\n"
-            "v = runtime_values(ALiBi() + RoPE(), {'head_dim': 64, 'num_qo_heads': 4, 'device': 'cpu'})\n"
-            "assert v[0].shape == (4,) and v[1:] == [1.0, 10000.0]\n"
-            "print('ok')\n")
+    code = (
+        "import sys; sys.modules['cutlass'] = None\n"
+        "from cute_attn.variants import RoPE, ALiBi\n"
+        "from cute_attn.variants.base import runtime_values\n"
+        "from cute_attn.variants.dsl import sincos_multiple\n"
+        "v = runtime_values(ALiBi() + RoPE(), {'head_dim': 64, 'num_qo_heads': 4, 'device': 'cpu'})\n"
+        "assert v[0].shape == (4,) and v[1:] == [1.0, 10000.0]\n"
+        "print('ok')\n"
+    )
     import os
     from pathlib import Path
 

@@ -8,22 +8,27 @@ variant here).  RoPE cases use the reference's ``rope_round_to``: q/k rotated in
 rounded to the input dtype, as the kernel is specified to compute (and FlashInfer's
 tensor-core path does); the plain fp32 rotation differs by the rounding (LSE 2.5e-3 at 3000 keys).
 """
+
 import random
 
 import pytest
 import torch
+from test_decode_gpu import check, make_paged
 
 from cute_attn import BatchDecodeWithPagedKVCacheWrapper
 from cute_attn.testing.reference import paged_variant_reference
 from cute_attn.variants import Causal, FlashSigmoid, get_alibi_slopes
 from cute_attn.variants.examples import RelativePositionBias
-from test_decode_gpu import check, make_paged
 
 pytestmark = pytest.mark.gpu
 
 # (dtype, head_dim, num_qo_heads, num_kv_heads, page_size): GQA 4, 1, 8, 8; page sizes 16 and 1
-CONFIGS = [(torch.bfloat16, 128, 32, 8, 16), (torch.float16, 64, 8, 8, 1), (torch.bfloat16, 128, 16, 2, 1),
-           (torch.float16, 64, 32, 4, 16)]
+CONFIGS = [
+    (torch.bfloat16, 128, 32, 8, 16),
+    (torch.float16, 64, 8, 8, 1),
+    (torch.bfloat16, 128, 16, 2, 1),
+    (torch.float16, 64, 32, 4, 16),
+]
 KV_LENS = [1, 17, 300, 64, 0, 1000, 129, 5, 3000]
 
 
@@ -31,6 +36,7 @@ def _rel_bias_mod(table, bucket_size=16, num_buckets=32):
     def mod(s, b, h, qp, kp):
         bucket = ((qp - kp).clamp_min(0) // bucket_size).clamp_max(num_buckets - 1)
         return s + table[h, bucket]
+
     return mod
 
 
@@ -42,8 +48,7 @@ def _case(name, hq, gen, kv_lens):
     if name == "alibi":
         return dict(pos_encoding_mode="ALIBI"), (), {}, dict(alibi_slopes=get_alibi_slopes(hq))
     if name == "rope":
-        return (dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5), (), {},
-                dict(rope=(2.0, 5e5)))
+        return (dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5), (), {}, dict(rope=(2.0, 5e5)))
     if name == "sink":
         sinks = (torch.randn(hq, generator=gen) * 2).to(dev)
         return {}, (), dict(sinks=sinks), dict(sinks=sinks)
@@ -59,8 +64,12 @@ def _case(name, hq, gen, kv_lens):
         sinks = (torch.randn(hq, generator=gen) * 2).to(dev)
         return dict(window_left=100), (), dict(sinks=sinks), dict(window_left=100, sinks=sinks)
     if name == "alibi_softcap":
-        return (dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0), (), {},
-                dict(alibi_slopes=get_alibi_slopes(hq), logits_soft_cap=5.0))
+        return (
+            dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0),
+            (),
+            {},
+            dict(alibi_slopes=get_alibi_slopes(hq), logits_soft_cap=5.0),
+        )
     if name == "rope_default":  # FlashInfer's defaults (scale 1, theta 1e4)
         return dict(pos_encoding_mode="ROPE_LLAMA"), (), {}, dict(rope=(1.0, 1e4))
     if name == "rope_sink":
@@ -69,8 +78,18 @@ def _case(name, hq, gen, kv_lens):
     raise KeyError(name)
 
 
-NAMES = ["causal", "alibi", "rope", "sink", "custom_mask", "sigmoid", "rel_bias", "window_sink", "alibi_softcap",
-         "rope_sink"]
+NAMES = [
+    "causal",
+    "alibi",
+    "rope",
+    "sink",
+    "custom_mask",
+    "sigmoid",
+    "rel_bias",
+    "window_sink",
+    "alibi_softcap",
+    "rope_sink",
+]
 
 
 def run_variant(name, dtype, d, hq, hk, page_size, kv_lens, seed=None, fixed_split_size=None, heads_per_item=None):
@@ -80,8 +99,19 @@ def run_variant(name, dtype, d, hq, hk, page_size, kv_lens, seed=None, fixed_spl
     q = torch.randn(b, hq, d, generator=gen).to(dtype).cuda()
     plan_kw, run_args, run_kw, ref_kw = _case(name, hq, gen, kv_lens)
     w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
-    w.plan(indptr, indices, last, hq, hk, d, page_size, q_data_type=dtype, fixed_split_size=fixed_split_size,
-           heads_per_item=heads_per_item, **plan_kw)
+    w.plan(
+        indptr,
+        indices,
+        last,
+        hq,
+        hk,
+        d,
+        page_size,
+        q_data_type=dtype,
+        fixed_split_size=fixed_split_size,
+        heads_per_item=heads_per_item,
+        **plan_kw,
+    )
     if heads_per_item is not None:
         assert w._hpi == heads_per_item
     out = torch.full_like(q, float("nan"))
@@ -108,10 +138,19 @@ def test_variant_split_kv(name):
     run_variant(name, torch.bfloat16, 128, 32, 8, 16, [9000, 33, 1, 4100], fixed_split_size=8)
 
 
-@pytest.mark.parametrize("name,dtype,d,h", [
-    ("sink", torch.bfloat16, 128, 2), ("sink", torch.bfloat16, 128, 4), ("sink", torch.float16, 64, 4),
-    ("window_sink", torch.bfloat16, 128, 4), ("window_sink", torch.float16, 64, 2),
-    ("causal", torch.bfloat16, 128, 4), ("alibi", torch.bfloat16, 128, 4), ("custom_mask", torch.bfloat16, 128, 4)])
+@pytest.mark.parametrize(
+    "name,dtype,d,h",
+    [
+        ("sink", torch.bfloat16, 128, 2),
+        ("sink", torch.bfloat16, 128, 4),
+        ("sink", torch.float16, 64, 4),
+        ("window_sink", torch.bfloat16, 128, 4),
+        ("window_sink", torch.float16, 64, 2),
+        ("causal", torch.bfloat16, 128, 4),
+        ("alibi", torch.bfloat16, 128, 4),
+        ("custom_mask", torch.bfloat16, 128, 4),
+    ],
+)
 def test_variant_head_packing(name, dtype, d, h):
     """Softmax variants without query/key transforms on a head-packed plan (2 or 4 kv heads per
     work item): each row's hooks see its own heads (ALiBi slope, sink), masks and windows per

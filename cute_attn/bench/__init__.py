@@ -1,4 +1,5 @@
 """Side-by-side benchmarks for ``python -m cute_attn bench`` (GPU machines; not part of the tests)."""
+
 from __future__ import annotations
 
 import sys

@@ -9,6 +9,7 @@ decode kernel (the default); the same cascade with the prefill kernel at every l
 (``decode_kernel=False``) is timed beside it.  Each output is checked against the flat decode
 kernel's before it is timed.
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,9 +48,16 @@ def _decode_case(res, batch, prefix, unique, gen, ws):
     last = [torch.tensor([PAGE], **i32), torch.full((batch,), PAGE, **i32)]
     bufs = [[t.cuda() for t in arr] for arr in (qo, indptr, indices, last)]
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
-    cw = MultiLevelCascadeAttentionWrapper(2, ws[0], "NHD", use_cuda_graph=True, qo_indptr_buf_arr=bufs[0],
-                                           paged_kv_indptr_buf_arr=bufs[1], paged_kv_indices_buf_arr=bufs[2],
-                                           paged_kv_last_page_len_buf_arr=bufs[3])
+    cw = MultiLevelCascadeAttentionWrapper(
+        2,
+        ws[0],
+        "NHD",
+        use_cuda_graph=True,
+        qo_indptr_buf_arr=bufs[0],
+        paged_kv_indptr_buf_arr=bufs[1],
+        paged_kv_indices_buf_arr=bufs[2],
+        paged_kv_last_page_len_buf_arr=bufs[3],
+    )
     cw.plan(qo, indptr, indices, last, HQ, HK, D, PAGE, q_data_type=torch.bfloat16)
     out_c = torch.empty_like(q)
     g_c = _graph(lambda: cw.run(q, cache, out=out_c))
@@ -57,9 +65,13 @@ def _decode_case(res, batch, prefix, unique, gen, ws):
     f_indptr = torch.arange(batch + 1, **i32) * (p_pages + u_pages)
     f_indices = torch.cat([shared.expand(batch, p_pages), own], dim=1).reshape(-1).contiguous()
     f_last = torch.full((batch,), PAGE, **i32)
-    fw = BatchDecodeWithPagedKVCacheWrapper(ws[1], use_cuda_graph=True, paged_kv_indptr_buffer=f_indptr.cuda(),
-                                            paged_kv_indices_buffer=f_indices.cuda(),
-                                            paged_kv_last_page_len_buffer=f_last.cuda())
+    fw = BatchDecodeWithPagedKVCacheWrapper(
+        ws[1],
+        use_cuda_graph=True,
+        paged_kv_indptr_buffer=f_indptr.cuda(),
+        paged_kv_indices_buffer=f_indices.cuda(),
+        paged_kv_last_page_len_buffer=f_last.cuda(),
+    )
     fw.plan(f_indptr, f_indices, f_last, HQ, HK, D, PAGE, q_data_type=torch.bfloat16)
     out_f = torch.empty_like(q)
     g_f = _graph(lambda: fw.run(q, cache, out=out_f))
@@ -71,9 +83,16 @@ def _decode_case(res, batch, prefix, unique, gen, ws):
     t_c, t_f = do_bench(g_c.replay), do_bench(g_f.replay)
     # the same cascade with the prefill kernel at every level (plan(decode_kernel=False))
     pbufs = [[t.clone() for t in arr] for arr in bufs]
-    pw = MultiLevelCascadeAttentionWrapper(2, ws[2], "NHD", use_cuda_graph=True, qo_indptr_buf_arr=pbufs[0],
-                                           paged_kv_indptr_buf_arr=pbufs[1], paged_kv_indices_buf_arr=pbufs[2],
-                                           paged_kv_last_page_len_buf_arr=pbufs[3])
+    pw = MultiLevelCascadeAttentionWrapper(
+        2,
+        ws[2],
+        "NHD",
+        use_cuda_graph=True,
+        qo_indptr_buf_arr=pbufs[0],
+        paged_kv_indptr_buf_arr=pbufs[1],
+        paged_kv_indices_buf_arr=pbufs[2],
+        paged_kv_last_page_len_buf_arr=pbufs[3],
+    )
     pw.plan(qo, indptr, indices, last, HQ, HK, D, PAGE, q_data_type=torch.bfloat16, decode_kernel=False)
     out_p = torch.empty_like(q)
     g_p = _graph(lambda: pw.run(q, cache, out=out_p))
@@ -109,7 +128,9 @@ def cascade_cases(quick: bool):
 def bench_cascade(res, quick: bool) -> None:
     gen = torch.Generator().manual_seed(0)  # page order
     ws = [torch.empty(256 << 20, dtype=torch.uint8, device="cuda") for _ in range(3)]
-    print(f"{'cascade decode (bf16, 32/8 heads, d128)':<32} {'ours us':>9} {'flat us (x)':>17} {'cudnn dense (x)':>20} "
-          f"{'prefill kernel only us':>9}")
+    print(
+        f"{'cascade decode (bf16, 32/8 heads, d128)':<32} {'ours us':>9} {'flat us (x)':>17} {'cudnn dense (x)':>20} "
+        f"{'prefill kernel only us':>9}"
+    )
     for batch, prefix, unique in cascade_cases(quick):
         _decode_case(res, batch, prefix, unique, gen, ws)

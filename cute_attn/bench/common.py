@@ -1,4 +1,5 @@
 """Timing and result records shared by the benchmarks (GPU machines only)."""
+
 from __future__ import annotations
 
 import datetime
@@ -39,7 +40,7 @@ def interleaved(fns: dict, calls: int = 25) -> dict:
     return out
 
 
-def cudnn_time(q, k, v) -> "float | None":
+def cudnn_time(q, k, v) -> float | None:
     """Median time (us) of SDPA pinned to cuDNN on q / k / v ``[batch, heads, seq, dim]`` (GQA
     allowed), or None (printed why) where cuDNN does not take the case."""
     import torch
@@ -62,10 +63,12 @@ def commit() -> str:
         return os.environ["CUTE_ATTN_COMMIT"]
     try:
         here = Path(__file__).resolve().parent
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True,
-                             text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True
+        ).stdout.strip()
         return (sha + ("+dirty" if dirty else "")) if sha else os.environ.get("CUTE_ATTN_COMMIT", "unknown")
     except OSError:
         return os.environ.get("CUTE_ATTN_COMMIT", "unknown")
@@ -86,8 +89,17 @@ class Results:
         self.date = datetime.date.today().isoformat()
 
     def add(self, case: str, impl: str, metric: str, value: float) -> None:
-        self.records.append({"case": case, "impl": impl, "metric": metric, "value": round(float(value), 4),
-                             "device": self.device, "commit": self.commit, "date": self.date})
+        self.records.append(
+            {
+                "case": case,
+                "impl": impl,
+                "metric": metric,
+                "value": round(float(value), 4),
+                "device": self.device,
+                "commit": self.commit,
+                "date": self.date,
+            }
+        )
 
     def merge_into(self, path: str) -> None:
         """The latest run of a (case, impl, metric) replaces the older record."""

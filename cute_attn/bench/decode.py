@@ -4,9 +4,9 @@ Metric: KV bytes that must be read (sum of kv_len x kv_heads x head_dim x 2 tens
 over time.  Baselines get the same data laid out dense [batch, kv_heads, max_len, head_dim]; a
 skewed batch is padded to its longest request, which is what a non-ragged kernel pays.
 """
+
 from __future__ import annotations
 
-import math
 import random
 
 import torch
@@ -79,10 +79,13 @@ def _flex_time(q, k, v, kv_lens):
 def decode_cases():
     """The bench's decode cases: (name, kv lengths, page size); the first three are the quick set."""
     rng = random.Random(0)
-    return [("bs64/kv4096/page16", [4096] * 64, 16), ("bs64/kv4096/page1", [4096] * 64, 1),
-            ("bs256/kv1024/page16", [1024] * 256, 16),
-            ("skew/1x32768+63x512/page16", [32768] + [512] * 63, 16),
-            ("lognormal/bs128/page16", [max(1, min(32768, int(rng.lognormvariate(7.0, 1.0)))) for _ in range(128)], 16)]
+    return [
+        ("bs64/kv4096/page16", [4096] * 64, 16),
+        ("bs64/kv4096/page1", [4096] * 64, 1),
+        ("bs256/kv1024/page16", [1024] * 256, 16),
+        ("skew/1x32768+63x512/page16", [32768] + [512] * 63, 16),
+        ("lognormal/bs128/page16", [max(1, min(32768, int(rng.lognormvariate(7.0, 1.0)))) for _ in range(128)], 16),
+    ]
 
 
 def bench_decode(res, quick: bool) -> None:
@@ -93,16 +96,21 @@ def bench_decode(res, quick: bool) -> None:
     if quick:
         cases = cases[:3]
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    print(f"{'decode case (bf16, 32/8 heads, d128)':<40} {'graph us':>8} {'TB/s':>6} {'eager us':>8} {'cudnn':>14} "
-          f"{'flash':>14} {'flex':>12}")
+    print(
+        f"{'decode case (bf16, 32/8 heads, d128)':<40} {'graph us':>8} {'TB/s':>6} {'eager us':>8} {'cudnn':>14} "
+        f"{'flash':>14} {'flex':>12}"
+    )
     for name, kv_lens, ps in cases:
         cache, indptr, indices, last = _paged(kv_lens, ps, gen)
         b = len(kv_lens)
         q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
         # as a serving engine runs decode: a CUDA-graph-enabled wrapper, run() captured once and
         # replayed (the eager run() time is recorded too)
-        dev_bufs = dict(paged_kv_indptr_buffer=indptr.cuda(), paged_kv_indices_buffer=indices.cuda(),
-                        paged_kv_last_page_len_buffer=last.cuda())
+        dev_bufs = dict(
+            paged_kv_indptr_buffer=indptr.cuda(),
+            paged_kv_indices_buffer=indices.cuda(),
+            paged_kv_last_page_len_buffer=last.cuda(),
+        )
         w = BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True, **dev_bufs)
         w.plan(indptr, indices, last, HQ, HK, D, ps, q_data_type=torch.bfloat16)
         out = torch.empty_like(q)

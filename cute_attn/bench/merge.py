@@ -1,4 +1,5 @@
 """⊕ merge kernels vs a torch implementation of the same op; achieved bandwidth vs device copy."""
+
 from __future__ import annotations
 
 import torch
@@ -55,8 +56,11 @@ def bench_merge(res, ceiling: float, quick: bool) -> None:
         compiled_pair = torch.compile(torch_merge_state)
     except Exception:  # pragma: no cover - torch.compile unavailable
         compiled = compiled_pair = None
-    shapes = [(8, 4096, 32, 128)] if quick else [(8, 4096, 32, 128), (2, 4096, 32, 128), (16, 2048, 32, 128),
-                                                  (8, 4096, 8, 256), (4, 16384, 8, 64)]
+    shapes = (
+        [(8, 4096, 32, 128)]
+        if quick
+        else [(8, 4096, 32, 128), (2, 4096, 32, 128), (16, 2048, 32, 128), (8, 4096, 8, 256), (4, 16384, 8, 64)]
+    )
     for n, seq, h, d in shapes:
         v = torch.randn(seq, n, h, d, device="cuda", dtype=torch.bfloat16)
         s = torch.randn(seq, n, h, device="cuda") * 3
@@ -74,8 +78,16 @@ def bench_merge(res, ceiling: float, quick: bool) -> None:
             except Exception as e:  # pragma: no cover
                 print(f"torch.compile failed: {type(e).__name__}: {e}")
                 compiled = None
-        _row(f"merge_states n{n} s{seq} h{h} d{d}", f"merge_states/s{n}/n{seq}/h{h}/d{d}", t_ours, t_torch, t_comp,
-             nbytes, ceiling, res)
+        _row(
+            f"merge_states n{n} s{seq} h{h} d{d}",
+            f"merge_states/s{n}/n{seq}/h{h}/d{d}",
+            t_ours,
+            t_torch,
+            t_comp,
+            nbytes,
+            ceiling,
+            res,
+        )
         del v, s, out, lse
     seq, h, d = 65536, 32, 128
     va, vb = (torch.randn(seq, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -91,14 +103,15 @@ def bench_merge(res, ceiling: float, quick: bool) -> None:
             t_comp = do_bench(lambda: compiled_pair(va, sa, vb, sb))
         except Exception as e:  # pragma: no cover
             print(f"torch.compile failed: {type(e).__name__}: {e}")
-    _row(f"merge_state s{seq} h{h} d{d}", f"merge_state/n{seq}/h{h}/d{d}", t_ours, t_torch, t_comp, nbytes,
-         ceiling, res)
+    _row(
+        f"merge_state s{seq} h{h} d{d}", f"merge_state/n{seq}/h{h}/d{d}", t_ours, t_torch, t_comp, nbytes, ceiling, res
+    )
 
 
 def sweep_merge(res) -> None:
     """merge_states 8 x 4096 x 32 x 128 bf16 over load_batch (spec) x grid cap (launch)."""
-    from ..runtime.loader import kernel
     from ..runtime.arch import device_arch, sm_count
+    from ..runtime.loader import kernel
 
     n, seq, h, d = 8, 4096, 32, 128
     v = torch.randn(seq, n, h, d, device="cuda", dtype=torch.bfloat16)

@@ -28,6 +28,7 @@ first, lower under sustained load), so times taken apart -- even best-of-N in al
 -- gave paged / ragged ratios from 1.03 to 1.14 for the same kernels (session 10, device runs
 10-15). Each wrapper plans once on a workspace of its own, so all stay planned through the turns.
 """
+
 from __future__ import annotations
 
 import random
@@ -83,9 +84,19 @@ def _paged_runner(lens, q, k, v, causal, d, page_size, gen, kv_pass=None):
     kc[perm.cuda()] = k.view(n_pages, page_size, k.shape[1], d)
     vc[perm.cuda()] = v.view(n_pages, page_size, k.shape[1], d)
     w = BatchPrefillWithPagedKVCacheWrapper(torch.empty(512 << 20, dtype=torch.uint8, device="cuda"))
-    w.plan(_indptr(lens), _indptr([n // page_size for n in lens]), perm.to(torch.int32),
-           torch.full((len(lens),), page_size, dtype=torch.int32), q.shape[1], k.shape[1], d, page_size,
-           causal=causal, q_data_type=DT, kv_pass=kv_pass)
+    w.plan(
+        _indptr(lens),
+        _indptr([n // page_size for n in lens]),
+        perm.to(torch.int32),
+        torch.full((len(lens),), page_size, dtype=torch.int32),
+        q.shape[1],
+        k.shape[1],
+        d,
+        page_size,
+        causal=causal,
+        q_data_type=DT,
+        kv_pass=kv_pass,
+    )
     out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[1], device="cuda")
     w.run(q, (kc, vc), out=out, lse=lse)
     return lambda: w.run(q, (kc, vc), out=out, lse=lse)
@@ -169,10 +180,12 @@ def _row(res, case, flops, t_ours, baselines, extra=""):
 def bench_prefill(res, quick: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     impls = ("sdpa_cudnn", "sdpa_flash", "flex")
-    print(f"{'prefill case (bf16; TFLOP/s, ours/baseline)':<48} {'ours':>7} {'us':>9}  "
-          + " ".join(f"{i:>15}" for i in impls))
+    print(
+        f"{'prefill case (bf16; TFLOP/s, ours/baseline)':<48} {'ours':>7} {'us':>9}  "
+        + " ".join(f"{i:>15}" for i in impls)
+    )
     lens = [S] * B
-    for d in ((128,) if quick else (128, 256)):
+    for d in (128,) if quick else (128, 256):
         q = torch.randn(B * S, H, d, device="cuda", dtype=DT)
         k = torch.randn(B * S, H, d, device="cuda", dtype=DT)
         v = torch.randn(B * S, H, d, device="cuda", dtype=DT)
@@ -183,8 +196,12 @@ def bench_prefill(res, quick: bool) -> None:
             # ours: ragged; paged as the wrapper runs it (the KV pass where its model says so) and
             # with kv_pass=False (page 16: TMA page boxes, page 1: the cp.async gather); soft-cap
             ours = {"": _ragged_runner(lens, q, k, v, causal, d)}
-            for ps, kv_pass, tag in ((16, None, ""), (16, False, "/page_boxes"), (1, None, ""),
-                                     (1, False, "/in_kernel_gather"))[:1 if quick else None]:
+            for ps, kv_pass, tag in (
+                (16, None, ""),
+                (16, False, "/page_boxes"),
+                (1, None, ""),
+                (1, False, "/in_kernel_gather"),
+            )[: 1 if quick else None]:
                 ours[f"/page{ps}{tag}"] = _paged_runner(lens, q, k, v, causal, d, ps, gen, kv_pass)
             if d == 128 and causal:
                 ours["softcap"] = _ragged_runner(lens, q, k, v, causal, d, soft_cap=SOFT_CAP)
@@ -231,8 +248,18 @@ def bench_prefill(res, quick: bool) -> None:
     t = do_bench(_ragged_runner(lens, q, k, v, True, d))
     base = []
     lmax = max(lens)
-    pad = lambda x: torch.stack([torch.nn.functional.pad(x[s:s + n], (0, 0, 0, 0, 0, lmax - n))  # noqa: E731
-                                 for s, n in zip(_indptr(lens)[:-1].tolist(), lens)]).transpose(1, 2).contiguous()
+    pad = (
+        lambda x: (
+            torch.stack(
+                [
+                    torch.nn.functional.pad(x[s : s + n], (0, 0, 0, 0, 0, lmax - n))  # noqa: E731
+                    for s, n in zip(_indptr(lens)[:-1].tolist(), lens)
+                ]
+            )
+            .transpose(1, 2)
+            .contiguous()
+        )
+    )
     qp, kp, vp = pad(q), pad(k), pad(v)  # [32, H, lmax, d]; causal top-left = correct for valid rows
     base += [("sdpa_cudnn", _sdpa("cudnn", qp, kp, vp, True)), ("sdpa_flash", _sdpa("flash", qp, kp, vp, True))]
     del qp, kp, vp

@@ -7,6 +7,7 @@ video diffusion's sparse attention) against Flex with a mask_mod that looks the 
 TFLOP/s counts the FLOPs of the kept blocks only (4 x head_dim per query-key pair and head).
 Our output is checked against Flex's before timing.
 """
+
 from __future__ import annotations
 
 import torch
@@ -55,8 +56,10 @@ def bench_sparse(res, quick: bool) -> None:
 
     gen = torch.Generator().manual_seed(0)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    print(f"{'block sparse (bf16, 32/8 heads, d128, 128x128)':<46} {'ours us':>8} {'TFLOP/s':>8} {'flex us (x)':>16} "
-          f"{'cudnn dense us (x)':>19}")
+    print(
+        f"{'block sparse (bf16, 32/8 heads, d128, 128x128)':<46} {'ours us':>8} {'TFLOP/s':>8} {'flex us (x)':>16} "
+        f"{'cudnn dense us (x)':>19}"
+    )
     for n, density in sparse_cases(quick):
         table, indptr, indices = _bsr(n // BLK, n // BLK, density, gen)
         q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16)
@@ -146,5 +149,9 @@ def bench_variable_sparse(res, quick: bool) -> None:
         res.add(case, "flex", "us", t_flex)
         res.add(case, "flex", "ratio", t_flex / t)
         flex = f"{t_flex:8.1f} ({t_flex / t:5.2f}x)"
-    print(f"{'variable: 16 heads, s16384, 128x128 blocks of mean 128, 0.15':<46} {t:8.1f} {flops / t / 1e6:8.1f} "
-          f"{flex:>16}  err {err:.1e}" if err is not None else f"variable: {t:.1f} us")
+    print(
+        f"{'variable: 16 heads, s16384, 128x128 blocks of mean 128, 0.15':<46} {t:8.1f} {flops / t / 1e6:8.1f} "
+        f"{flex:>16}  err {err:.1e}"
+        if err is not None
+        else f"variable: {t:.1f} us"
+    )

@@ -11,6 +11,7 @@ causal block mask; the custom mask row (the causal pattern given as a mask) is c
 plain non-causal attention, the work it does (a custom mask skips no blocks).  Specializations:
 the ``variants`` preset.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ B, L, PS = 64, 4096, 16
 class Row:
     """One variant case: wrapper plan()/run() keywords (callables of the case's tensors) and
     FlexAttention's score_mod / mask_mod builders (None: no equivalent)."""
+
     name: str
     plan_kw: Callable = lambda t: {}
     run_args: Callable = lambda t: ()
@@ -36,7 +38,6 @@ class Row:
     flex_mask: Optional[Callable] = None
     note: str = ""
     extra: dict = field(default_factory=dict)
-
 
 
 def _record(res, case, row, t, t_plain, f, f_plain, flag_bar: bool):
@@ -51,6 +52,7 @@ def _record(res, case, row, t, t_plain, f, f_plain, flag_bar: bool):
         fx = f"{f:9.1f} {f / f_plain:7.3f}"
     flag = "  > 1.05" if flag_bar and t / t_plain > 1.05 else ""
     print(f"{row.name:<42} {t:7.1f} {t / t_plain:8.3f} {fx or 'n/a':>17}  {row.note}{flag}")
+
 
 def _decode_rows():
     from ..variants import Causal, FlashSigmoid, get_alibi_slopes
@@ -71,19 +73,34 @@ def _decode_rows():
         Row("plain"),
         Row("causal", plan_kw=lambda t: dict(variant=Causal()), flex_mask=lambda t: lambda b, h, qi, kvi: kvi <= L - 1),
         Row("soft_cap", plan_kw=lambda t: dict(logits_soft_cap=30.0), flex_score=softcap_mod),
-        Row("window_1024", plan_kw=lambda t: dict(window_left=1024),
-            flex_mask=lambda t: lambda b, h, qi, kvi: kvi >= L - 1 - 1024, note="reads only the window"),
-        Row("alibi", plan_kw=lambda t: dict(pos_encoding_mode="ALIBI"), flex_score=alibi_mod,
-            extra=dict(slopes=lambda: get_alibi_slopes(HQ).cuda())),
+        Row(
+            "window_1024",
+            plan_kw=lambda t: dict(window_left=1024),
+            flex_mask=lambda t: lambda b, h, qi, kvi: kvi >= L - 1 - 1024,
+            note="reads only the window",
+        ),
+        Row(
+            "alibi",
+            plan_kw=lambda t: dict(pos_encoding_mode="ALIBI"),
+            flex_score=alibi_mod,
+            extra=dict(slopes=lambda: get_alibi_slopes(HQ).cuda()),
+        ),
         Row("sink", run_kw=lambda t: dict(sinks=t["sinks"]), extra=dict(sinks=lambda: torch.randn(HQ, device="cuda"))),
         Row("rope", plan_kw=lambda t: dict(pos_encoding_mode="ROPE_LLAMA")),
-        Row("custom_mask", plan_kw=lambda t: dict(custom_mask=t["mask"]),
+        Row(
+            "custom_mask",
+            plan_kw=lambda t: dict(custom_mask=t["mask"]),
             flex_mask=lambda t: (lambda m: lambda b, h, qi, kvi: m[b, kvi])(t["mask"].view(B, L).cuda()),
-            extra=dict(mask=lambda: torch.rand(B * L) < 0.9)),
+            extra=dict(mask=lambda: torch.rand(B * L) < 0.9),
+        ),
         Row("sigmoid", plan_kw=lambda t: dict(variant=FlashSigmoid(sigmoid_bias=-2.0))),
-        Row("rel_bias (user example)", plan_kw=lambda t: dict(variant=RelativePositionBias()),
-            run_args=lambda t: (t["table"],), flex_score=relbias_mod,
-            extra=dict(table=lambda: torch.randn(HQ, 32, device="cuda"))),
+        Row(
+            "rel_bias (user example)",
+            plan_kw=lambda t: dict(variant=RelativePositionBias()),
+            run_args=lambda t: (t["table"],),
+            flex_score=relbias_mod,
+            extra=dict(table=lambda: torch.randn(HQ, 32, device="cuda")),
+        ),
     ]
 
 
@@ -102,9 +119,13 @@ def _decode_case():
 def _time_decode(ws, q, cache, indptr, indices, last, plan_kw, run_args, run_kw) -> float:
     from cute_attn import BatchDecodeWithPagedKVCacheWrapper
 
-    w = BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True, paged_kv_indptr_buffer=indptr.cuda(),
-                                           paged_kv_indices_buffer=indices.cuda(),
-                                           paged_kv_last_page_len_buffer=last.cuda())
+    w = BatchDecodeWithPagedKVCacheWrapper(
+        ws,
+        use_cuda_graph=True,
+        paged_kv_indptr_buffer=indptr.cuda(),
+        paged_kv_indices_buffer=indices.cuda(),
+        paged_kv_last_page_len_buffer=last.cuda(),
+    )
     w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=torch.bfloat16, **plan_kw)
     out = torch.empty_like(q)
     w.run(q, cache, *run_args, out=out, **run_kw)  # warm-up: loads the module outside capture
@@ -151,7 +172,7 @@ def _rope_pass(x, pos, theta=1e4):
     ang = pos.float()[..., None] * freq
     cos, sin = ang.cos()[..., None, :], ang.sin()[..., None, :]
     xf = x.float()
-    lo, hi = xf[..., : d // 2], xf[..., d // 2:]
+    lo, hi = xf[..., : d // 2], xf[..., d // 2 :]
     return torch.cat([lo * cos - hi * sin, hi * cos + lo * sin], -1).to(x.dtype)
 
 
@@ -175,8 +196,13 @@ def _decode_rows_bench(res, quick: bool) -> None:
         elif row.flex_score is None and row.flex_mask is None:
             f = None
         else:
-            f = _flex(qd, kd, vd, row.flex_score(t_in) if row.flex_score else None,
-                      row.flex_mask(t_in) if row.flex_mask else None)
+            f = _flex(
+                qd,
+                kd,
+                vd,
+                row.flex_score(t_in) if row.flex_score else None,
+                row.flex_mask(t_in) if row.flex_mask else None,
+            )
         _record(res, f"variants/decode/bs64x4k/{row.name.split()[0]}", row, t, t_plain, f, f_plain, flag_bar=False)
 
     # fused RoPE vs a separate RoPE pass over q and the whole KV cache (torch ops) + plain decode
@@ -203,8 +229,10 @@ def _decode_rows_bench(res, quick: bool) -> None:
     res.add("variants/decode/bs64x4k/rope_fused_vs_separate", "cute_attn", "us", t_fused)
     res.add("variants/decode/bs64x4k/rope_fused_vs_separate", "separate_rope_pass+plain", "us", t_sep)
     res.add("variants/decode/bs64x4k/rope_fused_vs_separate", "cute_attn", "speedup", t_sep / t_fused)
-    print(f"{'RoPE fused':<42} {t_fused:7.1f}   vs separate torch RoPE pass + plain decode {t_sep:8.1f} us "
-          f"({t_sep / t_fused:.2f}x)")
+    print(
+        f"{'RoPE fused':<42} {t_fused:7.1f}   vs separate torch RoPE pass + plain decode {t_sep:8.1f} us "
+        f"({t_sep / t_fused:.2f}x)"
+    )
 
 
 PB, PH, PSEQ = 2, 16, 8192  # prefill: bench/prefill.py's shapes (2 x 8k tokens, 16 heads, no GQA), hd 128
@@ -233,22 +261,53 @@ def _prefill_rows():
 
     return [
         Row("plain (causal)", flex_mask=lambda t: causal),
-        Row("soft_cap", plan_kw=lambda t: dict(logits_soft_cap=30.0), flex_mask=lambda t: causal,
-            flex_score=lambda t: lambda s, b, h, qi, kvi: 30.0 * torch.tanh(s / 30.0)),
-        Row("window_1024", plan_kw=lambda t: dict(window_left=1024),
-            flex_mask=lambda t: lambda b, h, qi, kvi: (qi >= kvi) & (kvi >= qi - 1024), note="reads only the window"),
-        Row("alibi", plan_kw=lambda t: dict(pos_encoding_mode="ALIBI"), flex_mask=lambda t: causal,
-            flex_score=alibi_mod, extra=dict(slopes=lambda: get_alibi_slopes(PH).cuda())),
+        Row(
+            "soft_cap",
+            plan_kw=lambda t: dict(logits_soft_cap=30.0),
+            flex_mask=lambda t: causal,
+            flex_score=lambda t: lambda s, b, h, qi, kvi: 30.0 * torch.tanh(s / 30.0),
+        ),
+        Row(
+            "window_1024",
+            plan_kw=lambda t: dict(window_left=1024),
+            flex_mask=lambda t: lambda b, h, qi, kvi: (qi >= kvi) & (kvi >= qi - 1024),
+            note="reads only the window",
+        ),
+        Row(
+            "alibi",
+            plan_kw=lambda t: dict(pos_encoding_mode="ALIBI"),
+            flex_mask=lambda t: causal,
+            flex_score=alibi_mod,
+            extra=dict(slopes=lambda: get_alibi_slopes(PH).cuda()),
+        ),
         Row("sink", run_kw=lambda t: dict(sinks=t["sinks"]), extra=dict(sinks=lambda: torch.randn(PH, device="cuda"))),
-        Row("rope", plan_kw=lambda t: dict(pos_encoding_mode="ROPE_LLAMA"), note="K rotated by a pass first, Q in the kernel"),
-        Row("custom_mask", plan_kw=lambda t: dict(custom_mask=t["mask"]),
+        Row(
+            "rope",
+            plan_kw=lambda t: dict(pos_encoding_mode="ROPE_LLAMA"),
+            note="K rotated by a pass first, Q in the kernel",
+        ),
+        Row(
+            "custom_mask",
+            plan_kw=lambda t: dict(custom_mask=t["mask"]),
             flex_mask=lambda t: (lambda m: lambda b, h, qi, kvi: m[b, qi, kvi])(t["mask_dense"]),
-            extra=dict(mask=None), note="x over plain NON-causal (the same mask as plain causal skips the blocks it hides)"),
-        Row("sigmoid", plan_kw=lambda t: dict(variant=FlashSigmoid(sigmoid_bias=-2.0)), flex_mask=lambda t: causal,
-            flex_score=sigmoid_mod, note="flex: log-sigmoid score_mod (normalized, not the same math)"),
-        Row("rel_bias (user example)", plan_kw=lambda t: dict(variant=RelativePositionBias()),
-            run_args=lambda t: (t["table"],), flex_mask=lambda t: causal, flex_score=relbias_mod,
-            extra=dict(table=lambda: torch.randn(PH, 32, device="cuda"))),
+            extra=dict(mask=None),
+            note="x over plain NON-causal (the same mask as plain causal skips the blocks it hides)",
+        ),
+        Row(
+            "sigmoid",
+            plan_kw=lambda t: dict(variant=FlashSigmoid(sigmoid_bias=-2.0)),
+            flex_mask=lambda t: causal,
+            flex_score=sigmoid_mod,
+            note="flex: log-sigmoid score_mod (normalized, not the same math)",
+        ),
+        Row(
+            "rel_bias (user example)",
+            plan_kw=lambda t: dict(variant=RelativePositionBias()),
+            run_args=lambda t: (t["table"],),
+            flex_mask=lambda t: causal,
+            flex_score=relbias_mod,
+            extra=dict(table=lambda: torch.randn(PH, 32, device="cuda")),
+        ),
     ]
 
 
@@ -296,7 +355,9 @@ def _prefill_rows_bench(res, quick: bool) -> None:
     t_plain = _time_prefill(ws, q, k, v, ind, True, {}, (), {})
     t_plain_nc = _time_prefill(ws, q, k, v, ind, False, {}, (), {})
     f_plain = None
-    print(f"{'prefill 2 x 8k causal, bf16 16/16 d128 ragged':<42} {'us':>7} {'x plain':>8} {'flex us':>9} {'flex x':>7}")
+    print(
+        f"{'prefill 2 x 8k causal, bf16 16/16 d128 ragged':<42} {'us':>7} {'x plain':>8} {'flex us':>9} {'flex x':>7}"
+    )
     for row in rows:
         t_in = {}
         for name, f in row.extra.items():
@@ -310,17 +371,22 @@ def _prefill_rows_bench(res, quick: bool) -> None:
         if row.name.startswith("plain"):
             t = t_plain
         else:
-            t = _time_prefill(ws, q, k, v, ind, not noncausal, row.plan_kw(t_in), row.run_args(t_in),
-                              row.run_kw(t_in))
+            t = _time_prefill(ws, q, k, v, ind, not noncausal, row.plan_kw(t_in), row.run_args(t_in), row.run_kw(t_in))
         base = t_plain_nc if noncausal else t_plain
         f = None
         if row.flex_score is not None or row.flex_mask is not None:
             if f_plain is None:
                 f_plain = _flex_prefill(q4, k4, v4, mask_mod=lambda b, h, qi, kvi: qi >= kvi)
-            f = _flex_prefill(q4, k4, v4, row.flex_score(t_in) if row.flex_score else None,
-                              row.flex_mask(t_in) if row.flex_mask else None)
-        _record(res, f"variants/prefill/hd128/causal/s8192/{row.name.split()[0]}", row, t, base, f, f_plain,
-                flag_bar=True)
+            f = _flex_prefill(
+                q4,
+                k4,
+                v4,
+                row.flex_score(t_in) if row.flex_score else None,
+                row.flex_mask(t_in) if row.flex_mask else None,
+            )
+        _record(
+            res, f"variants/prefill/hd128/causal/s8192/{row.name.split()[0]}", row, t, base, f, f_plain, flag_bar=True
+        )
         if noncausal:  # the causal pattern as a mask, against the causal flag's kernel too
             res.add("variants/prefill/hd128/causal/s8192/custom_mask_vs_causal", "cute_attn", "x_plain", t / t_plain)
             print(f"{'  custom_mask over plain causal':<42} {t:7.1f} {t / t_plain:8.3f}")
@@ -344,8 +410,10 @@ def _prefill_rows_bench(res, quick: bool) -> None:
     res.add(case, "cute_attn", "us", t_fused)
     res.add(case, "separate_rope_pass+plain", "us", t_sep)
     res.add(case, "cute_attn", "speedup", t_sep / t_fused)
-    print(f"{'RoPE fused':<42} {t_fused:7.1f}   vs separate torch RoPE pass + plain prefill {t_sep:8.1f} us "
-          f"({t_sep / t_fused:.2f}x)")
+    print(
+        f"{'RoPE fused':<42} {t_fused:7.1f}   vs separate torch RoPE pass + plain prefill {t_sep:8.1f} us "
+        f"({t_sep / t_fused:.2f}x)"
+    )
 
 
 def bench_variants(res, quick: bool) -> None:

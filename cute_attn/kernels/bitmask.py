@@ -8,6 +8,7 @@ thread's columns sit at static offsets from ``col0`` (the MMA accumulator layout
 score's test is one AND with a constant and one compare, where a per-score byte load costs an
 address computation, a load and its latency.
 """
+
 from __future__ import annotations
 
 import cutlass

@@ -41,8 +41,8 @@ without softmax (FlashSigmoid) accumulates its weights directly.  With no varian
 is the plain fast path (no hook code is traced).  Soft-cap and the sliding window are
 built-in variants.  Uses no Hopper-only instruction, so it also compiles for sm_100a.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -64,7 +64,6 @@ NUM_WARPS = 4
 THREADS = 32 * NUM_WARPS
 
 
-
 class PagedDecode:
     def __init__(self, dtype, head_dim: int, stages: int, variant=None, heads_per_item: int = 1):
         self.dtype = dtype
@@ -79,24 +78,41 @@ class PagedDecode:
         # BLOCK_N // H tokens of each of the H heads, head-major; warp w reads head w // (4 // H).
         # A thread's rows then repeat the same tokens for each head: one page lookup serves H rows.
         assert heads_per_item in (1, 2, 4), heads_per_item
-        assert heads_per_item == 1 or self.hooks.packs_heads, \
+        assert heads_per_item == 1 or self.hooks.packs_heads, (
             "head packing needs a softmax variant without query/key transforms (Hooks.packs_heads)"
+        )
         self.hpi = heads_per_item
         self.tpb = BLOCK_N // heads_per_item  # tokens of each head per block
         self.warps_per_head = NUM_WARPS // heads_per_item
         self.n_lookups = self.tpb // self.row_step  # distinct tokens among a thread's rows of a block
         # the epilogue gives each warp an fp32 [TILE_Q, D] buffer in the 16 K and 16 V rows it
         # reads (``_o_buf``: 2 KB pieces of 512 // D fp32 rows, D // 64 halves, K then V)
-        assert head_dim % 64 == 0 and (512 // head_dim) * (head_dim // 64) * 2 == TILE_Q, \
+        assert head_dim % 64 == 0 and (512 // head_dim) * (head_dim // 64) * 2 == TILE_Q, (
             f"the epilogue's buffers (_o_buf) do not tile head_dim {head_dim}"
+        )
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
-    def host(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
-             mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
-             mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
-             group: Int32, sm_scale: Float32, num_ctas: Int32, var_tensors: tuple, var_scalars: tuple,
-             stream: cuda.CUstream):
+    def host(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mKvIndptr: cute.Tensor,
+        mKvIndices: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mWork: cute.Tensor,
+        mWorkIndptr: cute.Tensor,
+        mPartO: cute.Tensor,
+        mPartLse: cute.Tensor,
+        group: Int32,
+        sm_scale: Float32,
+        num_ctas: Int32,
+        var_tensors: tuple,
+        var_scalars: tuple,
+        stream: cuda.CUstream,
+    ):
         """The host function behind the generated entry (``variants.trace.make_entry``): the
         family's arguments, then the variant's tensors and scalars as tuples."""
         D = self.head_dim
@@ -115,22 +131,58 @@ class PagedDecode:
             sM: cute.struct.MemRange[Float32, NUM_WARPS * TILE_Q]
             sL: cute.struct.MemRange[Float32, NUM_WARPS * TILE_Q]
 
-        tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1),
-                                        permutation_mnk=(16, 16, 16))
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1), permutation_mnk=(16, 16, 16)
+        )
         scale_log2 = sm_scale * LOG2E
-        self.kernel(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse,
-                    var_tensors, group, scale_log2, sm_scale, var_scalars,
-                    sQ_layout, sKV_layout, tiled_mma, Smem).launch(
-            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        self.kernel(
+            mQ,
+            mK,
+            mV,
+            mKvIndptr,
+            mKvIndices,
+            mO,
+            mLse,
+            mWork,
+            mWorkIndptr,
+            mPartO,
+            mPartLse,
+            var_tensors,
+            group,
+            scale_log2,
+            sm_scale,
+            var_scalars,
+            sQ_layout,
+            sKV_layout,
+            tiled_mma,
+            Smem,
+        ).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     # ---- device side --------------------------------------------------------------------
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
-               mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
-               mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, var_tensors: tuple,
-               group: Int32, scale_log2: Float32, sm_scale: Float32, var_scalars: tuple,
-               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
-               tiled_mma: cute.TiledMma, Smem: cutlass.Constexpr):
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mKvIndptr: cute.Tensor,
+        mKvIndices: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mWork: cute.Tensor,
+        mWorkIndptr: cute.Tensor,
+        mPartO: cute.Tensor,
+        mPartLse: cute.Tensor,
+        var_tensors: tuple,
+        group: Int32,
+        scale_log2: Float32,
+        sm_scale: Float32,
+        var_scalars: tuple,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+        Smem: cutlass.Constexpr,
+    ):
         # the merge kernel (launched after this one as a programmatic dependent) may start now:
         # its launch overlaps this kernel, and it waits for this grid before reading anything
         cute.arch.griddepcontrol_launch_dependents()
@@ -183,12 +235,49 @@ class PagedDecode:
         # item's first block, in one of STAGES Q buffers (by count of items with blocks: the
         # cursor is at most STAGES-1 such items ahead).
         c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = self._cursor_next(
-            mWork, mKvIndptr, mKvIndices, rows, tidx, page_size, group, item_end, item_begin - 1, Int32(0),
-            Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(-1))
+            mWork,
+            mKvIndptr,
+            mKvIndices,
+            rows,
+            tidx,
+            page_size,
+            group,
+            item_end,
+            item_begin - 1,
+            Int32(0),
+            Int32(0),
+            Int32(0),
+            Int32(0),
+            Int32(0),
+            Int32(0),
+            Int32(-1),
+        )
         for s in cutlass.range_constexpr(self.stages - 1):
             c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = self._cursor_issue(
-                mQ, mK, mV, mWork, mKvIndptr, mKvIndices, sQ, sK, sV, rows, tidx, page_size, group,
-                item_end, s, c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q)
+                mQ,
+                mK,
+                mV,
+                mWork,
+                mKvIndptr,
+                mKvIndices,
+                sQ,
+                sK,
+                sV,
+                rows,
+                tidx,
+                page_size,
+                group,
+                item_end,
+                s,
+                c_item,
+                c_nb,
+                c_n,
+                c_start,
+                c_end,
+                c_base,
+                c_head,
+                c_q,
+            )
         g = Int32(0)  # blocks computed so far (the stream position of this item's block 0)
         q_cnt = Int32(0)  # items with blocks computed so far (selects the Q buffer)
         for item in cutlass.range(item_begin, item_end, unroll=1):
@@ -227,9 +316,30 @@ class PagedDecode:
                     if const_expr(self.hooks.has_transform_q):
                         self._transform_q(tSrQ, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len)
                 c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = self._cursor_issue(
-                    mQ, mK, mV, mWork, mKvIndptr, mKvIndices, sQ, sK, sV, rows, tidx, page_size, group,
-                    item_end, (g + nb + self.stages - 1) % self.stages, c_item, c_nb, c_n, c_start, c_end, c_base,
-                    c_head, c_q)
+                    mQ,
+                    mK,
+                    mV,
+                    mWork,
+                    mKvIndptr,
+                    mKvIndices,
+                    sQ,
+                    sK,
+                    sV,
+                    rows,
+                    tidx,
+                    page_size,
+                    group,
+                    item_end,
+                    (g + nb + self.stages - 1) % self.stages,
+                    c_item,
+                    c_nb,
+                    c_n,
+                    c_start,
+                    c_end,
+                    c_base,
+                    c_head,
+                    c_q,
+                )
 
                 stage = (g + nb) % self.stages
                 key0 = blk_start + nb * self.tpb + (wid % self.warps_per_head) * 16
@@ -250,9 +360,20 @@ class PagedDecode:
                 acc_O_mn = mma_mn_view(acc_O)
                 for r in cutlass.range_constexpr(n_rows_thr):
                     if const_expr(self.hooks.per_row):
-                        m_blk = self._row_scores(acc_S_mn, r, tScS, key0, row_lim[r] if const_expr(self.hpi > 1)
-                                                 else blk_end, req, kv_head, row_start, group, qpos_base, qo_len,
-                                                 kv_len)
+                        m_blk = self._row_scores(
+                            acc_S_mn,
+                            r,
+                            tScS,
+                            key0,
+                            row_lim[r] if const_expr(self.hpi > 1) else blk_end,
+                            req,
+                            kv_head,
+                            row_start,
+                            group,
+                            qpos_base,
+                            qo_len,
+                            kv_len,
+                        )
                     else:
                         m_blk = -Float32.inf
                         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
@@ -322,16 +443,37 @@ class PagedDecode:
                     for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                         sO[j, tOcO[0, c][1]] = acc_O_mn[r, c]
             cute.arch.sync_threads()
-            self._store(mO, mLse, mPartO, mPartLse, kv_ptr, o_stage, sM, sL, tidx, row_start, num_rows, dest,
-                        qo_offset, kv_head, group, req, qpos_base, qo_len, kv_len, kv_start)
+            self._store(
+                mO,
+                mLse,
+                mPartO,
+                mPartLse,
+                kv_ptr,
+                o_stage,
+                sM,
+                sL,
+                tidx,
+                row_start,
+                num_rows,
+                dest,
+                qo_offset,
+                kv_head,
+                group,
+                req,
+                qpos_base,
+                qo_len,
+                kv_len,
+                kv_start,
+            )
 
     # ---- loads and buffers ------------------------------------------------------------------
     def _kv_blocks(self, w: WorkItem, group):
         """The KV range whose blocks an item reads: its token range, clipped by a variant's
         kv_range (bounds non-decreasing in q_pos: the first row gives lo, the last row hi)."""
         if self.hooks.has_kv_range:
-            return self._clip_range(w.req, w.kv_head, w.row_start, w.num_rows, group, w.qpos_base, w.qo_len,
-                                    w.kv_len, w.kv_start, w.kv_end)
+            return self._clip_range(
+                w.req, w.kv_head, w.row_start, w.num_rows, group, w.qpos_base, w.qo_len, w.kv_len, w.kv_start, w.kv_end
+            )
         return w.kv_start, w.kv_end
 
     def _cursor_item(self, mWork, mKvIndptr, item, group):
@@ -341,10 +483,25 @@ class PagedDecode:
         return start, end, mKvIndptr[w.req], w.kv_head
 
     @cute.jit
-    def _cursor_next(self, mWork: cute.Tensor, mKvIndptr: cute.Tensor, mKvIndices: cute.Tensor, rows: cute.Tensor,
-                     tidx: Int32, page_size: cute.FastDivmodDivisorV2, group: Int32, item_end: Int32,
-                     c_item: Int32, c_nb: Int32, c_n: Int32, c_start: Int32, c_end: Int32, c_base: Int32,
-                     c_head: Int32, c_q: Int32):
+    def _cursor_next(
+        self,
+        mWork: cute.Tensor,
+        mKvIndptr: cute.Tensor,
+        mKvIndices: cute.Tensor,
+        rows: cute.Tensor,
+        tidx: Int32,
+        page_size: cute.FastDivmodDivisorV2,
+        group: Int32,
+        item_end: Int32,
+        c_item: Int32,
+        c_nb: Int32,
+        c_n: Int32,
+        c_start: Int32,
+        c_end: Int32,
+        c_base: Int32,
+        c_head: Int32,
+        c_q: Int32,
+    ):
         """The load cursor past an exhausted item moves on to the next item that has blocks (or
         to the end of the list), then looks up the rows of its next block (the lookups stay one
         block ahead of the copies).  State: item, next block, blocks, key range, page_base, kv
@@ -361,12 +518,32 @@ class PagedDecode:
         return c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q
 
     @cute.jit
-    def _cursor_issue(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mWork: cute.Tensor,
-                      mKvIndptr: cute.Tensor, mKvIndices: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
-                      sV: cute.Tensor, rows: cute.Tensor, tidx: Int32,
-                      page_size: cute.FastDivmodDivisorV2, group: Int32, item_end: Int32, stage: Int32,
-                      c_item: Int32, c_nb: Int32, c_n: Int32, c_start: Int32, c_end: Int32, c_base: Int32,
-                      c_head: Int32, c_q: Int32):
+    def _cursor_issue(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mWork: cute.Tensor,
+        mKvIndptr: cute.Tensor,
+        mKvIndices: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        rows: cute.Tensor,
+        tidx: Int32,
+        page_size: cute.FastDivmodDivisorV2,
+        group: Int32,
+        item_end: Int32,
+        stage: Int32,
+        c_item: Int32,
+        c_nb: Int32,
+        c_n: Int32,
+        c_start: Int32,
+        c_end: Int32,
+        c_base: Int32,
+        c_head: Int32,
+        c_q: Int32,
+    ):
         """Issue the cursor's next block into ``stage`` (with its item's Q tile when it is the
         item's first block), advance the cursor, and commit one cp.async group (empty once the
         CTA's items are all issued, so the count the compute waits on stays exact)."""
@@ -375,14 +552,30 @@ class PagedDecode:
                 self._issue_q(mQ, mWork, sQ, tidx, group, c_item, c_q % self.stages)
             self._issue_kv(mK, mV, sK, sV, rows, tidx, page_size, c_head, c_start + c_nb * self.tpb, c_end, stage)
             c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = self._cursor_next(
-                mWork, mKvIndptr, mKvIndices, rows, tidx, page_size, group, item_end, c_item, c_nb + 1, c_n,
-                c_start, c_end, c_base, c_head, c_q)
+                mWork,
+                mKvIndptr,
+                mKvIndices,
+                rows,
+                tidx,
+                page_size,
+                group,
+                item_end,
+                c_item,
+                c_nb + 1,
+                c_n,
+                c_start,
+                c_end,
+                c_base,
+                c_head,
+                c_q,
+            )
         cute.arch.cp_async_commit_group()
         return c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q
 
     @cute.jit
-    def _issue_q(self, mQ: cute.Tensor, mWork: cute.Tensor, sQ: cute.Tensor, tidx: Int32,
-                 group: Int32, item: Int32, buf: Int32):
+    def _issue_q(
+        self, mQ: cute.Tensor, mWork: cute.Tensor, sQ: cute.Tensor, tidx: Int32, group: Int32, item: Int32, buf: Int32
+    ):
         """cp.async item ``item``'s Q tile into Q buffer ``buf``; rows past num_rows re-read row 0
         and are never written out."""
         w = WorkItem(mWork, item)
@@ -394,8 +587,10 @@ class PagedDecode:
                 r = w.row_start + (j if j < w.num_rows else 0)
                 tok = w.qo_offset + r // group
                 head = w.kv_head * group + r % group
-                cp_async_16(sQ.iterator.toint() + self._smem_off(j, c, buf, TILE_Q) * 2,
-                            mQ[tok, head, None].iterator.toint() + c * 16)
+                cp_async_16(
+                    sQ.iterator.toint() + self._smem_off(j, c, buf, TILE_Q) * 2,
+                    mQ[tok, head, None].iterator.toint() + c * 16,
+                )
 
     def _check_smem_off(self, layout, rows: int):
         """Trace time: ``_smem_off`` agrees with the layout's own offsets (crd2idx applies this
@@ -405,7 +600,9 @@ class PagedDecode:
                 for s in range(2):
                     want = cute.crd2idx((r, c * 8, s), layout)
                     if want != self._smem_off(r, c, s, rows):
-                        raise AssertionError(f"_smem_off({r}, {c}, {s}) = {self._smem_off(r, c, s, rows)}, layout {want}")
+                        raise AssertionError(
+                            f"_smem_off({r}, {c}, {s}) = {self._smem_off(r, c, s, rows)}, layout {want}"
+                        )
 
     def _o_buf(self, kv_ptr, stage, wid):
         """Warp ``wid``'s fp32 [TILE_Q, D] epilogue buffer in stage ``stage``: the K and V rows
@@ -428,17 +625,25 @@ class PagedDecode:
         qo_head = kv_head * group + row % group
         if self.hpi > 1:
             kv_head = qo_head // (group // self.hpi)
-        return Ctx(batch=req, qo_head=qo_head, kv_head=kv_head,
-                   q_pos=qpos_base + row // group, qo_len=qo_len, kv_len=kv_len, head_dim=self.head_dim,
-                   sm_scale=self._trace_sm_scale)
+        return Ctx(
+            batch=req,
+            qo_head=qo_head,
+            kv_head=kv_head,
+            q_pos=qpos_base + row // group,
+            qo_len=qo_len,
+            kv_len=kv_len,
+            head_dim=self.head_dim,
+            sm_scale=self._trace_sm_scale,
+        )
 
     def _clip_range(self, req, kv_head, row_start, num_rows, group, qpos_base, qo_len, kv_len, kv_start, kv_end):
         """The item's KV range clipped to the variant's kv_range (bounds are non-decreasing in
         q_pos: the first row gives the lower bound, the last row the upper)."""
         va = self._trace_vargs
         lo, _ = self.hooks.kv_range(self._ctx(req, kv_head, row_start, group, qpos_base, qo_len, kv_len), va)
-        _, hi = self.hooks.kv_range(self._ctx(req, kv_head, row_start + num_rows - 1, group, qpos_base, qo_len,
-                                              kv_len), va)
+        _, hi = self.hooks.kv_range(
+            self._ctx(req, kv_head, row_start + num_rows - 1, group, qpos_base, qo_len, kv_len), va
+        )
         start, end = kv_start, kv_end
         if lo is not None:
             start = cutlass.select_(lo > kv_start, lo, kv_start)
@@ -449,17 +654,23 @@ class PagedDecode:
     def _transform_q(self, tSrQ, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len):
         va = self._trace_vargs
         transform_fragment(
-            tSrQ, thr_mma.partition_A(cute.make_identity_tensor((TILE_Q, self.head_dim))),
+            tSrQ,
+            thr_mma.partition_A(cute.make_identity_tensor((TILE_Q, self.head_dim))),
             lambda ctx, lo, hi, d: self.hooks.transform_q(ctx, va, lo, hi, d),
-            lambda j: self._ctx(req, kv_head, row_start + j, group, qpos_base, qo_len, kv_len), self.dtype)
+            lambda j: self._ctx(req, kv_head, row_start + j, group, qpos_base, qo_len, kv_len),
+            self.dtype,
+        )
 
     def _transform_k(self, tSrK, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len, key0):
         va = self._trace_vargs
         base = self._ctx(req, kv_head, row_start, group, qpos_base, qo_len, kv_len)
         transform_fragment(
-            tSrK, thr_mma.partition_B(cute.make_identity_tensor((16, self.head_dim))),
+            tSrK,
+            thr_mma.partition_B(cute.make_identity_tensor((16, self.head_dim))),
             lambda ctx, lo, hi, d: self.hooks.transform_k(ctx, va, lo, hi, d),
-            lambda n: base.replace(kv_pos=key0 + n, _fresh=True), self.dtype)
+            lambda n: base.replace(kv_pos=key0 + n, _fresh=True),
+            self.dtype,
+        )
 
     def _item_rows(self, req, kv_head, row_start, group, qpos_base, qo_len, kv_len, tScS, n_rows):
         """``self._trace_rows``: per accumulator row of this thread, (ctx, kv_range lo, hi,
@@ -471,8 +682,7 @@ class PagedDecode:
             out.append((rctx, *self.hooks.row_values(rctx, self._trace_vargs)))
         self._trace_rows = out
 
-    def _row_scores(self, acc_S_mn, r, tScS, key0, blk_end, req, kv_head, row_start, group, qpos_base, qo_len,
-                    kv_len):
+    def _row_scores(self, acc_S_mn, r, tScS, key0, blk_end, req, kv_head, row_start, group, qpos_base, qo_len, kv_len):
         """Logits (base 2) or weights of one accumulator row with the variant's logits, mask
         and kv_range applied; returns the row's max over this thread's columns."""
         H, va = self.hooks, self._trace_vargs
@@ -519,8 +729,16 @@ class PagedDecode:
             o4[e] = self.hooks.output(ctx, self._trace_vargs, o4[e], d0 + e)
 
     @cute.jit
-    def _lookup(self, mKvIndices: cute.Tensor, rows: cute.Tensor, tidx: Int32, page_base: Int32,
-                page_size: cute.FastDivmodDivisorV2, blk_start: Int32, kv_end: Int32):
+    def _lookup(
+        self,
+        mKvIndices: cute.Tensor,
+        rows: cute.Tensor,
+        tidx: Int32,
+        page_base: Int32,
+        page_size: cute.FastDivmodDivisorV2,
+        blk_start: Int32,
+        kv_end: Int32,
+    ):
         """The page of each KV row this thread gathers in the block starting at token blk_start
         (token p lives in page kv_indices[page_base + p // page_size]; tokens past kv_end re-read
         the last valid token: finite data, masked to -inf later).  Only the loads: their values
@@ -537,9 +755,20 @@ class PagedDecode:
         return cutlass.select_(p < kv_end, p, kv_end - 1)
 
     @cute.jit
-    def _issue_kv(self, mK: cute.Tensor, mV: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                  rows: cute.Tensor, tidx: Int32, page_size: cute.FastDivmodDivisorV2, kv_head: Int32,
-                  blk_start: Int32, kv_end: Int32, stage: Int32):
+    def _issue_kv(
+        self,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        rows: cute.Tensor,
+        tidx: Int32,
+        page_size: cute.FastDivmodDivisorV2,
+        kv_head: Int32,
+        blk_start: Int32,
+        kv_end: Int32,
+        stage: Int32,
+    ):
         """cp.async this thread's 16-byte chunks of the block's K and V rows (pages looked up in
         ``rows``) into a stage."""
         c = tidx % self.chunks
@@ -561,10 +790,29 @@ class PagedDecode:
         return s * (rows * self.head_dim) + (c // 8) * (rows * 64) + r * 64 + ((c % 8) ^ (r % 8)) * 8
 
     @cute.jit
-    def _store(self, mO: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
-               kv_ptr: cute.Pointer, o_stage: Int32, sM: cute.Tensor, sL: cute.Tensor, tidx: Int32, row_start: Int32,
-               num_rows: Int32, dest: Int32, qo_offset: Int32, kv_head: Int32, group: Int32, req: Int32,
-               qpos_base: Int32, qo_len: Int32, kv_len: Int32, kv_start: Int32):
+    def _store(
+        self,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mPartO: cute.Tensor,
+        mPartLse: cute.Tensor,
+        kv_ptr: cute.Pointer,
+        o_stage: Int32,
+        sM: cute.Tensor,
+        sL: cute.Tensor,
+        tidx: Int32,
+        row_start: Int32,
+        num_rows: Int32,
+        dest: Int32,
+        qo_offset: Int32,
+        kv_head: Int32,
+        group: Int32,
+        req: Int32,
+        qpos_base: Int32,
+        qo_len: Int32,
+        kv_len: Int32,
+        kv_start: Int32,
+    ):
         """⊕ of the four warps' states per row (max m, l = Σ l_w 2^(m_w - m), then the variant's
         ``finalize``), and the store: final rows (value dtype) or a partial slot (fp32), 4
         columns per thread-step.  A variant's ``output`` hook applies to final rows (the wrapper
@@ -583,8 +831,9 @@ class PagedDecode:
                 for w in cutlass.range_constexpr(NUM_WARPS):
                     l_all = l_all + sL[j, w] * cute.math.exp2(sM[j, w] - m_use, fastmath=True)
                 if const_expr(self.hooks.has_finalize):
-                    m_all, l_all = self._finalize(m_all, l_all, req, kv_head, row_start + j, group, qpos_base, qo_len,
-                                                  kv_len, kv_start)
+                    m_all, l_all = self._finalize(
+                        m_all, l_all, req, kv_head, row_start + j, group, qpos_base, qo_len, kv_len, kv_start
+                    )
                     m_use = m_all if m_all != -Float32.inf else Float32(0.0)
                 inv_l = Float32(0.0)
                 if l_all > Float32(0.0):
@@ -624,12 +873,12 @@ class PagedDecode:
 _DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
 
 
-
 def build_paged_decode(spec):
     """The jit entry for a ``paged_decode`` spec: its variant is re-created from the spec's
     ``variant`` text and must still have the spec's fingerprint (else the class changed since
     the spec was made and the module would be cached under the wrong key)."""
-    from ..families import decode_abi_fixed as _decode_abi_fixed, spec_variant as _spec_variant
+    from ..families import decode_abi_fixed as _decode_abi_fixed
+    from ..families import spec_variant as _spec_variant
     from ..variants.base import abi_args
 
     p = spec.pdict

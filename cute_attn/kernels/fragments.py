@@ -6,6 +6,7 @@ Two MMA families: ``mma.sync`` m16n8k16 (decode, any arch: ``mma_*``) and Hopper
 ``wgmma`` (prefill: ``wgmma_*``).  In both, a row of a thread's accumulator is spread over the
 4 threads of a quad (lanes 4i .. 4i+3), hence ``quad_max`` / ``quad_sum``.
 """
+
 from __future__ import annotations
 
 import cutlass.cute as cute
@@ -29,8 +30,10 @@ def quad_sum(v: Float32) -> Float32:
 def mma_mn_view(t: cute.Tensor) -> cute.Tensor:
     """View an m16n8 accumulator partition ((2 cols, 2 rows), M, N) as (rows, cols)."""
     l = cute.make_layout(t.layout.shape)
-    mn = cute.make_layout(((l.shape[0][1], l.shape[1]), (l.shape[0][0], l.shape[2])),
-                          stride=((l.stride[0][1], l.stride[1]), (l.stride[0][0], l.stride[2])))
+    mn = cute.make_layout(
+        ((l.shape[0][1], l.shape[1]), (l.shape[0][0], l.shape[2])),
+        stride=((l.stride[0][1], l.stride[1]), (l.stride[0][0], l.stride[2])),
+    )
     return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
 
 
@@ -38,8 +41,10 @@ def mma_acc_as_a(t: cute.Tensor) -> cute.Tensor:
     """Reuse an m16n8 accumulator fragment (4, M, N) as the A operand of m16n8k16:
     two adjacent n8 tiles form one k16 step -> ((4, 2), M, N/2)."""
     d = cute.logical_divide(t.layout, (None, None, 2))
-    a = cute.make_layout(((d.shape[0], d.shape[2][0]), d.shape[1], d.shape[2][1]),
-                         stride=((d.stride[0], d.stride[2][0]), d.stride[1], d.stride[2][1]))
+    a = cute.make_layout(
+        ((d.shape[0], d.shape[2][0]), d.shape[1], d.shape[2][1]),
+        stride=((d.stride[0], d.stride[2][0]), d.stride[1], d.stride[2][1]),
+    )
     return cute.make_tensor(t.iterator, a)
 
 
@@ -47,8 +52,9 @@ def wgmma_mn_view(t: cute.Tensor) -> cute.Tensor:
     """View a wgmma accumulator partition ((2 cols, 2 rows, N/8), M, N) as (rows, cols)."""
     l = cute.make_layout(t.layout.shape)
     s, d = l.shape, l.stride
-    mn = cute.make_layout(((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
-                          stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2])))
+    mn = cute.make_layout(
+        ((s[0][1], s[1]), (s[0][0], s[0][2], s[2])), stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2]))
+    )
     return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
 
 
@@ -57,7 +63,7 @@ def wgmma_acc_as_a(l):
     wgmma from registers (a layout, where ``mma_acc_as_a`` takes and returns a tensor),
     ((2,2,2), M, (N/16, N)): two adjacent n8 column groups form one k16 step."""
     d = cute.logical_divide(l, ((None, None, 2), None, None))
-    return cute.make_layout(((d.shape[0][0], d.shape[0][1], d.shape[0][2][0]), d.shape[1],
-                             (d.shape[0][2][1], d.shape[2])),
-                            stride=((d.stride[0][0], d.stride[0][1], d.stride[0][2][0]), d.stride[1],
-                                    (d.stride[0][2][1], d.stride[2])))
+    return cute.make_layout(
+        ((d.shape[0][0], d.shape[0][1], d.shape[0][2][0]), d.shape[1], (d.shape[0][2][1], d.shape[2])),
+        stride=((d.stride[0][0], d.stride[0][1], d.stride[0][2][0]), d.stride[1], (d.stride[0][2][1], d.stride[2])),
+    )

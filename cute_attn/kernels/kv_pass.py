@@ -27,6 +27,7 @@ found by a cursor over ``kv_indptr`` (tokens) that only moves forward.  The loop
 lies in the same buffer (unused tail entries repeat the last offset: empty requests).  Plain
 SIMT loads and stores, so nothing here is Hopper-specific.
 """
+
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
@@ -51,23 +52,60 @@ class KvPass:
         self.rows_per_cta = THREADS // self.half
 
     @cute.jit
-    def host(self, mK: cute.Tensor, mV: cute.Tensor, mKout: cute.Tensor, mVout: cute.Tensor,
-             mQoIndptr: cute.Tensor, mKvIndptr: cute.Tensor, mPageIndptr: cute.Tensor, mPageIndices: cute.Tensor,
-             batch: Int32, sm_scale: Float32, num_ctas: Int32, var_tensors: tuple, var_scalars: tuple,
-             stream: cuda.CUstream):
+    def host(
+        self,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mKout: cute.Tensor,
+        mVout: cute.Tensor,
+        mQoIndptr: cute.Tensor,
+        mKvIndptr: cute.Tensor,
+        mPageIndptr: cute.Tensor,
+        mPageIndices: cute.Tensor,
+        batch: Int32,
+        sm_scale: Float32,
+        num_ctas: Int32,
+        var_tensors: tuple,
+        var_scalars: tuple,
+        stream: cuda.CUstream,
+    ):
         """``mK`` / ``mV``: the cache, ``[pages, page_size, kv_heads, head_dim]`` (paged) or
         ``[1, tokens, kv_heads, head_dim]`` (ragged; ``mV`` / ``mVout`` / ``mPage*`` unused);
         ``mKout`` / ``mVout``: ``[1, tokens, kv_heads, head_dim]``; ``mKvIndptr``: tokens per
         request (prefix sums); ``num_ctas``: the grid (the wrapper passes 8 per SM, of which
         3-4 are resident at 64-80 registers: each thread has 2 rows x 32 bytes of K -- and of
         V -- in flight, which covers the HBM latency)."""
-        self.kernel(mK, mV, mKout, mVout, mQoIndptr, mKvIndptr, mPageIndptr, mPageIndices, batch, sm_scale,
-                    var_tensors, var_scalars).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        self.kernel(
+            mK,
+            mV,
+            mKout,
+            mVout,
+            mQoIndptr,
+            mKvIndptr,
+            mPageIndptr,
+            mPageIndices,
+            batch,
+            sm_scale,
+            var_tensors,
+            var_scalars,
+        ).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mK: cute.Tensor, mV: cute.Tensor, mKout: cute.Tensor, mVout: cute.Tensor,
-               mQoIndptr: cute.Tensor, mKvIndptr: cute.Tensor, mPageIndptr: cute.Tensor, mPageIndices: cute.Tensor,
-               batch: Int32, sm_scale: Float32, var_tensors: tuple, var_scalars: tuple):
+    def kernel(
+        self,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mKout: cute.Tensor,
+        mVout: cute.Tensor,
+        mQoIndptr: cute.Tensor,
+        mKvIndptr: cute.Tensor,
+        mPageIndptr: cute.Tensor,
+        mPageIndices: cute.Tensor,
+        batch: Int32,
+        sm_scale: Float32,
+        var_tensors: tuple,
+        var_scalars: tuple,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
@@ -117,8 +155,18 @@ class KvPass:
                     cute.autovec_copy(cute.local_tile(srcs[j], (8,), (c + half,)), hi[i][j])
             if const_expr(self.transform):
                 for i in cutlass.range_constexpr(2):
-                    self._transform_row(reqs[i], head[i], pos[i], mQoIndptr[reqs[i] + 1] - mQoIndptr[reqs[i]],
-                                        lens[i], sm_scale, vargs, lo[i][0], hi[i][0], c)
+                    self._transform_row(
+                        reqs[i],
+                        head[i],
+                        pos[i],
+                        mQoIndptr[reqs[i] + 1] - mQoIndptr[reqs[i]],
+                        lens[i],
+                        sm_scale,
+                        vargs,
+                        lo[i][0],
+                        hi[i][0],
+                        c,
+                    )
             outs = [mKout, mVout]
             for i in cutlass.range_constexpr(2):
                 if rows[i] < end:
@@ -129,8 +177,15 @@ class KvPass:
 
     def _transform_row(self, req, head, kv_pos, qo_len, kv_len, sm_scale, vargs, lo, hi, c):
         """transform_k on one row's chunk pair (a helper: the Ctx stays out of the kernel's loop)."""
-        ctx = Ctx(batch=req, kv_head=head, kv_pos=kv_pos, qo_len=qo_len, kv_len=kv_len, head_dim=self.head_dim,
-                  sm_scale=sm_scale)
+        ctx = Ctx(
+            batch=req,
+            kv_head=head,
+            kv_pos=kv_pos,
+            qo_len=qo_len,
+            kv_len=kv_len,
+            head_dim=self.head_dim,
+            sm_scale=sm_scale,
+        )
         transform_pairs(self.hooks, vargs, ctx, lo, hi, c * 8, self.dtype, query=False)
 
 
@@ -144,5 +199,6 @@ def build_kv_pass(spec):
 
     p = spec.pdict
     variant = spec_variant(p)
-    return make_entry(KvPass(_DTYPES[p["dtype"]], p["head_dim"], bool(p["paged"]), variant), kv_pass_abi_fixed(p),
-                      abi_args(variant))
+    return make_entry(
+        KvPass(_DTYPES[p["dtype"]], p["head_dim"], bool(p["paged"]), variant), kv_pass_abi_fixed(p), abi_args(variant)
+    )

@@ -13,6 +13,7 @@ walks the states; a CTA covers ``rows_per_cta`` (seq, head) rows per step of a g
 loop.  Plain SIMT loads (LDG.128): there is nothing for TMA or the tensor cores to do, so the
 same code serves sm_90a and sm_100a.
 """
+
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
@@ -120,18 +121,30 @@ class MergeStates:
             if row < nrows:
                 si = row // heads
                 h = row - si * heads
-                acc, lse = fold_states(nstates, lambda i: (mS[si, i, h], load_vec(mV[si, i, h, None], lane, self.vec)),
-                                       self.load_batch, self.vec)
+                acc, lse = fold_states(
+                    nstates,
+                    lambda i: (mS[si, i, h], load_vec(mV[si, i, h, None], lane, self.vec)),
+                    self.load_batch,
+                    self.vec,
+                )
                 store_vec(mO[si, h, None], lane, self.vec, acc)
                 if lane == 0:
                     mLse[si, h] = lse
 
     @cute.jit
-    def __call__(self, mV: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, max_ctas: Int32,
-                 stream: cuda.CUstream):
+    def __call__(
+        self,
+        mV: cute.Tensor,
+        mS: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        max_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
         grid = _grid(mS.shape[0] * mS.shape[2], self.rows_per_cta, max_ctas)
         self.kernel(mV, mS, mO, mLse).launch(
-            grid=[grid, 1, 1], block=[self.tpr * self.rows_per_cta, 1, 1], stream=stream)
+            grid=[grid, 1, 1], block=[self.tpr * self.rows_per_cta, 1, 1], stream=stream
+        )
 
 
 class MergePair:
@@ -146,8 +159,16 @@ class MergePair:
         self.masked = masked
 
     @cute.kernel
-    def kernel(self, mVa: cute.Tensor, mSa: cute.Tensor, mVb: cute.Tensor, mSb: cute.Tensor,
-               mO: cute.Tensor, mLse: cute.Tensor, mMask: cute.Tensor):
+    def kernel(
+        self,
+        mVa: cute.Tensor,
+        mSa: cute.Tensor,
+        mVb: cute.Tensor,
+        mSb: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mMask: cute.Tensor,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -181,11 +202,22 @@ class MergePair:
                         mLse[si, h] = lse
 
     @cute.jit
-    def __call__(self, mVa: cute.Tensor, mSa: cute.Tensor, mVb: cute.Tensor, mSb: cute.Tensor,
-                 mO: cute.Tensor, mLse: cute.Tensor, mMask: cute.Tensor, max_ctas: Int32, stream: cuda.CUstream):
+    def __call__(
+        self,
+        mVa: cute.Tensor,
+        mSa: cute.Tensor,
+        mVb: cute.Tensor,
+        mSb: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mMask: cute.Tensor,
+        max_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
         grid = _grid(mSa.shape[0] * mSa.shape[1], self.rows_per_cta, max_ctas)
         self.kernel(mVa, mSa, mVb, mSb, mO, mLse, mMask).launch(
-            grid=[grid, 1, 1], block=[self.tpr * self.rows_per_cta, 1, 1], stream=stream)
+            grid=[grid, 1, 1], block=[self.tpr * self.rows_per_cta, 1, 1], stream=stream
+        )
 
 
 class MergePartials:
@@ -217,8 +249,16 @@ class MergePartials:
         self.units_per_task = -(-tile_q // self.rows_per_unit)
 
     @cute.kernel
-    def kernel(self, mPartO: cute.Tensor, mPartLse: cute.Tensor, mTasks: cute.Tensor, mMeta: cute.Tensor,
-               mO: cute.Tensor, mLse: cute.Tensor, group: Int32):
+    def kernel(
+        self,
+        mPartO: cute.Tensor,
+        mPartLse: cute.Tensor,
+        mTasks: cute.Tensor,
+        mMeta: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        group: Int32,
+    ):
         cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -240,8 +280,9 @@ class MergePartials:
                 c4 = idx - j * self.per_row
                 # this row's partial slots slot0 .. slot0 + nslots - 1, 4 columns (one 16-byte vector)
                 prow = lambda i: (slot0 + i) * self.tile_q + j  # noqa: E731
-                acc, lse = fold_states(nslots, lambda i: (mPartLse[prow(i)], load_vec(mPartO[prow(i), None], c4, 4)),
-                                       PARTIALS_BATCH, 4)
+                acc, lse = fold_states(
+                    nslots, lambda i: (mPartLse[prow(i)], load_vec(mPartO[prow(i), None], c4, 4)), PARTIALS_BATCH, 4
+                )
                 r = row_start + j
                 tok = qo_offset + r // group
                 head = kv_head * group + r % group
@@ -250,10 +291,21 @@ class MergePartials:
                     mLse[tok, head] = lse
 
     @cute.jit
-    def __call__(self, mPartO: cute.Tensor, mPartLse: cute.Tensor, mTasks: cute.Tensor, mMeta: cute.Tensor,
-                 mO: cute.Tensor, mLse: cute.Tensor, group: Int32, num_ctas: Int32, stream: cuda.CUstream):
+    def __call__(
+        self,
+        mPartO: cute.Tensor,
+        mPartLse: cute.Tensor,
+        mTasks: cute.Tensor,
+        mMeta: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        group: Int32,
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
         self.kernel(mPartO, mPartLse, mTasks, mMeta, mO, mLse, group).launch(
-            grid=[num_ctas, 1, 1], block=[TARGET_THREADS, 1, 1], stream=stream, use_pdl=True)
+            grid=[num_ctas, 1, 1], block=[TARGET_THREADS, 1, 1], stream=stream, use_pdl=True
+        )
 
 
 META_NUM_MERGE_TASKS = 1  # cute_attn.sched.workspace.META_NUM_MERGE_TASKS (checked in cute_attn.decode)

@@ -49,6 +49,7 @@ variant is traced in through ``Hooks``, its calls kept in plain-Python helpers
   ``(o / w, log2 w)`` with ``w`` its share of the tile's kv extent, so the ⊕ merge returns the sum.
 With no variant nothing of this is traced: the plain kernel is unchanged.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -66,7 +67,7 @@ from ..variants.dsl import LOG2E
 from ..variants.trace import make_entry
 from .fragments import WG, quad_sum, wgmma_acc_as_a, wgmma_mn_view
 from .prefill_sm90_hooks import PrefillHooks
-from .prefill_sm90_producer import BAR_PRODUCER, BOX_WARPS, PrefillProducer, ROW_RING, check_gather_swizzle
+from .prefill_sm90_producer import BAR_PRODUCER, BOX_WARPS, ROW_RING, PrefillProducer, check_gather_swizzle
 from .prefill_sm90_softmax import PrefillSoftmax
 from .work import WorkItem
 
@@ -76,8 +77,14 @@ SMEM_MAX = 232448  # bytes of shared memory per block on sm_90
 # (the epilogue's output tile reuses the Q tile's space) and leaves ptxas enough registers to keep
 # the wgmmas asynchronous: at hd128 x 128 keys (and hd256 x 80) it serializes every wgmma
 # ("C7512 ... insufficient register resources"), which costs ~30 %.
-KV_TILES = {(64, False): (128, 4), (64, True): (128, 4), (128, False): (112, 2), (128, True): (96, 2),
-            (256, False): (64, 2), (256, True): (48, 2)}
+KV_TILES = {
+    (64, False): (128, 4),
+    (64, True): (128, 4),
+    (128, False): (112, 2),
+    (128, True): (96, 2),
+    (256, False): (64, 2),
+    (256, True): (48, 2),
+}
 # registers per thread after setmaxnreg, (producer, consumers): 3 warpgroups share 64512
 # registers (168 each at launch); the TMA producer needs few, the cp.async gather more.  With one
 # consumer warpgroup the pool is ample.
@@ -94,10 +101,25 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
     epilogue; the producer, the online softmax and the variant hooks are its mixins
     (``prefill_sm90_producer`` / ``_softmax`` / ``_hooks``)."""
 
-    def __init__(self, dtype, head_dim: int, tile_q: int, paged: bool, causal: bool, soft_cap: bool,
-                 window: bool, tile_n: int = 0, stages: int = 0, pingpong: int = -1, page_box: int = 0,
-                 box_warps: int = 0, producer_regs: int = 0, variant=None, keys_transformed: bool = False,
-                 lazy_rescale: int = 1):
+    def __init__(
+        self,
+        dtype,
+        head_dim: int,
+        tile_q: int,
+        paged: bool,
+        causal: bool,
+        soft_cap: bool,
+        window: bool,
+        tile_n: int = 0,
+        stages: int = 0,
+        pingpong: int = -1,
+        page_box: int = 0,
+        box_warps: int = 0,
+        producer_regs: int = 0,
+        variant=None,
+        keys_transformed: bool = False,
+        lazy_rescale: int = 1,
+    ):
         assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
         self.dtype = dtype
         self.head_dim = head_dim
@@ -153,27 +175,59 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
-    def host(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
-             mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
-             mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
-             group: Int32, sm_scale: Float32, soft_cap: Float32, window_left: Int32, num_ctas: Int32,
-             var_tensors: tuple, var_scalars: tuple, stream: cuda.CUstream):
+    def host(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mKvIndptr: cute.Tensor,
+        mKvIndices: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mWork: cute.Tensor,
+        mWorkIndptr: cute.Tensor,
+        mPartO: cute.Tensor,
+        mPartLse: cute.Tensor,
+        group: Int32,
+        sm_scale: Float32,
+        soft_cap: Float32,
+        window_left: Int32,
+        num_ctas: Int32,
+        var_tensors: tuple,
+        var_scalars: tuple,
+        stream: cuda.CUstream,
+    ):
         """The host function behind the generated entry (``variants.trace.make_entry``): the
         family's arguments, then the variant's tensors and scalars as tuples."""
         D, TN, TQ, dt = self.head_dim, self.tile_n, self.tile_q, self.dtype
         atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, D), dt)
         sQ_layout = cute.tile_to_shape(atom, (TQ, D), (0, 1))
-        o_atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, self.o_cols),
-                                                 dt)
+        o_atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, self.o_cols), dt
+        )
         sO_layout = cute.tile_to_shape(o_atom, (TQ, self.o_cols), (0, 1))
         sKV_layout = cute.tile_to_shape(atom, (TN, D, self.stages), (0, 1, 2))
         if const_expr(self.gather):
             check_gather_swizzle(sKV_layout, TN, D)
-        mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-                                                   Float32, (self.num_mma_wg, 1, 1), (64, TN))
-        mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-                                                   Float32, (self.num_mma_wg, 1, 1), (64, D),
-                                                   warpgroup.OperandSource.RMEM)
+        mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dt,
+            dt,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K,
+            Float32,
+            (self.num_mma_wg, 1, 1),
+            (64, TN),
+        )
+        mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dt,
+            dt,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.MN,
+            Float32,
+            (self.num_mma_wg, 1, 1),
+            (64, D),
+            warpgroup.OperandSource.RMEM,
+        )
         # TMA.  Ragged: [1, tokens, kv_heads, D] viewed as (tokens, D, kv_heads), one (TN, D) box per
         # block.  Paged with page_box: the cache viewed as (page_size, D, kv_heads, pages), boxes of
         # (page_box, D) written into row slices of the stage tile -- each slice starts on a
@@ -185,8 +239,9 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                 PB = self.page_box
                 k4 = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
                 v4 = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2, 0]))
-                stage0 = cute.make_tensor(cute.make_ptr(dt, 0, cute.AddressSpace.smem, assumed_align=1024),
-                                          sKV_layout.outer)[None, None, 0]
+                stage0 = cute.make_tensor(
+                    cute.make_ptr(dt, 0, cute.AddressSpace.smem, assumed_align=1024), sKV_layout.outer
+                )[None, None, 0]
                 sub = cute.select(cute.local_tile(stage0, (PB, D), (0, 0)).layout, mode=[0, 1])
                 box = cute.make_composed_layout(sKV_layout.inner, 0, sub)
                 tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k4, box, (PB, D))
@@ -210,27 +265,77 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             sRows: cute.struct.MemRange[cutlass.Int64, 2 * TN * ROW_RING if self.gather else 1]
 
         if const_expr(Smem.size_in_bytes() > SMEM_MAX):
-            raise ValueError(f"{Smem.size_in_bytes()} bytes of shared memory > {SMEM_MAX}: fewer stages or keys per block")
+            raise ValueError(
+                f"{Smem.size_in_bytes()} bytes of shared memory > {SMEM_MAX}: fewer stages or keys per block"
+            )
         cap = soft_cap if soft_cap > Float32(0.0) else Float32(1.0)
         scale_log2 = sm_scale * LOG2E  # S's units -> base-2 logits (see _row_scale)
         if const_expr(self.soft_cap):
             scale_log2 = cap * LOG2E
-        self.kernel(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse,
-                    tma_k, tK, tma_v, tV, var_tensors, group, scale_log2, sm_scale / cap, window_left,
-                    sm_scale, var_scalars, sQ_layout, sO_layout, sKV_layout, mma_qk, mma_pv, Smem).launch(
-            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        self.kernel(
+            mQ,
+            mK,
+            mV,
+            mKvIndptr,
+            mKvIndices,
+            mO,
+            mLse,
+            mWork,
+            mWorkIndptr,
+            mPartO,
+            mPartLse,
+            tma_k,
+            tK,
+            tma_v,
+            tV,
+            var_tensors,
+            group,
+            scale_log2,
+            sm_scale / cap,
+            window_left,
+            sm_scale,
+            var_scalars,
+            sQ_layout,
+            sO_layout,
+            sKV_layout,
+            mma_qk,
+            mma_pv,
+            Smem,
+        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     # ---- device side --------------------------------------------------------------------
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvIndptr: cute.Tensor,
-               mKvIndices: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mWork: cute.Tensor,
-               mWorkIndptr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
-               tma_k: Optional[cute.CopyAtom], tK: Optional[cute.Tensor], tma_v: Optional[cute.CopyAtom],
-               tV: Optional[cute.Tensor], var_tensors: tuple,
-               group: Int32, scale_log2: Float32, inv_cap_scaled: Float32,
-               window_left: Int32, sm_scale: Float32, var_scalars: tuple, sQ_layout: cute.ComposedLayout,
-               sO_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
-               Smem: cutlass.Constexpr):
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mKvIndptr: cute.Tensor,
+        mKvIndices: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mWork: cute.Tensor,
+        mWorkIndptr: cute.Tensor,
+        mPartO: cute.Tensor,
+        mPartLse: cute.Tensor,
+        tma_k: Optional[cute.CopyAtom],
+        tK: Optional[cute.Tensor],
+        tma_v: Optional[cute.CopyAtom],
+        tV: Optional[cute.Tensor],
+        var_tensors: tuple,
+        group: Int32,
+        scale_log2: Float32,
+        inv_cap_scaled: Float32,
+        window_left: Int32,
+        sm_scale: Float32,
+        var_scalars: tuple,
+        sQ_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        Smem: cutlass.Constexpr,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -269,14 +374,22 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             # FA3's non-TMA paged KV and quack's gather-A GEMM rely on as well.  A fence.proxy.async
             # per block in the consumers cost up to 8 % (session 7, BENCHMARKS.md).
             mk_pipe = lambda bar: pipeline.PipelineCpAsync.create(  # noqa: E731
-                barrier_storage=bar, num_stages=self.stages, producer_group=pipeline.CooperativeGroup(T, WG),
-                consumer_group=pipeline.CooperativeGroup(T, mma_threads), defer_sync=True)
+                barrier_storage=bar,
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(T, WG),
+                consumer_group=pipeline.CooperativeGroup(T, mma_threads),
+                defer_sync=True,
+            )
         else:
             # TMA: one arming thread, transaction bytes; release is one arrive per consumer warp.
             mk_pipe = lambda bar: pipeline.PipelineTmaAsync.create(  # noqa: E731
-                barrier_storage=bar, num_stages=self.stages, producer_group=pipeline.CooperativeGroup(T, 1),
+                barrier_storage=bar,
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(T, 1),
                 consumer_group=pipeline.CooperativeGroup(T, mma_threads // 32),
-                tx_count=self.tile_n * self.head_dim * (self.dtype.width // 8), defer_sync=True)
+                tx_count=self.tile_n * self.head_dim * (self.dtype.width // 8),
+                defer_sync=True,
+            )
         pipe_k = mk_pipe(st.mbar_k.data_ptr())
         pipe_v = mk_pipe(st.mbar_v.data_ptr())
         pipeline.pipeline_init_arrive(is_relaxed=True)
@@ -284,13 +397,52 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
 
         if tidx < WG:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            self._produce(mK, mV, mKvIndptr, mKvIndices, mWork, mWorkIndptr, tma_k, tK, tma_v, tV, sK, sV, sRows,
-                          pipe_k, pipe_v, cta, tidx, warp_idx, group, window_left)
+            self._produce(
+                mK,
+                mV,
+                mKvIndptr,
+                mKvIndices,
+                mWork,
+                mWorkIndptr,
+                tma_k,
+                tK,
+                tma_v,
+                tV,
+                sK,
+                sV,
+                sRows,
+                pipe_k,
+                pipe_v,
+                cta,
+                tidx,
+                warp_idx,
+                group,
+                window_left,
+            )
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self._consume(mQ, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, sQ, sK, sV, sO, pipe_k, pipe_v,
-                          mma_qk, mma_pv, cta, tidx - WG, group, scale_log2,
-                          window_left)
+            self._consume(
+                mQ,
+                mO,
+                mLse,
+                mWork,
+                mWorkIndptr,
+                mPartO,
+                mPartLse,
+                sQ,
+                sK,
+                sV,
+                sO,
+                pipe_k,
+                pipe_v,
+                mma_qk,
+                mma_pv,
+                cta,
+                tidx - WG,
+                group,
+                scale_log2,
+                window_left,
+            )
 
     @cute.jit
     def _block_range(self, w: WorkItem, group: Int32, window_left: Int32):
@@ -311,8 +463,29 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
 
     # ---- consumers -----------------------------------------------------------------------
     @cute.jit
-    def _consume(self, mQ, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse, sQ, sK, sV, sO, pipe_k, pipe_v,
-                 mma_qk, mma_pv, cta, ct, group, scale_log2, window_left):
+    def _consume(
+        self,
+        mQ,
+        mO,
+        mLse,
+        mWork,
+        mWorkIndptr,
+        mPartO,
+        mPartLse,
+        sQ,
+        sK,
+        sV,
+        sO,
+        pipe_k,
+        pipe_v,
+        mma_qk,
+        mma_pv,
+        cta,
+        ct,
+        group,
+        scale_log2,
+        window_left,
+    ):
         TN, D, TQ = self.tile_n, self.head_dim, self.tile_q
         wg = ct // WG  # consumer warpgroup 0 / 1: packed rows [64 wg, 64 wg + 64) of the tile
         tw = ct % WG
@@ -333,8 +506,9 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         tO0 = wgmma_mn_view(mma_pv.get_slice(0).partition_C(cute.make_identity_tensor((TQ, D))))
         self._o_col_off = [tO0[0, c][1] - tO0[0, 0][1] for c in range(cute.size(tO0, mode=[1]))]
         n_rows = cute.size(tScS, mode=[0])  # rows this thread holds (2)
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
-                                  num_bits_per_copy=128)
+        g2s = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128
+        )
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         if const_expr(self.pingpong):
             if wg == 0:  # WG 0 goes first: pre-arrive on its own ping-pong barrier
@@ -391,8 +565,21 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                 self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
                 warpgroup.wait_group(0)
                 pipe_k.consumer_release(state)
-                self._mask_softmax(acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
-                                   window_left, first_words)
+                self._mask_softmax(
+                    acc_S,
+                    row_m,
+                    row_l,
+                    corr,
+                    tScS,
+                    q_pos,
+                    q_lo,
+                    q_hi,
+                    blk,
+                    kv_end,
+                    scale_log2,
+                    window_left,
+                    first_words,
+                )
                 rP.store(acc_S.load().to(self.dtype))
                 for j in cutlass.range(1, n_blocks - first, unroll=1):
                     blk = kv_start + (n_blocks - 1 - j) * TN
@@ -413,8 +600,21 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                     self._pingpong_signal(wg)
                     warpgroup.wait_group(1)  # S(j) is ready; PV(j-1) may still run
                     pipe_k.consumer_release(state)
-                    self._mask_softmax(acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
-                                       window_left, blk_words)
+                    self._mask_softmax(
+                        acc_S,
+                        row_m,
+                        row_l,
+                        corr,
+                        tScS,
+                        q_pos,
+                        q_lo,
+                        q_hi,
+                        blk,
+                        kv_end,
+                        scale_log2,
+                        window_left,
+                        blk_words,
+                    )
                     warpgroup.wait_group(0)
                     pipe_v.consumer_release(v_state)
                     rP.store(acc_S.load().to(self.dtype))
@@ -435,8 +635,29 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                 if item + 1 < item_end:  # no KV block: this item's Q is not used at all
                     self._load_q(mQ, WorkItem(mWork, item + 1), sQ, g2s, wg, tw, group)
 
-            self._epilogue(acc_O, row_m, row_l, tOcO, sO, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
-                           row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2, w)
+            self._epilogue(
+                acc_O,
+                row_m,
+                row_l,
+                tOcO,
+                sO,
+                mO,
+                mLse,
+                mPartO,
+                mPartLse,
+                wg,
+                tw,
+                lane,
+                bar_wg,
+                row_start,
+                num_rows,
+                dest,
+                qo_offset,
+                kv_head,
+                group,
+                scale_log2,
+                w,
+            )
 
     @cute.jit
     def _zero_v_tail(self, sV, state, valid, tw, bar_wg):
@@ -451,8 +672,10 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                 zero = cute.make_rmem_tensor((8,), self.dtype)
                 zero.fill(0.0)
                 for idx in cutlass.range(tw, (self.tile_n - valid) * self.chunks, WG, unroll=1):
-                    cute.autovec_copy(zero, cute.local_tile(sV[valid + idx // self.chunks, None, state.index], (8,),
-                                                            (idx % self.chunks,)))
+                    cute.autovec_copy(
+                        zero,
+                        cute.local_tile(sV[valid + idx // self.chunks, None, state.index], (8,), (idx % self.chunks,)),
+                    )
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
 
@@ -467,8 +690,11 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             j = wg * 64 + idx // self.chunks
             c = idx % self.chunks
             r = row_start + (j if j < num_rows else 0)
-            cute.copy(g2s, cute.local_tile(mQ[qo_offset + r // group, kv_head * group + r % group, None], (8,), (c,)),
-                      cute.local_tile(sQ[j, None], (8,), (c,)))
+            cute.copy(
+                g2s,
+                cute.local_tile(mQ[qo_offset + r // group, kv_head * group + r % group, None], (8,), (c,)),
+                cute.local_tile(sQ[j, None], (8,), (c,)),
+            )
         cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -505,8 +731,30 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             cute.arch.barrier_arrive(barrier_id=BAR_PINGPONG0 + 1 - wg, number_of_threads=2 * WG)
 
     @cute.jit
-    def _epilogue(self, acc_O, row_m, row_l, tOcO, sO, mO, mLse, mPartO, mPartLse, wg, tw, lane, bar_wg,
-                  row_start, num_rows, dest, qo_offset, kv_head, group, scale_log2, w):
+    def _epilogue(
+        self,
+        acc_O,
+        row_m,
+        row_l,
+        tOcO,
+        sO,
+        mO,
+        mLse,
+        mPartO,
+        mPartLse,
+        wg,
+        tw,
+        lane,
+        bar_wg,
+        row_start,
+        num_rows,
+        dest,
+        qo_offset,
+        kv_head,
+        group,
+        scale_log2,
+        w,
+    ):
         """Normalize and store: final rows (value dtype + LSE) through the staging tile sO, or a
         partial slot (fp32) straight from registers."""
         D, TQ = self.head_dim, self.tile_q
@@ -561,9 +809,14 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                         row = row_start + j
                         frag = cute.make_rmem_tensor((8,), self.dtype)
                         cute.autovec_copy(cute.local_tile(sO[j, None], (8,), (c,)), frag)
-                        cute.autovec_copy(frag, cute.local_tile(mO[qo_offset + row // group,
-                                                                   kv_head * group + row % group, None],
-                                                                (8,), (h * oc_chunks + c,)))
+                        cute.autovec_copy(
+                            frag,
+                            cute.local_tile(
+                                mO[qo_offset + row // group, kv_head * group + row % group, None],
+                                (8,),
+                                (h * oc_chunks + c,),
+                            ),
+                        )
         else:
             for r in cutlass.range_constexpr(n_rows):
                 j = tOcO[r, 0][0]
@@ -577,19 +830,35 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                     if lane % 4 == 0:
                         mPartLse[slot_row] = lse[r]
 
+
 _DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
 
 
 def build_batch_prefill_sm90(spec):
     """The jit entry for a ``batch_prefill_sm90`` spec: the variant (if any) is re-created from
     the spec's ``variant`` text and must still have the spec's fingerprint."""
-    from ..families import prefill_abi_fixed as _prefill_abi_fixed, spec_variant as _spec_variant
+    from ..families import prefill_abi_fixed as _prefill_abi_fixed
+    from ..families import spec_variant as _spec_variant
     from ..variants.base import abi_args
 
     p = spec.pdict
     variant = _spec_variant(p)
-    k = BatchPrefillSm90(_DTYPES[p["dtype"]], p["head_dim"], p["tile_q"], p["paged"], p["causal"], p["soft_cap"],
-                         p["window"], p.get("tile_n", 0), p.get("stages", 0), p.get("pingpong", -1),
-                         p.get("page_box", 0), p.get("box_warps", 0), p.get("producer_regs", 0),
-                         variant, p.get("keys_transformed", False), p.get("lazy_rescale", 1))
+    k = BatchPrefillSm90(
+        _DTYPES[p["dtype"]],
+        p["head_dim"],
+        p["tile_q"],
+        p["paged"],
+        p["causal"],
+        p["soft_cap"],
+        p["window"],
+        p.get("tile_n", 0),
+        p.get("stages", 0),
+        p.get("pingpong", -1),
+        p.get("page_box", 0),
+        p.get("box_warps", 0),
+        p.get("producer_regs", 0),
+        variant,
+        p.get("keys_transformed", False),
+        p.get("lazy_rescale", 1),
+    )
     return make_entry(k, _prefill_abi_fixed(p), abi_args(variant))

@@ -7,8 +7,8 @@ is traced; with no variant none of them traces anything.
 
 A mixin of ``BatchPrefillSm90``: its methods read the kernel's configuration from ``self``.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
@@ -19,7 +19,6 @@ from ..variants.dsl import LOG2E
 from ..variants.trace import transform_pairs
 from .bitmask import bit_set, load_words
 from .fragments import WG, quad_sum, wgmma_mn_view
-
 
 
 class PrefillHooks:
@@ -55,14 +54,29 @@ class PrefillHooks:
     def _row_ctx(self, req, kv_head, row, qo_len, kv_len) -> Ctx:
         """The hook context of packed query row ``row`` (relative to the request)."""
         g = self._trace_group
-        return Ctx(batch=req, qo_head=kv_head * g + row % g, kv_head=kv_head, q_pos=kv_len - qo_len + row // g,
-                   qo_len=qo_len, kv_len=kv_len, head_dim=self.head_dim, sm_scale=self._trace_sm_scale)
+        return Ctx(
+            batch=req,
+            qo_head=kv_head * g + row % g,
+            kv_head=kv_head,
+            q_pos=kv_len - qo_len + row // g,
+            qo_len=qo_len,
+            kv_len=kv_len,
+            head_dim=self.head_dim,
+            sm_scale=self._trace_sm_scale,
+        )
 
     def _k_ctx(self, req, kv_head, qo_len, kv_len, kv_pos) -> Ctx:
         """The context of a key (transform_k): no query row.  Its once-values are evaluated here
         (a dummy call), so they are computed once per block, not per row."""
-        ctx = Ctx(batch=req, kv_head=kv_head, kv_pos=kv_pos, qo_len=qo_len, kv_len=kv_len, head_dim=self.head_dim,
-                  sm_scale=self._trace_sm_scale)
+        ctx = Ctx(
+            batch=req,
+            kv_head=kv_head,
+            kv_pos=kv_pos,
+            qo_len=qo_len,
+            kv_len=kv_len,
+            head_dim=self.head_dim,
+            sm_scale=self._trace_sm_scale,
+        )
         self.hooks.transform_k(ctx, self._trace_vargs, Float32(0.0), Float32(0.0), Int32(0))
         return ctx
 
@@ -137,8 +151,10 @@ class PrefillHooks:
         if not self.hooks.has_mask_bits:
             return None
         n_rows = len(self._trace_rows)
-        return [[load_words(t, off + blk + tScS[0, 0][1], self._trace_col_off[-1] + 1)
-                 for t, off in self._trace_rows[r][3]] for r in range(n_rows)]
+        return [
+            [load_words(t, off + blk + tScS[0, 0][1], self._trace_col_off[-1] + 1) for t, off in self._trace_rows[r][3]]
+            for r in range(n_rows)
+        ]
 
     def _bits_uniform(self, words):
         """(no key visible, every key visible) to this warp's rows in the block by the bitmaps
@@ -201,10 +217,15 @@ class PrefillHooks:
             m2u = cutlass.select_(m2 == ninf, zero, m2)
             m_use = cutlass.select_(m == ninf, m2u, m)
             ok = l2 > zero
-            inv_t[r] = cutlass.select_(ok, cute.math.exp2(m_use - m2u, fastmath=True) *
-                                       cute.arch.rcp_approx(cutlass.select_(ok, l2, Float32(1.0))), zero)
-            lse[r] = cutlass.select_(ok, m2 + cute.math.log2(cutlass.select_(ok, l2, Float32(1.0)), fastmath=True),
-                                     ninf)
+            inv_t[r] = cutlass.select_(
+                ok,
+                cute.math.exp2(m_use - m2u, fastmath=True)
+                * cute.arch.rcp_approx(cutlass.select_(ok, l2, Float32(1.0))),
+                zero,
+            )
+            lse[r] = cutlass.select_(
+                ok, m2 + cute.math.log2(cutlass.select_(ok, l2, Float32(1.0)), fastmath=True), ninf
+            )
 
     def _output_rows(self, O, tOcO, w, n_rows):
         H, va = self.hooks, self._trace_vargs
@@ -218,14 +239,20 @@ class PrefillHooks:
         """transform_q on this WG's 64 Q rows in shared memory, once per item (after the whole
         WG's copies landed).  (Scaling Q here by sm_scale / cap, to save the soft-cap's multiply
         per score, was measured: the extra rounding of Q moved the LSE by up to 8e-3 at cap 30
-        and 0.2 with saturated logits, against the tests' 2e-3; an fp32 multiply per score it is.)  Thread tw takes chunks
-        c, c + chunks/2 of rows tw // (chunks/2) + k·(WG / (chunks/2))."""
+        and 0.2 with saturated logits, against the tests' 2e-3; an fp32 multiply per score it is.)
+        Thread tw takes chunks c, c + chunks/2 of rows tw // (chunks/2) + k·(WG / (chunks/2))."""
         half = self.chunks // 2
         rows_per_pass = WG // half
         c = tw % half
         g = self._trace_group
-        base = Ctx(batch=req, kv_head=kv_head, qo_len=qo_len, kv_len=kv_len, head_dim=self.head_dim,
-                   sm_scale=self._trace_sm_scale)
+        base = Ctx(
+            batch=req,
+            kv_head=kv_head,
+            qo_len=qo_len,
+            kv_len=kv_len,
+            head_dim=self.head_dim,
+            sm_scale=self._trace_sm_scale,
+        )
         for k in range(64 // rows_per_pass):
             j = wg * 64 + tw // half + k * rows_per_pass
             row = row_start + j
@@ -236,8 +263,16 @@ class PrefillHooks:
             s_hi = cute.local_tile(sQ[j, None], (8,), (c + half,))
             cute.autovec_copy(s_lo, lo)
             cute.autovec_copy(s_hi, hi)
-            transform_pairs(self.hooks, self._trace_vargs, ctx.replace(q_pos=kv_len - qo_len + row // g), lo, hi,
-                            c * 8, self.dtype, query=True)
+            transform_pairs(
+                self.hooks,
+                self._trace_vargs,
+                ctx.replace(q_pos=kv_len - qo_len + row // g),
+                lo,
+                hi,
+                c * 8,
+                self.dtype,
+                query=True,
+            )
             cute.autovec_copy(lo, s_lo)
             cute.autovec_copy(hi, s_hi)
 
@@ -245,4 +280,3 @@ class PrefillHooks:
 def _and(ok, x):
     """``ok & x`` where ``ok`` may be None (nothing masked yet)."""
     return x if ok is None else ok & x
-

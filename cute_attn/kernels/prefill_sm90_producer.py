@@ -12,6 +12,7 @@ Three ways K/V reach the swizzled stage tiles, chosen per spec:
 
 A mixin of ``BatchPrefillSm90``: its methods read the kernel's configuration from ``self``.
 """
+
 from __future__ import annotations
 
 import cutlass
@@ -32,14 +33,36 @@ class PrefillProducer:
     """K/V loads of the prefill kernel (see the module docstring)."""
 
     @cute.jit
-    def _produce(self, mK, mV, mKvIndptr, mKvIndices, mWork, mWorkIndptr, tma_k, tK, tma_v, tV, sK, sV, sRows,
-                 pipe_k, pipe_v, cta, tidx, warp_idx, group, window_left):
+    def _produce(
+        self,
+        mK,
+        mV,
+        mKvIndptr,
+        mKvIndices,
+        mWork,
+        mWorkIndptr,
+        tma_k,
+        tK,
+        tma_v,
+        tV,
+        sK,
+        sV,
+        sRows,
+        pipe_k,
+        pipe_v,
+        cta,
+        tidx,
+        warp_idx,
+        group,
+        window_left,
+    ):
         TN, D = self.tile_n, self.head_dim
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         ring = Int32(0)  # gather: blocks staged so far (selects the lookup ring slot)
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
-                                  num_bits_per_copy=128)
+        g2s = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128
+        )
         # p // page_size and p % page_size by multiply-high and shift: a runtime integer division
         # is ~25 instructions, and the issue path does one per box or row
         pdiv = cute.FastDivmodDivisorV2(mK.shape[1])
@@ -69,13 +92,15 @@ class PrefillProducer:
                     pg_k, rw_k = Int32(0), Int32(0)
                     pg_v, rw_v = Int32(0), Int32(0)
                     if nb > 0:
-                        pg_k, rw_k = self._box_page(mKvIndices, lane, kv_start + (n_blocks - 1) * TN, kv_end,
-                                                    page_base, page_size)
+                        pg_k, rw_k = self._box_page(
+                            mKvIndices, lane, kv_start + (n_blocks - 1) * TN, kv_end, page_base, page_size
+                        )
                     for j in cutlass.range(nb + 1, unroll=1):
                         pg_next, rw_next = Int32(0), Int32(0)
                         if j + 1 < nb:
-                            pg_next, rw_next = self._box_page(mKvIndices, lane, kv_start + (n_blocks - 2 - j) * TN,
-                                                              kv_end, page_base, page_size)
+                            pg_next, rw_next = self._box_page(
+                                mKvIndices, lane, kv_start + (n_blocks - 2 - j) * TN, kv_end, page_base, page_size
+                            )
                         if j < nb:
                             boxes = self._box_coords(pg_k, rw_k, warp_idx)  # before the wait
                             self._acquire_boxes(pipe_k, k_state, warp_idx)
@@ -93,22 +118,32 @@ class PrefillProducer:
                     row0 = mKvIndptr[req] + kv_start
                     gK = cute.local_tile(cute.domain_offset((row0, 0), tK[None, None, kv_head]), (TN, D), (None, 0))
                     gV = cute.local_tile(cute.domain_offset((row0, 0), tV[None, None, kv_head]), (TN, D), (None, 0))
-                    tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                                     cute.group_modes(gK, 0, 2))
-                    tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                                     cute.group_modes(gV, 0, 2))
+                    tKs, tKg = cpasync.tma_partition(
+                        tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+                    )
+                    tVs, tVg = cpasync.tma_partition(
+                        tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+                    )
                     # K(i) goes out one block ahead of V(i): QK of the next block can start
                     # while PV of this one still reads its V stage
                     for j in cutlass.range(n_blocks - first + 1, unroll=1):
                         if j < n_blocks - first:
                             pipe_k.producer_acquire(k_state)
-                            cute.copy(tma_k, tKg[None, n_blocks - 1 - j], tKs[None, k_state.index],
-                                      tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+                            cute.copy(
+                                tma_k,
+                                tKg[None, n_blocks - 1 - j],
+                                tKs[None, k_state.index],
+                                tma_bar_ptr=pipe_k.producer_get_barrier(k_state),
+                            )
                             k_state.advance()
                         if j > 0:
                             pipe_v.producer_acquire(v_state)
-                            cute.copy(tma_v, tVg[None, n_blocks - j], tVs[None, v_state.index],
-                                      tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                            cute.copy(
+                                tma_v,
+                                tVg[None, n_blocks - j],
+                                tVs[None, v_state.index],
+                                tma_bar_ptr=pipe_v.producer_get_barrier(v_state),
+                            )
                             v_state.advance()
             else:
                 # Page lookups are staged in smem one block ahead: thread t < TN looks up row t of
@@ -122,8 +157,9 @@ class PrefillProducer:
                 page_size = pdiv
                 nb = n_blocks - first
                 if nb > 0:
-                    ak, av = self._row_addrs(mK, mV, mKvIndices, tidx, kv_start + (n_blocks - 1) * TN, kv_end,
-                                             page_base, page_size, kv_head)
+                    ak, av = self._row_addrs(
+                        mK, mV, mKvIndices, tidx, kv_start + (n_blocks - 1) * TN, kv_end, page_base, page_size, kv_head
+                    )
                     if tidx < TN:
                         sRows[0, tidx, ring % ROW_RING] = ak
                         sRows[1, tidx, ring % ROW_RING] = av
@@ -133,8 +169,17 @@ class PrefillProducer:
                     av = cutlass.Int64(0)
                     k_idx = k_state.index  # the stage K(j) goes to (rotated below with transform_k)
                     if j + 1 < nb:
-                        ak, av = self._row_addrs(mK, mV, mKvIndices, tidx, kv_start + (n_blocks - 2 - j) * TN, kv_end,
-                                                 page_base, page_size, kv_head)
+                        ak, av = self._row_addrs(
+                            mK,
+                            mV,
+                            mKvIndices,
+                            tidx,
+                            kv_start + (n_blocks - 2 - j) * TN,
+                            kv_end,
+                            page_base,
+                            page_size,
+                            kv_head,
+                        )
                     if j < nb:
                         pipe_k.producer_acquire(k_state)
                         if const_expr(self.hooks.has_transform_k):
@@ -156,8 +201,9 @@ class PrefillProducer:
                             # K(j) rotated in place while V(j-1) is in flight, then released
                             cute.arch.cp_async_commit_group()
                             cute.arch.cp_async_wait_group(1)
-                            self._rotate_k(sK, tidx, k_idx, kv_start + (n_blocks - 1 - j) * TN, req, kv_head,
-                                           w.qo_len, w.kv_len)
+                            self._rotate_k(
+                                sK, tidx, k_idx, kv_start + (n_blocks - 1 - j) * TN, req, kv_head, w.qo_len, w.kv_len
+                            )
                             cute.arch.fence_view_async_shared()  # generic writes -> read by wgmma
                             pipe_k.sync_object_full.arrive_mbarrier(k_idx)
                     if j + 1 < nb:
@@ -185,8 +231,13 @@ class PrefillProducer:
         out = []
         for k in range((self.tile_n // self.page_box + self.box_warps - 1) // self.box_warps):
             b = cute.arch.make_warp_uniform(warp_idx + k * self.box_warps)
-            out.append((b, cute.arch.make_warp_uniform(cute.arch.shuffle_sync(pg, b)),
-                        cute.arch.make_warp_uniform(cute.arch.shuffle_sync(rw, b))))
+            out.append(
+                (
+                    b,
+                    cute.arch.make_warp_uniform(cute.arch.shuffle_sync(pg, b)),
+                    cute.arch.make_warp_uniform(cute.arch.shuffle_sync(rw, b)),
+                )
+            )
         return out
 
     @cute.jit
@@ -202,8 +253,9 @@ class PrefillProducer:
             if b < self.tile_n // PB:
                 g = cute.local_tile(tX[None, None, kv_head, page], (PB, D), (row, 0))
                 s_ = cute.local_tile(sX[None, None, stage], (PB, D), (b, 0))
-                ts, tg = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s_, 0, 2),
-                                               cute.group_modes(g, 0, 2))
+                ts, tg = cpasync.tma_partition(
+                    tma, 0, cute.make_layout(1), cute.group_modes(s_, 0, 2), cute.group_modes(g, 0, 2)
+                )
                 cute.copy(tma, tg, ts, tma_bar_ptr=bar)
 
     @cute.jit
@@ -230,8 +282,9 @@ class PrefillProducer:
 
     def _chunk(self, addr):
         """The 16 bytes at global byte address ``addr`` as a tensor (a cp.async source)."""
-        return cute.make_tensor(cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16),
-                                cute.make_layout((8,)))
+        return cute.make_tensor(
+            cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout((8,))
+        )
 
     def _gather_dst(self, sK, sV, tidx):
         """Where this thread's gathered chunks go: thread t copies 16-byte chunk c = t % chunks of
@@ -274,7 +327,9 @@ class PrefillProducer:
             row = tidx // half + r * rows_per_pass
             addr = sRows[0, row, buf]
             cute.copy(g2s, self._chunk(addr + c * 16), cute.local_tile(sX[row, None, stage], (8,), (c,)))
-            cute.copy(g2s, self._chunk(addr + (c + half) * 16), cute.local_tile(sX[row, None, stage], (8,), (c + half,)))
+            cute.copy(
+                g2s, self._chunk(addr + (c + half) * 16), cute.local_tile(sX[row, None, stage], (8,), (c + half,))
+            )
 
     @cute.jit
     def _rotate_k(self, sK, tidx, stage, blk, req, kv_head, qo_len, kv_len):
@@ -311,4 +366,3 @@ def check_gather_swizzle(layout, TN: int, D: int):
                 x = stage * TN * D + (col // 64) * (TN * 64) + row * 64 + col % 64
                 if cute.crd2idx((row, col, stage), layout.outer) != x:
                     raise ValueError(f"gather: the stage tile's layout is not the one _gather_dst assumes ({layout})")
-

@@ -6,6 +6,7 @@ a wgmma) and skipped while no row's max moved by more than ``LAZY_RESCALE``.
 
 A mixin of ``BatchPrefillSm90``: its methods read the kernel's configuration from ``self``.
 """
+
 from __future__ import annotations
 
 import cutlass
@@ -22,8 +23,9 @@ class PrefillSoftmax:
     """Masked / mask-free online softmax of one block (see the module docstring)."""
 
     @cute.jit
-    def _mask_softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2,
-                      window_left, words):
+    def _mask_softmax(
+        self, acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2, window_left, words
+    ):
         """Masked softmax only where some key of the block may be invisible to some row of the
         tile (the partial last block, the causal diagonal, the window's left edge)."""
         need_mask = blk + self.tile_n > kv_end
@@ -42,29 +44,60 @@ class PrefillSoftmax:
                 acc_S.fill(0.0)
                 corr.fill(1.0)
             elif need_mask:
-                self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
-                              window_left, words, True, True)
+                self._softmax(
+                    acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, window_left, words, True, True
+                )
             elif all_seen:
-                self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
-                              window_left, words, False, False)
+                self._softmax(
+                    acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, window_left, words, False, False
+                )
             else:
-                self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
-                              window_left, words, True, False)
+                self._softmax(
+                    acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, window_left, words, True, False
+                )
         elif need_mask:
-            self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
-                          window_left, words, True, True)
+            self._softmax(
+                acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, window_left, words, True, True
+            )
         else:
-            self._softmax(acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
-                          window_left, words, self.mask_all, False)
+            self._softmax(
+                acc_S,
+                row_m,
+                row_l,
+                corr,
+                tScS,
+                q_pos,
+                blk,
+                kv_end,
+                scale_log2,
+                window_left,
+                words,
+                self.mask_all,
+                False,
+            )
 
     @cute.jit
-    def _softmax(self, acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2,
-                 window_left, words, masked: cutlass.Constexpr, bounds: cutlass.Constexpr):
+    def _softmax(
+        self,
+        acc_S,
+        row_m,
+        row_l,
+        corr,
+        tScS,
+        q_pos,
+        blk,
+        kv_end,
+        scale_log2,
+        window_left,
+        words,
+        masked: cutlass.Constexpr,
+        bounds: cutlass.Constexpr,
+    ):
         """Online softmax of one block in place: S -> P = exp2(S * scale - m * scale), l rescaled;
         the factor O must be rescaled by goes to ``corr`` (O may still be in use by a wgmma).
         ``row_m`` is kept in S's units (raw q·k, or the logits after a soft-cap or a variant's
-        logits, see ``_row_scale``) so the scale folds into one FFMA per element.  Max and sum use 4 partial accumulators per row:
-        one warp runs this alone while the other WG's GEMMs run, so its latency chains matter."""
+        logits, see ``_row_scale``) so the scale folds into one FFMA per element.  Max and sum use 4 partial
+        accumulators per row: one warp runs this alone while the other WG's GEMMs run, so its latency chains matter."""
         S = wgmma_mn_view(acc_S)
         ncol = cute.size(S, mode=[1])
         scale = self._row_scale(scale_log2)
@@ -164,7 +197,6 @@ class PrefillSoftmax:
 def _keep(ok, v, fill):
     """v where ok, else fill; v itself where nothing was masked (ok None)."""
     return v if ok is None else cutlass.select_(ok, v, fill)
-
 
 
 @cute.jit

@@ -1,9 +1,20 @@
 """A plan's work item as the kernels read it (contract: ``cute_attn.sched``; field order:
 ``cute_attn.sched.workspace.W_*``).  Written once for every kernel that walks a work list."""
+
 from __future__ import annotations
 
-from ..sched.workspace import (W_DEST, W_KV_END, W_KV_HEAD, W_KV_LEN, W_KV_START, W_NUM_ROWS, W_QO_LEN,
-                               W_QO_OFFSET, W_REQ, W_ROW_START)
+from ..sched.workspace import (
+    W_DEST,
+    W_KV_END,
+    W_KV_HEAD,
+    W_KV_LEN,
+    W_KV_START,
+    W_NUM_ROWS,
+    W_QO_LEN,
+    W_QO_OFFSET,
+    W_REQ,
+    W_ROW_START,
+)
 
 
 class WorkItem:

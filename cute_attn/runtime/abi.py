@@ -11,12 +11,13 @@ listing only the dynamic modes, in mode order.  Because both sides read the same
 description, they cannot disagree about which modes are dynamic; ``check_header`` also
 verifies the counts against the header that ``export_to_c`` wrote.
 """
+
 from __future__ import annotations
 
 import re
 import struct
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 # dtype names used in specs and ABIs -> (bytes per element, torch dtype name)
 DTYPES = {
@@ -97,9 +98,7 @@ def parse_header(text: str) -> HeaderABI:
     m_call = _CALL_RE.search(m_wrap.group(3))
     if not m_call:
         raise RuntimeError("unrecognised export_to_c wrapper body (DSL version change?)")
-    structs = tuple(
-        (name, int(ns or 0), int(nst or 0)) for ns, nst, name in _STRUCT_RE.findall(text)
-    )
+    structs = tuple((name, int(ns or 0), int(nst or 0)) for ns, nst, name in _STRUCT_RE.findall(text))
     return HeaderABI(m_init.group(1), m_load.group(1), m_call.group(1), int(m_call.group(2)), structs)
 
 
@@ -108,7 +107,9 @@ def check_header(abi: HeaderABI, args: Sequence[Arg], family: str) -> None:
     if abi.num_args != len(args) + 2:
         raise RuntimeError(f"{family}: header takes {abi.num_args - 2} args, ABI lists {len(args)}")
     if len(abi.tensor_structs) != len(tensors):
-        raise RuntimeError(f"{family}: header declares {len(abi.tensor_structs)} tensor structs, ABI lists {len(tensors)}")
+        raise RuntimeError(
+            f"{family}: header declares {len(abi.tensor_structs)} tensor structs, ABI lists {len(tensors)}"
+        )
     for (sname, ns, nst), t in zip(abi.tensor_structs, tensors):
         if not sname.endswith("_" + t.name) or ns != len(t.dyn_shape_modes) or nst != len(t.dyn_stride_modes):
             raise RuntimeError(
@@ -121,8 +122,17 @@ def abi_to_json(args: Sequence[Arg]) -> list:
     out = []
     for a in args:
         if isinstance(a, TensorArg):
-            out.append({"kind": "tensor", "name": a.name, "dtype": a.dtype, "shape": list(a.shape),
-                        "stride": list(a.stride), "stride_divisibility": a.stride_divisibility, "align": a.align})
+            out.append(
+                {
+                    "kind": "tensor",
+                    "name": a.name,
+                    "dtype": a.dtype,
+                    "shape": list(a.shape),
+                    "stride": list(a.stride),
+                    "stride_divisibility": a.stride_divisibility,
+                    "align": a.align,
+                }
+            )
         else:
             out.append({"kind": "scalar", "name": a.name, "dtype": a.dtype})
     return out
@@ -132,8 +142,11 @@ def abi_from_json(items: list) -> list:
     args: list = []
     for d in items:
         if d["kind"] == "tensor":
-            args.append(TensorArg(d["name"], d["dtype"], tuple(d["shape"]), tuple(d["stride"]),
-                                  d["stride_divisibility"], d["align"]))
+            args.append(
+                TensorArg(
+                    d["name"], d["dtype"], tuple(d["shape"]), tuple(d["stride"]), d["stride_divisibility"], d["align"]
+                )
+            )
         else:
             args.append(ScalarArg(d["name"], d["dtype"]))
     return args

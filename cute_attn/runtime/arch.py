@@ -1,4 +1,5 @@
 """Which compile target a CUDA device needs."""
+
 from __future__ import annotations
 
 import functools
@@ -6,7 +7,7 @@ import functools
 _ARCH_BY_MAJOR = {9: "sm_90a", 10: "sm_100a"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def arch_of_index(index: int) -> str:
     import torch
 
@@ -15,8 +16,8 @@ def arch_of_index(index: int) -> str:
     if arch is None:
         name = torch.cuda.get_device_name(index)
         raise RuntimeError(
-            f"cute_attn runs on Hopper (sm_90) and Blackwell (sm_100) GPUs; cuda:{index} ({name}) is "
-            f"sm_{major}{minor}")
+            f"cute_attn runs on Hopper (sm_90) and Blackwell (sm_100) GPUs; cuda:{index} ({name}) is sm_{major}{minor}"
+        )
     return arch
 
 
@@ -31,7 +32,7 @@ def device_arch(device) -> str:
     return arch_of_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sm_count_of_index(index: int) -> int:
     import torch
 

@@ -8,6 +8,7 @@ and the CUDA runtime symbols it calls are left undefined, to be resolved against
 ``libcudart.so.13`` that the loader puts in the global namespace first.  So linking needs
 only a C compiler — no CUDA toolkit.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,11 +48,15 @@ def _runtime_archive() -> Path:
     from cutlass.cute.export.aot_config import get_libdir
 
     libdir = get_libdir()
-    for cand in (Path(libdir) / "libcuda_dialect_runtime_static.a",
-                 Path(libdir).parent.parent / "cu13" / "lib" / "libcuda_dialect_runtime_static.a"):
+    for cand in (
+        Path(libdir) / "libcuda_dialect_runtime_static.a",
+        Path(libdir).parent.parent / "cu13" / "lib" / "libcuda_dialect_runtime_static.a",
+    ):
         if cand.exists():
             return cand
-    raise BuildError(f"libcuda_dialect_runtime_static.a not found near {libdir}; is nvidia-cutlass-dsl[cu13] installed?")
+    raise BuildError(
+        f"libcuda_dialect_runtime_static.a not found near {libdir}; is nvidia-cutlass-dsl[cu13] installed?"
+    )
 
 
 def find_tool(name: str) -> Optional[str]:
@@ -94,7 +99,7 @@ def check_instructions(expect: dict, ptx: str, sass: Optional[str]) -> dict:
     found = {}
     for label, pattern in expect.items():
         ratio = pattern.startswith("sass%")  # "sass%A/B>=r": count(A) >= r * count(B), e.g. wgmma per batch
-        where, sep, rx = ("sass", "%", pattern[len("sass%"):]) if ratio else pattern.partition(":")
+        where, sep, rx = ("sass", "%", pattern[len("sass%") :]) if ratio else pattern.partition(":")
         if where not in ("ptx", "sass") or not sep:
             raise ValueError(f"instruction pattern {label!r}: {pattern!r} is not ptx:REGEX, sass:REGEX or sass%A/B>=R")
         text = ptx if where == "ptx" else sass
@@ -122,8 +127,13 @@ def _fake_args(cute, args):
     import cutlass
     from cutlass.cute.runtime import make_fake_tensor
 
-    dtypes = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16, "f32": cutlass.Float32,
-              "i32": cutlass.Int32, "u8": cutlass.Uint8}
+    dtypes = {
+        "f16": cutlass.Float16,
+        "bf16": cutlass.BFloat16,
+        "f32": cutlass.Float32,
+        "i32": cutlass.Int32,
+        "u8": cutlass.Uint8,
+    }
     fakes = []
     for a in args:
         if isinstance(a, abi_mod.ScalarArg):
@@ -148,8 +158,12 @@ def compile_into(spec: Spec, out: Path) -> dict:
     jit_fn = family.load_builder()(spec)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as dump:  # --keep-* also writes files into the dump dir
-        compiled = cute.compile(jit_fn, *_fake_args(cute, args), make_fake_stream(),
-                                options=f"--gpu-arch {spec.arch} --keep-ptx --keep-cubin --dump-dir {dump}")
+        compiled = cute.compile(
+            jit_fn,
+            *_fake_args(cute, args),
+            make_fake_stream(),
+            options=f"--gpu-arch {spec.arch} --keep-ptx --keep-cubin --dump-dir {dump}",
+        )
     compile_s = time.perf_counter() - t0
 
     prefix = "ca_" + re.sub(r"\W", "_", spec.key)
@@ -165,8 +179,11 @@ def compile_into(spec: Spec, out: Path) -> dict:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not cc:
         raise BuildError("no C compiler (gcc/cc, or $CC) to link the kernel module")
-    link = subprocess.run([cc, "-shared", "-fPIC", "-o", str(out / "module.so"), str(out / "kernel.o"),
-                           str(_runtime_archive())], capture_output=True, text=True)
+    link = subprocess.run(
+        [cc, "-shared", "-fPIC", "-o", str(out / "module.so"), str(out / "kernel.o"), str(_runtime_archive())],
+        capture_output=True,
+        text=True,
+    )
     if link.returncode != 0:
         raise BuildError(f"linking {spec.describe()} failed:\n{link.stderr}")
     (out / "kernel.o").unlink()
@@ -180,8 +197,12 @@ def compile_into(spec: Spec, out: Path) -> dict:
         "describe": spec.describe(),
         "dsl_version": installed_dsl_version(),
         "abi": abi_mod.abi_to_json(args),
-        "symbols": {"init": habi.init_symbol, "load": habi.load_symbol, "launch": habi.launch_symbol,
-                    "num_args": habi.num_args},
+        "symbols": {
+            "init": habi.init_symbol,
+            "load": habi.load_symbol,
+            "launch": habi.launch_symbol,
+            "num_args": habi.num_args,
+        },
         "compile_seconds": round(compile_s, 3),
         "link_seconds": round(link_s, 3),
         "instructions": check_instructions(family.expect.get(spec.arch, {}), ptx, sass),

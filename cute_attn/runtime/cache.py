@@ -11,6 +11,7 @@ Rules (DESIGN §7):
 - An entry built by another DSL version is stale when the DSL is installed (rebuilt); on a
   run-only machine without the DSL it is used as is.
 """
+
 from __future__ import annotations
 
 import fcntl

@@ -5,6 +5,7 @@ so the DSL is not needed to *run*), the argument ABI for a given set of paramete
 instructions its compiled code must contain per arch (checked by the compile tests and shown
 by ``python -m cute_attn compile``).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -13,7 +14,7 @@ from typing import Callable, Dict, Sequence
 
 from .abi import Arg
 
-_FAMILIES: Dict[str, "KernelFamily"] = {}
+_FAMILIES: Dict[str, KernelFamily] = {}
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ The launch path is kept short because ``run()`` is called every decode step: one
 ``struct.pack_into`` of all arguments into a per-thread buffer whose pointer array was built
 once, then one ctypes call.  ``scripts/bench_launch.py`` measures it.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -79,7 +80,8 @@ def cudart() -> ctypes.CDLL:
                 else:
                     raise KernelNotAvailable(
                         "libcudart.so.13 (CUDA 13 runtime) not found; install PyTorch's CUDA build or a CUDA 13 "
-                        "toolkit, or set CUTE_ATTN_CUDART to its path. Tried: " + "; ".join(errors))
+                        "toolkit, or set CUTE_ATTN_CUDART to its path. Tried: " + "; ".join(errors)
+                    )
     return _CUDART
 
 
@@ -209,7 +211,7 @@ def make_packer(args: Sequence) -> Callable:
     return scope["pack"]
 
 
-def tensor_fields(arg: "abi_mod.TensorArg", t) -> list:
+def tensor_fields(arg: abi_mod.TensorArg, t) -> list:
     """[data_ptr, dynamic extents..., dynamic strides...] of ``t``, checked against the ABI.
 
     The kernel was compiled assuming the static extents/strides, the stride divisibility and
@@ -259,7 +261,8 @@ def get_module(spec: Spec, root: Optional[Path] = None) -> Module:
                     f"kernel {spec.describe()} is not in the cache at {where} ({found.problem}) and the CuTe DSL "
                     f"is not installed here to compile it. Build it on any machine with nvidia-cutlass-dsl "
                     f"(no GPU needed): python -m cute_attn compile --arch {spec.arch} --spec '{spec.cli()}' "
-                    f"--out DIR, then point CUTE_ATTN_CACHE_DIR at DIR.")
+                    f"--out DIR, then point CUTE_ATTN_CACHE_DIR at DIR."
+                )
             found = build(spec, root)
         mod = Module(spec, found.path, found.meta)
         _MODULES[spec.key] = mod

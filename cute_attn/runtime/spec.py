@@ -8,11 +8,12 @@ one module serves them all.
 The key is a hash of (arch, family, params, package version, kernel source fingerprint).
 The kernel source fingerprint hashes the family's builder module, every ``cute_attn`` module it
 imports (transitively) and ``cute_attn/variants``: editing a kernel invalidates its cache
-entries -- and only its own family's -- without anyone having to remember to bump a version.  The DSL version is *not* in the key, because a GPU machine
-that only runs kernels has no DSL to ask; it is recorded in the entry's metadata instead, and
-a process that has the DSL treats an entry built by another DSL version as stale
-(see ``cache.py``).
+entries -- and only its own family's -- without anyone having to remember to bump a version.
+The DSL version is *not* in the key, because a GPU machine that only runs kernels has no DSL
+to ask; it is recorded in the entry's metadata instead, and a process that has the DSL treats
+an entry built by another DSL version as stale (see ``cache.py``).
 """
+
 from __future__ import annotations
 
 import ast
@@ -51,7 +52,7 @@ def _imports(path: Path, name: str) -> set:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                parent = pkg[:len(pkg) - node.level + 1]
+                parent = pkg[: len(pkg) - node.level + 1]
                 base = ".".join(parent + ([base] if base else []))
             if base.split(".")[0] != "cute_attn":
                 continue
@@ -60,7 +61,7 @@ def _imports(path: Path, name: str) -> set:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source_fingerprint(modules: tuple = ()) -> str:
     """sha256 over the sources a kernel is built from: the given modules (a family's builder
     module and the module that defines its ABI), every ``cute_attn`` module they import
@@ -109,10 +110,10 @@ class Spec:
     params: tuple = field(default=())
 
     @staticmethod
-    def make(family: str, arch: str, **params: Any) -> "Spec":
+    def make(family: str, arch: str, **params: Any) -> Spec:
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unsupported arch {arch!r}; cute_attn compiles for {', '.join(SUPPORTED_ARCHS)}")
-        for k, v in params.items():
+        for v in params.values():
             _canon(v)  # validate early
         return Spec(family, arch, tuple(sorted(params.items())))
 
@@ -131,7 +132,7 @@ class Spec:
         return self.family + ":" + ",".join(f"{k}={v}" for k, v in self.params)
 
     @staticmethod
-    def parse(text: str, arch: str) -> "Spec":
+    def parse(text: str, arch: str) -> Spec:
         """Inverse of :meth:`cli`: ``family:k=v,k=v`` (ints and true/false are converted)."""
         family, _, rest = text.partition(":")
         params = {}

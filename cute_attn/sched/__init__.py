@@ -98,10 +98,10 @@ Batch-invariant mode (``kv_split_size=S``): every tile is cut at multiples of S 
 nothing else, with a tile size that does not depend on the batch, so a request's items
 and merge order are the same whatever else is batched with it.
 """
+
 from .check import verify_plan
 from .inputs import kv_lens_from_paged, kv_lens_from_ragged
 from .plan import Plan, Planner
 from .workspace import Limits, WorkspaceLayout
 
-__all__ = ["Limits", "Plan", "Planner", "WorkspaceLayout", "kv_lens_from_paged",
-           "kv_lens_from_ragged", "verify_plan"]
+__all__ = ["Limits", "Plan", "Planner", "WorkspaceLayout", "kv_lens_from_paged", "kv_lens_from_ragged", "verify_plan"]

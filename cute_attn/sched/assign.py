@@ -63,6 +63,7 @@ most C - 1 cuts, so at most 2 (C - 1) partial slots; the pieces are in line orde
 is CTA-major. Deterministic. The planner keeps the result only if it beats whole items
 and keeps the LPT bound.
 """
+
 from __future__ import annotations
 
 from bisect import bisect_right
@@ -161,10 +162,10 @@ def lpt_assign(costs: np.ndarray, num_ctas: int) -> tuple[np.ndarray, np.ndarray
         # lighter CTA first). That prefix is found with one binary search.
         mm = min(n - k, c)
         ls = loads[order[:mm]]
-        m = max(1, int(np.searchsorted(ls - costs[k:k + mm], ls[0], side="right")))
+        m = max(1, int(np.searchsorted(ls - costs[k : k + mm], ls[0], side="right")))
         order = order[:m]
-        cta[k:k + m] = order
-        loads[order] += costs[k:k + m]
+        cta[k : k + m] = order
+        loads[order] += costs[k : k + m]
         k += m
         rounds += 1
     if k < n:
@@ -195,7 +196,7 @@ def _water_fill(loads: np.ndarray, tail: np.ndarray) -> np.ndarray:
     return np.repeat(order[:k], runs)
 
 
-REFINE_PASSES = 4     # pairwise refinement: at most this many passes ...
+REFINE_PASSES = 4  # pairwise refinement: at most this many passes ...
 REFINE_MAX_ITEMS = 16  # ... and only where no CTA holds more items than this
 
 
@@ -289,12 +290,10 @@ def _wrap_exact(k_est, cum, cost, ext, c, w, per_item, beta, page, m):
                 bp, pc = pos, per_item
                 ii[j], xx[j], cuts[j] = i, xc, True
         bps[j] = bpos = bp
-    return (np.array(ii, np.int64), np.array(xx, np.int64), np.array(cuts, bool),
-            np.array(bps, np.int64))
+    return (np.array(ii, np.int64), np.array(xx, np.int64), np.array(cuts, bool), np.array(bps, np.int64))
 
 
-def wrap_fill(ext, *, per_item: int, beta: int, page: int, min_chunk: int, num_ctas: int,
-              tol: float = 0.05):
+def wrap_fill(ext, *, per_item: int, beta: int, page: int, min_chunk: int, num_ctas: int, tol: float = 0.05):
     """The wrap-around split (module doc) of items with kv lengths ``ext`` (in line order).
 
     ``tol``: the one-by-one placement runs only where the quick one is further than tol

@@ -1,6 +1,7 @@
 """An independent checker of a plan against the contract (used by the tests; kernel
 authors can run it on plans they feed their kernels). Raises AssertionError on a violation.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -83,8 +84,8 @@ def verify_plan(plan, qo_indptr, kv_lens, num_kv_heads: int, *, alpha: int = 2, 
     mslots = np.zeros(nslots, np.int64) - 1
     for j, t in enumerate(m):
         a, k = t[ws.M_SLOT_START], t[ws.M_NUM_SLOTS]
-        assert k >= 2 and (mslots[a:a + k] == -1).all() and a + k <= nslots
-        mslots[a:a + k] = j
+        assert k >= 2 and (mslots[a : a + k] == -1).all() and a + k <= nslots
+        mslots[a : a + k] = j
     assert (mslots >= 0).all() or nslots == 0
     sel = dest >= 0
     task = mslots[dest[sel]]
@@ -98,6 +99,5 @@ def verify_plan(plan, qo_indptr, kv_lens, num_kv_heads: int, *, alpha: int = 2, 
     # Modelled CTA costs.
     cost = alpha * tile + beta * (ke - ks)
     cta = np.repeat(np.arange(nc), np.diff(ip))
-    assert np.array_equal(np.bincount(cta, weights=cost, minlength=nc).astype(np.int64),
-                          plan.cta_cost.astype(np.int64))
+    assert np.array_equal(np.bincount(cta, weights=cost, minlength=nc).astype(np.int64), plan.cta_cost.astype(np.int64))
     return cost, cta

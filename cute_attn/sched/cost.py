@@ -34,6 +34,7 @@ loops run the kernel's pipeline badly. ``hi`` keeps batches with a large share f
 cut finer than before. An explicit ``min_kv_chunk`` below the floor is honoured (then m =
 min_kv_chunk rounded up to a page).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -41,7 +42,7 @@ import numpy as np
 from .assign import ids, lpt_assign, zeros
 
 MIN_CHUNK_SHARE_DIV = 32  # m <= share / 32 (see the module doc)
-MIN_CHUNK_FLOOR = 64      # ... but never below max(page_size, 64) tokens (unless min_kv_chunk is)
+MIN_CHUNK_FLOOR = 64  # ... but never below max(page_size, 64) tokens (unless min_kv_chunk is)
 
 
 def min_chunk_len(share: int, page_size: int, min_kv_chunk: int) -> int:

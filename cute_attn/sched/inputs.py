@@ -4,6 +4,7 @@ numpy arrays, lists and CPU tensors are read in place: nothing here touches a GP
 tensor is copied to the host with ``.cpu()``, which waits for the device (the one case in
 which planning synchronizes; pass host copies of the index arrays to avoid it).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -65,8 +66,9 @@ def kv_lens_from_ragged(kv_indptr) -> np.ndarray:
     return check_indptr("kv_indptr", as_index_array("kv_indptr", kv_indptr))
 
 
-def kv_lens_from_paged(kv_indptr, last_page_len, page_size: int, kv_indices=None,
-                       num_pages_total: int | None = None) -> np.ndarray:
+def kv_lens_from_paged(
+    kv_indptr, last_page_len, page_size: int, kv_indices=None, num_pages_total: int | None = None
+) -> np.ndarray:
     """kv lengths of a paged cache, FlashInfer's convention.
 
     kv_indptr[b] .. kv_indptr[b+1] index request b's pages in ``kv_indices``; the last page
@@ -84,8 +86,10 @@ def kv_lens_from_paged(kv_indptr, last_page_len, page_size: int, kv_indices=None
     bad = has & ((last < 1) | (last > page_size))
     if bad.any():
         i = int(np.argmax(bad))
-        raise ValueError(f"last_page_len[{i}] = {int(last[i])} is outside [1, page_size={page_size}] "
-                         f"(request {i} has {int(num_pages[i])} pages)")
+        raise ValueError(
+            f"last_page_len[{i}] = {int(last[i])} is outside [1, page_size={page_size}] "
+            f"(request {i} has {int(num_pages[i])} pages)"
+        )
     if kv_indices is not None:
         idx = as_index_array("kv_indices", kv_indices)
         used = int(indptr[-1])

@@ -1,4 +1,5 @@
 """``Planner.plan()``: validate, tile, cut, assign, write the records, stage, upload."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +13,6 @@ from .cost import build_tiles, choose_cta_tile_q, chunk_counts, cut_schedule, mi
 from .inputs import as_index_array, check_lengths, indptr_lengths, kv_lens_from_paged, kv_lens_from_ragged
 from .workspace import Limits, WorkspaceLayout
 
-
 _NO_MERGE = np.empty((0, ws.MERGE_FIELDS), np.int32)
 _NO_MERGE.flags.writeable = False
 
@@ -21,17 +21,17 @@ _NO_MERGE.flags.writeable = False
 class Plan:
     """One batch's schedule (host copies; ``Planner`` stages the same bytes for upload)."""
 
-    work_items: np.ndarray   # int32 [num_work_items, WORK_FIELDS], CTA-major
+    work_items: np.ndarray  # int32 [num_work_items, WORK_FIELDS], CTA-major
     work_indptr: np.ndarray  # int32 [num_ctas + 1]
     merge_tasks: np.ndarray  # int32 [num_merge_tasks, MERGE_FIELDS]
-    meta: np.ndarray         # int32 [META_FIELDS]
-    cta_cost: np.ndarray     # int64 [num_ctas], modelled cost per CTA (diagnostics)
+    meta: np.ndarray  # int32 [META_FIELDS]
+    cta_cost: np.ndarray  # int64 [num_ctas], modelled cost per CTA (diagnostics)
     cta_tile_q: int
     group_size: int
     num_ctas: int
-    kv_chunk: int            # kv length tiles were pre-cut at (0: none), see META_KV_CHUNK
+    kv_chunk: int  # kv length tiles were pre-cut at (0: none), see META_KV_CHUNK
     causal: bool
-    min_kv_chunk: int = 0    # shortest piece a wrap-around cut could leave (0: no cut tried)
+    min_kv_chunk: int = 0  # shortest piece a wrap-around cut could leave (0: no cut tried)
 
     @property
     def num_work_items(self) -> int:
@@ -106,9 +106,19 @@ class Planner:
     almost every CTA boundary (BENCH_NOTES.md, "H200 decode regression").
     """
 
-    def __init__(self, limits: Limits, num_sms: int, ctas_per_sm: int = 1, *, alpha: int = 2,
-                 beta: int = 1, min_kv_chunk: int = 256, balance_tol: float = 0.05,
-                 num_staging: int = 2, pin_memory: Optional[bool] = None):
+    def __init__(
+        self,
+        limits: Limits,
+        num_sms: int,
+        ctas_per_sm: int = 1,
+        *,
+        alpha: int = 2,
+        beta: int = 1,
+        min_kv_chunk: int = 256,
+        balance_tol: float = 0.05,
+        num_staging: int = 2,
+        pin_memory: Optional[bool] = None,
+    ):
         for name, v in (("num_sms", num_sms), ("ctas_per_sm", ctas_per_sm)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -150,26 +160,47 @@ class Planner:
 
         def sec(name, shape):
             o, n = lay.sections[name]
-            return buf[o:o + n].view(np.int32).reshape(shape)
+            return buf[o : o + n].view(np.int32).reshape(shape)
 
-        return dict(meta=sec("meta", (ws.META_FIELDS,)),
-                    work_indptr=sec("work_indptr", (self.num_ctas + 1,)),
-                    merge_tasks=sec("merge_tasks", (lay.max_merge_tasks, ws.MERGE_FIELDS)),
-                    work_items=sec("work_items", (lay.max_work_items, ws.WORK_FIELDS)))
+        return dict(
+            meta=sec("meta", (ws.META_FIELDS,)),
+            work_indptr=sec("work_indptr", (self.num_ctas + 1,)),
+            merge_tasks=sec("merge_tasks", (lay.max_merge_tasks, ws.MERGE_FIELDS)),
+            work_items=sec("work_items", (lay.max_work_items, ws.WORK_FIELDS)),
+        )
 
     # -- entry points -------------------------------------------------------------------
-    def plan_paged(self, qo_indptr, kv_indptr, last_page_len, page_size: int, *, kv_indices=None,
-                   num_pages_total: Optional[int] = None, **kw) -> Plan:
+    def plan_paged(
+        self,
+        qo_indptr,
+        kv_indptr,
+        last_page_len,
+        page_size: int,
+        *,
+        kv_indices=None,
+        num_pages_total: Optional[int] = None,
+        **kw,
+    ) -> Plan:
         kv_lens = kv_lens_from_paged(kv_indptr, last_page_len, page_size, kv_indices, num_pages_total)
         return self.plan(qo_indptr, kv_lens, page_size=page_size, **kw)
 
     def plan_ragged(self, qo_indptr, kv_indptr, **kw) -> Plan:
         return self.plan(qo_indptr, kv_lens_from_ragged(kv_indptr), **kw)
 
-    def plan(self, qo_indptr, kv_lens, *, causal: bool = False, page_size: int = 1,
-             num_qo_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
-             cta_tile_q: Optional[int] = None, kv_split_size: Optional[int] = None,
-             heads_per_item: int = 1, workspace=None) -> Plan:
+    def plan(
+        self,
+        qo_indptr,
+        kv_lens,
+        *,
+        causal: bool = False,
+        page_size: int = 1,
+        num_qo_heads: Optional[int] = None,
+        num_kv_heads: Optional[int] = None,
+        cta_tile_q: Optional[int] = None,
+        kv_split_size: Optional[int] = None,
+        heads_per_item: int = 1,
+        workspace=None,
+    ) -> Plan:
         """Plan one batch, stage it in the host buffer and, given a device ``workspace``
         tensor (>= ``layout.total_bytes`` bytes), enqueue its upload (one non-blocking copy).
 
@@ -191,8 +222,9 @@ class Planner:
         if not (isinstance(hq, int) and isinstance(hk, int) and 1 <= hk and 1 <= hq):
             raise ValueError(f"num_qo_heads / num_kv_heads must be positive ints, got {hq!r} / {hk!r}")
         if hq > lim.num_qo_heads or hk > lim.num_kv_heads:
-            raise ValueError(f"num_qo_heads={hq}, num_kv_heads={hk} exceed the limits "
-                             f"({lim.num_qo_heads}, {lim.num_kv_heads})")
+            raise ValueError(
+                f"num_qo_heads={hq}, num_kv_heads={hk} exceed the limits ({lim.num_qo_heads}, {lim.num_kv_heads})"
+            )
         if hq % hk:
             raise ValueError(f"num_qo_heads ({hq}) is not a multiple of num_kv_heads ({hk})")
         if not isinstance(page_size, (int, np.integer)) or page_size < 1:
@@ -210,8 +242,9 @@ class Planner:
             raise ValueError(f"batch size {b} (len(qo_indptr) - 1) exceeds max_batch ({lim.max_batch})")
         total_q = int(qo_indptr[-1])
         if total_q > lim.max_total_q_tokens:
-            raise ValueError(f"qo_indptr[-1] = {total_q} query tokens exceeds max_total_q_tokens "
-                             f"({lim.max_total_q_tokens})")
+            raise ValueError(
+                f"qo_indptr[-1] = {total_q} query tokens exceeds max_total_q_tokens ({lim.max_total_q_tokens})"
+            )
         # qo_len >= 0 summing to b with min >= 1: all ones (decode), max known for free.
         qmax = None if qmin is None else 1 if (qmin == 1 and total_q == b) else int(qo_len.max())
         if lim.max_qo_len is not None and qmax is not None and qmax > lim.max_qo_len:
@@ -230,10 +263,15 @@ class Planner:
                 with_q = b if (qmin or 0) >= 1 else int(np.count_nonzero(qo_len))
                 tile = choose_cta_tile_q(total_q * group, with_q)
         else:
-            if (not isinstance(cta_tile_q, (int, np.integer)) or cta_tile_q % ws.MIN_CTA_TILE_Q
-                    or not ws.MIN_CTA_TILE_Q <= cta_tile_q <= ws.MAX_CTA_TILE_Q):
-                raise ValueError(f"cta_tile_q must be a multiple of {ws.MIN_CTA_TILE_Q} in "
-                                 f"[{ws.MIN_CTA_TILE_Q}, {ws.MAX_CTA_TILE_Q}], got {cta_tile_q!r}")
+            if (
+                not isinstance(cta_tile_q, (int, np.integer))
+                or cta_tile_q % ws.MIN_CTA_TILE_Q
+                or not ws.MIN_CTA_TILE_Q <= cta_tile_q <= ws.MAX_CTA_TILE_Q
+            ):
+                raise ValueError(
+                    f"cta_tile_q must be a multiple of {ws.MIN_CTA_TILE_Q} in "
+                    f"[{ws.MIN_CTA_TILE_Q}, {ws.MAX_CTA_TILE_Q}], got {cta_tile_q!r}"
+                )
             tile = int(cta_tile_q)
 
         req, row0, rows, ext, one_each = build_tiles(qo_len, kv_len, group, tile, causal, qmin, qmax)
@@ -277,8 +315,7 @@ class Planner:
         nt = ext.shape[0]
         n = nt * hk
         if n == 0:
-            return self._unsplit(ids(0), np.zeros(nc + 1, np.int64), np.zeros(nc, np.int64), None,
-                                 hk, nt, rec_args)
+            return self._unsplit(ids(0), np.zeros(nc + 1, np.int64), np.zeros(nc, np.int64), None, hk, nt, rec_args)
         cost = beta * ext + per_item
         order = np.argsort(-cost, kind="stable")
         cs = cost[order]
@@ -334,8 +371,15 @@ class Planner:
         pieces if still out of tolerance), or None where it does not apply, does not fit
         the partial slots or breaks the LPT bound. ``key``: (score, merges, items)."""
         nc, beta = self.num_ctas, self.beta
-        wf = wrap_fill(ext[order].repeat(hk), per_item=per_item, beta=beta, page=page,
-                       min_chunk=m, num_ctas=nc, tol=self.balance_tol)
+        wf = wrap_fill(
+            ext[order].repeat(hk),
+            per_item=per_item,
+            beta=beta,
+            page=page,
+            min_chunk=m,
+            num_ctas=nc,
+            tol=self.balance_tol,
+        )
         if wf is None:
             return None
         item, start, stop, chunk, cta, loads, ncut = wf
@@ -349,19 +393,39 @@ class Planner:
             if r is not None:
                 cta, loads = r
                 by = np.argsort(cta, kind="stable")  # CTA-major again
-                item, start, stop, chunk, cta, pc = (item[by], start[by], stop[by], chunk[by],
-                                                     cta[by], pc[by])
+                item, start, stop, chunk, cta, pc = (item[by], start[by], stop[by], chunk[by], cta[by], pc[by])
         if int(loads.max()) * nc > int(loads.sum()) + nc * int(pc.max()):  # the LPT bound
             return None
-        return dict(item=item, start=start, stop=stop, chunk=chunk, cta=cta, loads=loads,
-                    ncut=ncut, key=(self._score(loads, merges, per_item), merges, item.shape[0]))
+        return dict(
+            item=item,
+            start=start,
+            stop=stop,
+            chunk=chunk,
+            cta=cta,
+            loads=loads,
+            ncut=ncut,
+            key=(self._score(loads, merges, per_item), merges, item.shape[0]),
+        )
 
     def _wrap_plan(self, wp, order, hk, nt, n, m, rec_args):
         item = wp["item"]
         nch = np.empty(n, np.int64)
         nch[order.repeat(hk) * hk + ids(n) % hk] = wp["ncut"] + 1  # per (tile, head) pair
-        return self._split(order[item // hk], item % hk, wp["start"], wp["stop"], wp["chunk"],
-                           nch, wp["cta"], wp["loads"], hk, nt, 0, m, rec_args)
+        return self._split(
+            order[item // hk],
+            item % hk,
+            wp["start"],
+            wp["stop"],
+            wp["chunk"],
+            nch,
+            wp["cta"],
+            wp["loads"],
+            hk,
+            nt,
+            0,
+            m,
+            rec_args,
+        )
 
     def _score(self, loads, merges: int, per_item: int) -> int:
         """Modelled makespan used to compare candidate plans: the busiest CTA, plus the
@@ -389,10 +453,22 @@ class Planner:
                 break
             chunk *= 2
         n, tp, c, start, end, order, cta, loads, item_cost = cut_schedule(
-            ext, chunk, per_item, self.beta, hk, self.num_ctas, m)
-        return dict(chunk=chunk, n=n, t=tp, c=c, start=start, end=end, order=order, cta=cta,
-                    loads=loads, cost=item_cost, merges=hk * int(np.count_nonzero(split)),
-                    items=item_cost.shape[0])
+            ext, chunk, per_item, self.beta, hk, self.num_ctas, m
+        )
+        return dict(
+            chunk=chunk,
+            n=n,
+            t=tp,
+            c=c,
+            start=start,
+            end=end,
+            order=order,
+            cta=cta,
+            loads=loads,
+            cost=item_cost,
+            merges=hk * int(np.count_nonzero(split)),
+            items=item_cost.shape[0],
+        )
 
     def _refine_precut(self, pre) -> bool:
         """Pairwise refinement of the pre-cut candidate (in place); whether it improved."""
@@ -406,9 +482,21 @@ class Planner:
         nc, cta = self.num_ctas, pre["cta"]
         by_cta = np.argsort(cta.astype(np.int16 if nc < 2**15 else np.int32), kind="stable")
         q = pre["order"][by_cta // hk]
-        return self._split(pre["t"][q], by_cta % hk, pre["start"][q], pre["end"][q], pre["c"][q],
-                           pre["n"].repeat(hk), cta[by_cta], pre["loads"], hk, nt, pre["chunk"], m,
-                           rec_args)
+        return self._split(
+            pre["t"][q],
+            by_cta % hk,
+            pre["start"][q],
+            pre["end"][q],
+            pre["c"][q],
+            pre["n"].repeat(hk),
+            cta[by_cta],
+            pre["loads"],
+            hk,
+            nt,
+            pre["chunk"],
+            m,
+            rec_args,
+        )
 
     def _plan_invariant(self, ext, hk, tile, split, per_item, rec_args):
         """Batch-invariant mode: cut at multiples of ``split``, LPT over the chunks."""
@@ -417,13 +505,16 @@ class Planner:
         need = hk * int(n[n > 1].sum())
         max_slots = self.layout.max_partial_rows // tile
         if need > max_slots:
-            raise ValueError(f"kv_split_size={split} needs {need} partial slots; the "
-                             f"workspace holds {max_slots} at cta_tile_q={tile}")
+            raise ValueError(
+                f"kv_split_size={split} needs {need} partial slots; the "
+                f"workspace holds {max_slots} at cta_tile_q={tile}"
+            )
         by_cta = np.argsort(cta.astype(np.int16 if nc < 2**15 else np.int32), kind="stable")
         q = order[by_cta // hk]
         nch = n.repeat(hk)  # pair id = tile * hk + head
-        return self._split(t[q], by_cta % hk, start[q], end[q], c[q], nch, cta[by_cta], loads, hk,
-                           nt, split, 0, rec_args)
+        return self._split(
+            t[q], by_cta % hk, start[q], end[q], c[q], nch, cta[by_cta], loads, hk, nt, split, 0, rec_args
+        )
 
     def _unsplit_lpt(self, lpt, order, hk, nt, rec_args):
         cta, loads = lpt
@@ -446,14 +537,23 @@ class Planner:
         w = rec.take(order.take(t) if order is not None else t, axis=0)
         w[:, ws.W_KV_HEAD] = h
         nc = self.num_ctas
-        meta = np.array((w.shape[0], 0, tile, nc, 0, group, 0, 0, 0, int(causal), 0, 0, 0, 0, 0, 0),
-                        np.int32)  # field order: META_* in workspace.py
-        return Plan(work_items=w, work_indptr=indptr.astype(np.int32), merge_tasks=_NO_MERGE,
-                    meta=meta, cta_cost=loads, cta_tile_q=tile, group_size=group, num_ctas=nc,
-                    kv_chunk=0, causal=bool(causal))
+        meta = np.array(
+            (w.shape[0], 0, tile, nc, 0, group, 0, 0, 0, int(causal), 0, 0, 0, 0, 0, 0), np.int32
+        )  # field order: META_* in workspace.py
+        return Plan(
+            work_items=w,
+            work_indptr=indptr.astype(np.int32),
+            merge_tasks=_NO_MERGE,
+            meta=meta,
+            cta_cost=loads,
+            cta_tile_q=tile,
+            group_size=group,
+            num_ctas=nc,
+            kv_chunk=0,
+            causal=bool(causal),
+        )
 
-    def _split(self, t, h, start, stop, chunk, nch_pair, cta, loads, hk, nt, kv_chunk, min_chunk,
-               rec_args):
+    def _split(self, t, h, start, stop, chunk, nch_pair, cta, loads, hk, nt, kv_chunk, min_chunk, rec_args):
         """Records of pieces given CTA-major: tile t, head h, kv [start, stop), index chunk
         in the (tile, head) pair's merge order; ``nch_pair[tile * hk + head]``: chunks of
         each pair. Partial slots go to split pairs in pair order, chunks in merge order
@@ -495,9 +595,19 @@ class Planner:
         meta[ws.META_GROUP_SIZE] = group
         meta[ws.META_KV_CHUNK] = kv_chunk
         meta[ws.META_CAUSAL] = int(causal)
-        return Plan(work_items=w, work_indptr=indptr, merge_tasks=merge, meta=meta,
-                    cta_cost=loads, cta_tile_q=tile, group_size=group, num_ctas=nc,
-                    kv_chunk=int(kv_chunk), causal=bool(causal), min_kv_chunk=int(min_chunk))
+        return Plan(
+            work_items=w,
+            work_indptr=indptr,
+            merge_tasks=merge,
+            meta=meta,
+            cta_cost=loads,
+            cta_tile_q=tile,
+            group_size=group,
+            num_ctas=nc,
+            kv_chunk=int(kv_chunk),
+            causal=bool(causal),
+            min_kv_chunk=int(min_chunk),
+        )
 
     # -- staging and upload -------------------------------------------------------------
     def _stage(self, p: Plan, b: int, total_q: int, hq: int, hk: int) -> None:
@@ -513,8 +623,8 @@ class Planner:
         v = self._views[i]
         v["meta"][:] = p.meta
         v["work_indptr"][:] = p.work_indptr
-        v["merge_tasks"][:p.num_merge_tasks] = p.merge_tasks
-        v["work_items"][:p.num_work_items] = p.work_items
+        v["merge_tasks"][: p.num_merge_tasks] = p.merge_tasks
+        v["work_items"][: p.num_work_items] = p.work_items
         # Work items are the last int32 section, so one prefix covers everything in use.
         nbytes = self.layout.offset("work_items") + 4 * ws.WORK_FIELDS * p.num_work_items
         self._staged = (i, nbytes)

@@ -3,23 +3,24 @@
 Everything here depends only on the limits fixed at wrapper creation, never on a batch:
 that is what keeps the pointers baked into a captured CUDA graph valid from plan to plan.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 # -- work item: one int32 record of WORK_FIELDS values ------------------------------------
-W_REQ = 0         # request index b
-W_KV_HEAD = 1     # kv head h
-W_ROW_START = 2   # first packed row of the tile, relative to the request (a multiple of tile)
-W_NUM_ROWS = 3    # packed rows in the tile, 1..cta_tile_q
-W_KV_START = 4    # first kv token position, relative to the request
-W_KV_END = 5      # one past the last kv token position (kv_start <= kv_end <= kv_len)
-W_DEST = 6        # -1: write the final output; >= 0: partial slot index
-W_QO_OFFSET = 7   # qo_indptr[b]: row of the request's first query token in q / o
-W_QO_LEN = 8      # qo_len of the request
-W_KV_LEN = 9      # kv_len of the request (causal diagonal offset is kv_len - qo_len)
-W_CHUNK = 10      # index of this kv chunk within its tile = its position in the merge order
+W_REQ = 0  # request index b
+W_KV_HEAD = 1  # kv head h
+W_ROW_START = 2  # first packed row of the tile, relative to the request (a multiple of tile)
+W_NUM_ROWS = 3  # packed rows in the tile, 1..cta_tile_q
+W_KV_START = 4  # first kv token position, relative to the request
+W_KV_END = 5  # one past the last kv token position (kv_start <= kv_end <= kv_len)
+W_DEST = 6  # -1: write the final output; >= 0: partial slot index
+W_QO_OFFSET = 7  # qo_indptr[b]: row of the request's first query token in q / o
+W_QO_LEN = 8  # qo_len of the request
+W_KV_LEN = 9  # kv_len of the request (causal diagonal offset is kv_len - qo_len)
+W_CHUNK = 10  # index of this kv chunk within its tile = its position in the merge order
 W_NUM_CHUNKS = 11  # chunks of this tile (1: unsplit, W_DEST == -1)
 WORK_FIELDS = 12
 
@@ -30,7 +31,7 @@ M_ROW_START = 2
 M_NUM_ROWS = 3
 M_QO_OFFSET = 4
 M_SLOT_START = 5  # the task's partial slots are SLOT_START .. SLOT_START + NUM_SLOTS - 1,
-M_NUM_SLOTS = 6   # in kv order: merge them left to right
+M_NUM_SLOTS = 6  # in kv order: merge them left to right
 M_RESERVED = 7
 MERGE_FIELDS = 8
 
@@ -41,7 +42,7 @@ META_CTA_TILE_Q = 2
 META_NUM_CTAS = 3
 META_NUM_PARTIAL_SLOTS = 4
 META_GROUP_SIZE = 5
-META_KV_CHUNK = 6       # length tiles were pre-cut at (0: none; the wrap-around split may still cut)
+META_KV_CHUNK = 6  # length tiles were pre-cut at (0: none; the wrap-around split may still cut)
 META_BATCH_SIZE = 7
 META_TOTAL_QO_ROWS = 8  # qo_indptr[-1]
 META_CAUSAL = 9
@@ -78,14 +79,14 @@ class Limits:
     max_qo_len: Optional[int] = None  # per request; None: max_total_q_tokens
 
     def __post_init__(self):
-        for name in ("max_batch", "max_total_q_tokens", "num_qo_heads", "num_kv_heads", "head_dim",
-                     "max_kv_len"):
+        for name in ("max_batch", "max_total_q_tokens", "num_qo_heads", "num_kv_heads", "head_dim", "max_kv_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"Limits.{name} must be a positive int, got {v!r}")
         if self.num_qo_heads % self.num_kv_heads:
-            raise ValueError(f"Limits.num_qo_heads ({self.num_qo_heads}) is not a multiple of "
-                             f"num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"Limits.num_qo_heads ({self.num_qo_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
         for name in ("max_partial_rows", "max_qo_len"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):
@@ -122,8 +123,9 @@ class WorkspaceLayout:
         max_slots = rows // MIN_CTA_TILE_Q
         # Tiles: sum_b ceil(q_b * G / T) <= total_q * G / T + batch, with the smallest T; each
         # tile runs once per kv head, and every extra chunk of a split tile owns a slot.
-        max_tiles_x_heads = (lim.max_total_q_tokens * lim.num_qo_heads + MIN_CTA_TILE_Q - 1) \
-            // MIN_CTA_TILE_Q + lim.max_batch * lim.num_kv_heads
+        max_tiles_x_heads = (
+            lim.max_total_q_tokens * lim.num_qo_heads + MIN_CTA_TILE_Q - 1
+        ) // MIN_CTA_TILE_Q + lim.max_batch * lim.num_kv_heads
         max_items = max_tiles_x_heads + max_slots
         max_merge = max_slots // 2  # a split tile owns >= 2 slots
         sizes = [
@@ -165,7 +167,7 @@ class WorkspaceLayout:
 
         def sec(name, dtype, shape):
             o, n = self.sections[name]
-            return ws[o:o + n].view(dtype).view(shape)
+            return ws[o : o + n].view(dtype).view(shape)
 
         return {
             "meta": sec("meta", torch.int32, (META_FIELDS,)),

@@ -124,9 +124,7 @@ def _split_paged_cache(paged_kv_cache: PagedKV) -> Tuple[torch.Tensor, torch.Ten
                 f"[pages, kv_heads, page_size, dim] (HND), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
             )
         if k_cache.shape[:3] != v_cache.shape[:3]:
-            raise ValueError(
-                f"k_cache and v_cache shapes disagree: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}"
-            )
+            raise ValueError(f"k_cache and v_cache shapes disagree: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
         return k_cache, v_cache
     raise TypeError("paged_kv_cache must be a tensor [pages, 2, ...] or a (k_cache, v_cache) tuple")
 
@@ -527,7 +525,9 @@ def merge_states_reference(
 # --------------------------------------------------------------------- variants (appended)
 
 
-def rope_reference(x: torch.Tensor, pos: torch.Tensor, rope_scale: float = 1.0, rope_theta: float = 1e4) -> torch.Tensor:
+def rope_reference(
+    x: torch.Tensor, pos: torch.Tensor, rope_scale: float = 1.0, rope_theta: float = 1e4
+) -> torch.Tensor:
     """Llama RoPE (FlashInfer's ``ROPE_LLAMA``) in fp32: ``x`` ``[n, heads, D]``, ``pos`` ``[n]``;
     dims ``i`` and ``i + D/2`` rotate by ``pos / (rope_scale * rope_theta^(2i/D))``."""
     x = x.float()

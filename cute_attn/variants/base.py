@@ -62,6 +62,7 @@ process (``python -m cute_attn compile``) can re-create it with :func:`decode` â
 the class to be importable by that name (classes defined in ``__main__`` or a notebook only
 compile in the process that defined them).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -73,8 +74,19 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Variant", "TensorParam", "ScalarParam", "Ctx", "Compose", "fingerprint", "encode", "decode",
-           "components", "Hooks", "register_builtin"]
+__all__ = [
+    "Variant",
+    "TensorParam",
+    "ScalarParam",
+    "Ctx",
+    "Compose",
+    "fingerprint",
+    "encode",
+    "decode",
+    "components",
+    "Hooks",
+    "register_builtin",
+]
 
 
 # --------------------------------------------------------------------------------- declarations
@@ -132,19 +144,23 @@ class Variant:
                 self.values[k] = v
             elif k in self.static:
                 if not isinstance(v, _JSON_SCALARS):
-                    raise TypeError(f"{type(self).__name__}: static parameter {k} must be bool/int/float/str, "
-                                    f"got {type(v).__name__}")
+                    raise TypeError(
+                        f"{type(self).__name__}: static parameter {k} must be bool/int/float/str, "
+                        f"got {type(v).__name__}"
+                    )
                 if isinstance(v, str) and not _STR_RE.match(v):
                     raise ValueError(f"{type(self).__name__}: static string {k}={v!r} may only use [A-Za-z0-9_.-]")
                 self.params[k] = v
             else:
-                raise TypeError(f"{type(self).__name__} takes static {sorted(self.static)} and runtime "
-                                f"{sorted(rt_names)} parameters, not {k!r}")
+                raise TypeError(
+                    f"{type(self).__name__} takes static {sorted(self.static)} and runtime "
+                    f"{sorted(rt_names)} parameters, not {k!r}"
+                )
         for k, v in self.params.items():
             setattr(self, k, v)
 
     # composition: a + b applies a's hooks, then b's
-    def __add__(self, other: "Variant") -> "Variant":
+    def __add__(self, other: Variant) -> Variant:
         return Compose(self, other)
 
     def fill(self, info: dict) -> dict:
@@ -156,8 +172,7 @@ class Variant:
         return encode(self)
 
     def __eq__(self, other):
-        return isinstance(other, Variant) and encode(self) == encode(other) and \
-            fingerprint(self) == fingerprint(other)
+        return isinstance(other, Variant) and encode(self) == encode(other) and fingerprint(self) == fingerprint(other)
 
     def __hash__(self):
         return hash(encode(self))
@@ -212,8 +227,9 @@ def _class_source(cls) -> str:
             if mod is not None and mod.__name__.partition(".")[0] != "cute_attn":
                 parts.append(inspect.getsource(mod))
         except (OSError, TypeError) as e:
-            raise ValueError(f"variant class {k.__qualname__}: its source code is not available ({e}); "
-                             "define variants in a .py file") from None
+            raise ValueError(
+                f"variant class {k.__qualname__}: its source code is not available ({e}); define variants in a .py file"
+            ) from None
     return "\n".join(parts)
 
 
@@ -349,8 +365,10 @@ def runtime_values(v: Optional[Variant], info: dict, positional: Sequence = ()) 
             elif isinstance(p, ScalarParam) and p.default is not None:
                 val = p.default
             else:
-                raise ValueError(f"variant {type(c).__name__} needs its runtime argument {p.name!r} "
-                                 f"(constructor keyword or run(q, kv, *args))")
+                raise ValueError(
+                    f"variant {type(c).__name__} needs its runtime argument {p.name!r} "
+                    f"(constructor keyword or run(q, kv, *args))"
+                )
             if isinstance(p, TensorParam):
                 tensors.append(val)
             else:
@@ -385,8 +403,21 @@ class Ctx:
     Kernels give the float positions either as values or as ``(base, offset)`` pairs: a DSL
     value per row and block plus a Python float per column of the thread's fragment."""
 
-    _FIELDS = ("batch", "qo_head", "kv_head", "q_pos", "qo_len", "kv_len", "kv_pos", "first_chunk",
-               "head_dim", "sm_scale", "args", "kv_pos_f32", "rel_pos_f32")
+    _FIELDS = (
+        "batch",
+        "qo_head",
+        "kv_head",
+        "q_pos",
+        "qo_len",
+        "kv_len",
+        "kv_pos",
+        "first_chunk",
+        "head_dim",
+        "sm_scale",
+        "args",
+        "kv_pos_f32",
+        "rel_pos_f32",
+    )
     _LAZY = ("kv_pos_f32", "rel_pos_f32")  # stored as _name; the properties fall back to a conversion
 
     def __init__(self, **kw):
@@ -430,7 +461,7 @@ class Ctx:
             return x * off + x * base if off else x * base
         return x * self.rel_pos_f32
 
-    def replace(self, _fresh: bool = False, **kw) -> "Ctx":
+    def replace(self, _fresh: bool = False, **kw) -> Ctx:
         """A copy with some fields changed; it shares the ``once`` cache unless ``_fresh``.  A new
         ``kv_pos`` or ``q_pos`` drops the float positions not given with it."""
         d = {f: getattr(self, "_" + f if f in self._LAZY else f) for f in self._FIELDS}
@@ -470,8 +501,7 @@ class Hooks:
         self.has_transform_k = has("transform_k")
         first_logits = next((i for i, c in enumerate(self.parts) if c.logits is not None), len(self.parts))
         # per component: its bias is seeded (True), a logit (False), or it has none (None)
-        self._seeded = [None if c.bias is None else seed_bias and i <= first_logits
-                        for i, c in enumerate(self.parts)]
+        self._seeded = [None if c.bias is None else seed_bias and i <= first_logits for i, c in enumerate(self.parts)]
         self.has_bias = any(self._seeded)  # the kernel must call bias()
         self.has_logits = has("logits") or False in self._seeded
         self.has_mask_bits = has("mask_bits")
@@ -479,8 +509,11 @@ class Hooks:
         self.has_kv_range = has("kv_range")
         # masking by bitmaps alone: a kernel may skip a block whose bits are all 0 and drop the
         # per-score test where they are all 1
-        self.bits_only = self.has_mask_bits and not has("mask") and all(
-            c.range_in_bits for c in self.parts if c.kv_range is not None)
+        self.bits_only = (
+            self.has_mask_bits
+            and not has("mask")
+            and all(c.range_in_bits for c in self.parts if c.kv_range is not None)
+        )
         self.has_finalize = has("finalize")
         self.has_output = has("output")
         self.softmax = all(c.softmax for c in self.parts)

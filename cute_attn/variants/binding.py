@@ -5,6 +5,7 @@ values (computed once in ``plan()`` when they do not depend on ``run()``'s argum
 ``run()`` passes ``sinks``, the same variant + :class:`AttentionSink` (its module loaded on the
 first such run).  Nothing here imports the DSL.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence

@@ -2,6 +2,7 @@
 
 Each works in decode and prefill kernels.  Natural units: ``s = q·k·sm_scale``.
 """
+
 from __future__ import annotations
 
 import math
@@ -10,8 +11,17 @@ from typing import Dict
 from . import dsl
 from .base import ScalarParam, TensorParam, Variant, register_builtin
 
-__all__ = ["Causal", "SlidingWindow", "SoftCap", "ALiBi", "AttentionSink", "CustomMask", "FlashSigmoid", "RoPE",
-           "get_alibi_slopes"]
+__all__ = [
+    "Causal",
+    "SlidingWindow",
+    "SoftCap",
+    "ALiBi",
+    "AttentionSink",
+    "CustomMask",
+    "FlashSigmoid",
+    "RoPE",
+    "get_alibi_slopes",
+]
 
 
 @register_builtin
@@ -105,8 +115,12 @@ class CustomMask(Variant):
     as a ``kv_range`` it lets the kernels skip the blocks outside (block sparsity: a causal or
     document mask visits only its own blocks), implied by the bits (``range_in_bits``)."""
 
-    runtime = (TensorParam("packed_custom_mask", "i32", 1), TensorParam("mask_indptr", "i32", 1),
-               TensorParam("kv_bounds", "i32", 2), TensorParam("qo_indptr", "i32", 1))
+    runtime = (
+        TensorParam("packed_custom_mask", "i32", 1),
+        TensorParam("mask_indptr", "i32", 1),
+        TensorParam("kv_bounds", "i32", 2),
+        TensorParam("qo_indptr", "i32", 1),
+    )
     range_in_bits = True
 
     def mask_bits(self, ctx):
@@ -134,7 +148,7 @@ class CustomMask(Variant):
         elif out.dtype != torch.int32 or out.numel() < nw:
             raise ValueError(f"the mask needs {nw} int32 words, the buffer has {out.numel()} {out.dtype}")
         else:
-            out[n // 4:nw].zero_()  # the last (partial) word's padding
+            out[n // 4 : nw].zero_()  # the last (partial) word's padding
         out.view(torch.uint8)[:n].copy_(packed.reshape(-1), non_blocking=True)
         return out
 
@@ -193,7 +207,7 @@ def mask_kv_bounds(packed, mask_indptr, qo_lens, kv_lens, out=None, chunk_bits: 
         return res
     if out.dtype != torch.int32 or out.dim() != 2 or out.shape[0] < res.shape[0]:
         raise ValueError(f"the mask's kv bounds need an int32 [{res.shape[0]}, 2] buffer, got {tuple(out.shape)}")
-    out[:res.shape[0]].copy_(res)
+    out[: res.shape[0]].copy_(res)
     return out
 
 

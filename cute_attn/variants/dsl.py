@@ -15,6 +15,7 @@ or ``cutlass.cute`` is available (``dsl.Float32``, ``dsl.Int32``, ``dsl.cute``, 
 Hooks are called as plain Python while tracing: use :func:`select` (not ``if``/``x if c else y``)
 for data-dependent choices, or decorate the hook with ``@cute.jit`` yourself.
 """
+
 from __future__ import annotations
 
 import math

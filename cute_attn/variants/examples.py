@@ -5,6 +5,7 @@ A learned relative-position bias, as in T5-style models: every query head has a 
 ``bias_table[qo_head, min(distance // bucket_size, num_buckets - 1)]`` to its logit.
 ``bucket_size`` and ``num_buckets`` are static (compiled in); the table is a runtime tensor.
 """
+
 from __future__ import annotations
 
 from cute_attn.variants import TensorParam, Variant, dsl

@@ -13,6 +13,7 @@ same row at k-blocks ``kb`` and ``kb + K/2``, so a RoPE-style pair rotation need
 ``transform_pairs`` does the same for two 16-byte chunks of one row (dims ``d0..d0+7`` and
 ``d0 + D/2..``) held in registers: the prefill kernel's Q rows and the key-transform pass.
 """
+
 from __future__ import annotations
 
 import types
@@ -39,8 +40,10 @@ def make_entry(obj, fixed: Sequence, var: Sequence, host: str = "host"):
     if [a.name for a in var] != vt + vs:
         raise ValueError("variant arguments must list tensors before scalars")
     tup = lambda xs: "(" + "".join(x + ", " for x in xs) + ")"  # noqa: E731
-    src = (f"def entry(self, {', '.join(fixed_names + vt + vs)}, stream):\n"
-           f"    return self.{host}({', '.join(fixed_names)}, {tup(vt)}, {tup(vs)}, stream)\n")
+    src = (
+        f"def entry(self, {', '.join(fixed_names + vt + vs)}, stream):\n"
+        f"    return self.{host}({', '.join(fixed_names)}, {tup(vt)}, {tup(vs)}, stream)\n"
+    )
     scope: dict = {}
     exec(compile(src, f"<{type(obj).__name__} entry>", "exec"), scope)
     fn = scope["entry"]

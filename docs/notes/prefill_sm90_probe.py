@@ -5,19 +5,22 @@ Not a kernel: nothing here is numerically checked; it only proves the APIs compi
 
 Checks: TMA atom over a tensor with dynamic (64-bit) strides built at compile time; export_to_c
 ABI of the TMA arguments; PipelineTmaAsync + PipelineCpAsync; cp.async gather into the very
-same swizzled (GMMA K_SW128) smem layout the TMA writes; paged TMA of 16-row pages into that tile; wgmma SS QK^T and RS PV; setmaxnreg.
+same swizzled (GMMA K_SW128) smem layout the TMA writes; paged TMA of 16-row pages into
+that tile; wgmma SS QK^T and RS PV; setmaxnreg.
 """
-import os, sys, re, subprocess
+
+import os
+import sys
+
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.utils import LayoutEnum
-from cutlass import pipeline
-from cutlass.cute.runtime import make_fake_tensor, make_fake_stream
 
 D = int(os.environ.get("HD", 128))
 TM, TN, ST = 128, int(os.environ.get("TN", 128)), 2
@@ -26,8 +29,9 @@ dt = cutlass.BFloat16
 
 class Probe:
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mKp: cute.Tensor, mS: cute.Tensor,
-                 row0: Int32, stream: cuda.CUstream):
+    def __call__(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mKp: cute.Tensor, mS: cute.Tensor, row0: Int32, stream: cuda.CUstream
+    ):
         # mQ/mK: [tokens, heads, D] (dynamic tokens/heads/strides) -> (tokens, D, heads) view
         q3 = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[0, 2, 1]))
         k3 = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
@@ -38,18 +42,38 @@ class Probe:
         print("GMMA atom:", atom)
         print("sK layout:", sK_l)
         tma_q, tQ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), q3, sQ_l, (TM, D))
-        tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k3,
-                                                cute.select(sK_l, mode=[0, 1]), (TN, D))
+        tma_k, tK = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), k3, cute.select(sK_l, mode=[0, 1]), (TN, D)
+        )
         PS = 16
         kp4 = cute.make_tensor(mKp.iterator, cute.select(mKp.layout, mode=[1, 3, 2, 0]))  # (ps, D, heads, pages)
-        sub = cute.select(cute.local_tile(cute.make_tensor(cute.make_ptr(dt, 0, cute.AddressSpace.smem, assumed_align=1024), sK_l.outer)[None, None, 0], (PS, D), (0, 0)).layout, mode=[0, 1])
+        sub = cute.select(
+            cute.local_tile(
+                cute.make_tensor(cute.make_ptr(dt, 0, cute.AddressSpace.smem, assumed_align=1024), sK_l.outer)[
+                    None, None, 0
+                ],
+                (PS, D),
+                (0, 0),
+            ).layout,
+            mode=[0, 1],
+        )
         print("page sub-tile layout:", sub)
-        tma_p, tP = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kp4, cute.make_composed_layout(sK_l.inner, 0, sub), (PS, D))
-        mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.K,
-                                                   warpgroup.OperandMajorMode.K, Float32, (2, 1, 1), (64, TN))
-        mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.K,
-                                                   warpgroup.OperandMajorMode.MN, Float32, (2, 1, 1), (64, D),
-                                                   warpgroup.OperandSource.RMEM)
+        tma_p, tP = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), kp4, cute.make_composed_layout(sK_l.inner, 0, sub), (PS, D)
+        )
+        mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (2, 1, 1), (64, TN)
+        )
+        mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dt,
+            dt,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.MN,
+            Float32,
+            (2, 1, 1),
+            (64, D),
+            warpgroup.OperandSource.RMEM,
+        )
 
         @cute.struct
         class Smem:
@@ -62,13 +86,28 @@ class Probe:
 
         print("smem bytes:", Smem.size_in_bytes())
         self.kernel(tma_q, tQ, tma_k, tK, tma_p, tP, mKp, mS, row0, sQ_l, sK_l, sV_l, mma_qk, mma_pv, Smem).launch(
-            grid=[132, 1, 1], block=[384, 1, 1], stream=stream)
+            grid=[132, 1, 1], block=[384, 1, 1], stream=stream
+        )
 
     @cute.kernel
-    def kernel(self, tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor, tma_p: cute.CopyAtom, tP: cute.Tensor,
-               mKp: cute.Tensor, mS: cute.Tensor, row0: Int32, sQ_l: cute.ComposedLayout,
-               sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout, mma_qk: cute.TiledMma,
-               mma_pv: cute.TiledMma, Smem: cutlass.Constexpr):
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom,
+        tQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        tK: cute.Tensor,
+        tma_p: cute.CopyAtom,
+        tP: cute.Tensor,
+        mKp: cute.Tensor,
+        mS: cute.Tensor,
+        row0: Int32,
+        sQ_l: cute.ComposedLayout,
+        sK_l: cute.ComposedLayout,
+        sV_l: cute.ComposedLayout,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        Smem: cutlass.Constexpr,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == 0:
@@ -80,18 +119,30 @@ class Probe:
         sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)
         sV = st.sV.get_tensor(sV_l.outer, swizzle=sV_l.inner)
         T = pipeline.Agent.Thread
-        p_q = pipeline.PipelineTmaAsync.create(barrier_storage=st.mbar_q.data_ptr(), num_stages=1,
-                                               producer_group=pipeline.CooperativeGroup(T, 1),
-                                               consumer_group=pipeline.CooperativeGroup(T, 8),
-                                               tx_count=TM * D * 2, defer_sync=True)
-        p_k = pipeline.PipelineTmaAsync.create(barrier_storage=st.mbar_k.data_ptr(), num_stages=ST,
-                                               producer_group=pipeline.CooperativeGroup(T, 1),
-                                               consumer_group=pipeline.CooperativeGroup(T, 8),
-                                               tx_count=TN * D * 2, defer_sync=True)
+        p_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.mbar_q.data_ptr(),
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(T, 1),
+            consumer_group=pipeline.CooperativeGroup(T, 8),
+            tx_count=TM * D * 2,
+            defer_sync=True,
+        )
+        p_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.mbar_k.data_ptr(),
+            num_stages=ST,
+            producer_group=pipeline.CooperativeGroup(T, 1),
+            consumer_group=pipeline.CooperativeGroup(T, 8),
+            tx_count=TN * D * 2,
+            defer_sync=True,
+        )
         # V: cp.async gather by the 128 producer threads into the same kind of swizzled tile
-        p_v = pipeline.PipelineCpAsync.create(barrier_storage=st.mbar_v.data_ptr(), num_stages=ST,
-                                              producer_group=pipeline.CooperativeGroup(T, 128),
-                                              consumer_group=pipeline.CooperativeGroup(T, 256), defer_sync=True)
+        p_v = pipeline.PipelineCpAsync.create(
+            barrier_storage=st.mbar_v.data_ptr(),
+            num_stages=ST,
+            producer_group=pipeline.CooperativeGroup(T, 128),
+            consumer_group=pipeline.CooperativeGroup(T, 256),
+            defer_sync=True,
+        )
         # NB: PipelineTmaAsync releases with one thread per warp (count = consumer warps); the plain
         # PipelineAsync/PipelineCpAsync release arrives from every calling thread (count = threads).
         pipeline.pipeline_init_arrive(is_relaxed=True)
@@ -102,14 +153,22 @@ class Probe:
             ps = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ST)
             if warp == 0:
                 gQ = cute.local_tile(tQ[None, None, 0], (TM, D), (row0, 0))
-                tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                                 cute.group_modes(gQ, 0, 2))
+                tQs, tQg = cpasync.tma_partition(
+                    tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+                )
                 p_q.producer_acquire(pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
-                cute.copy(tma_q, tQg, tQs, tma_bar_ptr=p_q.producer_get_barrier(
-                    pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)))
+                cute.copy(
+                    tma_q,
+                    tQg,
+                    tQs,
+                    tma_bar_ptr=p_q.producer_get_barrier(
+                        pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                    ),
+                )
                 gK = cute.local_tile(tK[None, None, 1], (TN, D), (None, 0))
-                tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                                 cute.group_modes(gK, 0, 2))
+                tKs, tKg = cpasync.tma_partition(
+                    tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+                )
                 for n in cutlass.range(4, unroll=1):
                     p_k.producer_acquire(ps)
                     cute.copy(tma_k, tKg[None, n], tKs[None, ps.index], tma_bar_ptr=p_k.producer_get_barrier(ps))
@@ -117,11 +176,14 @@ class Probe:
                 for j in cutlass.range_constexpr(TN // 16):
                     gP = cute.local_tile(tP[None, None, 0, row0 + j], (16, D), (0, 0))
                     sP = cute.local_tile(sK[None, None, 1], (16, D), (j, 0))
-                    tPs, tPg = cpasync.tma_partition(tma_p, 0, cute.make_layout(1), cute.group_modes(sP, 0, 2), cute.group_modes(gP, 0, 2))
+                    tPs, tPg = cpasync.tma_partition(
+                        tma_p, 0, cute.make_layout(1), cute.group_modes(sP, 0, 2), cute.group_modes(gP, 0, 2)
+                    )
                     cute.copy(tma_p, tPg, tPs, tma_bar_ptr=p_k.producer_get_barrier(ps))
             # paged gather of V: token p of head 0 lives at mKp[page(p), p % page_size, 0, :]
-            g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
-                                      num_bits_per_copy=128)
+            g2s = cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt, num_bits_per_copy=128
+            )
             chunks = D // 8
             pv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ST)
             page_size = mKp.shape[1]
@@ -132,8 +194,11 @@ class Probe:
                     r = idx // chunks
                     c = idx % chunks
                     p = n * TN + r
-                    cute.copy(g2s, cute.local_tile(mKp[p // page_size, p % page_size, 0, None], (8,), (c,)),
-                              cute.local_tile(sV[r, None, pv.index], (8,), (c,)))
+                    cute.copy(
+                        g2s,
+                        cute.local_tile(mKp[p // page_size, p % page_size, 0, None], (8,), (c,)),
+                        cute.local_tile(sV[r, None, pv.index], (8,), (c,)),
+                    )
                 p_v.producer_commit(pv)
                 pv.advance()
         else:
@@ -150,7 +215,7 @@ class Probe:
             acc_O.fill(0.0)
             cs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ST)
             p_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            for n in cutlass.range(4, unroll=1):
+            for _n in cutlass.range(4, unroll=1):
                 p_k.consumer_wait(cs)
                 mma_qk.set(warpgroup.Field.ACCUMULATE, False)
                 warpgroup.fence()
@@ -180,9 +245,10 @@ class Probe:
 def _acc_to_frgA(l):
     """wgmma accumulator ((2,2,N/8),MMA_M,MMA_N) -> A-operand ((2,2,2),MMA_M,(N/16)) view."""
     d = cute.logical_divide(l, ((None, None, 2), None, None))
-    return cute.make_layout(((d.shape[0][0], d.shape[0][1], d.shape[0][2][0]), d.shape[1], (d.shape[0][2][1], d.shape[2])),
-                            stride=((d.stride[0][0], d.stride[0][1], d.stride[0][2][0]), d.stride[1],
-                                    (d.stride[0][2][1], d.stride[2])))
+    return cute.make_layout(
+        ((d.shape[0][0], d.shape[0][1], d.shape[0][2][0]), d.shape[1], (d.shape[0][2][1], d.shape[2])),
+        stride=((d.stride[0][0], d.stride[0][1], d.stride[0][2][0]), d.stride[1], (d.stride[0][2][1], d.stride[2])),
+    )
 
 
 if __name__ == "__main__":
@@ -191,11 +257,20 @@ if __name__ == "__main__":
     s64 = lambda: cute.sym_int(64, divisibility=8)
     mQ = make_fake_tensor(dt, (cute.sym_int(), cute.sym_int(), D), (s64(), s64(), 1), assumed_align=16)
     mK = make_fake_tensor(dt, (cute.sym_int(), cute.sym_int(), D), (s64(), s64(), 1), assumed_align=16)
-    mKp = make_fake_tensor(dt, (cute.sym_int(), cute.sym_int(), cute.sym_int(), D), (s64(), s64(), s64(), 1),
-                           assumed_align=16)
+    mKp = make_fake_tensor(
+        dt, (cute.sym_int(), cute.sym_int(), cute.sym_int(), D), (s64(), s64(), s64(), 1), assumed_align=16
+    )
     mS = make_fake_tensor(Float32, (TM, D), (D, 1), assumed_align=16)
-    c = cute.compile(Probe(), mQ, mK, mKp, mS, Int32(0), make_fake_stream(),
-                     options=f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir {out}")
+    c = cute.compile(
+        Probe(),
+        mQ,
+        mK,
+        mKp,
+        mS,
+        Int32(0),
+        make_fake_stream(),
+        options=f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir {out}",
+    )
     c.export_to_c(file_path=out, file_name="kernel", function_prefix="probe")
     ptx = c.artifacts.PTX
     ptx = ptx if isinstance(ptx, str) else ptx.decode()
