@@ -20,8 +20,8 @@ from pathlib import Path
 
 def _compile_worker(args) -> int:
     """Compile the given specs for one arch; one JSON line per spec on stdout."""
+    from .families.spec import Spec
     from .runtime.build import build
-    from .runtime.spec import Spec
 
     root = Path(args.out) if args.out else None
     rc = 0
@@ -48,8 +48,8 @@ def _compile_worker(args) -> int:
 
 
 def _cmd_compile(args) -> int:
+    from .families.spec import Spec
     from .presets import preset_specs
-    from .runtime.spec import Spec
 
     archs = args.arch or ["sm_90a", "sm_100a"]
     jobs = []  # (arch, specs) per worker: round-robin shares of each arch's specs

@@ -21,120 +21,36 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import torch
 
-from .families import PAGED_DECODE, decode_abi, decode_abi_fixed, spec_variant, variant_params  # noqa: F401
+from .families.base import variant_params
+from .families.decode import CTAS_PER_SM as _CTAS_PER_SM
+from .families.decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
+from .families.decode import PACKED_HEADS, SHIPPED_VARIANTS, packing_params
+from .families.decode import STAGES as _STAGES
+from .families.decode import TILE_Q as DECODE_TILE_Q
 from .runtime.arch import arch_of_index, sm_count_of_index
 from .runtime.loader import kernel
 from .sched import Limits, Planner, kv_lens_from_paged
 from .variants import base as vbase
 from .variants.binding import VariantBinding
-from .variants.builtins import ALiBi, AttentionSink, CustomMask, RoPE, SlidingWindow, SoftCap, mask_kv_bounds
+from .variants.builtins import ALiBi, CustomMask, RoPE, SlidingWindow, SoftCap, mask_kv_bounds
 
-DECODE_TILE_Q = 16  # packed rows per work item: the kernel's m16 MMA tile
-PACKED_HEADS = (4, 2)  # kv heads per work item the kernel is built for, besides 1
 # Head packing (h kv heads per work item) is chosen where, with it, the batch still has at
 # least this many items per CTA and no item is longer than a CTA's fair share: the items
 # then balance whole, and packing only saves item boundaries (fewer epilogues and record
 # loads).  Where packing would make the planner cut items instead, it costs more than it
 # saves (BENCHMARKS, session 12: lognormal batch of 128 +1.4 %, batch 128 x 2k at h = 4 +3 %).
 MIN_PACKED_ITEMS_PER_CTA = 1.9
-# the variants whose packed kernels the compile presets ship (FlashInfer's plain / soft-cap /
-# window options), so the default rule only packs them (another variant: plan(heads_per_item=);
-# run(sinks=) on a packed plan loads the packed AttentionSink kernel, shipped at bf16 d128 and
-# f16 d64 as the unpacked one is)
-_PACKED_VARIANTS = (None, SoftCap(), SlidingWindow(), SoftCap() + SlidingWindow())
-_SHIPPED_PACKED: Optional[set] = None  # their spec parameters (variant_params), made on first use
-
-
-def _packing_params(heads_per_item: int) -> dict:
-    """The spec parameter of head packing: absent for one kv head per item (the unpacked
-    kernels' specs predate it)."""
-    return {"heads_per_item": heads_per_item} if heads_per_item != 1 else {}
+_SHIPPED_PACKED: Optional[set] = None  # SHIPPED_VARIANTS' spec parameters, made on first use
+_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+_packing_params = packing_params
 
 
 def _packed_kernel_ships(variant) -> bool:
-    """Whether the compile presets hold packed kernels of ``variant`` (``_PACKED_VARIANTS``)."""
+    """Whether the compile presets hold packed kernels of ``variant`` (``SHIPPED_VARIANTS``)."""
     global _SHIPPED_PACKED
     if _SHIPPED_PACKED is None:
-        _SHIPPED_PACKED = {tuple(variant_params(v).items()) for v in _PACKED_VARIANTS}
+        _SHIPPED_PACKED = {tuple(variant_params(v).items()) for v in SHIPPED_VARIANTS}
     return tuple(variant_params(variant).items()) in _SHIPPED_PACKED
-
-
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-_STAGES = {64: 4, 128: 3, 256: 2}  # KV pipeline depth that fits shared memory
-_CTAS_PER_SM = {64: 2, 128: 2, 256: 1}  # what shared memory (and 248 registers/thread) allow
-_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
-
-
-# the family (ABI, builder, expectations) and the variant spec helpers live in families.py,
-# away from the planner this module imports (see there); the old names stay importable here
-_decode_abi_fixed, _decode_abi, _spec_variant = decode_abi_fixed, decode_abi, spec_variant
-
-
-def decode_spec(arch: str, dtype: str, head_dim: int, variant=None, heads_per_item: int = 1):
-    """The ``paged_decode`` specialization for a dtype (``"f16"``/``"bf16"``), head dim, variant
-    and head packing (kv heads per work item; > 1 only for a variant with ``Hooks.packs_heads``)."""
-    from .runtime.spec import Spec
-
-    return Spec.make(
-        "paged_decode",
-        arch,
-        dtype=dtype,
-        head_dim=head_dim,
-        stages=_STAGES[head_dim],
-        **_packing_params(heads_per_item),
-        **variant_params(variant),
-    )
-
-
-def decode_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS):
-    """Specializations run() may need for FlashInfer's default options (for the compile presets):
-    plain (one, two and four kv heads per item), soft-cap, sliding window, both."""
-    from .runtime.spec import Spec
-
-    out = []
-    for dt in dtypes:
-        for d in head_dims:
-            for v in (None, SoftCap(), SlidingWindow(), SoftCap() + SlidingWindow()):
-                out.append(decode_spec(arch, dt, d, v))
-            out += [decode_spec(arch, dt, d, v, h) for h in PACKED_HEADS for v in _PACKED_VARIANTS]
-            out.append(Spec.make("merge_partials", arch, dtype=dt, head_dim=d, tile_q=DECODE_TILE_Q))
-    return out
-
-
-def variant_test_variants():
-    """The variants tests/test_variants_gpu.py and the ``variants`` bench run in decode."""
-    from .variants.builtins import Causal, FlashSigmoid
-    from .variants.examples import RelativePositionBias
-
-    return [
-        Causal(),
-        ALiBi(),
-        RoPE(),
-        AttentionSink(),
-        CustomMask(),
-        FlashSigmoid(),
-        RelativePositionBias(),
-        SlidingWindow() + AttentionSink(),
-        ALiBi() + SoftCap(),
-        RoPE() + AttentionSink(),
-    ]
-
-
-def variant_decode_specs(arch: str):
-    """Decode specializations of the variant GPU tests and bench (for the compile presets):
-    every variant of :func:`variant_test_variants` at (bf16, d128) and (f16, d64), the sink
-    kernels of head-packed plans (``run(sinks=)`` after a packed plain or window ``plan()``) and
-    a few packed variants the tests force."""
-    from .variants.builtins import Causal
-
-    sinks = [AttentionSink(), SlidingWindow() + AttentionSink()]  # run(sinks=) after a packed plan
-    specs = [
-        decode_spec(arch, dt, d, v, h)
-        for dt, d in (("bf16", 128), ("f16", 64))
-        for v, h in [(v, 1) for v in variant_test_variants()] + [(v, h) for v in sinks for h in PACKED_HEADS]
-    ]
-    # packed variants the GPU tests force (tests/test_variants_gpu.py, test_variant_head_packing)
-    return specs + [decode_spec(arch, "bf16", 128, v, 4) for v in (Causal(), ALiBi(), CustomMask())]
 
 
 def workspace_bytes(buf, device) -> torch.Tensor:

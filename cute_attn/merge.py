@@ -13,72 +13,15 @@ from typing import Optional, Tuple
 
 import torch
 
-from .runtime.abi import ScalarArg, TensorArg
+from .abi.dtypes import MERGE_VALUES, name_of, vec_elems
+from .families.merge import LOAD_BATCH
 from .runtime.arch import arch_of_index
-from .runtime.family import KernelFamily, register
 from .runtime.loader import LaunchError, kernel
 
-_DTYPE_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
-_VEC = {"f16": 8, "bf16": 8, "f32": 4}  # elements per 16-byte vector
-LOAD_BATCH = 4  # merge_states: states whose loads each thread issues together
 # The kernels take a grid cap (max_ctas) at launch and loop over the rows beyond it.  Measured
 # on the H200 (merge_states 8x4096x32x128 bf16): capping at 8/16/32 CTAs per SM gave 3.6/3.2/3.7
 # TB/s, one CTA per row group 3.8 TB/s, so the merge ops launch uncapped.
 GRID_CAP = 2**31 - 1
-
-# PTX/SASS that the merge kernels must contain: 16-byte vector loads, on both arches.
-MERGE_EXPECT = {
-    arch: {
-        "16B ld.global (PTX)": r"ptx:ld\.global(\.\w+)*\.(v4\.[bfu]32|v2\.[bfu]64)",
-        "LDG.E.128 (SASS)": r"sass:LDG\.E\.128",
-    }
-    for arch in ("sm_90a", "sm_100a")
-}
-
-
-def _vtensor(name, dtype, rank, head_dim):
-    v = _VEC[dtype]
-    return TensorArg(
-        name, dtype, (None,) * (rank - 1) + (head_dim,), (None,) * (rank - 1) + (1,), stride_divisibility=v, align=16
-    )
-
-
-def _stensor(name, rank):
-    return TensorArg(name, "f32", (None,) * rank, (None,) * rank, 1, 4)
-
-
-MERGE_STATES = register(
-    KernelFamily(
-        name="merge_states",
-        builder="cute_attn.kernels.merge:build_merge_states",
-        abi=lambda p: [
-            _vtensor("mV", p["dtype"], 4, p["head_dim"]),
-            _stensor("mS", 3),
-            _vtensor("mO", p["dtype"], 3, p["head_dim"]),
-            _stensor("mLse", 2),
-            ScalarArg("max_ctas", "i32"),
-        ],
-        expect=MERGE_EXPECT,
-    )
-)
-
-MERGE_PAIR = register(
-    KernelFamily(
-        name="merge_pair",
-        builder="cute_attn.kernels.merge:build_merge_pair",
-        abi=lambda p: [
-            _vtensor("mVa", p["dtype"], 3, p["head_dim"]),
-            _stensor("mSa", 2),
-            _vtensor("mVb", p["dtype"], 3, p["head_dim"]),
-            _stensor("mSb", 2),
-            _vtensor("mO", p["dtype"], 3, p["head_dim"]),
-            _stensor("mLse", 2),
-            TensorArg("mMask", "u8", (None,) if p["masked"] else (1,), (1,), 1, 1),
-            ScalarArg("max_ctas", "i32"),
-        ],
-        expect=MERGE_EXPECT,
-    )
-)
 
 
 _UNUSED_MASKS: dict = {}
@@ -104,13 +47,13 @@ def _device_of(*ts) -> int:
 
 
 def _value_dtype(v, name: str, rank: int) -> str:
-    dt = _DTYPE_NAMES.get(v.dtype)
+    dt = name_of(v.dtype, MERGE_VALUES)
     if dt is None:
         raise TypeError(f"merge ops take float16/bfloat16/float32 values, got {name} of {v.dtype}")
     if v.dim() != rank:
         raise ValueError(f"{name} must have {rank} dims, got shape {tuple(v.shape)}")
-    if v.shape[-1] % _VEC[dt]:
-        raise ValueError(f"{name}: head_dim {v.shape[-1]} must be a multiple of {_VEC[dt]} for {v.dtype}")
+    if v.shape[-1] % vec_elems(dt):
+        raise ValueError(f"{name}: head_dim {v.shape[-1]} must be a multiple of {vec_elems(dt)} for {v.dtype}")
     return dt
 
 
@@ -161,7 +104,7 @@ def merge_pair_module(dtype: torch.dtype, head_dim: int, device_index: int, mask
     """The ``merge_pair`` module for values of ``dtype`` (loaded or built on first use; callers
     that launch it inside a CUDA-graph capture call this beforehand)."""
     return kernel(
-        "merge_pair", arch_of_index(device_index), dtype=_DTYPE_NAMES[dtype], head_dim=head_dim, masked=masked
+        "merge_pair", arch_of_index(device_index), dtype=name_of(dtype, MERGE_VALUES), head_dim=head_dim, masked=masked
     )
 
 

@@ -45,7 +45,14 @@ import numpy as np
 import torch
 
 from .decode import _DTYPES, SUPPORTED_HEAD_DIMS, _arange, _as_dtype, _kv_views, _single_kv_nhd, workspace_bytes
-from .families import BATCH_PREFILL_SM90, PREFILL_ARCH, prefill_abi, prefill_abi_fixed, variant_params  # noqa: F401
+from .families.backends import kv_pass_pays
+from .families.base import variant_params
+from .families.kv_pass import CTAS_PER_SM as _KV_PASS_CTAS_PER_SM
+from .families.kv_pass import kv_pass_spec
+from .families.prefill import ARCH as PREFILL_ARCH
+from .families.prefill import FIXED_SPLIT_TILE as _FIXED_SPLIT_TILE
+from .families.prefill import TILES as PREFILL_TILES  # noqa: F401
+from .families.prefill import keys_pretransformed, page_box_for
 from .runtime.arch import arch_of_index, sm_count_of_index
 from .runtime.loader import KernelNotAvailable, kernel
 from .sched import Limits, Planner, WorkspaceLayout
@@ -53,306 +60,15 @@ from .sched.cost import choose_cta_tile_q
 from .sched.inputs import as_index_array, check_indptr, kv_lens_from_paged, kv_lens_from_ragged
 from .variants import base as vbase
 from .variants.binding import VariantBinding
-from .variants.builtins import ALiBi, AttentionSink, Causal, CustomMask, RoPE, SoftCap, mask_kv_bounds
+from .variants.builtins import CustomMask, mask_kv_bounds
+from .wrappers.options import POS_MODES, resolve_variant  # noqa: F401
 
-PREFILL_TILES = (64, 128)  # packed query rows per work item: one or two consumer warpgroups
-_FIXED_SPLIT_TILE = 128  # fixed_split_size: a tile that does not depend on the batch
-PAGE_BOX = 16  # paged K/V by TMA, one box per 16 rows of a page (page sizes k*16)
 _NO_SPLIT = 1 << 30  # disable_split_kv: a kv_split_size longer than any request
-_KV_PASS_CTAS_PER_SM = 8  # the KV pass's grid per SM (256 threads each; 64 or 80 registers: 3-4 resident)
 _FP8 = tuple(
     getattr(torch, n)
     for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
     if hasattr(torch, n)
 )
-
-
-_prefill_abi_fixed, _prefill_abi = prefill_abi_fixed, prefill_abi  # the family: families.py
-
-
-def page_box_for(paged: bool, page_size: int) -> int:
-    """The kernel's ``page_box`` spec parameter: PAGE_BOX for a paged cache whose page size is a
-    multiple of it (K/V by TMA), 0 otherwise (the cp.async gather; ragged KV: not paged)."""
-    return PAGE_BOX if paged and page_size % PAGE_BOX == 0 else 0
-
-
-def keys_pretransformed(paged: bool, variant) -> bool:
-    """Whether the KV pass (``kernels/kv_pass.py``) applies the variant's ``transform_k`` before
-    a prefill kernel that reads ``paged`` KV (spec ``keys_transformed``: the kernel reads K by
-    TMA and leaves it alone): ragged KV, which includes a paged cache the pass gathered first.
-    A kernel that reads the paged cache itself transforms each K block its producer gathers."""
-    return not paged and variant is not None and vbase.Hooks(variant).has_transform_k
-
-
-def kv_pass_spec(arch: str, dtype: str, head_dim: int, paged: bool, variant):
-    """The KV pass for a plan: ``paged`` gathers the cache (K and V), a ``variant`` with
-    ``transform_k`` transforms K (the plan's variant, without run()'s sinks); None when there
-    is nothing to do (ragged, no key transform)."""
-    from .runtime.spec import Spec
-
-    transform = variant is not None and vbase.Hooks(variant).has_transform_k
-    if not (paged or transform):
-        return None
-    return Spec.make(
-        "kv_pass",
-        arch,
-        dtype=dtype,
-        head_dim=head_dim,
-        paged=bool(paged),
-        **(variant_params(variant) if transform else {}),
-    )
-
-
-# When the KV pass pays for a paged cache (``kv_pass_pays``).  Its cost: read + write K and V
-# once (3.3-3.7 TB/s on an H200 for 0.1-0.5 GB).  Its saving: what the kernel's in-kernel
-# gather costs over TMA, a share of the attention's time (~600 TFLOP/s at hd128/256): 16-29 %
-# for the 16-byte cp.async gather, 46-143 % when the producer also rotates every gathered K
-# block (RoPE), 6-16 % even for TMA page boxes (page sizes k*16: the boxes' page lookups).
-# Measured by scripts/kv_pass_sweep.py (BENCHMARKS.md, batch prefill session 10, device runs
-# 2 and 9): constants fitted to its cases, where the model then picks the faster path or one
-# within 2 % (in-sample; 9 further cases of run 6 out of sample, all right).
-PASS_COPY_RATE = 3.3e12  # bytes / s, read + write, of the pass
-PASS_ATTN_RATE = 600e12  # FLOP / s of the prefill kernel
-PASS_SAVES_GATHER = 0.2  # in-kernel cp.async gather: share of the kernel's time
-PASS_SAVES_TRANSFORM = 1.0  # in-kernel gather + transform_k of every K block
-PASS_SAVES_BOXES = 0.08  # in-kernel TMA page boxes (page sizes k*16): 6-16 % measured (run 9)
-
-
-def kv_pass_pays(
-    qo_lens,
-    kv_lens,
-    num_qo_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    causal: bool,
-    transform: bool,
-    elt_bytes: int = 2,
-    window_left: int = -1,
-    page_boxes: bool = False,
-) -> bool:
-    """Whether gathering a paged cache by the KV pass (then reading it by TMA) beats the
-    kernel's in-kernel gather, by the model above: the pass costs 2 x 2 x kv_tokens x kv_heads
-    x head_dim x elt_bytes bytes; it saves a share of 4 x head_dim x qo_heads x (query, key)
-    pairs FLOPs (causal: the lower triangle, bottom-right aligned; a window: the keys it
-    hides).  It pays when each key is read by enough query rows: non-causal, about qo_len x
-    group >= 1800 (>= 360 with a key transform; >= 4500 where the kernel would read the pages
-    by TMA boxes, ``page_boxes``); causal with qo_len = kv_len, twice that."""
-    qo = np.asarray(qo_lens, dtype=np.float64)
-    kv = np.asarray(kv_lens, dtype=np.float64)
-    pairs = qo * kv
-    if causal:  # query i (of qo) sees kv - qo + i + 1 keys; a window: at most window_left + 1
-        pairs = pairs - qo * (qo - 1) / 2
-        if window_left >= 0:
-            pairs = np.minimum(pairs, qo * (window_left + 1.0))
-    elif window_left >= 0:  # query i misses the max(0, kv - qo + i - window_left) keys on its left
-        a = kv - qo - window_left
-        m = np.maximum(0.0, qo + np.minimum(a, 0.0))  # queries that miss any key
-        pairs = pairs - (m * np.maximum(a, 0.0) + m * (m - 1) / 2)
-    t_attn = 4.0 * head_dim * num_qo_heads * float(pairs.sum()) / PASS_ATTN_RATE
-    t_pass = 4.0 * num_kv_heads * head_dim * elt_bytes * float(kv.sum()) / PASS_COPY_RATE
-    saves = PASS_SAVES_TRANSFORM if transform else PASS_SAVES_BOXES if page_boxes else PASS_SAVES_GATHER
-    return bool(kv.sum() > 0 and saves * t_attn > t_pass)
-
-
-def prefill_spec(
-    arch: str,
-    dtype: str,
-    head_dim: int,
-    tile_q: int,
-    paged: bool,
-    causal: bool = False,
-    soft_cap: bool = False,
-    window: bool = False,
-    variant=None,
-    page_box: int = 0,
-):
-    """One ``batch_prefill_sm90`` specialization; ``variant``: the traced variant beyond the
-    static flags (see :func:`resolve_variant`), None for the plain kernel; ``page_box``: see
-    :func:`page_box_for` (a parameter only when set); ``keys_transformed`` follows from the
-    rest (:func:`keys_pretransformed`)."""
-    from .runtime.spec import Spec
-
-    extra = variant_params(variant) if variant is not None else {}
-    if paged and page_box:
-        extra["page_box"] = int(page_box)
-    if keys_pretransformed(paged, variant):
-        extra["keys_transformed"] = True
-    return Spec.make(
-        "batch_prefill_sm90",
-        arch,
-        dtype=dtype,
-        head_dim=head_dim,
-        tile_q=tile_q,
-        paged=bool(paged),
-        causal=bool(causal),
-        soft_cap=bool(soft_cap),
-        window=bool(window),
-        **extra,
-    )
-
-
-def prefill_specs(
-    arch: str,
-    dtypes=("f16", "bf16"),
-    head_dims=SUPPORTED_HEAD_DIMS,
-    tiles=PREFILL_TILES,
-    paged=(False, True),
-    causal=(False, True),
-    variants=((False, False),),
-    page_boxes=(PAGE_BOX, 0),
-):
-    """Specializations ``run()`` may need (for the compile presets); ``variants``: the
-    (soft_cap, window) pairs; ``page_boxes``: the paged kernels (TMA per 16-row page box for
-    page sizes k*16, the cp.async gather for the others).  Empty for any arch but sm_90a."""
-    if arch != PREFILL_ARCH:
-        return []
-    return [
-        prefill_spec(arch, dt, d, t, p, c, cap, win, page_box=pb)
-        for dt in dtypes
-        for d in head_dims
-        for t in tiles
-        for p in paged
-        for c in causal
-        for cap, win in variants
-        for pb in (page_boxes if p else (0,))
-    ]
-
-
-_POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
-
-
-def resolve_variant(
-    *,
-    causal: bool = False,
-    window_left: int = -1,
-    logits_soft_cap: Optional[float] = None,
-    pos_encoding_mode: str = "NONE",
-    rope_scale: Optional[float] = None,
-    rope_theta: Optional[float] = None,
-    custom_mask=None,
-    variant=None,
-    sinks: bool = False,
-):
-    """FlashInfer's options -> (causal, soft_cap, window, traced variant or None): what the
-    prefill kernel specializes on.  Causal, window and soft-cap stay the kernel's static flags
-    (mask-free blocks, block skipping, the folded soft-cap); the rest is composed in decode's
-    order -- RoPE/ALiBi, soft-cap, custom mask, ``variant``, sink -- where soft-cap joins the
-    traced variant only when another component transforms logits or a later one adds a bias (the
-    order matters then; the flag caps q·k plus the biases the kernel seeds, ALiBi's).
-    ``custom_mask`` (a ``CustomMask``, or True for its spec) replaces causal, as FlashInfer's
-    MaskMode.CUSTOM.  ``Causal()`` components of ``variant`` become the causal flag."""
-    if pos_encoding_mode not in _POS_MODES:
-        raise ValueError(f"pos_encoding_mode must be one of {_POS_MODES}, got {pos_encoding_mode!r}")
-    if variant is not None and not isinstance(variant, vbase.Variant):
-        raise TypeError(f"variant must be a cute_attn.variants.Variant, got {type(variant).__name__}")
-    head, tail = [], []
-    if pos_encoding_mode == "ROPE_LLAMA":
-        head.append(
-            RoPE(
-                rope_scale=1.0 if rope_scale is None else float(rope_scale),
-                rope_theta=1e4 if rope_theta is None else float(rope_theta),
-            )
-        )
-    elif pos_encoding_mode == "ALIBI":
-        head.append(ALiBi())
-    if custom_mask is not None:
-        tail.append(custom_mask if isinstance(custom_mask, CustomMask) else CustomMask())
-        causal = False
-    for c in vbase.components(variant):
-        if type(c) is Causal:
-            causal = True
-        else:
-            tail.append(c)
-    if sinks:
-        tail.append(AttentionSink())
-    soft_cap = bool(logits_soft_cap)
-    # the kernels' soft-cap flag caps raw q·k plus the biases they seed (ALiBi's): a later logits
-    # hook, or a bias meant to follow the cap, needs the cap in the chain
-    if soft_cap and (any(c.logits is not None for c in head + tail) or any(c.bias is not None for c in tail)):
-        head.append(SoftCap(logits_soft_cap=float(logits_soft_cap)))
-        soft_cap = False
-    parts = head + tail
-    v = None if not parts else parts[0] if len(parts) == 1 else vbase.Compose(*parts)
-    return bool(causal), soft_cap, window_left is not None and window_left >= 0, v
-
-
-def variant_test_cases():
-    """The prefill variant cases of tests/test_prefill_variants_gpu.py and the ``variants``
-    bench: (name, resolve_variant keywords, run() takes sinks).  ``causal`` is a no-op name
-    (Causal() maps onto the flag)."""
-    from .variants.builtins import FlashSigmoid
-    from .variants.examples import RelativePositionBias
-
-    return [
-        ("causal", dict(variant=Causal())),
-        ("alibi", dict(pos_encoding_mode="ALIBI")),
-        ("rope", dict(pos_encoding_mode="ROPE_LLAMA")),
-        ("sink", dict(sinks=True)),
-        ("custom_mask", dict(custom_mask=True)),
-        ("sigmoid", dict(variant=FlashSigmoid())),
-        ("rel_bias", dict(variant=RelativePositionBias())),
-        ("window_sink", dict(window_left=100, sinks=True)),
-        ("alibi_softcap", dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0)),
-        ("rope_sink", dict(pos_encoding_mode="ROPE_LLAMA", sinks=True)),
-        (
-            "alibi_softcap_rel_bias",
-            dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0, variant=RelativePositionBias()),
-        ),
-    ]
-
-
-# (dtype, head_dim, page size (0: ragged), causal) of the GPU tests' configurations (tile 128
-# throughout) and the extra head-dim-256 cases; the bench runs bf16/128 ragged, causal and not.
-VARIANT_TEST_CONFIGS = (("bf16", 128, 0, True), ("bf16", 128, 16, False), ("f16", 64, 1, True), ("f16", 64, 0, False))
-VARIANT_TEST_HD256 = (("rope_sink", ("bf16", 256, 0, True)), ("alibi_softcap", ("bf16", 256, 0, True)))
-
-
-def variant_prefill_specs(arch: str):
-    """Prefill specializations of the variant GPU tests and bench (for the compile presets)."""
-    if arch != PREFILL_ARCH:
-        return []
-    cases = dict(variant_test_cases())
-    todo = [(name, cfg) for name in cases for cfg in VARIANT_TEST_CONFIGS] + list(VARIANT_TEST_HD256)
-    todo += [(name, ("bf16", 128, 0, c)) for name in cases for c in (False, True)]  # bench
-    out, seen = [], set()
-    for name, (dt, d, page_size, causal) in todo:
-        kw = dict(cases[name])
-        paged = page_size > 0
-        # a sink case plans without its sinks (plan() picks that kernel) and runs with them
-        for sinks in (False, True) if kw.get("sinks") else (kw.get("sinks", False),):
-            c, cap, win, v = resolve_variant(causal=causal, **dict(kw, sinks=sinks))
-            specs = [prefill_spec(arch, dt, d, 128, paged, c, cap, win, v, page_box_for(paged, page_size))]
-            if paged:  # plan(kv_pass=True): the pass gathers the cache, then the ragged kernel runs
-                specs.append(prefill_spec(arch, dt, d, 128, False, c, cap, win, v))
-            if not sinks:  # the KV pass is keyed by the plan's variant (run()'s sinks are not in it)
-                specs += [kv_pass_spec(arch, dt, d, p, v) for p in ((False, True) if paged else (False,))]
-            specs = [s for s in specs if s is not None]
-            for spec in specs:
-                if spec not in seen:
-                    seen.add(spec)
-                    out.append(spec)
-    return out
-
-
-def kv_pass_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS):
-    """The KV pass's plain gathers of a paged cache (no key transform), for the compile presets."""
-    if arch != PREFILL_ARCH:
-        return []
-    return [kv_pass_spec(arch, dt, d, True, None) for dt in dtypes for d in head_dims]
-
-
-def prefill_merge_specs(arch: str, dtypes=("f16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, tiles=PREFILL_TILES):
-    """The ``merge_partials`` specializations for the prefill tiles."""
-    from .runtime.spec import Spec
-
-    if arch != PREFILL_ARCH:
-        return []
-    return [
-        Spec.make("merge_partials", arch, dtype=dt, head_dim=d, tile_q=t)
-        for dt in dtypes
-        for d in head_dims
-        for t in tiles
-    ]
 
 
 def _rows_per_cta(head_dim: int) -> int:
@@ -489,8 +205,8 @@ class _BatchPrefillBase:
             head_dim_vo=head_dim_vo,
             **unsupported,
         )
-        if pos_encoding_mode not in _POS_MODES:
-            raise ValueError(f"pos_encoding_mode must be one of {_POS_MODES}, got {pos_encoding_mode!r}")
+        if pos_encoding_mode not in POS_MODES:
+            raise ValueError(f"pos_encoding_mode must be one of {POS_MODES}, got {pos_encoding_mode!r}")
         if variant is not None and not isinstance(variant, vbase.Variant):
             raise TypeError(f"variant must be a cute_attn.variants.Variant, got {type(variant).__name__}")
         if head_dim_qk not in SUPPORTED_HEAD_DIMS:

@@ -1,56 +1,28 @@
 """Named sets of specializations for ``python -m cute_attn compile --preset NAME``.
 
-``default`` is what a GPU machine needs for the shipped ops at the common head dims; later
-kernel families add themselves here.  ``smoke`` is a tiny set for quick checks.
+``default`` is what the backends ship (``families.backends.shipped_specs``: the public ops at
+the common head dims and FlashInfer's plain / soft-cap / window options) plus, on Hopper, the
+decode variants the variant tests and bench load; ``all`` adds every test matrix
+(``cute_attn.testing.matrices``): what the GPU tests and ``python -m cute_attn bench`` load, so
+what a GPU machine without the DSL needs for them.  ``smoke`` is a tiny set for quick checks.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from itertools import product
-from typing import Dict, Iterable, List
+from typing import Callable, Dict, List
 
-from .merge import LOAD_BATCH
-from .runtime.spec import Spec
-
-_VALUE_DTYPES = ("f16", "bf16", "f32")
-_HEAD_DIMS = (64, 128, 256)
+from .abi.archs import HOPPER
+from .families import backends, decode, merge, prefill
+from .families.spec import Spec
 
 
-def _merge(arch: str, dtypes: Iterable[str], head_dims: Iterable[int]) -> List[Spec]:
-    specs = []
-    for dt, d in product(dtypes, head_dims):
-        specs.append(Spec.make("merge_states", arch, dtype=dt, head_dim=d, load_batch=LOAD_BATCH))
-        for masked in (False, True):
-            specs.append(Spec.make("merge_pair", arch, dtype=dt, head_dim=d, masked=masked))
-    return specs
+def _default(arch: str) -> List[Spec]:
+    from .testing.matrices import variant_decode_specs
 
-
-def _decode(arch: str) -> List[Spec]:
-    from .decode import decode_specs
-
-    return decode_specs(arch)
-
-
-def _prefill(arch: str) -> List[Spec]:
-    """Batch prefill, sm_90a only (the kernel is built on wgmma; for sm_100a the family is
-    skipped: there is no Blackwell prefill kernel yet).  Per dtype f16/bf16 x head_dim
-    64/128/256 x tile_q 64/128 x ragged/paged x causal: the plain kernel (48); soft-cap,
-    window and both at bf16/f16, head_dim 128, tile 128, ragged, causal or not: what the GPU
-    tests and the variant benchmark run (12); merge_partials for the prefill tiles (12); the
-    KV pass's gather of a paged cache per dtype x head_dim (6)."""
-    from .prefill import kv_pass_specs, prefill_merge_specs, prefill_specs
-
-    variants = prefill_specs(
-        arch, head_dims=(128,), tiles=(128,), paged=(False,), variants=((True, False), (False, True), (True, True))
-    )
-    return prefill_specs(arch) + variants + prefill_merge_specs(arch) + kv_pass_specs(arch)
-
-
-def _prefill_kernel_present() -> bool:
-    # CI compiles `default` (tests/test_compile.py): until kernels/prefill_sm90.py exists its
-    # builder cannot be imported, so `default` lists the prefill specs only once it does.
-    return importlib.util.find_spec("cute_attn.kernels.prefill_sm90") is not None
+    specs = backends.shipped_specs(arch)
+    if arch == HOPPER:  # the decode variants (what the variant tests and bench need) on Hopper
+        specs += variant_decode_specs(arch)
+    return list(dict.fromkeys(specs))
 
 
 def _variants(arch: str) -> List[Spec]:
@@ -59,40 +31,23 @@ def _variants(arch: str) -> List[Spec]:
     arches, with the merge), and on sm_90a the prefill variant specs (tile 128; the plain specs
     of the same shapes included), the prefill bench's plain / soft-cap / window rows and the
     prefill merge for tile 128."""
-    from .decode import decode_specs, variant_decode_specs
+    from .testing.matrices import variant_decode_specs, variant_prefill_specs
 
-    # the decode bench's plain / soft-cap / window rows (bf16 d128) and the merges
     specs = (
         variant_decode_specs(arch)
-        + decode_specs(arch, dtypes=("bf16",), head_dims=(128,))
-        + [s for s in decode_specs(arch, dtypes=("f16",), head_dims=(64,)) if s.family == "merge_partials"]
+        + decode.shipped_specs(arch, dtype_names=("bf16",), head_dims=(128,))
+        + [merge.merge_partials_spec(arch, "f16", 64, decode.TILE_Q)]
     )
-    if _prefill_kernel_present():
-        from .prefill import prefill_merge_specs, prefill_specs, variant_prefill_specs
-
-        # + the prefill bench's plain / soft-cap / window rows (bf16 d128 ragged tile 128)
-        specs += (
-            variant_prefill_specs(arch)
-            + prefill_merge_specs(arch, tiles=(128,))
-            + prefill_specs(
-                arch,
-                dtypes=("bf16",),
-                head_dims=(128,),
-                tiles=(128,),
-                paged=(False,),
-                variants=((False, False), (True, False), (False, True)),
-            )
-        )
+    specs += variant_prefill_specs(arch) + prefill.merge_specs(arch, tiles=(128,))
+    specs += prefill.prefill_specs(
+        arch,
+        dtype_names=("bf16",),
+        head_dims=(128,),
+        tiles=(128,),
+        paged=(False,),
+        variants=((False, False), (True, False), (False, True)),
+    )
     return list(dict.fromkeys(specs))
-
-
-def _default(arch: str) -> List[Spec]:
-    specs = _merge(arch, _VALUE_DTYPES, _HEAD_DIMS) + _decode(arch)
-    if arch == "sm_90a":  # the decode variants (what the variant tests and bench need) on Hopper
-        from .decode import variant_decode_specs
-
-        specs += variant_decode_specs(arch)
-    return specs + _prefill(arch) if _prefill_kernel_present() else specs
 
 
 def _all(arch: str) -> List[Spec]:
@@ -101,17 +56,22 @@ def _all(arch: str) -> List[Spec]:
     return list(dict.fromkeys(_default(arch) + _variants(arch)))
 
 
-PRESETS: Dict[str, callable] = {
+def _backend(op: str) -> Callable[[str], List[Spec]]:
+    def specs(arch: str) -> List[Spec]:
+        return [s for b in backends.BACKENDS if b.op in op.split("+") and arch in b.archs for s in b.shipped(arch)]
+
+    return specs
+
+
+PRESETS: Dict[str, Callable[[str], List[Spec]]] = {
     "default": _default,
     "all": _all,
-    "decode": _decode,
-    "prefill": _prefill,
+    "decode": _backend("decode"),
+    "prefill": _backend("prefill+kv_pass"),
     "variants": _variants,
-    "smoke": lambda arch: _merge(arch, ("bf16",), (128,)),
+    "smoke": lambda arch: merge.shipped_specs(arch, ("bf16",), (128,)),
     # tuning sweep for `python -m cute_attn bench --only merge_sweep`
-    "merge_sweep": lambda arch: [
-        Spec.make("merge_states", arch, dtype="bf16", head_dim=128, load_batch=b) for b in (1, 2, 4, 8)
-    ],
+    "merge_sweep": lambda arch: [merge.merge_states_spec(arch, "bf16", 128, b) for b in (1, 2, 4, 8)],
 }
 
 

@@ -1,7 +1,7 @@
 """The paged prefill's two ways to read a cache the kernel cannot read by TMA boxes, side by
 side per case: the KV pass (``plan(kv_pass=True)``: gather K/V -- and rotate K for RoPE --
 into the workspace, then the TMA kernel) and the in-kernel cp.async gather
-(``kv_pass=False``), with what the default (``prefill.kv_pass_pays``) picks, and the pass
+(``kv_pass=False``), with what the default (``families.backends.kv_pass_pays``) picks, and the pass
 alone (its bandwidth: K and V read + written).  Checks the model's thresholds on the GPU.
 
     PYTHONPATH=. CUTE_ATTN_CACHE_DIR=build/aot python scripts/kv_pass_sweep.py [--check]
@@ -17,7 +17,8 @@ import json
 import torch
 from triton.testing import do_bench
 
-from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper, kv_pass_pays
+from cute_attn.families.backends import kv_pass_pays
+from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
 
 DT = torch.bfloat16
 

@@ -40,7 +40,7 @@ def _spec_kw(d, causal, paged, **knob):
 
 def specs():
     import cute_attn.prefill  # noqa: F401  (registers the family)
-    from cute_attn.runtime.spec import Spec
+    from cute_attn.families.spec import Spec
 
     out = []
     for (d, _kv), knobs in KNOBS.items():

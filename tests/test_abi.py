@@ -23,7 +23,7 @@ CHILD = r"""
 import ctypes, json, random, re, sys
 import torch
 from cute_attn.presets import preset_specs
-from cute_attn.runtime.abi import TensorArg
+from cute_attn.abi.args import TensorArg
 from cute_attn.runtime.loader import get_module, tensor_fields
 
 stub = ctypes.CDLL(sys.argv[1])

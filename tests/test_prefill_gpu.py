@@ -865,7 +865,7 @@ def _emulate_kv_pass(
     """kernels/kv_pass.py: ``paged``: request b's tokens gathered from its pages into rows
     ``kv_indptr[b]..`` of the outputs (K and V); a variant: its keys through ``transform_k``
     (RoPE: key j of a request at position j), rounded to the input dtype; other rows left alone."""
-    from cute_attn.decode import _spec_variant
+    from cute_attn.families.base import spec_variant as _spec_variant
     from cute_attn.testing.reference import rope_reference
     from cute_attn.variants import RoPE, abi_args, components
 
@@ -897,7 +897,7 @@ class _Emulated:
     variant tests pass their own) or the merge emulation."""
 
     def __init__(self, family, params, calls, prefill=None):
-        from cute_attn.runtime.family import get_family
+        from cute_attn.families.base import get_family
         from cute_attn.runtime.loader import make_packer
 
         self.family, self.params, self.calls = family, params, calls
@@ -1038,7 +1038,7 @@ def test_cpu_tile_choice(emu):
 
 
 def test_kv_pass_pays_model():
-    from cute_attn.prefill import kv_pass_pays
+    from cute_attn.families.backends import kv_pass_pays
 
     # queries per key x group decides: ~1800 for the gather alone, ~360 with a key transform
     assert kv_pass_pays([8192], [8192], 16, 16, 128, True, False)  # 8k causal, no GQA

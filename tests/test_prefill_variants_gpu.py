@@ -6,7 +6,7 @@ specified to compute).
 GPU tests (marked ``gpu``; the specializations are the ``variants`` preset, e.g. ``python -m
 cute_attn compile --arch sm_90a --preset variants``): four configurations -- bf16/d128 ragged
 causal GQA 4, bf16/d128 paged (page 16) GQA 8, f16/d64 paged (page 1) causal GQA 1, f16/d64
-ragged GQA 8 -- for each case of ``cute_attn.prefill.variant_test_cases`` (causal via
+ragged GQA 8 -- for each case of ``cute_attn.testing.matrices.variant_test_cases`` (causal via
 ``Causal()``, ALiBi, RoPE, sinks, custom mask (flat bool and bit-packed), FlashSigmoid, the
 RelativePositionBias example, window + sinks, ALiBi + soft-cap, RoPE + sinks), two head-dim-256
 cases, and a forced split-KV run per case (sinks are added once, sigmoid weights sum over the
@@ -49,7 +49,7 @@ gpu = pytest.mark.gpu
 DEV = "cuda"
 
 # (name, dtype, head_dim, paged, causal, num_qo_heads, num_kv_heads, page_size): must match
-# cute_attn.prefill.VARIANT_TEST_CONFIGS (the compiled specs)
+# cute_attn.testing.matrices.VARIANT_TEST_CONFIGS (the compiled specs)
 CONFIGS = [
     ("bf16-d128-ragged-causal-h32x8", "bf16", 128, False, True, 32, 8, 0),
     ("bf16-d128-p16-h16x2", "bf16", 128, True, False, 16, 2, 16),
@@ -452,8 +452,8 @@ def test_pack_custom_mask_matches_segment_packbits():
 
 
 def test_resolve_variant_rules():
-    from cute_attn.prefill import resolve_variant
     from cute_attn.variants import ALiBi, AttentionSink, CustomMask, RoPE, SoftCap, encode
+    from cute_attn.wrappers.options import resolve_variant
 
     assert resolve_variant() == (False, False, False, None)
     assert resolve_variant(causal=True, window_left=10, logits_soft_cap=30.0) == (True, True, True, None)
@@ -486,15 +486,12 @@ def test_resolve_variant_rules():
 
 
 def test_variant_prefill_specs_and_abi():
-    from cute_attn.decode import _spec_variant
-    from cute_attn.prefill import (
-        PREFILL_ARCH,
-        VARIANT_TEST_CONFIGS,
-        _prefill_abi,
-        _prefill_abi_fixed,
-        variant_prefill_specs,
-    )
-    from cute_attn.runtime.abi import ScalarArg, TensorArg
+    from cute_attn.abi.args import ScalarArg, TensorArg
+    from cute_attn.families.base import spec_variant as _spec_variant
+    from cute_attn.families.prefill import ARCH as PREFILL_ARCH
+    from cute_attn.families.prefill import prefill_abi as _prefill_abi
+    from cute_attn.families.prefill import prefill_abi_fixed as _prefill_abi_fixed
+    from cute_attn.testing.matrices import VARIANT_TEST_CONFIGS, variant_prefill_specs
     from cute_attn.variants import abi_args, fingerprint
 
     all_specs = variant_prefill_specs(PREFILL_ARCH)
@@ -544,9 +541,8 @@ def test_variant_prefill_specs_and_abi():
 
 
 def test_presets_list_the_variant_specs():
-    from cute_attn.decode import variant_decode_specs
-    from cute_attn.prefill import variant_prefill_specs
     from cute_attn.presets import preset_specs
+    from cute_attn.testing.matrices import variant_decode_specs, variant_prefill_specs
 
     got = set(preset_specs("variants", "sm_90a"))
     assert set(variant_prefill_specs("sm_90a")) <= got and set(variant_decode_specs("sm_90a")) <= got
@@ -586,7 +582,7 @@ def _emulate_variant_prefill(
     logits hooks in order, masks intersect,
     a sink joins the statistics of the item starting at kv 0, FlashSigmoid sums weights and a
     split item writes (o / s, log2 s), s = its share of the tile's kv extent."""
-    from cute_attn.decode import _spec_variant
+    from cute_attn.families.base import spec_variant as _spec_variant
     from cute_attn.sched import workspace as ws
     from cute_attn.variants import ALiBi, AttentionSink, CustomMask, FlashSigmoid, RoPE, SoftCap, abi_args, components
 

@@ -7,9 +7,13 @@ import sys
 
 import pytest
 
-from cute_attn.decode import _decode_abi, _spec_variant, decode_spec, variant_decode_specs, variant_params
-from cute_attn.runtime.abi import ScalarArg, TensorArg
-from cute_attn.runtime.spec import Spec
+from cute_attn.abi.args import ScalarArg, TensorArg
+from cute_attn.families.base import spec_variant as _spec_variant
+from cute_attn.families.base import variant_params
+from cute_attn.families.decode import decode_abi as _decode_abi
+from cute_attn.families.decode import decode_spec
+from cute_attn.families.spec import Spec
+from cute_attn.testing.matrices import variant_decode_specs
 from cute_attn.variants import (
     ALiBi,
     AttentionSink,
@@ -290,7 +294,7 @@ def test_bias_hooks_seeded_before_the_first_logits_hook():
     assert not h.has_bias and h.logits(ctx, args, 10.0) == 23.0
     # soft-cap stays the prefill kernel's flag next to a seeded bias (it caps q·k + bias), and
     # joins the chain when a bias is meant to follow it
-    from cute_attn.prefill import resolve_variant
+    from cute_attn.wrappers.options import resolve_variant
 
     assert resolve_variant(pos_encoding_mode="ALIBI", logits_soft_cap=5.0)[1] is True
     _, cap, _, v = resolve_variant(pos_encoding_mode="ALIBI", logits_soft_cap=5.0, variant=B())

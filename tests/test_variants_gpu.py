@@ -3,7 +3,7 @@ reference with the same variant applied (``cute_attn.testing.reference.paged_var
 
 Same conventions as tests/test_decode_gpu.py: shuffled pages, NaN in every unowned cache slot
 and in the outputs before the run, an empty request and long ones (split across CTAs).
-Specializations: ``cute_attn.decode.variant_decode_specs`` (bf16/d128 and f16/d64 of every
+Specializations: ``cute_attn.testing.matrices.variant_decode_specs`` (bf16/d128 and f16/d64 of every
 variant here).  RoPE cases use the reference's ``rope_round_to``: q/k rotated in fp32 and
 rounded to the input dtype, as the kernel is specified to compute (and FlashInfer's
 tensor-core path does); the plain fp32 rotation differs by the rounding (LSE 2.5e-3 at 3000 keys).

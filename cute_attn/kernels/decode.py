@@ -870,18 +870,16 @@ class PagedDecode:
                         mPartLse[slot_row] = lse
 
 
-_DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
-
-
 def build_paged_decode(spec):
     """The jit entry for a ``paged_decode`` spec: its variant is re-created from the spec's
     ``variant`` text and must still have the spec's fingerprint (else the class changed since
     the spec was made and the module would be cached under the wrong key)."""
-    from ..families import decode_abi_fixed as _decode_abi_fixed
-    from ..families import spec_variant as _spec_variant
+    from ..abi.dtypes import to_dsl
+    from ..families.base import spec_variant as _spec_variant
+    from ..families.decode import decode_abi_fixed as _decode_abi_fixed
     from ..variants.base import abi_args
 
     p = spec.pdict
     variant = _spec_variant(p)
-    k = PagedDecode(_DTYPES[p["dtype"]], p["head_dim"], p["stages"], variant, p.get("heads_per_item", 1))
+    k = PagedDecode(to_dsl(p["dtype"]), p["head_dim"], p["stages"], variant, p.get("heads_per_item", 1))
     return make_entry(k, _decode_abi_fixed(p), abi_args(variant))

@@ -15,7 +15,7 @@ kernel, so that the kernel reads plain contiguous K/V by TMA.  Two jobs, one mec
 
 Both at once for a paged cache with a key transform.  A ragged batch without a key transform
 has nothing to do here (the builder refuses it).  The wrapper decides when the pass pays
-(``prefill.kv_pass_pays``): its cost is 2 x the bytes moved, the kernel's saving a share of
+(``families.backends.kv_pass_pays``): its cost is 2 x the bytes moved, the kernel's saving a share of
 its own time, which grows with the queries per key.
 
 Work split: a thread takes chunks ``c`` and ``c + D/16`` of rows (token, kv head): the 8
@@ -189,16 +189,15 @@ class KvPass:
         transform_pairs(self.hooks, vargs, ctx, lo, hi, c * 8, self.dtype, query=False)
 
 
-_DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
-
-
 def build_kv_pass(spec):
     """The jit entry of a ``kv_pass`` spec (dtype, head_dim, paged, variant, variant_fp)."""
-    from ..families import kv_pass_abi_fixed, spec_variant
+    from ..abi.dtypes import to_dsl
+    from ..families.base import spec_variant
+    from ..families.kv_pass import kv_pass_abi_fixed
     from ..variants.base import abi_args
 
     p = spec.pdict
     variant = spec_variant(p)
     return make_entry(
-        KvPass(_DTYPES[p["dtype"]], p["head_dim"], bool(p["paged"]), variant), kv_pass_abi_fixed(p), abi_args(variant)
+        KvPass(to_dsl(p["dtype"]), p["head_dim"], bool(p["paged"]), variant), kv_pass_abi_fixed(p), abi_args(variant)
     )

@@ -21,6 +21,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from ..abi.dtypes import elt_bytes
+
 VEC_BYTES = 16
 TARGET_THREADS = 128
 
@@ -310,17 +312,15 @@ class MergePartials:
 
 META_NUM_MERGE_TASKS = 1  # cute_attn.sched.workspace.META_NUM_MERGE_TASKS (checked in cute_attn.decode)
 
-_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
-
 
 def build_merge_states(spec):
     p = spec.pdict
-    return MergeStates(_BYTES[p["dtype"]], p["head_dim"], p["load_batch"])
+    return MergeStates(elt_bytes(p["dtype"]), p["head_dim"], p["load_batch"])
 
 
 def build_merge_pair(spec):
     p = spec.pdict
-    return MergePair(_BYTES[p["dtype"]], p["head_dim"], p["masked"])
+    return MergePair(elt_bytes(p["dtype"]), p["head_dim"], p["masked"])
 
 
 def build_merge_partials(spec):

@@ -831,20 +831,18 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                         mPartLse[slot_row] = lse[r]
 
 
-_DTYPES = {"f16": cutlass.Float16, "bf16": cutlass.BFloat16}
-
-
 def build_batch_prefill_sm90(spec):
     """The jit entry for a ``batch_prefill_sm90`` spec: the variant (if any) is re-created from
     the spec's ``variant`` text and must still have the spec's fingerprint."""
-    from ..families import prefill_abi_fixed as _prefill_abi_fixed
-    from ..families import spec_variant as _spec_variant
+    from ..abi.dtypes import to_dsl
+    from ..families.base import spec_variant as _spec_variant
+    from ..families.prefill import prefill_abi_fixed as _prefill_abi_fixed
     from ..variants.base import abi_args
 
     p = spec.pdict
     variant = _spec_variant(p)
     k = BatchPrefillSm90(
-        _DTYPES[p["dtype"]],
+        to_dsl(p["dtype"]),
         p["head_dim"],
         p["tile_q"],
         p["paged"],

@@ -1,9 +1,9 @@
 """A plan's work item as the kernels read it (contract: ``cute_attn.sched``; field order:
-``cute_attn.sched.workspace.W_*``).  Written once for every kernel that walks a work list."""
+``cute_attn.abi.records.W_*``).  Written once for every kernel that walks a work list."""
 
 from __future__ import annotations
 
-from ..sched.workspace import (
+from ..abi.records import (
     W_DEST,
     W_KV_END,
     W_KV_HEAD,

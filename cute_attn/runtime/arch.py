@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-_ARCH_BY_MAJOR = {9: "sm_90a", 10: "sm_100a"}
+from ..abi.archs import ARCH_BY_CAPABILITY
 
 
 @functools.cache
@@ -12,7 +12,7 @@ def arch_of_index(index: int) -> str:
     import torch
 
     major, minor = torch.cuda.get_device_capability(index)
-    arch = _ARCH_BY_MAJOR.get(major) if minor == 0 else None
+    arch = ARCH_BY_CAPABILITY.get((major, minor))
     if arch is None:
         name = torch.cuda.get_device_name(index)
         raise RuntimeError(

@@ -20,10 +20,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from . import abi as abi_mod
+from ..abi.args import ScalarArg, abi_to_json
+from ..abi.dtypes import to_dsl
+from ..families.base import get_family
+from ..families.spec import Spec
+from . import header
 from .cache import installed_dsl_version, key_lock, lookup, publish
-from .family import get_family
-from .spec import Spec
 
 
 class BuildError(RuntimeError):
@@ -127,16 +129,9 @@ def _fake_args(cute, args):
     import cutlass
     from cutlass.cute.runtime import make_fake_tensor
 
-    dtypes = {
-        "f16": cutlass.Float16,
-        "bf16": cutlass.BFloat16,
-        "f32": cutlass.Float32,
-        "i32": cutlass.Int32,
-        "u8": cutlass.Uint8,
-    }
     fakes = []
     for a in args:
-        if isinstance(a, abi_mod.ScalarArg):
+        if isinstance(a, ScalarArg):
             fakes.append(cutlass.Int32(0) if a.dtype == "i32" else cutlass.Float32(0.0))
             continue
         shape = tuple(cute.sym_int() if s is None else s for s in a.shape)
@@ -144,7 +139,7 @@ def _fake_args(cute, args):
         # code copies the struct as the fake tensor's stride width says — the two must agree
         # (32-bit sym_int strides are silently read as int32 pairs).  KV caches need 64 bits anyway.
         stride = tuple(cute.sym_int(64, divisibility=a.stride_divisibility) if s is None else s for s in a.stride)
-        fakes.append(make_fake_tensor(dtypes[a.dtype], shape, stride, assumed_align=a.align))
+        fakes.append(make_fake_tensor(to_dsl(a.dtype), shape, stride, assumed_align=a.align))
     return fakes
 
 
@@ -168,9 +163,9 @@ def compile_into(spec: Spec, out: Path) -> dict:
 
     prefix = "ca_" + re.sub(r"\W", "_", spec.key)
     compiled.export_to_c(file_path=str(out), file_name="kernel", function_prefix=prefix)
-    header = (out / "kernel.h").read_text()
-    habi = abi_mod.parse_header(header)
-    abi_mod.check_header(habi, args, spec.family)
+    header_text = (out / "kernel.h").read_text()
+    habi = header.parse_header(header_text)
+    header.check_header(habi, args, spec.family)
     ptx = compiled.artifacts.PTX
     ptx = ptx if isinstance(ptx, str) else ptx.decode()
     (out / "kernel.ptx").write_text(ptx)
@@ -196,7 +191,7 @@ def compile_into(spec: Spec, out: Path) -> dict:
         "spec": {"family": spec.family, "arch": spec.arch, "params": dict(spec.params)},
         "describe": spec.describe(),
         "dsl_version": installed_dsl_version(),
-        "abi": abi_mod.abi_to_json(args),
+        "abi": abi_to_json(args),
         "symbols": {
             "init": habi.init_symbol,
             "load": habi.load_symbol,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .spec import Spec
+from ..families.spec import Spec
 
 META = "meta.json"
 FORMAT_VERSION = 1

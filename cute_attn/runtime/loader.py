@@ -22,9 +22,10 @@ import threading
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence
 
-from . import abi as abi_mod
+from ..abi.args import TensorArg, abi_from_json
+from ..families.spec import Spec
 from .cache import cache_root, lookup
-from .spec import Spec
+from .header import args_format
 
 _CUDART = None
 _CUDART_LOCK = threading.Lock()
@@ -94,7 +95,7 @@ class Module:
 
     def __init__(self, spec: Spec, path: Path, meta: dict):
         self.spec, self.path, self.meta = spec, path, meta
-        self.args = abi_mod.abi_from_json(meta["abi"])
+        self.args = abi_from_json(meta["abi"])
         rt = cudart()
         self._lib = ctypes.CDLL(str(path / "module.so"), mode=ctypes.RTLD_LOCAL)
         sym = meta["symbols"]
@@ -102,7 +103,7 @@ class Module:
         self._launch.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32]
         self._launch.restype = None
         self._nargs = sym["num_args"]
-        fmt, offsets = abi_mod.args_format(self.args)
+        fmt, offsets = args_format(self.args)
         self._struct = struct.Struct(fmt)
         self._offsets = offsets
         self._tls = threading.local()
@@ -187,7 +188,7 @@ def make_packer(args: Sequence) -> Callable:
     lines, out = [], []
     for i, a in enumerate(args):
         v = f"v{i}"
-        if not isinstance(a, abi_mod.TensorArg):
+        if not isinstance(a, TensorArg):
             out.append(v)
             continue
         lines.append(f"sh{i} = {v}.shape; st{i} = {v}.stride(); p{i} = {v}.data_ptr()")
@@ -211,7 +212,7 @@ def make_packer(args: Sequence) -> Callable:
     return scope["pack"]
 
 
-def tensor_fields(arg: abi_mod.TensorArg, t) -> list:
+def tensor_fields(arg: TensorArg, t) -> list:
     """[data_ptr, dynamic extents..., dynamic strides...] of ``t``, checked against the ABI.
 
     The kernel was compiled assuming the static extents/strides, the stride divisibility and

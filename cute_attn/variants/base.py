@@ -215,7 +215,7 @@ def _class_source(cls) -> str:
     """The code a variant's fingerprint covers: each class's source and, for a class defined
     outside cute_attn, the whole source file that defines it -- hooks call module-level helpers
     (a helper edited without touching the class must not reuse a stale module).  cute_attn's
-    own files are in every cache key already (``runtime.spec.source_fingerprint``).  Helpers
+    own files are in every cache key already (``families.sources.source_fingerprint``).  Helpers
     imported from other files are not covered: keep them in the variant's file."""
     parts = []
     for k in cls.__mro__:
@@ -333,7 +333,7 @@ def decode(text: str) -> Optional[Variant]:
 def abi_args(v: Optional[Variant]) -> list:
     """The kernel arguments a variant adds (after the family's own): tensors of all components,
     then scalars, named ``v<i>_<name>``."""
-    from ..runtime.abi import ScalarArg, TensorArg
+    from ..abi.args import ScalarArg, TensorArg
 
     tensors, scalars = [], []
     for i, c in enumerate(components(v)):

@@ -4,7 +4,7 @@
 the variant: the DSL derives the exported C signature from the Python signature, and a
 variable number of annotated arguments cannot be written by hand, so the entry is generated
 per specialization (explicit names and annotations, so the exported header names each
-argument and ``runtime.abi.check_header`` can match it).  It forwards to the kernel object's
+argument and ``runtime.header.check_header`` can match it).  It forwards to the kernel object's
 ``host`` method as ``host(*fixed, var_tensors: tuple, var_scalars: tuple, stream)``.
 
 ``transform_fragment`` applies ``transform_q``/``transform_k`` to an MMA operand fragment in
@@ -23,7 +23,7 @@ import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..runtime.abi import ScalarArg, TensorArg
+from ..abi.args import ScalarArg, TensorArg
 
 
 def _annotation(a):

@@ -1,59 +1,15 @@
-"""The argument ABI shared by the compiler (fake tensors) and the loader (packed structs).
-
-A kernel family describes its host function's arguments once, as a list of ``TensorArg`` /
-``ScalarArg``.  At compile time each ``None`` in a tensor's shape or stride becomes a symbolic
-int of a fake tensor; at run time the loader packs, for every tensor, the struct that the
-DSL's exported C header declares for it::
-
-    struct { void *data; int32_t dynamic_shapes[k]; int64_t dynamic_strides[m]; }
-
-listing only the dynamic modes, in mode order.  Because both sides read the same
-description, they cannot disagree about which modes are dynamic; ``check_header`` also
-verifies the counts against the header that ``export_to_c`` wrote.
-"""
+"""The exported C header's side of the ABI (``abi.args``): the struct each argument packs to,
+the symbols ``export_to_c`` wrote, and ``check_header``, which verifies the header's dynamic
+mode counts against the family's argument description."""
 
 from __future__ import annotations
 
 import re
 import struct
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Sequence
 
-# dtype names used in specs and ABIs -> (bytes per element, torch dtype name)
-DTYPES = {
-    "f16": (2, "float16"),
-    "bf16": (2, "bfloat16"),
-    "f32": (4, "float32"),
-    "i32": (4, "int32"),
-    "u8": (1, "uint8"),
-}
-
-
-@dataclass(frozen=True)
-class TensorArg:
-    name: str
-    dtype: str
-    shape: tuple  # int for a static extent, None for dynamic
-    stride: tuple  # int for a static stride, None for dynamic
-    stride_divisibility: int = 1  # promised divisibility of every dynamic stride (elements)
-    align: int = 4  # promised alignment of the data pointer (bytes)
-
-    @property
-    def dyn_shape_modes(self) -> tuple:
-        return tuple(i for i, s in enumerate(self.shape) if s is None)
-
-    @property
-    def dyn_stride_modes(self) -> tuple:
-        return tuple(i for i, s in enumerate(self.stride) if s is None)
-
-
-@dataclass(frozen=True)
-class ScalarArg:
-    name: str
-    dtype: str  # "i32" or "f32"
-
-
-Arg = Union[TensorArg, ScalarArg]
+from ..abi.args import Arg, ScalarArg, TensorArg
 
 
 def struct_format(arg: Arg) -> str:
@@ -116,40 +72,6 @@ def check_header(abi: HeaderABI, args: Sequence[Arg], family: str) -> None:
                 f"{family}: header struct {sname} has {ns} dynamic shapes / {nst} strides; "
                 f"ABI for {t.name} says {len(t.dyn_shape_modes)} / {len(t.dyn_stride_modes)}"
             )
-
-
-def abi_to_json(args: Sequence[Arg]) -> list:
-    out = []
-    for a in args:
-        if isinstance(a, TensorArg):
-            out.append(
-                {
-                    "kind": "tensor",
-                    "name": a.name,
-                    "dtype": a.dtype,
-                    "shape": list(a.shape),
-                    "stride": list(a.stride),
-                    "stride_divisibility": a.stride_divisibility,
-                    "align": a.align,
-                }
-            )
-        else:
-            out.append({"kind": "scalar", "name": a.name, "dtype": a.dtype})
-    return out
-
-
-def abi_from_json(items: list) -> list:
-    args: list = []
-    for d in items:
-        if d["kind"] == "tensor":
-            args.append(
-                TensorArg(
-                    d["name"], d["dtype"], tuple(d["shape"]), tuple(d["stride"]), d["stride_divisibility"], d["align"]
-                )
-            )
-        else:
-            args.append(ScalarArg(d["name"], d["dtype"]))
-    return args
 
 
 def args_format(args: Sequence[Arg]) -> tuple[str, list]:

@@ -1,0 +1,156 @@
+"""The arch -> backend table: which kernel serves which op on which arch, with what tiles, and
+the cost models the wrappers plan with.  A new kernel (a Blackwell prefill, an fp8 variant)
+is a new entry here plus its family and kernel; the wrappers choose from the table.
+
+Nothing that shapes a binary lives here, so editing a cost model recompiles nothing (no
+family imports this module)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict
+
+import numpy as np
+
+from ..abi import dtypes
+from ..abi.archs import ARCHS
+from . import decode, kv_pass, merge, prefill
+
+
+@dataclass(frozen=True)
+class Backend:
+    op: str  # "merge", "decode", "prefill", "kv_pass"
+    name: str
+    family: str
+    archs: tuple
+    head_dims: tuple
+    dtypes: tuple
+    tiles: tuple = ()  # packed query rows per work item the kernel is built for
+    ctas_per_sm: Dict[int, int] = field(default_factory=dict)  # head_dim -> CTAs per SM (default 1)
+    planner: Dict[str, float] = field(default_factory=dict)  # the planner's cost parameters
+    shipped: Callable[[str], list] = lambda arch: []  # the specializations it ships, per arch
+
+    def ctas_for(self, head_dim: int) -> int:
+        return self.ctas_per_sm.get(head_dim, 1)
+
+
+class NoBackend(RuntimeError):
+    """No kernel serves this op on this arch (yet)."""
+
+
+BACKENDS = (
+    Backend(
+        "merge", "merge", "merge_states", ARCHS, merge.HEAD_DIMS, dtypes.MERGE_VALUES, shipped=merge.shipped_specs
+    ),  # fmt: skip
+    # alpha: a work item costs the decode kernel a pipeline fill + an epilogue, worth about 128
+    # kv tokens (alpha x tile 16); with the planner's default (32 tokens) it preferred plans of
+    # many short items that ran 17 % slower on the H200 (lognormal batch of 128).  balance_tol:
+    # decode is bandwidth-bound, so even a few % of imbalance is worth a split.
+    Backend(
+        "decode",
+        "decode_mma_sync",
+        "paged_decode",
+        ARCHS,
+        decode.HEAD_DIMS,
+        dtypes.ATTENTION,
+        tiles=(decode.TILE_Q,),
+        ctas_per_sm=decode.CTAS_PER_SM,
+        planner={"alpha": 8, "balance_tol": 0.01},
+        shipped=decode.shipped_specs,
+    ),  # fmt: skip
+    Backend(
+        "prefill",
+        "prefill_sm90",
+        "batch_prefill_sm90",
+        (prefill.ARCH,),
+        prefill.HEAD_DIMS,
+        dtypes.ATTENTION,
+        tiles=prefill.TILES,
+        shipped=prefill.shipped_specs,
+    ),  # fmt: skip
+    Backend(
+        "kv_pass",
+        "kv_pass",
+        "kv_pass",
+        (prefill.ARCH,),
+        prefill.HEAD_DIMS,
+        dtypes.ATTENTION,
+        ctas_per_sm={d: kv_pass.CTAS_PER_SM for d in prefill.HEAD_DIMS},
+        shipped=kv_pass.shipped_specs,
+    ),  # fmt: skip
+)
+
+
+def backend_for(op: str, arch: str) -> Backend:
+    """The backend that serves ``op`` on ``arch``; :class:`NoBackend` naming what exists."""
+    for b in BACKENDS:
+        if b.op == op and arch in b.archs:
+            return b
+    have = [f"{b.name} ({', '.join(b.archs)})" for b in BACKENDS if b.op == op]
+    raise NoBackend(
+        f"no {op} kernel for {arch} yet; {op} runs on: {'; '.join(have) or 'nothing'}"
+        + (" (the prefill kernel is built on Hopper's wgmma)" if op in ("prefill", "kv_pass") else "")
+    )
+
+
+def shipped_specs(arch: str) -> list:
+    """Every backend's shipped specializations on ``arch`` (the ``default`` preset's core)."""
+    return [s for b in BACKENDS if arch in b.archs for s in b.shipped(arch)]
+
+
+# ---- the KV pass's cost model ---------------------------------------------------------------
+# When the KV pass pays for a paged cache.  Its cost: read + write K and V once (3.3-3.7 TB/s
+# on an H200 for 0.1-0.5 GB).  Its saving: what the kernel's in-kernel gather costs over TMA,
+# a share of the attention's time (~600 TFLOP/s at hd128/256): 16-29 % for the 16-byte
+# cp.async gather, 46-143 % when the producer also rotates every gathered K block (RoPE),
+# 6-16 % even for TMA page boxes (page sizes k*16: the boxes' page lookups).  Constants fitted
+# to the cases of scripts/kv_pass_sweep.py, where the model then picks the faster path or one
+# within 2 % (and 9 of 9 right picks out of sample: BENCHMARKS.md).
+PASS_COPY_RATE = 3.3e12  # bytes / s, read + write, of the pass
+PASS_ATTN_RATE = 600e12  # FLOP / s of the prefill kernel
+PASS_SAVES_GATHER = 0.2  # in-kernel cp.async gather: share of the kernel's time
+PASS_SAVES_TRANSFORM = 1.0  # in-kernel gather + transform_k of every K block
+PASS_SAVES_BOXES = 0.08  # in-kernel TMA page boxes (page sizes k*16)
+
+
+def attended_pairs(qo_lens, kv_lens, causal: bool, window_left: int = -1) -> np.ndarray:
+    """(query, key) pairs each request attends: causal is bottom-right aligned; a window hides
+    the keys more than ``window_left`` to the left of a query."""
+    qo = np.asarray(qo_lens, dtype=np.float64)
+    kv = np.asarray(kv_lens, dtype=np.float64)
+    pairs = qo * kv
+    if causal:  # query i (of qo) sees kv - qo + i + 1 keys; a window: at most window_left + 1
+        pairs = pairs - qo * (qo - 1) / 2
+        if window_left >= 0:
+            pairs = np.minimum(pairs, qo * (window_left + 1.0))
+    elif window_left >= 0:  # query i misses the max(0, kv - qo + i - window_left) keys on its left
+        a = kv - qo - window_left
+        m = np.maximum(0.0, qo + np.minimum(a, 0.0))  # queries that miss any key
+        pairs = pairs - (m * np.maximum(a, 0.0) + m * (m - 1) / 2)
+    return pairs
+
+
+def kv_pass_pays(
+    qo_lens,
+    kv_lens,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    causal: bool,
+    transform: bool,
+    elt_bytes: int = 2,
+    window_left: int = -1,
+    page_boxes: bool = False,
+) -> bool:
+    """Whether gathering a paged cache by the KV pass (then reading it by TMA) beats the
+    kernel's in-kernel gather, by the model above: the pass costs 2 x 2 x kv_tokens x kv_heads
+    x head_dim x elt_bytes bytes; it saves a share of 4 x head_dim x qo_heads x attended pairs
+    FLOPs.  It pays when each key is read by enough query rows: non-causal, about qo_len x
+    group >= 1800 (>= 360 with a key transform; >= 4500 where the kernel would read the pages
+    by TMA boxes, ``page_boxes``); causal with qo_len = kv_len, twice that."""
+    kv = np.asarray(kv_lens, dtype=np.float64)
+    pairs = attended_pairs(qo_lens, kv_lens, causal, window_left)
+    t_attn = 4.0 * head_dim * num_qo_heads * float(pairs.sum()) / PASS_ATTN_RATE
+    t_pass = 4.0 * num_kv_heads * head_dim * elt_bytes * float(kv.sum()) / PASS_COPY_RATE
+    saves = PASS_SAVES_TRANSFORM if transform else PASS_SAVES_BOXES if page_boxes else PASS_SAVES_GATHER
+    return bool(kv.sum() > 0 and saves * t_attn > t_pass)

@@ -1,0 +1,105 @@
+"""The paged decode family (``kernels/decode.py``: ``mma.sync`` + ``cp.async``, both arches):
+its ABI, the instructions its binary must hold, and the specializations that ship.
+
+Spec parameters: ``dtype``, ``head_dim``, ``stages`` (the KV pipeline depth, fixed by the
+head dim), ``heads_per_item`` (head packing: kv heads per work item; absent for one) and the
+variant (``variant`` / ``variant_fp``)."""
+
+from __future__ import annotations
+
+from ..abi import dtypes
+from ..abi.archs import ARCHS
+from ..abi.args import ScalarArg, TensorArg
+from ..abi.records import WORK_FIELDS
+from ..variants import base as vbase
+from ..variants.builtins import SlidingWindow, SoftCap
+from .base import KernelFamily, cache_arg, i32_arg, register, spec_variant, variant_params
+from .merge import merge_partials_spec
+from .spec import Spec
+
+HEAD_DIMS = (64, 128, 256)
+TILE_Q = 16  # packed rows per work item: the kernel's m16 MMA tile
+PACKED_HEADS = (4, 2)  # kv heads per work item the kernel is built for, besides 1
+STAGES = {64: 4, 128: 3, 256: 2}  # KV pipeline depth that fits shared memory
+CTAS_PER_SM = {64: 2, 128: 2, 256: 1}  # what shared memory (and 248 registers/thread) allow
+# the variants whose kernels ship for FlashInfer's plain / soft-cap / window options, packed
+# and unpacked (so the wrapper's default packing rule packs only those)
+SHIPPED_VARIANTS = (None, SoftCap(), SlidingWindow(), SoftCap() + SlidingWindow())
+
+
+def decode_abi_fixed(p):
+    d, dt = p["head_dim"], p["dtype"]
+    row = lambda name: TensorArg(name, dt, (None, None, d), (None, None, 1), 8, 16)
+    return [
+        row("mQ"),
+        cache_arg("mK", p),
+        cache_arg("mV", p),
+        i32_arg("mKvIndptr"),
+        i32_arg("mKvIndices"),
+        row("mO"),
+        TensorArg("mLse", "f32", (None, None), (None, None), 1, 4),
+        TensorArg("mWork", "i32", (None, WORK_FIELDS), (WORK_FIELDS, 1), 1, 4),
+        i32_arg("mWorkIndptr"),
+        TensorArg("mPartO", "f32", (None, d), (d, 1), 1, 16),
+        TensorArg("mPartLse", "f32", (None,), (1,), 1, 4),
+        ScalarArg("group", "i32"),
+        ScalarArg("sm_scale", "f32"),
+        ScalarArg("num_ctas", "i32"),
+    ]
+
+
+def decode_abi(p):
+    """The family's arguments, then the variant's (``variants.base.abi_args``)."""
+    return decode_abi_fixed(p) + vbase.abi_args(spec_variant(p))
+
+
+PAGED_DECODE = register(
+    KernelFamily(
+        name="paged_decode",
+        builder="cute_attn.kernels.decode:build_paged_decode",
+        abi=decode_abi,
+        expect={
+            a: {
+                "mma.sync m16n8k16 (PTX)": r"ptx:mma\.sync\.aligned\.m16n8k16",
+                "cp.async (PTX)": r"ptx:cp\.async\.c[ag]\.shared",
+                "HMMA.16816 (SASS)": r"sass:HMMA\.16816",
+                "LDGSTS (SASS)": r"sass:LDGSTS",
+                # lets the merge kernel (a programmatic dependent launch) start early
+                "griddepcontrol.launch_dependents (PTX)": r"ptx:griddepcontrol\.launch_dependents",
+            }
+            for a in ARCHS
+        },
+    )
+)
+
+
+def packing_params(heads_per_item: int) -> dict:
+    """The spec parameter of head packing: absent for one kv head per item (the unpacked
+    kernels' specs predate it, and their keys stay)."""
+    return {"heads_per_item": heads_per_item} if heads_per_item != 1 else {}
+
+
+def decode_spec(arch: str, dtype: str, head_dim: int, variant=None, heads_per_item: int = 1) -> Spec:
+    """The ``paged_decode`` specialization for a dtype (``"f16"``/``"bf16"``), head dim, variant
+    and head packing (kv heads per work item; > 1 only for a variant with ``Hooks.packs_heads``)."""
+    return Spec.make(
+        "paged_decode",
+        arch,
+        dtype=dtype,
+        head_dim=head_dim,
+        stages=STAGES[head_dim],
+        **packing_params(heads_per_item),
+        **variant_params(variant),
+    )
+
+
+def shipped_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=HEAD_DIMS) -> list:
+    """What ``run()`` may need for FlashInfer's default options: plain, soft-cap, sliding window
+    and both, with one, two and four kv heads per item, and the merge of the decode tile."""
+    out = []
+    for dt in dtype_names:
+        for d in head_dims:
+            out += [decode_spec(arch, dt, d, v) for v in SHIPPED_VARIANTS]
+            out += [decode_spec(arch, dt, d, v, h) for h in PACKED_HEADS for v in SHIPPED_VARIANTS]
+            out.append(merge_partials_spec(arch, dt, d, TILE_Q))
+    return out

@@ -1,0 +1,77 @@
+"""The KV pass family (``kernels/kv_pass.py``): one memory-bound sweep before the prefill
+kernel that gathers a paged cache into contiguous K / V and / or applies a variant's
+``transform_k`` (RoPE) once per key.  Plain SIMT; only the (Hopper) prefill launches it.
+
+Spec parameters: ``dtype``, ``head_dim``, ``paged`` and, for a key transform, the variant."""
+
+from __future__ import annotations
+
+from ..abi import dtypes
+from ..abi.args import ScalarArg
+from ..variants import base as vbase
+from .base import KernelFamily, cache_arg, i32_arg, register, spec_variant, variant_params
+from .prefill import ARCH, HEAD_DIMS
+from .spec import Spec
+
+CTAS_PER_SM = 8  # the pass's grid per SM (256 threads each; 64 or 80 registers: 3-4 resident)
+
+
+def kv_pass_abi_fixed(p):
+    """K, V (the cache), their contiguous outputs, qo / kv (tokens) / page indptr, page ids."""
+    return [
+        cache_arg("mK", p),
+        cache_arg("mV", p),
+        cache_arg("mKout", p),
+        cache_arg("mVout", p),
+        i32_arg("mQoIndptr"),
+        i32_arg("mKvIndptr"),
+        i32_arg("mPageIndptr"),
+        i32_arg("mPageIndices"),
+        ScalarArg("batch", "i32"),
+        ScalarArg("sm_scale", "f32"),
+        ScalarArg("num_ctas", "i32"),
+    ]
+
+
+def kv_pass_abi(p):
+    return kv_pass_abi_fixed(p) + vbase.abi_args(spec_variant(p))
+
+
+KV_PASS = register(
+    KernelFamily(
+        name="kv_pass",
+        builder="cute_attn.kernels.kv_pass:build_kv_pass",
+        abi=kv_pass_abi,
+        expect={
+            ARCH: {
+                "16B ld.global (PTX)": r"ptx:ld\.global(\.\w+)*\.v4\.[bu]32",
+                "LDG.E.128 (SASS)": r"sass:LDG\.E\.128",
+                "STG.E.128 (SASS)": r"sass:STG\.E\.128",
+            }
+        },
+    )
+)
+
+
+def kv_pass_spec(arch: str, dtype: str, head_dim: int, paged: bool, variant) -> Spec | None:
+    """The KV pass for a plan: ``paged`` gathers the cache (K and V), a ``variant`` with
+    ``transform_k`` transforms K (the plan's variant, without run()'s sinks); None when there
+    is nothing to do (ragged, no key transform)."""
+    transform = variant is not None and vbase.Hooks(variant).has_transform_k
+    if not (paged or transform):
+        return None
+    return Spec.make(
+        "kv_pass",
+        arch,
+        dtype=dtype,
+        head_dim=head_dim,
+        paged=bool(paged),
+        **(variant_params(variant) if transform else {}),
+    )
+
+
+def shipped_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=HEAD_DIMS) -> list:
+    """The plain gathers of a paged cache (no key transform)."""
+    if arch != ARCH:
+        return []
+    return [kv_pass_spec(arch, dt, d, True, None) for dt in dtype_names for d in head_dims]

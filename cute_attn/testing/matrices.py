@@ -1,0 +1,99 @@
+"""The test matrices: which variants and configurations the GPU tests and the ``variants`` bench
+run, and the specializations those load (the ``variants`` / ``all`` presets).  Kept out of the
+library modules: what ships for users is the families' business (``families.backends``)."""
+
+from __future__ import annotations
+
+from ..families.decode import PACKED_HEADS, decode_spec
+from ..families.kv_pass import kv_pass_spec
+from ..families.prefill import ARCH as PREFILL_ARCH
+from ..families.prefill import page_box_for, prefill_spec
+from ..variants.builtins import ALiBi, AttentionSink, Causal, CustomMask, FlashSigmoid, RoPE, SlidingWindow, SoftCap
+from ..variants.examples import RelativePositionBias
+from ..wrappers.options import resolve_variant
+
+
+def variant_test_variants():
+    """The variants tests/test_variants_gpu.py and the ``variants`` bench run in decode."""
+    return [
+        Causal(),
+        ALiBi(),
+        RoPE(),
+        AttentionSink(),
+        CustomMask(),
+        FlashSigmoid(),
+        RelativePositionBias(),
+        SlidingWindow() + AttentionSink(),
+        ALiBi() + SoftCap(),
+        RoPE() + AttentionSink(),
+    ]
+
+
+def variant_decode_specs(arch: str):
+    """Decode specializations of the variant GPU tests and bench: every variant of
+    :func:`variant_test_variants` at (bf16, d128) and (f16, d64), the sink kernels of
+    head-packed plans (``run(sinks=)`` after a packed plain or window ``plan()``) and a few
+    packed variants the tests force."""
+    sinks = [AttentionSink(), SlidingWindow() + AttentionSink()]  # run(sinks=) after a packed plan
+    specs = [
+        decode_spec(arch, dt, d, v, h)
+        for dt, d in (("bf16", 128), ("f16", 64))
+        for v, h in [(v, 1) for v in variant_test_variants()] + [(v, h) for v in sinks for h in PACKED_HEADS]
+    ]
+    # packed variants the GPU tests force (tests/test_variants_gpu.py, test_variant_head_packing)
+    return specs + [decode_spec(arch, "bf16", 128, v, 4) for v in (Causal(), ALiBi(), CustomMask())]
+
+
+def variant_test_cases():
+    """The prefill variant cases of tests/test_prefill_variants_gpu.py and the ``variants``
+    bench: (name, resolve_variant keywords, run() takes sinks).  ``causal`` is a no-op name
+    (Causal() maps onto the flag)."""
+    return [
+        ("causal", dict(variant=Causal())),
+        ("alibi", dict(pos_encoding_mode="ALIBI")),
+        ("rope", dict(pos_encoding_mode="ROPE_LLAMA")),
+        ("sink", dict(sinks=True)),
+        ("custom_mask", dict(custom_mask=True)),
+        ("sigmoid", dict(variant=FlashSigmoid())),
+        ("rel_bias", dict(variant=RelativePositionBias())),
+        ("window_sink", dict(window_left=100, sinks=True)),
+        ("alibi_softcap", dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0)),
+        ("rope_sink", dict(pos_encoding_mode="ROPE_LLAMA", sinks=True)),
+        (
+            "alibi_softcap_rel_bias",
+            dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0, variant=RelativePositionBias()),
+        ),
+    ]
+
+
+# (dtype, head_dim, page size (0: ragged), causal) of the GPU tests' configurations (tile 128
+# throughout) and the extra head-dim-256 cases; the bench runs bf16/128 ragged, causal and not.
+VARIANT_TEST_CONFIGS = (("bf16", 128, 0, True), ("bf16", 128, 16, False), ("f16", 64, 1, True), ("f16", 64, 0, False))
+VARIANT_TEST_HD256 = (("rope_sink", ("bf16", 256, 0, True)), ("alibi_softcap", ("bf16", 256, 0, True)))
+
+
+def variant_prefill_specs(arch: str):
+    """Prefill specializations of the variant GPU tests and bench (for the compile presets)."""
+    if arch != PREFILL_ARCH:
+        return []
+    cases = dict(variant_test_cases())
+    todo = [(name, cfg) for name in cases for cfg in VARIANT_TEST_CONFIGS] + list(VARIANT_TEST_HD256)
+    todo += [(name, ("bf16", 128, 0, c)) for name in cases for c in (False, True)]  # bench
+    out, seen = [], set()
+    for name, (dt, d, page_size, causal) in todo:
+        kw = dict(cases[name])
+        paged = page_size > 0
+        # a sink case plans without its sinks (plan() picks that kernel) and runs with them
+        for sinks in (False, True) if kw.get("sinks") else (kw.get("sinks", False),):
+            c, cap, win, v = resolve_variant(causal=causal, **dict(kw, sinks=sinks))
+            specs = [prefill_spec(arch, dt, d, 128, paged, c, cap, win, v, page_box_for(paged, page_size))]
+            if paged:  # plan(kv_pass=True): the pass gathers the cache, then the ragged kernel runs
+                specs.append(prefill_spec(arch, dt, d, 128, False, c, cap, win, v))
+            if not sinks:  # the KV pass is keyed by the plan's variant (run()'s sinks are not in it)
+                specs += [kv_pass_spec(arch, dt, d, p, v) for p in ((False, True) if paged else (False,))]
+            specs = [s for s in specs if s is not None]
+            for spec in specs:
+                if spec not in seen:
+                    seen.add(spec)
+                    out.append(spec)
+    return out
