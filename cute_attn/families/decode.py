@@ -14,7 +14,6 @@ from ..abi.records import WORK_FIELDS
 from ..variants import base as vbase
 from ..variants.builtins import SlidingWindow, SoftCap
 from .base import KernelFamily, cache_arg, i32_arg, register, spec_variant, variant_params
-from .merge import merge_partials_spec
 from .spec import Spec
 
 HEAD_DIMS = (64, 128, 256)
@@ -101,5 +100,5 @@ def shipped_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=HEAD_DIMS) 
         for d in head_dims:
             out += [decode_spec(arch, dt, d, v) for v in SHIPPED_VARIANTS]
             out += [decode_spec(arch, dt, d, v, h) for h in PACKED_HEADS for v in SHIPPED_VARIANTS]
-            out.append(merge_partials_spec(arch, dt, d, TILE_Q))
+            out.append(Spec.make("merge_partials", arch, dtype=dt, head_dim=d, tile_q=TILE_Q))
     return out

@@ -7,12 +7,14 @@ Spec parameters: ``dtype``, ``head_dim``, ``paged`` and, for a key transform, th
 from __future__ import annotations
 
 from ..abi import dtypes
+from ..abi.archs import HOPPER
 from ..abi.args import ScalarArg
 from ..variants import base as vbase
 from .base import KernelFamily, cache_arg, i32_arg, register, spec_variant, variant_params
-from .prefill import ARCH, HEAD_DIMS
 from .spec import Spec
 
+ARCH = HOPPER  # only the Hopper prefill launches it
+HEAD_DIMS = (64, 128, 256)
 CTAS_PER_SM = 8  # the pass's grid per SM (256 threads each; 64 or 80 registers: 3-4 resident)
 
 

@@ -14,7 +14,6 @@ from ..abi.args import ScalarArg, TensorArg
 from ..variants import base as vbase
 from .base import KernelFamily, register, spec_variant, variant_params
 from .decode import decode_abi_fixed
-from .merge import merge_partials_spec
 from .spec import Spec
 
 ARCH = HOPPER
@@ -139,7 +138,12 @@ def merge_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=HEAD_DIMS, ti
     """The ``merge_partials`` specializations for the prefill tiles."""
     if arch != ARCH:
         return []
-    return [merge_partials_spec(arch, dt, d, t) for dt in dtype_names for d in head_dims for t in tiles]
+    return [
+        Spec.make("merge_partials", arch, dtype=dt, head_dim=d, tile_q=t)
+        for dt in dtype_names
+        for d in head_dims
+        for t in tiles
+    ]
 
 
 def shipped_specs(arch: str) -> list:

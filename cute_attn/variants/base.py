@@ -293,11 +293,7 @@ def _parse_value(text: str):
 def _import_class(name: str):
     if name in _BUILTINS:
         return _BUILTINS[name]
-    if ":" not in name:
-        from . import builtins  # noqa: F401  (registers the built-ins)
-
-        if name in _BUILTINS:
-            return _BUILTINS[name]
+    if ":" not in name:  # the package __init__ imported (and so registered) every built-in
         raise ValueError(f"unknown built-in variant {name!r}; known: {sorted(_BUILTINS)}")
     mod, _, qual = name.partition(":")
     obj = importlib.import_module(mod)
