@@ -1,4 +1,4 @@
-"""Decode planner A/B on the GPU (BENCHMARKS, session 4): planner settings (alpha,
+"""Decode planner A/B on the GPU (docs/history/benchmarks-notebook.md, decode): planner settings (alpha,
 min_kv_chunk) with the same kernel on the bench's batches, CUDA-graph replay, the settings
 measured alternately (best of 3 medians), each output compared with the default's.
 

@@ -81,7 +81,7 @@ def device_name() -> str:
 
 
 class Results:
-    """Collects {"case","impl","metric","value","device","commit","date"} records (DESIGN §9)."""
+    """Collects {"case","impl","metric","value","device","commit","date"} records (docs/design.md §10)."""
 
     def __init__(self):
         self.records: list = []

@@ -5,7 +5,7 @@ it when causal (FA's convention: 4·b·h·s²·d/2); a padded baseline is charge
 FLOPs, so padding shows as a lower rate.  Times are medians (``common.do_bench``) of eager
 calls; ours is ``run()`` of a planned wrapper (``plan()`` is per batch, not per layer).
 
-Cases (records as DESIGN §9; ``ratio`` under a baseline's impl = its time over ours, i.e. our
+Cases (records as docs/design.md §10; ``ratio`` under a baseline's impl = its time over ours, i.e. our
 speed-up over it; under ``cute_attn`` = our time over the reference case's: paged over ragged,
 soft-cap over plain attention):
 
@@ -25,8 +25,7 @@ Ours (ragged, the four paged rows, soft-cap) and the SDPA baselines of the s8192
 one call at a time in turns (ragged, page 16, ..., cuDNN, flash, ragged, ...; 25 calls each,
 CUDA events per call, medians): the H200's clocks drift by up to ~15 % within seconds (boost
 first, lower under sustained load), so times taken apart -- even best-of-N in alternating rounds
--- gave paged / ragged ratios from 1.03 to 1.14 for the same kernels (session 10, device runs
-10-15). Each wrapper plans once on a workspace of its own, so all stay planned through the turns.
+-- gave paged / ragged ratios from 1.03 to 1.14 for the same kernels. Each wrapper plans once on a workspace of its own, so all stay planned through the turns.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The on-disk module cache: ``<root>/<arch>/<key>/{module.so, kernel.ptx, kernel.cubin, kernel.h, meta.json}``.
 
-Rules (DESIGN §7):
+Rules (docs/design.md §4):
 - An entry appears atomically: it is built in a temporary directory next to its final place
   and renamed into place, so a reader never sees half an entry.
 - Several processes compiling the same key serialize on a lock file; the second one finds the

@@ -7,7 +7,7 @@ module leaves undefined resolve against it.
 
 The launch path is kept short because ``run()`` is called every decode step: one
 ``struct.pack_into`` of all arguments into a per-thread buffer whose pointer array was built
-once, then one ctypes call.  ``scripts/bench_launch.py`` measures it.
+once, then one ctypes call.  ``cute_attn/bench/launch.py`` measures it.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ pairwise refinement, wrap-around split (+ pairwise refinement of its pieces).
 round 1 to CTAs C-1..0, and so on (boustrophedon). It needs no load bookkeeping at all:
 the CTA of item i and each CTA's item list depend on (i, C) alone, so they are cached
 tables, and the records come out CTA-major without a sort. For items of about equal cost
--- the common decode batch -- it balances about as well as LPT (BENCH_NOTES.md), and it
+-- the common decode batch -- it balances about as well as LPT (BENCHMARKS.md, scheduler), and it
 keeps the LPT bound: two CTAs' loads differ by at most the sum over rounds of the
 round's spread (its largest - smallest item; plus the last, partial round's largest
 item), and the rounds are disjoint stretches of the sorted costs, so that sum is at most

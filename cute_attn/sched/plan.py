@@ -103,7 +103,7 @@ class Planner:
     and keeps the LPT bound) (``assign`` module doc). The pre-cut candidate comes first
     because the kernel pays for every item and every split more than the model says:
     the wrap-around rule packs runs of short items onto a few CTAs and cuts an item at
-    almost every CTA boundary (BENCH_NOTES.md, "H200 decode regression").
+    almost every CTA boundary (docs/history/benchmarks-notebook.md, "H200 decode regression").
     """
 
     def __init__(

@@ -31,7 +31,7 @@ one-to-one with FlashInfer (and with ``cute_attn``'s drop-in wrappers):
   ``lse = log2(sum_j exp(s_j)) = logsumexp(s) * log2(e)``.
   A row that sees no key gets ``out = 0`` and ``lse = -inf`` (never NaN).
 
-Attention states merge with the ⊕ operator (DESIGN.md §2), here in base 2:
+Attention states merge with the ⊕ operator (docs/design.md §6), here in base 2:
 ``s = log2(2^s_a + 2^s_b)``, ``v = (2^s_a v_a + 2^s_b v_b) / 2^s``; see
 :func:`merge_state_reference` / :func:`merge_states_reference`.
 

@@ -1,4 +1,4 @@
-"""Attention variants traced into the kernels (DESIGN.md §6; interface: docs/variants.md).
+"""Attention variants traced into the kernels (docs/design.md §7; interface: docs/variants.md).
 
 Importable without the CuTe DSL: hooks reach the DSL lazily through :mod:`.dsl`.
 """

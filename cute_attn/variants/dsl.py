@@ -110,7 +110,7 @@ def sincos_multiple(n, angle):
     shift-and-add (``LEA.HI``).  Per element: IMAD, LEA.HI, FFMA, then the hardware sin and
     cos -- against an FMUL, two FFMAs and an FRND (a quarter-rate conversion, on the pipe MUFU
     uses) for the reduction in :func:`sincos`.  Measured on the H200: RoPE decode 4.5-4.9 %
-    faster (session 7).
+    faster.
 
     Error of the reduced angle, in radians: |n| * 2pi * 2^-33 from G's rounding (7.3e-6 at
     n = 10^4, 7.3e-5 at 10^5; it dominates for angles below ~0.02 rad, where G keeps fewer

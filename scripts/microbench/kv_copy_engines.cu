@@ -13,7 +13,7 @@
 // The "+mma" modes add decode's per-block math (mma.sync QK^T, online softmax, PV) to cpasync16,
 // then variants of its per-item epilogue (see the names in main()).  Cases: decode's benchmark
 // shapes from HBM, and a 16 MB cache read 64 times over (L2-resident).  Findings: BENCHMARKS.md,
-// "Paged decode -- session 8".
+// "What bounds decode" (docs/history/benchmarks-notebook.md).
 // Build: nvcc -O3 -arch=sm_90a -std=c++17 kv_copy_engines.cu -o kv_copy_engines
 // Run:   ./kv_copy_engines   (prints one line per case and mode: time, TB/s)
 #include <cuda.h>
