@@ -25,7 +25,8 @@ Ours (ragged, the four paged rows, soft-cap) and the SDPA baselines of the s8192
 one call at a time in turns (ragged, page 16, ..., cuDNN, flash, ragged, ...; 25 calls each,
 CUDA events per call, medians): the H200's clocks drift by up to ~15 % within seconds (boost
 first, lower under sustained load), so times taken apart -- even best-of-N in alternating rounds
--- gave paged / ragged ratios from 1.03 to 1.14 for the same kernels. Each wrapper plans once on a workspace of its own, so all stay planned through the turns.
+-- gave paged / ragged ratios from 1.03 to 1.14 for the same kernels.
+Each wrapper plans once on a workspace of its own, so all stay planned through the turns.
 """
 
 from __future__ import annotations
