@@ -64,7 +64,13 @@ def _fake_build(payload: bytes):
     def build(tmp: Path):
         (tmp / "module.so").write_bytes(payload)
         (tmp / "kernel.ptx").write_text("ptx")
-        return {"build_id": uuid.uuid4().hex, "dsl_version": cache.installed_dsl_version()}
+        return {
+            "build_id": uuid.uuid4().hex,
+            "dsl_version": cache.installed_dsl_version(),
+            "spec": {"family": "merge_states"},
+            "abi": [],
+            "symbols": {"init": "i", "load": "l", "launch": "x", "num_args": 2},
+        }
 
     return build
 
@@ -118,8 +124,7 @@ def test_stale_dsl_version_is_rebuilt_only_with_dsl(tmp_cache, monkeypatch):
     s = _spec()
 
     def old_build(tmp):
-        (tmp / "module.so").write_bytes(b"x")
-        return {"dsl_version": "0.0.1"}
+        return dict(_fake_build(b"x")(tmp), dsl_version="0.0.1")
 
     cache.publish(s, old_build)
     monkeypatch.setattr(cache, "installed_dsl_version", lambda: "9.9.9")
@@ -203,3 +208,96 @@ def test_instruction_checks_match_and_count():
     # the prefill family's own ratio check is the counting form, not a bare regex
     found = check_instructions(BATCH_PREFILL_SM90.expect["sm_90a"], "wgmma.mma_async setmaxnreg", serialized)
     assert found["wgmma async (SASS)"] is False
+
+
+def _published(s):
+    with cache.key_lock(s):
+        return cache.publish(s, _fake_build(b"\x7fELF" + os.urandom(64)))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda m: dict(m, files=list(m["files"])),  # "files" a list
+        lambda m: {k: v for k, v in m.items() if k != "symbols"},  # "symbols" missing
+        lambda m: dict(m, symbols={"init": "i"}),  # symbols incomplete
+        lambda m: dict(m, abi="not a list"),
+        lambda m: [m],  # not an object at all
+        lambda m: dict(m, files={"../module.so": "0" * 64}),  # a path outside the entry
+    ],
+)
+def test_meta_of_the_wrong_shape_is_corrupt_and_rebuilt(tmp_cache, damage):
+    """A meta.json that parses but has the wrong shape counts as corrupt (never an
+    AttributeError / KeyError in the loader), and the next build replaces it."""
+    s = _spec(damage=str(uuid.uuid4()))
+    found = _published(s)
+    meta_path = found.path / cache.META
+    meta_path.write_text(json.dumps(damage(json.loads(meta_path.read_text()))))
+    look = cache.lookup(s)
+    assert look.meta is None and look.problem.startswith("corrupt"), look.problem
+    assert _published(s).meta is not None
+
+
+def test_lock_times_out_naming_its_holder(tmp_cache):
+    s = _spec(lock=str(uuid.uuid4()))
+    with cache.key_lock(s):
+        t0 = time.monotonic()
+        with pytest.raises(cache.CacheError, match=f"held by pid {os.getpid()}"):
+            with cache.key_lock(s, timeout=0.3):
+                pass
+        assert 0.25 < time.monotonic() - t0 < 5
+    with cache.key_lock(s, timeout=0.3):  # released: taken at once
+        pass
+
+
+def test_leftovers_of_killed_builds_are_removed(tmp_cache):
+    s = _spec(left=str(uuid.uuid4()))
+    parent = cache.entry_dir(s).parent
+    parent.mkdir(parents=True, exist_ok=True)
+    stale = [parent / f".tmp-{s.key}-dead", parent / f".trash-{s.key}-1-2"]
+    other = parent / ".tmp-someotherkey-x"
+    for p in stale + [other]:
+        p.mkdir()
+        (p / "module.so").write_bytes(b"half")
+    _published(s)
+    assert not any(p.exists() for p in stale)
+    assert other.exists()  # another key's build may still be running
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_cache_gives_a_clear_error(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(cache.CacheError, match="CUTE_ATTN_CACHE_DIR"):
+            with cache.key_lock(_spec(), root=ro):
+                pass
+    finally:
+        ro.chmod(0o755)
+
+
+def test_unwritable_cache_gives_a_clear_error(tmp_path):
+    """A cache root that is a file (so nothing can be created under it, even as root)."""
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    with pytest.raises(cache.CacheError, match="writable"):
+        with cache.key_lock(_spec(), root=blocked):
+            pass
+
+
+@pytest.mark.compile
+def test_compile_with_a_space_in_tmpdir(tmp_path):
+    """The DSL's dump directory lives under TMPDIR and is passed in its option string."""
+    tmpdir = tmp_path / "with space"
+    tmpdir.mkdir()
+    spec = "merge_states:dtype=bf16,head_dim=64,load_batch=2"
+    env = dict(os.environ, TMPDIR=str(tmpdir), CUTE_ATTN_CACHE_DIR=str(tmp_path / "c"))
+    out = subprocess.run(
+        [sys.executable, "-m", "cute_attn", "compile", "--arch", "sm_90a", "--spec", spec],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert cache.lookup(Spec.parse(spec, "sm_90a"), tmp_path / "c").meta is not None

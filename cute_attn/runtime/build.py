@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -157,7 +158,7 @@ def compile_into(spec: Spec, out: Path) -> dict:
             jit_fn,
             *_fake_args(cute, args),
             make_fake_stream(),
-            options=f"--gpu-arch {spec.arch} --keep-ptx --keep-cubin --dump-dir {dump}",
+            options=f"--gpu-arch {spec.arch} --keep-ptx --keep-cubin --dump-dir {shlex.quote(dump)}",
         )
     compile_s = time.perf_counter() - t0
 
