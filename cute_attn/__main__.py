@@ -1,8 +1,10 @@
 """``python -m cute_attn {compile,info,bench}``.
 
 compile  build specializations for one or more arches into the module cache (no GPU needed;
-         needs nvidia-cutlass-dsl).  ``--jobs`` worker processes per arch (the DSL takes its
-         target arch from the environment when it is imported), each a share of the specs.
+         needs nvidia-cutlass-dsl): a preset, single specs, or a model's kernel set
+         (``--model NAME_OR_CONFIG``, cute_attn/models.py).  ``--jobs`` worker processes in
+         all (default: the available cores), each a share of one arch's specs (the DSL takes
+         its target arch from the environment when it is imported).
 info     versions, cache location and contents, CUDA runtime and GPU (if any).
 bench    side-by-side benchmarks on a GPU machine (see cute_attn/bench/).
 """
@@ -48,15 +50,32 @@ def _compile_worker(args) -> int:
 
 
 def _cmd_compile(args) -> int:
+    from .abi.archs import ARCHS
     from .families.spec import Spec
     from .presets import preset_specs
 
-    archs = args.arch or ["sm_90a", "sm_100a"]
-    jobs = []  # (arch, specs) per worker: round-robin shares of each arch's specs
+    archs = args.arch or list(ARCHS)
+    per_arch = {}
     for arch in archs:
-        specs = [Spec.parse(s, arch) for s in args.spec] if args.spec else preset_specs(args.preset, arch)
+        if args.spec:
+            per_arch[arch] = [Spec.parse(s, arch) for s in args.spec]
+        elif args.model:
+            from .models import model_specs, resolve_model
+
+            per_arch[arch] = model_specs(resolve_model(args.model), arch)
+        else:
+            per_arch[arch] = preset_specs(args.preset, arch)
+    if args.list:
+        for arch, specs in per_arch.items():
+            for s in specs:
+                print(f"{arch} {s.cli()}")
+        return 0
+    n_jobs = args.jobs or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    total_specs = sum(len(v) for v in per_arch.values()) or 1
+    jobs = []  # (arch, specs) per worker: round-robin shares of each arch's specs
+    for arch, specs in per_arch.items():
         texts = [s.cli() for s in specs]
-        n = max(1, min(args.jobs, len(texts)))
+        n = max(1, min(round(n_jobs * len(texts) / total_specs) or 1, len(texts)))
         jobs += [(arch, texts[i::n]) for i in range(n) if texts[i::n]]
     total = sum(len(v) for _, v in jobs)
     procs = []
@@ -155,19 +174,23 @@ def _cmd_bench(args) -> int:
 
 
 def main(argv=None) -> int:
+    from .abi.archs import ARCHS
+
     ap = argparse.ArgumentParser(
         prog="python -m cute_attn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("compile", help="compile specializations into the cache")
-    c.add_argument("--arch", action="append", choices=["sm_90a", "sm_100a"], help="repeatable; default both")
+    c.add_argument("--arch", action="append", choices=list(ARCHS), help="repeatable; default all")
     c.add_argument("--preset", default="default", help="named set of specializations (cute_attn/presets.py)")
     c.add_argument(
         "--spec", action="append", help="one specialization, 'family:k=v,...' (repeatable; overrides --preset)"
     )
     c.add_argument("--out", help="cache directory (default $CUTE_ATTN_CACHE_DIR or ~/.cache/cute_attn)")
     c.add_argument("--force", action="store_true", help="rebuild even if cached")
-    c.add_argument("--jobs", "-j", type=int, default=1, help="worker processes per arch (default 1)")
+    c.add_argument("--model", help="a model's kernel set: a built-in name or a config.json (cute_attn/models.py)")
+    c.add_argument("--list", action="store_true", help="print the specializations, one per line, and stop")
+    c.add_argument("--jobs", "-j", type=int, default=0, help="worker processes in all (default: available cores)")
     w = sub.add_parser("_compile_worker")
     w.add_argument("--arch", required=True)
     w.add_argument("--spec", dest="specs", action="append", default=[])

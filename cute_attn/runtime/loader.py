@@ -262,7 +262,8 @@ def get_module(spec: Spec, root: Optional[Path] = None) -> Module:
                     f"kernel {spec.describe()} is not in the cache at {where} ({found.problem}) and the CuTe DSL "
                     f"is not installed here to compile it. Build it on any machine with nvidia-cutlass-dsl "
                     f"(no GPU needed): python -m cute_attn compile --arch {spec.arch} --spec '{spec.cli()}' "
-                    f"--out DIR, then point CUTE_ATTN_CACHE_DIR at DIR."
+                    f"--out DIR (or a model's whole kernel set: compile --model NAME_OR_CONFIG_JSON --out "
+                    f"DIR), then point CUTE_ATTN_CACHE_DIR at DIR."
                 )
             found = build(spec, root)
         mod = Module(spec, found.path, found.meta)

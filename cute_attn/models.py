@@ -1,0 +1,169 @@
+"""A model's attention, read from its Hugging Face ``config.json`` (or a built-in name), and the
+kernel specializations serving it can load: ``python -m cute_attn compile --model CONFIG``.
+
+What a serving step of such a model calls, and so what is compiled per arch:
+
+* decode (both arches): every layer kind's variant -- plain, sliding window, soft-cap, and
+  with ``run(sinks=)`` the same + sinks -- at one kv head per work item and at the head
+  packings the wrapper may choose (2 / 4 heads where ``heads * group <= 16``), and the
+  partials' merge of the decode tile;
+* prefill (Hopper): causal (a request's own tokens) and non-causal (a cascade's shared prefix)
+  at the planner's 64- and 128-row tiles, ragged and paged (TMA page boxes for page sizes
+  k*16, the cp.async gather for the others, the KV pass's gather), with the layer kinds' flags
+  and sinks; the speculative-decoding tree mask (a custom mask over a paged cache); the
+  partials' merges of the prefill tiles;
+* the ⊕ merges the cascade uses (``merge_pair``, masked or not, and ``merge_states``).
+
+RoPE is the engine's (applied before attention), so no RoPE kernels are compiled; a model with
+a head dim no kernel serves is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .abi.archs import HOPPER
+from .abi.dtypes import ATTENTION
+from .families import decode, kv_pass, merge, prefill
+from .families.decode import decode_spec
+from .families.prefill import PAGE_BOX, page_box_for, prefill_spec
+from .variants.builtins import AttentionSink, SlidingWindow, SoftCap
+from .wrappers.options import resolve_variant
+
+
+@dataclass(frozen=True)
+class ModelAttention:
+    """What of a model's config shapes its attention kernels."""
+
+    name: str
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bf16"  # spec name of torch_dtype
+    sliding_window: Optional[int] = None  # layers with a window (all, or some: layer kinds)
+    global_layers: bool = True  # layers without a window exist too
+    logits_soft_cap: Optional[float] = None
+    sinks: bool = False
+
+    @property
+    def group(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "f16", "half": "f16"}
+
+BUILTIN = {
+    "llama-3": ModelAttention("llama-3", 32, 8, 128),
+    "llama-3-70b": ModelAttention("llama-3-70b", 64, 8, 128),
+    "qwen3": ModelAttention("qwen3", 32, 8, 128),
+    "mistral": ModelAttention("mistral", 32, 8, 128, sliding_window=4096, global_layers=False),
+    "gemma-2": ModelAttention("gemma-2", 16, 8, 256, sliding_window=4096, logits_soft_cap=50.0),
+    "gemma-3": ModelAttention("gemma-3", 16, 8, 256, sliding_window=1024),
+    "gpt-oss": ModelAttention("gpt-oss", 64, 8, 64, sliding_window=128, sinks=True),
+    "phi-3": ModelAttention("phi-3", 40, 10, 128),  # Phi-3-medium (Phi-3-mini's head dim 96 is not served)
+    "phi-4": ModelAttention("phi-4", 40, 10, 128),
+}
+ALIASES = {"llama-3.1": "llama-3", "llama-3.2": "llama-3", "llama-3.3": "llama-3-70b", "phi-3-medium": "phi-3"}
+
+
+def from_config(cfg: dict, name: str = "model") -> ModelAttention:
+    """The attention of a Hugging Face ``config.json`` (a multimodal config's ``text_config``)."""
+    cfg = dict(cfg.get("text_config") or {}, **{k: v for k, v in cfg.items() if k != "text_config"})
+    hq = int(cfg["num_attention_heads"])
+    hk = int(cfg.get("num_key_value_heads") or hq)
+    d = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // hq)
+    dt = _DTYPE_NAMES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", ""))
+    if dt is None:
+        raise ValueError(f"{name}: torch_dtype {cfg.get('torch_dtype')!r} has no attention kernels (fp16/bf16)")
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) is not False else None
+    types = cfg.get("layer_types") or []
+    kinds = set(types)
+    global_layers = bool(
+        window is None
+        or kinds & {"full_attention"}
+        or cfg.get("sliding_window_pattern")
+        or cfg.get("_sliding_window_pattern")
+        or cfg.get("model_type") in ("gemma2", "gemma3", "gemma3_text", "gpt_oss")
+    )
+    if types and "sliding_attention" not in kinds:
+        window = None
+    cap = cfg.get("attn_logit_softcapping")
+    sinks = cfg.get("model_type") == "gpt_oss" or bool(cfg.get("attention_sinks"))
+    return ModelAttention(name, hq, hk, d, dt, int(window) if window else None, global_layers, cap, sinks)
+
+
+def resolve_model(text: str) -> ModelAttention:
+    """A built-in name (``BUILTIN``) or the path of a ``config.json``."""
+    key = ALIASES.get(text.lower(), text.lower())
+    if key in BUILTIN:
+        return BUILTIN[key]
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--model {text!r}: neither a built-in model ({', '.join(sorted(BUILTIN))}) nor a config.json")
+    return from_config(json.loads(path.read_text()), path.parent.name or path.stem)
+
+
+def _check(m: ModelAttention) -> None:
+    if m.head_dim not in decode.HEAD_DIMS:
+        raise ValueError(f"{m.name}: head_dim {m.head_dim} is not served yet (kernels: {decode.HEAD_DIMS})")
+    if m.num_qo_heads % m.num_kv_heads:
+        raise ValueError(f"{m.name}: {m.num_qo_heads} query heads are not a multiple of {m.num_kv_heads} kv heads")
+    if m.dtype not in ATTENTION:
+        raise ValueError(f"{m.name}: dtype {m.dtype} has no attention kernels")
+
+
+def _layer_kinds(m: ModelAttention) -> list:
+    """(window, soft_cap) per kind of layer."""
+    kinds = []
+    if m.sliding_window is None or m.global_layers:
+        kinds.append((False, m.logits_soft_cap is not None))
+    if m.sliding_window is not None:
+        kinds.append((True, m.logits_soft_cap is not None))
+    return kinds
+
+
+def _decode_variant(window: bool, soft_cap: bool):
+    """The decode wrapper's composition: soft-cap, then the window."""
+    parts = ([SoftCap()] if soft_cap else []) + ([SlidingWindow()] if window else [])
+    return None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
+def model_specs(m: ModelAttention, arch: str) -> list:
+    """The specializations a serving step of ``m`` may load on ``arch`` (see the module doc)."""
+    _check(m)
+    dt, d = m.dtype, m.head_dim
+    heads = [1] + [h for h in decode.PACKED_HEADS if m.num_kv_heads % h == 0 and h * m.group <= decode.TILE_Q]
+    specs = []
+    for window, cap in _layer_kinds(m):
+        base = _decode_variant(window, cap)
+        for v in [base] + ([AttentionSink() if base is None else base + AttentionSink()] if m.sinks else []):
+            specs += [decode_spec(arch, dt, d, v, h) for h in heads]
+    specs.append(merge.merge_partials_spec(arch, dt, d, decode.TILE_Q))
+    specs += [merge.merge_pair_spec(arch, dt, d, masked) for masked in (False, True)]
+    specs.append(merge.merge_states_spec(arch, dt, d))
+    if arch != HOPPER:
+        return list(dict.fromkeys(specs))
+    boxes = (page_box_for(True, PAGE_BOX), page_box_for(True, 1))
+    for window, cap in _layer_kinds(m):
+        for causal in (True, False):
+            for sinks in (False, True) if m.sinks else (False,):
+                c, cap_flag, win, v = resolve_variant(
+                    causal=causal, window_left=1 if window else -1, logits_soft_cap=50.0 if cap else None, sinks=sinks
+                )
+                for tile in prefill.TILES:
+                    specs.append(prefill_spec(arch, dt, d, tile, False, c, cap_flag, win, v))
+                    specs += [prefill_spec(arch, dt, d, tile, True, c, cap_flag, win, v, pb) for pb in boxes]
+        # speculative decoding: a tree mask over the paged cache (short queries: the small tile)
+        c, cap_flag, win, v = resolve_variant(
+            custom_mask=True, window_left=1 if window else -1, logits_soft_cap=50.0 if cap else None
+        )
+        for tile in prefill.TILES:
+            specs += [prefill_spec(arch, dt, d, tile, True, c, cap_flag, win, v, pb) for pb in boxes]
+    specs.append(kv_pass.kv_pass_spec(arch, dt, d, True, None))
+    specs += [merge.merge_partials_spec(arch, dt, d, t) for t in prefill.TILES]
+    return list(dict.fromkeys(specs))
