@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Every kernel family under the four compute-sanitizer tools, on small cases
+# (scripts/sanitize_cases.py), on a GPU machine with a kernel cache (no DSL needed).
+#   usage: scripts/sanitize.sh [CACHE_DIR=build/aot] [LOG_DIR=${OUT:-build/sanitize}]
+# Prints one line per tool: its error summary.  Only our kernels are instrumented
+# (--kernel-name-exclude skips PyTorch's own: their names hold "native").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+cache=$(realpath "${1:-build/aot}"); logs=${2:-${OUT:-build/sanitize}}
+mkdir -p "$logs"
+export CUTE_ATTN_CACHE_DIR=$cache PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+rc=0
+for tool in memcheck racecheck initcheck synccheck; do
+  extra=()
+  [ "$tool" = memcheck ] && extra=(--leak-check no)
+  compute-sanitizer --tool "$tool" "${extra[@]}" --kernel-name-exclude kns=native --print-limit 20 \
+      python3 scripts/sanitize_cases.py > "$logs/sanitize_$tool.log" 2>&1
+  code=$?
+  summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$logs/sanitize_$tool.log" | tail -1)
+  cases=$(grep -c "^case .*: ran" "$logs/sanitize_$tool.log")
+  echo "$tool: exit $code, $cases cases ran, ${summary:-no summary}"
+  [ $code -ne 0 ] && rc=1
+done
+exit $rc
