@@ -12,7 +12,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
-import cute_attn.decode as Dm
+import cute_attn.wrappers.decode as Dm
 from cute_attn.bench.decode import HK, HQ, D, _paged
 
 Orig = Dm.Planner

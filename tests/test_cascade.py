@@ -308,7 +308,7 @@ class _RefDecode:
 @pytest.fixture
 def emu_cascade(emu, monkeypatch):
     """The prefill emulation, the reference decode and the reference ⊕ for merge_state_in_place."""
-    import cute_attn.cascade as C
+    import cute_attn.wrappers.cascade as C
 
     merges = []
 

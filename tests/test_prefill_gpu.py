@@ -918,7 +918,7 @@ class _Emulated:
 @pytest.fixture
 def emu(monkeypatch):
     """Patch what needs a GPU; returns the list of emulated launches (family, spec params)."""
-    import cute_attn.prefill as P
+    import cute_attn.wrappers.prefill_base as P
 
     calls = []
     state = {"arch": "sm_90a", "capturing": False}
@@ -1139,7 +1139,7 @@ def test_cpu_kv_pass_choice(emu):
 def test_cpu_kv_pass_missing_kernels(emu, monkeypatch):
     """A cache without the KV pass's kernels: the model's choice falls back to the in-kernel
     gather; an explicit kv_pass=True fails with the loader's error."""
-    import cute_attn.prefill as P
+    import cute_attn.wrappers.prefill_base as P
     from cute_attn.runtime.loader import KernelNotAvailable
 
     load = P.kernel

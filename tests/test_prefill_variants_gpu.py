@@ -704,7 +704,7 @@ def _emulate_variant_prefill(
 
 @pytest.fixture
 def emu(monkeypatch):
-    import cute_attn.prefill as P
+    import cute_attn.wrappers.prefill_base as P
 
     calls = []
     monkeypatch.setattr(P, "arch_of_index", lambda i: "sm_90a")

@@ -1,0 +1,439 @@
+"""Batch decode on a paged KV cache, FlashInfer-compatible: ``BatchDecodeWithPagedKVCacheWrapper``.
+
+``plan()`` runs the CPU scheduler (``cute_attn.sched``) and uploads its work lists into the
+user's ``float_workspace_buffer`` at fixed offsets; ``run()`` launches the persistent decode
+kernel (``kernels/decode.py``) and, when the plan split some KV, the persistent ⊕ merge
+kernel.  NHD and HND layouts, ``(k, v)`` tuples and single ``[pages, 2, ...]`` tensors are
+all passed to one kernel as strided ``[pages, page_size, kv_heads, head_dim]`` views.
+
+Variants (docs/variants.md): FlashInfer's options map onto built-ins (``logits_soft_cap`` ->
+``SoftCap``, ``window_left`` -> ``SlidingWindow``, ``pos_encoding_mode="ALIBI"`` -> ``ALiBi``,
+``"ROPE_LLAMA"`` -> ``RoPE``, ``run(sinks=)`` -> ``AttentionSink``; ``options.decode_variant``);
+``plan(variant=...)`` adds any other variant, whose runtime arguments follow the cache in
+``run(q, kv, *args)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import numpy as np
+import torch
+
+from ..families.backends import backend_for
+from ..families.base import variant_params
+from ..families.decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
+from ..families.decode import PACKED_HEADS, SHIPPED_VARIANTS, decode_spec
+from ..families.merge import merge_partials_spec
+from ..runtime.arch import arch_of_index, sm_count_of_index
+from ..runtime.loader import kernel
+from ..sched import Limits, Planner, kv_lens_from_paged
+from ..sched.inputs import as_index_array, check_indptr
+from ..variants import base as vbase
+from ..variants.binding import VariantBinding
+from ..variants.builtins import CustomMask, mask_kv_bounds
+from . import common
+from .masks import device_mask, packed_mask
+from .options import check_options, decode_variant
+from .plans import DecodePlanState
+
+# Head packing (h kv heads per work item) is chosen where, with it, the batch still has at
+# least this many items per CTA and no item is longer than a CTA's fair share: the items
+# then balance whole, and packing only saves item boundaries (fewer epilogues and record
+# loads).  Where packing would make the planner cut items instead, it costs more than it
+# saves (BENCHMARKS.md: lognormal batch of 128 +1.4 %, batch 128 x 2k at h = 4 +3 %).
+MIN_PACKED_ITEMS_PER_CTA = 1.9
+_SHIPPED_PACKED: Optional[set] = None  # SHIPPED_VARIANTS' spec parameters, made on first use
+
+
+def _packed_kernel_ships(variant) -> bool:
+    """Whether the compile presets hold packed kernels of ``variant`` (``SHIPPED_VARIANTS``)."""
+    global _SHIPPED_PACKED
+    if _SHIPPED_PACKED is None:
+        _SHIPPED_PACKED = {tuple(variant_params(v).items()) for v in SHIPPED_VARIANTS}
+    return tuple(variant_params(variant).items()) in _SHIPPED_PACKED
+
+
+class BatchDecodeWithPagedKVCacheWrapper(common.WrapperBase):
+    """FlashInfer's batch decode wrapper.  ``plan()`` once per step (shared by all layers),
+    ``run()`` per layer.  With ``use_cuda_graph=True`` a captured ``run()`` stays valid when
+    ``plan()`` is called again with other lengths/batch composition within the buffers' sizes.
+    """
+
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        use_tensor_cores: bool = False,
+        paged_kv_indptr_buffer: Optional[torch.Tensor] = None,
+        paged_kv_indices_buffer: Optional[torch.Tensor] = None,
+        paged_kv_last_page_len_buffer: Optional[torch.Tensor] = None,
+        backend: str = "auto",
+        jit_args=None,
+        ctas_per_sm: Optional[int] = None,
+    ):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph)
+        common.reject_unsupported(jit_args=jit_args)
+        self._ctas_per_sm = ctas_per_sm  # None: the most that fit for the head dim
+        if use_cuda_graph:
+            common.check_index_buffers(
+                (
+                    ("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
+                    ("paged_kv_indices_buffer", paged_kv_indices_buffer),
+                    ("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer),
+                ),
+                "sized for the largest batch",
+            )
+        self._indptr_buf = paged_kv_indptr_buffer
+        self._indices_buf = paged_kv_indices_buffer
+        self._graph_hpi = None  # CUDA-graph mode: the first plan's, kept (the captured kernel's)
+        self._mask_bufs = None  # CUDA-graph mode: the custom mask's tensors, sized by the first plan
+
+    @property
+    def _hpi(self) -> int:
+        """kv heads per work item of the current plan (1 before any)."""
+        return 1 if self._state is None else self._state.hpi
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
+        """Use another workspace from the next ``plan()`` on (FlashInfer's method; the int
+        workspace is not used: the plan lives in the float one)."""
+        super().reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
+        self._graph_hpi = None  # graphs captured on the old workspace are void: capture again
+
+    def plan(
+        self,
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        pos_encoding_mode: str = "NONE",
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        q_data_type="float16",
+        kv_data_type=None,
+        data_type=None,
+        sm_scale: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+        non_blocking: bool = True,
+        o_data_type=None,
+        block_tables: Optional[torch.Tensor] = None,
+        seq_lens: Optional[torch.Tensor] = None,
+        fixed_split_size: Optional[int] = None,
+        disable_split_kv: bool = False,
+        variant=None,
+        custom_mask: Optional[torch.Tensor] = None,
+        packed_custom_mask: Optional[torch.Tensor] = None,
+        heads_per_item: Optional[int] = None,
+    ) -> None:
+        """FlashInfer's arguments.  ``fixed_split_size`` (in pages, as FlashInfer): every request's
+        KV is cut at multiples of it and nothing else, so a request's output is bitwise the same
+        whatever else is in the batch.  ``disable_split_kv``: no request is split (one work item
+        per request and kv head).
+
+        Variants: ``pos_encoding_mode`` ``"ALIBI"`` (slopes from the head count, as FlashInfer's
+        ``get_alibi_slopes``) or ``"ROPE_LLAMA"`` (``rope_scale`` default 1, ``rope_theta``
+        default 1e4; the query sits at position ``kv_len - 1``, key ``j`` at ``j``), soft-cap,
+        window, and (extensions: FlashInfer's decode has none of them) ``custom_mask`` (flat
+        bool, concatenated ``[1, kv_len]`` rows) or ``packed_custom_mask`` (its bits, packed
+        per request as FlashInfer's prefill) and ``variant`` (any ``cute_attn.variants.Variant``,
+        applied after the built-ins).
+
+        ``heads_per_item`` (an extension): kv heads per work item, 1, 2 or 4 (head packing,
+        ``kernels/decode.py``; more than 1 only for softmax variants without query/key
+        transforms -- not RoPE -- and with ``heads_per_item * group <= 16``).  Default: 4 or 2
+        where the batch keeps ``MIN_PACKED_ITEMS_PER_CTA`` items per CTA with it and no packed
+        item exceeds a CTA's share, for the plain kernel, soft-cap and window (the kernels the
+        presets ship), else 1; 1 with ``fixed_split_size`` / ``disable_split_kv`` (packing
+        changes the summation order).  With ``use_cuda_graph=True`` the first plan's choice
+        holds for every later plan, ``fixed_split_size`` ones included (the captured launch
+        keeps its kernel): give the first plan ``heads_per_item=1`` for outputs bitwise equal
+        to an eager wrapper's in batch-invariant mode."""
+        check_options(pos_encoding_mode, variant)
+        common.check_heads(num_qo_heads, num_kv_heads, head_dim, SUPPORTED_HEAD_DIMS)
+        q_dtype = common.plan_dtype(data_type if data_type is not None else q_data_type, kv_data_type, o_data_type)
+        if block_tables is not None or seq_lens is not None:
+            raise NotImplementedError(
+                "block_tables / seq_lens (the trtllm-gen backend's inputs) are not supported; "
+                "pass indptr / indices / last_page_len"
+            )
+        common.check_plan_scalars(window_left, logits_soft_cap, fixed_split_size, "pages")
+        common.check_plan_not_captured()
+        hq, hk, head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
+
+        indptr_h = as_index_array("indptr", indptr)
+        check_indptr("indptr", indptr_h)
+        batch = indptr_h.shape[0] - 1
+        indices_t = common.int32_tensor(indices)
+        host_indices = None if indices_t.is_cuda else indices_t.cpu()
+        # kv lengths, checked, once per plan: the planner, the packing rule and a custom mask use them
+        kv_lens = kv_lens_from_paged(indptr_h, last_page_len, page_size, kv_indices=host_indices)
+        mask = None
+        if custom_mask is not None or packed_custom_mask is not None:
+            mask = self._custom_mask(custom_mask, packed_custom_mask, kv_lens)
+        var = decode_variant(
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            pos_encoding_mode=pos_encoding_mode,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+            custom_mask=mask,
+            variant=variant,
+        )
+        hooks = vbase.Hooks(var)
+        if hooks.has_output:
+            disable_split_kv = True  # an output transform must see the whole row (not a partial state)
+        arch = arch_of_index(self._dev)
+        backend = backend_for("decode", arch)
+        (tile,) = backend.tiles
+        per_sm = self._ctas_per_sm or backend.ctas_for(head_dim)
+        num_sms = sm_count_of_index(self._dev)
+        num_ctas = num_sms * per_sm
+        limits = self._limits(batch, hq, hk, head_dim, num_ctas, tile)
+        if self._planner is None or self._planner.limits != limits or self._planner.num_ctas != num_ctas:
+            # the backend's cost parameters (alpha, balance_tol: families/backends.py says why)
+            self._planner = Planner(limits, num_sms, per_sm, **backend.planner)
+            self._views = None
+        need = self._planner.layout.total_bytes
+        if self._workspace.numel() < need:
+            raise ValueError(
+                f"float_workspace_buffer has {self._workspace.numel()} bytes; this plan needs {need} "
+                f"(batch {batch}, {hq} qo heads, head_dim {head_dim})"
+            )
+        if self._views is None:  # section offsets are fixed per planner: views made once
+            self._views = self._planner.layout.views(self._workspace)
+        split_tokens = self._split_tokens(fixed_split_size, disable_split_kv, page_size)
+        hpi = self._heads_per_item(
+            heads_per_item, kv_lens, hq, hk, num_ctas, split_tokens is not None, hooks.packs_heads, var, tile
+        )
+        plan = self._planner.plan(
+            np.arange(batch + 1),
+            kv_lens,
+            page_size=int(page_size),
+            num_qo_heads=hq,
+            num_kv_heads=hk,
+            cta_tile_q=tile,
+            kv_split_size=split_tokens,
+            heads_per_item=hpi,
+            workspace=self._workspace,
+        )
+        kv_indptr = common.to_device(indptr, self._indptr_buf, "indptr", self._device)
+        kv_indices = common.to_device(indices_t, self._indices_buf, "indices", self._device)
+        if self._use_cuda_graph and self._graph_hpi is None:
+            self._graph_hpi = hpi  # once the plan is in place (a plan that failed fixes nothing)
+        sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+        dt = common.dtype_name(q_dtype)
+
+        def load(v):
+            s = decode_spec(arch, dt, head_dim, v, hpi)
+            return kernel(backend.family, arch, **s.pdict)
+
+        decode = load(var)
+        ms = merge_partials_spec(arch, dt, head_dim, tile)
+        merge = kernel(ms.family, arch, **ms.pdict)
+        info = dict(num_qo_heads=hq, num_kv_heads=hk, head_dim=head_dim, sm_scale=sm_scale, device=self._device)
+        self._state = DecodePlanState(
+            plan=plan,
+            batch=batch,
+            hq=hq,
+            hk=hk,
+            head_dim=head_dim,
+            page_size=int(page_size),
+            dtype=q_dtype,
+            sm_scale=sm_scale,
+            window_left=int(window_left),
+            num_ctas=self._planner.num_ctas,
+            hpi=hpi,
+            max_page=common.max_page_id(host_indices, int(indptr_h[-1])),
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+            variant=var,
+            decode=decode,
+            merge=merge,
+            binding=VariantBinding(var, dict(info, batch=batch), decode, load),
+        )
+
+    def _heads_per_item(self, want, kv_lens, hq, hk, num_ctas, invariant, packable, variant, tile) -> int:
+        """kv heads per work item for this plan (``plan()``'s ``heads_per_item``; the default
+        rule: ``MIN_PACKED_ITEMS_PER_CTA``).  ``packable``: the variant's ``Hooks.packs_heads``."""
+        group, batch = hq // hk, kv_lens.shape[0]
+
+        def why_not(h):
+            if not isinstance(h, int) or h not in (1,) + PACKED_HEADS:
+                return f"must be one of {(1,) + PACKED_HEADS}"
+            if h > 1 and not packable:
+                return "head packing needs a softmax variant without query/key transforms (RoPE has them)"
+            if hk % h or h * group > tile:
+                return f"needs num_kv_heads ({hk}) % h == 0 and h * group ({group}) <= {tile}"
+            return None
+
+        fixed = self._graph_hpi if self._use_cuda_graph else None
+        if want is not None:
+            want = int(want) if isinstance(want, (int, np.integer)) else want
+        elif fixed is not None:
+            want = fixed
+        elif invariant:
+            want = 1
+        else:
+            cands = [
+                h
+                for h in PACKED_HEADS
+                if batch * (hk // h) >= MIN_PACKED_ITEMS_PER_CTA * num_ctas and why_not(h) is None
+            ]
+            want = 1
+            # only where the kernel ships in the compile presets (plain, soft-cap, window), and no
+            # packed item longer than one CTA's fair share (in head-tokens)
+            if cands and _packed_kernel_ships(variant):
+                share, longest = hk * int(kv_lens.sum()) / num_ctas, int(kv_lens.max())
+                want = next((h for h in cands if h * longest <= share), 1)
+        if fixed is not None and want != fixed:
+            raise ValueError(
+                f"heads_per_item={want}: with use_cuda_graph=True the first plan fixed it at {fixed} "
+                "(the captured run() keeps that kernel)"
+            )
+        err = why_not(want)
+        if err:
+            how = (
+                (
+                    f" (use_cuda_graph=True: the first plan fixed heads_per_item={fixed}; pass heads_per_item=1 to "
+                    "the first plan of a wrapper whose later plans change the variant)"
+                )
+                if fixed is not None
+                else ""
+            )
+            raise ValueError(f"heads_per_item={want}: {err}{how}")
+        return want
+
+    def _custom_mask(self, custom_mask, packed, kv_lens) -> CustomMask:
+        """The plan's ``CustomMask``: one query row per request (``masks``: FlashInfer's layout)."""
+        batch = len(kv_lens)
+        ones = np.ones(batch, dtype=np.int64)  # one query row per request
+        packed, mask_indptr = packed_mask(custom_mask, packed, ones, kv_lens)
+        if not self._use_cuda_graph:
+            return device_mask(packed, mask_indptr, ones, kv_lens, self._device)
+        # a captured run() keeps the tensors of the plan it was captured with: later plans write
+        # theirs into the same buffers, sized by the first plan (an extension: FlashInfer's decode
+        # has no custom mask, hence no user buffers for it)
+        n = packed.numel()
+        index = dict(
+            mask_indptr=torch.from_numpy(mask_indptr.astype(np.int32)),
+            qo_indptr=torch.arange(batch + 1, dtype=torch.int32),
+        )
+        sizes = dict(packed_custom_mask=n // 4 + 1, kv_bounds=max(batch, 1), **{k: t.numel() for k, t in index.items()})
+        if self._mask_bufs is None:
+            self._mask_bufs = {
+                k: torch.zeros((m, 2) if k == "kv_bounds" else m, dtype=torch.int32, device=self._device)
+                for k, m in sizes.items()
+            }
+        bufs = self._mask_bufs
+        for k, m in sizes.items():
+            if m > bufs[k].shape[0]:
+                raise ValueError(
+                    f"use_cuda_graph=True: this plan's custom mask needs {m} entries of {k}, "
+                    f"the first plan fixed {bufs[k].shape[0]}"
+                )
+        words = CustomMask.words(packed, bufs["packed_custom_mask"])
+        mask_kv_bounds(words.view(torch.uint8)[:n], mask_indptr, ones, kv_lens, out=bufs["kv_bounds"])
+        for k, t in index.items():
+            bufs[k][: t.numel()].copy_(t, non_blocking=True)
+        return CustomMask(**bufs)
+
+    @staticmethod
+    def _split_tokens(fixed_split_size, disable_split_kv, page_size) -> Optional[int]:
+        """The planner's batch-invariant cut length in tokens (None: let it balance)."""
+        if disable_split_kv:
+            return common.NO_SPLIT  # longer than any request: nothing is cut
+        return None if fixed_split_size is None else int(fixed_split_size) * int(page_size)
+
+    def _limits(self, batch, hq, hk, d, num_ctas, tile) -> Limits:
+        max_batch = batch
+        if self._use_cuda_graph:  # fixed by the buffers, so the workspace offsets never move
+            max_batch = self._indptr_buf.numel() - 1
+            if batch > max_batch:
+                raise ValueError(f"batch {batch} exceeds paged_kv_indptr_buffer capacity {max_batch}")
+        elif self._planner is not None:
+            max_batch = max(batch, self._planner.limits.max_batch)
+        # Partial slots: one tile's rows each, 8 per CTA is ample for split-KV decode (the
+        # default sizing is for 128-row prefill tiles and would need 4x the workspace).
+        return Limits(
+            max_batch=max(max_batch, 1),
+            max_total_q_tokens=max(max_batch, 1),
+            num_qo_heads=hq,
+            num_kv_heads=hk,
+            head_dim=d,
+            max_qo_len=1,
+            max_partial_rows=8 * num_ctas * tile,
+        )
+
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache,
+        *args,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+        return_lse: bool = False,
+        enable_pdl=None,
+        window_left: Optional[int] = None,
+        sinks: Optional[torch.Tensor] = None,
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """``*args``: the runtime arguments of plan()'s ``variant`` not given to its constructor,
+        in declaration order.  ``sinks``: per-head sink logits ``[num_qo_heads]`` (FlashInfer's
+        attention-sink argument; natural units; the returned LSE includes them)."""
+        st = self._require_plan()
+        common.check_run_capture(self._use_cuda_graph, "paged_kv_*_buffer")
+        if window_left is not None and window_left != st.window_left:
+            raise ValueError("run(window_left=...) differs from plan(); pass it to plan()")
+        common.reject_unsupported(fp8_scales=(q_scale, k_scale, v_scale))
+        k, v = common.kv_views(paged_kv_cache, self._kv_layout)
+        b, hq, hk, d = st.batch, st.hq, st.hk, st.head_dim
+        # CUDA-graph mode: q may hold more rows than this plan's batch (captured at the largest
+        # batch, as the prefill wrappers allow); rows past the batch are neither read nor written
+        common.check_q(q, b, hq, d, st.dtype, self._device, self._use_cuda_graph)
+        if k.dtype != q.dtype or k.device != q.device:
+            raise ValueError(f"paged_kv_cache must be {q.dtype} on {q.device}, got {k.dtype} on {k.device}")
+        if k.shape[1] != st.page_size or k.shape[2] != hk or k.shape[3] != d:
+            raise ValueError(
+                f"paged_kv_cache ({self._kv_layout}) has page_size/kv_heads/head_dim "
+                f"{tuple(k.shape[1:])}, plan() said ({st.page_size}, {hk}, {d})"
+            )
+        if st.max_page >= k.shape[0]:
+            raise ValueError(f"kv indices reference page {st.max_page}, the cache has {k.shape[0]} pages")
+        out, lse = common.out_and_lse(q, out, lse, hq)
+        sinks = common.check_sinks(sinks, hq, q.device)
+        if b:
+            vw = self._views
+            group = st.plan.group_size  # packed rows per token and kv head (group) of the plan
+            module, vvals = st.binding.select(args, sinks)
+            module(
+                q,
+                k,
+                v,
+                st.kv_indptr,
+                st.kv_indices,
+                out,
+                lse,
+                vw["work_items"],
+                vw["work_indptr"],
+                vw["partial_o"],
+                vw["partial_lse"],
+                group,
+                st.sm_scale,
+                st.num_ctas,
+                *vvals,
+            )
+            if self._use_cuda_graph or st.plan.has_split:
+                st.merge(
+                    vw["partial_o"], vw["partial_lse"], vw["merge_tasks"], vw["meta"], out, lse, group, st.num_ctas
+                )
+        return (out, lse) if return_lse else out
+
+    forward = run

@@ -1,0 +1,481 @@
+"""Batch prefill / append attention, FlashInfer-compatible: ``BatchPrefillWithRaggedKVCacheWrapper``
+and ``BatchPrefillWithPagedKVCacheWrapper`` (their shared planning and launch:
+``prefill_base.BatchPrefillBase``).
+
+Variants (docs/variants.md) as in decode: ``causal``, ``window_left`` and ``logits_soft_cap``
+are the kernel's static flags (its fast paths); ``pos_encoding_mode="ALIBI"`` / ``"ROPE_LLAMA"``
+(``rope_scale``, ``rope_theta``), ``custom_mask`` / ``packed_custom_mask`` (FlashInfer's
+per-request row-major ``[qo_len, kv_len]`` layout, bits packed little-endian per request;
+a custom mask replaces ``causal``, as FlashInfer's MaskMode.CUSTOM), ``run(sinks=)`` and
+``plan(variant=...)`` become a traced variant (spec params ``variant`` / ``variant_fp``), whose
+runtime arguments follow the fixed ones in the kernel ABI.  Soft-cap joins the variant (in
+decode's order: RoPE/ALiBi, soft-cap, ...) when another component transforms logits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import numpy as np
+import torch
+
+from ..sched.inputs import as_index_array, check_indptr, kv_lens_from_paged, kv_lens_from_ragged
+from . import common
+from .plans import PrefillInputs
+from .prefill_base import BatchPrefillBase
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
+    """FlashInfer's batch prefill over ragged (contiguous) KV: ``plan()`` once per batch,
+    ``run(q, k, v)`` per layer.  ``q`` is ``[qo_indptr[-1], num_qo_heads, head_dim]``; ``k``/``v``
+    are ``[kv_indptr[-1], num_kv_heads, head_dim]`` (NHD) or ``[num_kv_heads, kv_indptr[-1],
+    head_dim]`` (HND), any strides with a contiguous last dim.
+
+    ``use_cuda_graph=True`` needs ``qo_indptr_buf`` / ``kv_indptr_buf`` (int32 CUDA, batch + 1
+    entries, as in FlashInfer); the first ``plan()`` fixes the query-token capacity, the tile
+    size and the kernel; a captured ``run()`` then stays valid across later plans of at most
+    that many tokens. Capture with ``q``/``out`` sized for the largest plan and ``k``/``v`` for
+    the most kv tokens (their addresses and extents are baked into the graph).
+    """
+
+    _PAGED = False
+
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        qo_indptr_buf: Optional[torch.Tensor] = None,
+        kv_indptr_buf: Optional[torch.Tensor] = None,
+        custom_mask_buf: Optional[torch.Tensor] = None,
+        mask_indptr_buf: Optional[torch.Tensor] = None,
+        backend: str = "auto",
+        jit_args=None,
+        jit_kwargs=None,
+    ):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, jit_args, custom_mask_buf, mask_indptr_buf)
+        if use_cuda_graph:
+            common.check_index_buffers(
+                (("qo_indptr_buf", qo_indptr_buf), ("kv_indptr_buf", kv_indptr_buf)), "of batch_size + 1 entries"
+            )
+            if kv_indptr_buf.numel() != qo_indptr_buf.numel():
+                raise ValueError(
+                    f"kv_indptr_buf has {kv_indptr_buf.numel()} entries, qo_indptr_buf "
+                    f"{qo_indptr_buf.numel()}: both must be batch_size + 1"
+                )
+        self._qo_indptr_buf = qo_indptr_buf if use_cuda_graph else None
+        self._kv_indptr_buf = kv_indptr_buf if use_cuda_graph else None
+
+    def plan(
+        self,
+        qo_indptr,
+        kv_indptr,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        head_dim_vo: Optional[int] = None,
+        custom_mask: Optional[torch.Tensor] = None,
+        packed_custom_mask: Optional[torch.Tensor] = None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        sm_scale: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+        q_data_type="float16",
+        kv_data_type=None,
+        o_data_type=None,
+        non_blocking: bool = True,
+        prefix_len_ptr=None,
+        token_pos_in_items_ptr=None,
+        token_pos_in_items_len: int = 0,
+        max_item_len_ptr=None,
+        fixed_split_size: Optional[int] = None,
+        disable_split_kv: bool = False,
+        seq_lens=None,
+        seq_lens_q=None,
+        max_token_per_sequence: Optional[int] = None,
+        max_sequence_kv: Optional[int] = None,
+        v_indptr=None,
+        variant=None,
+    ) -> None:
+        """FlashInfer's arguments.  Index arrays are best passed on the CPU (a CUDA one is read
+        back, which synchronizes).  ``fixed_split_size`` (kv tokens): every request's KV is cut
+        at multiples of it and nothing else, with a fixed 128-row tile, so a request's output is
+        bitwise the same whatever else is batched with it; ``disable_split_kv``: no request is
+        split.  ``use_fp16_qk_reduction`` is accepted and ignored (q·k is always fp32);
+        ``max_token_per_sequence`` / ``max_sequence_kv`` are cuDNN hints, ignored.
+
+        Variants: ``pos_encoding_mode`` ``"ALIBI"`` (slopes as FlashInfer's ``get_alibi_slopes``)
+        or ``"ROPE_LLAMA"`` (``rope_scale`` default 1, ``rope_theta`` default 1e4; query token i
+        at position ``kv_len - qo_len + i``, key j at j, rotated in fp32 and rounded to the
+        input dtype: Q by the kernel, K by a pass over the keys before it (ragged KV; a paged
+        cache's K blocks are rotated by the kernel, for every query tile that reads them));
+        ``custom_mask`` (flat bool: request b's row-major ``[qo_len, kv_len]`` block after
+        request b-1's) or ``packed_custom_mask`` (its bits, packed per request, little bit
+        order: FlashInfer's ``segment_packbits``) -- a custom mask replaces ``causal``, as in
+        FlashInfer; ``variant`` (any ``cute_attn.variants.Variant``,
+        applied after the built-ins; its runtime arguments not given to its constructor
+        follow the KV in ``run()``)."""
+        q_dtype, d, arch = self._check_common(
+            num_qo_heads,
+            num_kv_heads,
+            head_dim_qk,
+            head_dim_vo,
+            q_data_type,
+            kv_data_type,
+            o_data_type,
+            window_left,
+            logits_soft_cap,
+            fixed_split_size,
+            "kv tokens",
+            pos_encoding_mode=pos_encoding_mode,
+            variant=variant,
+            extra=(
+                ("prefix_len_ptr", prefix_len_ptr),
+                ("token_pos_in_items_ptr", token_pos_in_items_ptr),
+                ("max_item_len_ptr", max_item_len_ptr),
+                ("seq_lens", seq_lens),
+                ("seq_lens_q", seq_lens_q),
+                ("v_indptr", v_indptr),
+            ),
+        )
+        qo_h = as_index_array("qo_indptr", qo_indptr)
+        kv_h = as_index_array("kv_indptr", kv_indptr)
+        if qo_h.shape != kv_h.shape:
+            raise ValueError(
+                f"qo_indptr and kv_indptr must have the same length (batch_size + 1), got "
+                f"{qo_h.shape[0]} and {kv_h.shape[0]}"
+            )
+        check_indptr("qo_indptr", qo_h)
+        kv_lens = kv_lens_from_ragged(kv_h)
+        st = self._plan_common(
+            qo_h,
+            kv_lens,
+            arch=arch,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=d,
+            q_dtype=q_dtype,
+            causal=causal,
+            page_size=1,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale,
+            split_tokens=None if fixed_split_size is None else int(fixed_split_size),
+            disable_split_kv=disable_split_kv,
+            pos_encoding_mode=pos_encoding_mode,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+            custom_mask=custom_mask,
+            packed_custom_mask=packed_custom_mask,
+            variant=variant,
+        )
+        if self._use_cuda_graph:
+            # the buffers' unused tail repeats the last offset (empty requests): the key-transform
+            # pass walks every entry of the buffer a captured run() was given
+            pad = lambda h: np.concatenate([h, np.full(self._qo_indptr_buf.numel() - h.size, h[-1])])  # noqa: E731
+            qo_dev = self._to_device(pad(qo_h), self._qo_indptr_buf, "qo_indptr")
+            kv_dev = self._to_device(pad(kv_h), self._kv_indptr_buf, "kv_indptr")
+        else:  # qo_indptr: only the key-transform pass reads it
+            qo_dev = self._to_device(qo_h, None, "qo_indptr") if st.pass_module is not None else None
+            kv_dev = self._to_device(kv_indptr, None, "kv_indptr")
+        inputs = PrefillInputs(
+            kv_indptr=kv_dev,
+            kv_indices=common.arange(1, self._device),  # the ABI's page-id array: unused for ragged KV
+            qo_indptr=qo_dev,
+            kv_total=int(kv_h[-1]),
+        )
+        self._commit(st, inputs)
+
+    begin_forward = plan
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *args,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+        o_scale=None,
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+        return_lse: bool = False,
+        enable_pdl=None,
+        sinks: Optional[torch.Tensor] = None,
+        kv_cache_sf=None,
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """``*args``: the runtime arguments of plan()'s ``variant`` not given to its constructor,
+        in declaration order.  ``sinks``: per-head sink logits ``[num_qo_heads]`` (natural
+        units; the returned LSE includes them)."""
+        out, lse = self._check_run(q, out, lse, (q_scale, k_scale, v_scale, o_scale), args, kv_cache_sf=kv_cache_sf)
+        st = self._state
+        n, hk, d = st.inputs.kv_total, st.hk, st.head_dim
+        if k.dim() != 3 or k.shape != v.shape:
+            raise ValueError(f"k/v must be equal 3-D tensors, got {tuple(k.shape)} / {tuple(v.shape)}")
+        if self._kv_layout == "HND":
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        self._check_kv(k, v, "k/v")
+        if k.shape[0] < n or k.shape[1:] != (hk, d):
+            raise ValueError(
+                f"k/v ({self._kv_layout}) must hold {n} (kv_indptr[-1]) tokens of "
+                f"{hk} kv heads x {d}, got {tuple(k.shape)} as [tokens, heads, dim]"
+            )
+        if not self._use_cuda_graph:
+            # exactly the planned tokens: a KV block that runs past the last request's end then
+            # reads TMA's zero fill, never what lies beyond in the caller's tensor (0 * NaN = NaN)
+            k, v = k[:n], v[:n]
+        self._launch(q, k.unsqueeze(0), v.unsqueeze(0), st.kv_indptr, st.kv_indices, out, lse, args, sinks)
+        return (out, lse) if return_lse else out
+
+    forward = run
+
+    def run_return_lse(self, q, k, v, *args, **kw):
+        return self.run(q, k, v, *args, **dict(kw, return_lse=True))
+
+    def end_forward(self) -> None:
+        pass
+
+
+class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
+    """FlashInfer's batch prefill / append over a paged KV cache: ``plan()`` once per batch,
+    ``run(q, paged_kv_cache)`` per layer.  ``q`` is ``[qo_indptr[-1], num_qo_heads, head_dim]``;
+    the cache is a ``(k, v)`` tuple of ``[pages, page_size, kv_heads, head_dim]`` (NHD) /
+    ``[pages, kv_heads, page_size, head_dim]`` (HND) tensors or one ``[pages, 2, ...]`` tensor;
+    any page size.
+
+    ``use_cuda_graph=True`` needs ``qo_indptr_buf``, ``paged_kv_indptr_buf``,
+    ``paged_kv_indices_buf`` and ``paged_kv_last_page_len_buf`` (int32 CUDA, as in FlashInfer);
+    the first ``plan()`` fixes the query-token capacity, the tile size and the kernel, and a
+    captured ``run()`` stays valid across later plans within them (capture with ``q``/``out``
+    sized for the largest plan).
+    """
+
+    _PAGED = True
+
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        qo_indptr_buf: Optional[torch.Tensor] = None,
+        paged_kv_indptr_buf: Optional[torch.Tensor] = None,
+        paged_kv_indices_buf: Optional[torch.Tensor] = None,
+        paged_kv_last_page_len_buf: Optional[torch.Tensor] = None,
+        custom_mask_buf: Optional[torch.Tensor] = None,
+        mask_indptr_buf: Optional[torch.Tensor] = None,
+        backend: str = "auto",
+        jit_args=None,
+        jit_kwargs=None,
+    ):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, jit_args, custom_mask_buf, mask_indptr_buf)
+        bufs = (
+            ("qo_indptr_buf", qo_indptr_buf),
+            ("paged_kv_indptr_buf", paged_kv_indptr_buf),
+            ("paged_kv_indices_buf", paged_kv_indices_buf),
+            ("paged_kv_last_page_len_buf", paged_kv_last_page_len_buf),
+        )
+        if use_cuda_graph:
+            common.check_index_buffers(bufs, "sized for the largest batch")
+            b = qo_indptr_buf.numel() - 1
+            if paged_kv_indptr_buf.numel() != b + 1 or paged_kv_last_page_len_buf.numel() != b:
+                raise ValueError(
+                    f"paged_kv_indptr_buf must have batch_size + 1 = {b + 1} entries and "
+                    f"paged_kv_last_page_len_buf batch_size = {b} (qo_indptr_buf has {b + 1})"
+                )
+        self._qo_indptr_buf, self._indptr_buf, self._indices_buf, self._last_buf = (
+            (b for _, b in bufs) if use_cuda_graph else (None,) * 4
+        )
+
+    def plan(
+        self,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        page_size: int,
+        head_dim_vo: Optional[int] = None,
+        custom_mask: Optional[torch.Tensor] = None,
+        packed_custom_mask: Optional[torch.Tensor] = None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        sm_scale: Optional[float] = None,
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+        q_data_type="float16",
+        kv_data_type=None,
+        o_data_type=None,
+        non_blocking: bool = True,
+        prefix_len_ptr=None,
+        token_pos_in_items_ptr=None,
+        token_pos_in_items_len: int = 0,
+        max_item_len_ptr=None,
+        seq_lens=None,
+        seq_lens_q=None,
+        block_tables=None,
+        max_token_per_sequence: Optional[int] = None,
+        max_sequence_kv: Optional[int] = None,
+        fixed_split_size: Optional[int] = None,
+        disable_split_kv: bool = False,
+        variant=None,
+        kv_pass: Optional[bool] = None,
+    ) -> None:
+        """FlashInfer's arguments (see the ragged wrapper's ``plan``, variants included).
+        ``fixed_split_size`` is in pages, as in FlashInfer.
+
+        ``kv_pass`` (cute_attn's own): gather the cache's K and V into contiguous copies in the
+        workspace by one memory-bound pass before the kernel (``kernels/kv_pass.py``; RoPE's key
+        rotation happens there too), so the kernel reads them by TMA.  ``None`` (default): when
+        the model :func:`~cute_attn.families.backends.kv_pass_pays` says so (long queries per
+        key; it needs workspace room for both copies past the plan; never in CUDA-graph mode,
+        nor with ``fixed_split_size``, whose output must not depend on the rest of the batch);
+        ``True``: always (an error if the workspace is too small or in CUDA-graph mode);
+        ``False``: never (the kernel gathers each block itself)."""
+        q_dtype, d, arch = self._check_common(
+            num_qo_heads,
+            num_kv_heads,
+            head_dim_qk,
+            head_dim_vo,
+            q_data_type,
+            kv_data_type,
+            o_data_type,
+            window_left,
+            logits_soft_cap,
+            fixed_split_size,
+            "pages",
+            pos_encoding_mode=pos_encoding_mode,
+            variant=variant,
+            extra=(
+                ("prefix_len_ptr", prefix_len_ptr),
+                ("token_pos_in_items_ptr", token_pos_in_items_ptr),
+                ("max_item_len_ptr", max_item_len_ptr),
+                ("seq_lens", seq_lens),
+                ("seq_lens_q", seq_lens_q),
+                ("block_tables", block_tables),
+            ),
+        )
+        if not isinstance(page_size, (int, np.integer)) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        qo_h = as_index_array("qo_indptr", qo_indptr)
+        indptr_h = as_index_array("paged_kv_indptr", paged_kv_indptr)
+        if qo_h.shape != indptr_h.shape:
+            raise ValueError(
+                f"qo_indptr and paged_kv_indptr must have the same length (batch_size + 1), got "
+                f"{qo_h.shape[0]} and {indptr_h.shape[0]}"
+            )
+        check_indptr("qo_indptr", qo_h)
+        indices_t = common.int32_tensor(paged_kv_indices)
+        host_indices = None if indices_t.is_cuda else indices_t
+        kv_lens = kv_lens_from_paged(indptr_h, paged_kv_last_page_len, int(page_size), host_indices)
+        st = self._plan_common(
+            qo_h,
+            kv_lens,
+            arch=arch,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=d,
+            q_dtype=q_dtype,
+            causal=causal,
+            page_size=int(page_size),
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale,
+            split_tokens=(None if fixed_split_size is None else int(fixed_split_size) * int(page_size)),
+            disable_split_kv=disable_split_kv,
+            pos_encoding_mode=pos_encoding_mode,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+            custom_mask=custom_mask,
+            packed_custom_mask=packed_custom_mask,
+            variant=variant,
+            kv_pass=kv_pass,
+        )
+        if self._use_cuda_graph:
+            self._to_device(qo_indptr, self._qo_indptr_buf, "qo_indptr")  # FlashInfer's buffers (unused here)
+            self._to_device(paged_kv_last_page_len, self._last_buf, "paged_kv_last_page_len")
+        gathered = {}
+        if st.gather is not None:  # the KV pass: token offsets of the gathered K / V, q offsets
+            tok = np.concatenate([[0], np.cumsum(st.kv_lens)]).astype(np.int32)
+            gathered = dict(
+                kv_tok_indptr=self._to_device(tok, None, "kv token indptr"),
+                qo_indptr=self._to_device(qo_h.astype(np.int32), None, "qo_indptr"),
+                no_indices=common.arange(1, self._device),
+            )
+        inputs = PrefillInputs(
+            kv_indptr=self._to_device(paged_kv_indptr, self._indptr_buf, "paged_kv_indptr"),
+            kv_indices=self._to_device(indices_t, self._indices_buf, "paged_kv_indices"),
+            page_size=int(page_size),
+            max_page=common.max_page_id(host_indices, int(indptr_h[-1])),
+            kv_tokens=int(kv_lens.sum()),
+            **gathered,
+        )
+        self._commit(st, inputs)
+
+    begin_forward = plan
+
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache,
+        *args,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+        return_lse: bool = False,
+        enable_pdl=None,
+        window_left: Optional[int] = None,
+        sinks=None,
+        kv_cache_sf=None,
+        skip_softmax_threshold_scale_factor=None,
+        use_fp16_softmax=None,
+        uses_spcompress=None,
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """``*args``: the runtime arguments of plan()'s ``variant`` not given to its constructor,
+        in declaration order.  ``sinks``: per-head sink logits ``[num_qo_heads]`` (natural
+        units; the returned LSE includes them)."""
+        out, lse = self._check_run(
+            q,
+            out,
+            lse,
+            (q_scale, k_scale, v_scale),
+            args,
+            kv_cache_sf=kv_cache_sf,
+            skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+        )
+        st = self._state
+        inp = st.inputs
+        if window_left is not None and window_left != st.window_left:
+            raise ValueError("run(window_left=...) differs from plan(); pass it to plan()")
+        k, v = common.kv_views(paged_kv_cache, self._kv_layout)
+        self._check_kv(k, v, "paged_kv_cache")
+        if k.shape[1:] != (inp.page_size, st.hk, st.head_dim):
+            raise ValueError(
+                f"paged_kv_cache ({self._kv_layout}) has page_size/kv_heads/head_dim "
+                f"{tuple(k.shape[1:])}, plan() said ({inp.page_size}, {st.hk}, {st.head_dim})"
+            )
+        if inp.max_page >= k.shape[0] or (inp.kv_tokens and k.shape[0] == 0):
+            raise ValueError(
+                f"paged_kv_indices reference page {max(inp.max_page, 0)}, the cache has {k.shape[0]} pages"
+            )
+        self._launch(q, k, v, inp.kv_indptr, inp.kv_indices, out, lse, args, sinks)
+        return (out, lse) if return_lse else out
+
+    forward = run
+
+    def run_return_lse(self, q, paged_kv_cache, *args, **kw):
+        return self.run(q, paged_kv_cache, *args, **dict(kw, return_lse=True))
+
+    def end_forward(self) -> None:
+        pass

@@ -1,0 +1,607 @@
+"""What the ragged and paged prefill wrappers share: argument checks, planning (limits, the
+planner, the kernels, the KV pass), the custom mask's CUDA-graph buffers and the launch.
+
+The kernels come from the arch -> backend table (``families.backends``): the ``prefill``
+backend (on Hopper, ``kernels/prefill_sm90.py``: wgmma, which Blackwell does not have; a GPU
+without a prefill backend gets a ``NoBackend`` error from ``plan()``) and the ``kv_pass``
+backend.  ``plan()`` runs the CPU scheduler (``cute_attn.sched``) with query tiles of the
+backend's sizes (the planner's tile rule, its 16-row decode tile mapped to the smallest) and
+uploads the work lists into the user's ``float_workspace_buffer`` at fixed offsets.
+``run()`` launches the prefill kernel and, when the plan split some KV (or in CUDA-graph mode,
+where a later plan may split), the persistent ⊕ merge kernel (``merge_partials``, the same one
+decode uses, specialized for the prefill tile).
+
+Both wrappers feed the same kernel ABI as decode (``families/decode.py``: ``decode_abi_fixed``):
+
+* paged: K/V are the cache as strided ``[pages, page_size, kv_heads, head_dim]`` views (NHD,
+  HND, ``(k, v)`` tuples and ``[pages, 2, ...]`` tensors, exactly as decode passes them),
+  ``mKvIndptr`` / ``mKvIndices`` the page indptr / page ids;
+* ragged: K/V are passed as ``[1, total_kv_tokens, kv_heads, head_dim]`` views (an HND ragged
+  ``[kv_heads, total, head_dim]`` tensor is transposed first, no copy), ``mKvIndptr`` the
+  ragged kv_indptr in tokens, ``mKvIndices`` a one-element dummy.
+
+Variants (docs/variants.md): ``causal``, ``window_left`` and ``logits_soft_cap`` are the
+kernel's static flags (its fast paths); the rest becomes a traced variant
+(``options.resolve_variant``).  What is not supported yet raises ``NotImplementedError`` from
+one place (``common.reject_unsupported``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..families.backends import NoBackend, backend_for, kv_pass_pays
+from ..families.base import variant_params
+from ..families.kv_pass import kv_pass_spec
+from ..families.merge import merge_partials_spec
+from ..families.prefill import FIXED_SPLIT_TILE, keys_pretransformed, page_box_for
+from ..runtime.arch import arch_of_index, sm_count_of_index
+from ..runtime.loader import KernelNotAvailable, kernel
+from ..sched import Limits, Planner, WorkspaceLayout
+from ..sched.cost import choose_cta_tile_q
+from ..variants import base as vbase
+from ..variants.binding import VariantBinding
+from ..variants.builtins import CustomMask, mask_kv_bounds
+from . import common
+from .masks import device_mask, packed_mask
+from .options import check_options, resolve_variant
+from .plans import PrefillInputs, PrefillPlanState
+
+
+def _rows_per_cta(head_dim: int) -> int:
+    """Partial-output rows per CTA: 4 slots of 128 rows (8 of 64) up to head_dim 128, half that
+    at 256, so the fp32 partial section stays at ~35 MB on an H200 (132 SMs) for every head
+    dim. The planner only cuts a tile when whole tiles cannot balance (few long tiles); its
+    pre-cut candidate doubles the chunk until the slots fit."""
+    return 512 * 128 // max(head_dim, 128)
+
+
+def _round_rows(n: int) -> int:
+    """Query-token capacity when it has to grow: a power of two (>= 1024), so that the
+    planner (pinned staging buffers, workspace layout) is rebuilt only log-many times."""
+    return max(1024, 1 << max(int(n) - 1, 0).bit_length())
+
+
+def _variant_kw(v) -> dict:
+    return variant_params(v) if v is not None else {}
+
+
+class BatchPrefillBase(common.WrapperBase):
+    """What the ragged and paged wrappers share: planning, limits, the launch."""
+
+    _PAGED = False
+    grows_workspace = False  # a wrapper that grows its workspace when a plan needs more
+
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str,
+        use_cuda_graph: bool,
+        jit_args=None,
+        custom_mask_buf: Optional[torch.Tensor] = None,
+        mask_indptr_buf: Optional[torch.Tensor] = None,
+    ):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph)
+        common.reject_unsupported(jit_args=jit_args)
+        self._fixed = None  # CUDA-graph mode: what the first plan fixed (a captured run() bakes it)
+        self._max_rows = None  # CUDA-graph mode: query tokens, fixed by the first plan (as FlashInfer)
+        self._qo_indptr_buf = None  # CUDA-graph mode: FlashInfer's qo_indptr buffer (the subclasses')
+        self._mask_buf, self._mask_indptr_buf = custom_mask_buf, mask_indptr_buf
+        # CUDA-graph mode, a custom mask: the int32 twin of custom_mask_buf (the kernels read
+        # words) and the kv bounds / query offsets, sized by the first plan that has a mask
+        self._mask_words_buf = None
+        self._mask_bounds_buf = None
+        self._mask_qo_buf = None
+
+    # what tests and scripts inspect of the current plan
+    @property
+    def _tile(self):
+        return self._state.tile
+
+    @property
+    def _spec_kw(self):
+        return self._state.spec_kw
+
+    @property
+    def _gathered(self):
+        return None if self._state is None else self._state.gathered
+
+    @property
+    def _kv_pass(self):
+        return self._state.pass_binding
+
+    @property
+    def _qo_indptr(self):
+        return self._state.inputs.qo_indptr
+
+    @property
+    def _kv_tok_indptr(self):
+        return self._state.inputs.kv_tok_indptr
+
+    # -- plan -----------------------------------------------------------------------------
+    def _check_common(
+        self,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        head_dim_vo,
+        q_data_type,
+        kv_data_type,
+        o_data_type,
+        window_left,
+        logits_soft_cap,
+        fixed_split_size,
+        split_unit,
+        pos_encoding_mode="NONE",
+        variant=None,
+        **unsupported,
+    ):
+        """Argument checks shared by both plans; returns (q dtype, head_dim, arch)."""
+        common.check_plan_not_captured()
+        q_dtype = common.plan_dtype(q_data_type, kv_data_type, o_data_type, head_dim_qk, head_dim_vo, **unsupported)
+        check_options(pos_encoding_mode, variant)
+        arch = arch_of_index(self._dev)
+        try:
+            backend = backend_for("prefill", arch)
+        except NoBackend as e:
+            raise NoBackend(f"batch prefill cannot run on cuda:{self._dev} ({arch}): {e}") from None
+        common.check_heads(num_qo_heads, num_kv_heads, head_dim_qk, backend.head_dims)
+        common.check_plan_scalars(window_left, logits_soft_cap, fixed_split_size, split_unit)
+        return q_dtype, int(head_dim_qk), arch
+
+    def _plan_common(
+        self,
+        qo_h,
+        kv_lens,
+        *,
+        arch,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        q_dtype,
+        causal,
+        page_size,
+        window_left,
+        logits_soft_cap,
+        sm_scale,
+        split_tokens,
+        disable_split_kv,
+        pos_encoding_mode="NONE",
+        rope_scale=None,
+        rope_theta=None,
+        custom_mask=None,
+        packed_custom_mask=None,
+        variant=None,
+        kv_pass=None,
+    ) -> PrefillPlanState:
+        """Validate lengths, (re)make the planner, plan + upload, pick the kernels. Returns the
+        plan's state without its device inputs (``_commit`` adds them once their copies are
+        queued).  ``kv_pass`` (paged): gather the cache by the KV pass first (True), never
+        (False) or when it pays (None)."""
+        hq, hk, d = int(num_qo_heads), int(num_kv_heads), head_dim
+        backend = backend_for("prefill", arch)
+        qo_len = np.diff(qo_h)
+        batch = int(qo_len.shape[0])
+        mask_v = None
+        if custom_mask is not None or packed_custom_mask is not None:
+            mask_v = self._custom_mask(custom_mask, packed_custom_mask, qo_len, kv_lens)
+        causal, cap_flag, _, var = resolve_variant(
+            causal=causal,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            pos_encoding_mode=pos_encoding_mode,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+            custom_mask=mask_v,
+            variant=variant,
+        )
+        if vbase.Hooks(var).has_output:
+            disable_split_kv = True  # an output transform must see whole rows, not partial states
+        if causal and batch:
+            short = np.flatnonzero(kv_lens < qo_len)
+            if short.size:
+                i = int(short[0])
+                raise ValueError(
+                    f"causal=True needs kv_len >= qo_len for every request (as FlashInfer); request {i} "
+                    f"has qo_len {int(qo_len[i])}, kv_len {int(kv_lens[i])}"
+                )
+        total_q = int(qo_h[-1])
+        group = hq // hk
+        soft_cap = float(logits_soft_cap) if logits_soft_cap and cap_flag else 0.0
+        window_left = int(window_left)
+        launch = dict(
+            dtype=common.dtype_name(q_dtype),
+            head_dim=d,
+            causal=bool(causal),
+            soft_cap=soft_cap > 0,
+            window=window_left >= 0,
+            hq=hq,
+            hk=hk,
+            sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d),
+            soft_cap_value=soft_cap,
+            window_left=window_left,
+            variant=vbase.encode(var),
+            page_box=page_box_for(self._PAGED, int(page_size)),
+        )  # the KV pass may change it
+
+        batch_invariant = split_tokens is not None  # fixed_split_size: nothing may depend on the batch
+        if batch_invariant:
+            tile = FIXED_SPLIT_TILE  # batch-invariant: the tile may not depend on the batch either
+        else:
+            with_q = int(np.count_nonzero(qo_len))
+            tile = max(min(backend.tiles), choose_cta_tile_q(total_q * group, with_q))
+        if disable_split_kv:
+            split_tokens = common.NO_SPLIT
+
+        num_sms, per_sm = sm_count_of_index(self._dev), backend.ctas_for(d)  # the kernel fills the SM's smem
+        num_ctas = num_sms * per_sm
+        if self._use_cuda_graph:
+            if self._fixed is None:
+                self._max_rows = max(total_q, 1)
+            else:
+                changed = [k for k in self._fixed if k != "tile_q" and self._fixed[k] != launch[k]]
+                if changed:
+                    raise ValueError(
+                        f"use_cuda_graph=True: plan() changed {changed} since the first plan; a captured "
+                        f"run() bakes them (kernel specialization and launch scalars). Keep them "
+                        f"fixed or use another wrapper."
+                    )
+                tile = self._fixed["tile_q"]  # the captured kernel's tile
+            if total_q > self._max_rows:
+                raise ValueError(
+                    f"use_cuda_graph=True: qo_indptr[-1] = {total_q} exceeds the {self._max_rows} query "
+                    f"tokens of the first plan (which fixes the workspace layout, as in FlashInfer)"
+                )
+        lim, grow = self._choose_limits(batch, total_q, hq, hk, d, num_ctas)
+        gather = None  # (offset, bytes per tensor) of the gathered K / V in the workspace
+        if self._PAGED:
+            # batch-invariant plans take the pass only when asked: the model weighs the whole batch
+            want = False if kv_pass is None and batch_invariant else kv_pass
+            gather = self._gather_region(
+                want, lim, num_ctas, int(page_size), var, qo_len, kv_lens, causal, window_left, hq, hk, d, q_dtype
+            )
+        # modules first (loaded here, outside any capture): a missing one must fail before the
+        # new plan overwrites the workspace that the previous plan's state still describes
+        try:
+            k = self._kernels(arch, backend, num_sms, launch, tile, d, var, page_size, gather)
+        except KernelNotAvailable:
+            if gather is None or kv_pass:
+                raise
+            # the pass was the model's choice, not the caller's: a cache built without its
+            # kernels (an older `compile --preset`) still serves the plan by the in-kernel gather
+            gather = None
+            k = self._kernels(arch, backend, num_sms, launch, tile, d, var, page_size, gather)
+        spec_kw, pass_var, pass_module, pass_grid, attn = k
+        ms = merge_partials_spec(arch, launch["dtype"], d, tile)
+        merge = kernel(ms.family, arch, **ms.pdict)
+        planner = self._install_planner(lim, num_sms, per_sm, backend.planner, grow)
+        plan = planner.plan(
+            qo_h,
+            kv_lens,
+            causal=bool(causal),
+            page_size=int(page_size) if spec_kw["paged"] else 1,
+            num_qo_heads=hq,
+            num_kv_heads=hk,
+            cta_tile_q=tile,
+            kv_split_size=split_tokens,
+            workspace=self._workspace,
+        )
+        if self._use_cuda_graph and self._fixed is None:
+            self._fixed = dict(launch, tile_q=tile)
+        return PrefillPlanState(
+            plan=plan,
+            arch=arch,
+            family=backend.family,
+            tile=tile,
+            attn=attn,
+            merge=merge,
+            batch=batch,
+            total_q=total_q,
+            dtype=q_dtype,
+            group=group,
+            num_ctas=planner.num_ctas,
+            hq=hq,
+            hk=hk,
+            head_dim=d,
+            causal=launch["causal"],
+            sm_scale=launch["sm_scale"],
+            soft_cap=launch["soft_cap_value"],
+            window_left=launch["window_left"],
+            variant=var,
+            spec_kw=spec_kw,
+            pass_module=pass_module,
+            pass_variant=pass_var,
+            pass_grid=pass_grid,
+            gather=gather,
+            kv_lens=kv_lens,
+        )
+
+    def _kernels(self, arch, backend, num_sms, launch, tile, d, var, page_size, gather):
+        """Load the plan's modules: (the kernel's spec params (``paged``: it reads a paged cache
+        itself), the KV pass's variant, the pass module or None, the pass's grid, the attention
+        module); sets ``launch["page_box"]``."""
+        paged = self._PAGED and gather is None  # the kernel reads the cache itself
+        launch["page_box"] = page_box_for(paged, int(page_size))
+        spec_kw = dict(
+            dtype=launch["dtype"],
+            head_dim=d,
+            tile_q=tile,
+            paged=paged,
+            causal=launch["causal"],
+            soft_cap=launch["soft_cap"],
+            window=launch["window"],
+        )
+        if launch["page_box"]:
+            spec_kw["page_box"] = launch["page_box"]
+        if keys_pretransformed(paged, var):
+            spec_kw["keys_transformed"] = True
+        pass_var = var if keys_pretransformed(paged, var) else None  # the pass's variant: K's transform
+        pass_spec = kv_pass_spec(arch, launch["dtype"], d, gather is not None, pass_var)
+        pass_module, pass_grid = None, 0
+        if pass_spec is not None:
+            kv_backend = backend_for("kv_pass", arch)
+            pass_module = kernel(kv_backend.family, arch, **pass_spec.pdict)
+            pass_grid = num_sms * kv_backend.ctas_for(d)
+        attn = kernel(backend.family, arch, **spec_kw, **_variant_kw(var))
+        return spec_kw, pass_var, pass_module, pass_grid, attn
+
+    def _gather_region(
+        self, want, lim, num_ctas, page_size, var, qo_len, kv_lens, causal, window_left, hq, hk, d, q_dtype
+    ):
+        """Whether this paged plan gathers the cache by the KV pass (``kv_pass_pays`` when
+        ``want`` is None) and where: (byte offset, bytes per tensor) of K / V in the workspace,
+        past the plan's sections; None for the in-kernel gather.  Not in CUDA-graph mode: a
+        captured run() bakes the path, and a later plan's lengths may not pay or fit."""
+        if want is False:
+            return None
+        elt = q_dtype.itemsize
+        transform = var is not None and vbase.Hooks(var).has_transform_k
+        if want is None:
+            boxes = bool(page_box_for(True, page_size))  # else the kernel's cp.async gather
+            if self._use_cuda_graph or not kv_pass_pays(
+                qo_len, kv_lens, hq, hk, d, bool(causal), transform, elt, window_left, boxes
+            ):
+                return None
+        elif self._use_cuda_graph:
+            raise ValueError(
+                "kv_pass=True is not available with use_cuda_graph=True (a captured run() bakes the "
+                "path; the in-kernel gather serves every plan)"
+            )
+        per = -(-int(kv_lens.sum()) * hk * d * elt // 256) * 256
+        start = -(-WorkspaceLayout(lim, num_ctas).total_bytes // 256) * 256
+        have = self._workspace.numel()
+        if start + 2 * per > have:
+            if want:
+                raise ValueError(
+                    f"kv_pass=True: float_workspace_buffer has {have} bytes; the plan and the gathered "
+                    f"K / V need {start + 2 * per}"
+                )
+            return None
+        return start, per
+
+    def _custom_mask(self, custom_mask, packed, qo_len, kv_lens) -> CustomMask:
+        """The plan's ``CustomMask`` (``masks``: FlashInfer's layout).  With ``use_cuda_graph``
+        the offsets go into the constructor's ``mask_indptr_buf`` and the bits into an int32
+        twin of ``custom_mask_buf`` (the kernels read words; the uint8 buffer only sizes it): a
+        captured run() reads them there."""
+        packed, indptr = packed_mask(custom_mask, packed, qo_len, kv_lens)
+        if not self._use_cuda_graph:
+            return device_mask(packed, indptr, qo_len, kv_lens, self._device)
+        indptr_t = torch.from_numpy(indptr.astype(np.int32))
+        qo_h = np.concatenate([[0], np.cumsum(qo_len)]).astype(np.int32)
+        mbuf, ibuf = self._mask_buf, self._mask_indptr_buf
+        if mbuf is None or ibuf is None:
+            raise ValueError(
+                "use_cuda_graph=True with a custom mask needs custom_mask_buf (uint8) and "
+                "mask_indptr_buf (int32) in the constructor, as in FlashInfer"
+            )
+        if packed.numel() > mbuf.numel() or indptr_t.numel() > ibuf.numel():
+            raise ValueError(
+                f"the packed mask ({packed.numel()} bytes, {indptr_t.numel()} offsets) exceeds "
+                f"custom_mask_buf / mask_indptr_buf ({mbuf.numel()} / {ibuf.numel()})"
+            )
+        if self._mask_words_buf is None:  # the kernel reads words: a fixed int32 twin
+            self._mask_words_buf = torch.zeros(mbuf.numel() // 4 + 1, dtype=torch.int32, device=self._device)
+        if self._mask_bounds_buf is None:  # the first plan fixes the query tokens
+            self._mask_bounds_buf = torch.zeros((max(int(qo_h[-1]), 1), 2), dtype=torch.int32, device=self._device)
+            self._mask_qo_buf = torch.zeros(self._qo_indptr_buf.numel(), dtype=torch.int32, device=self._device)
+        if qo_h[-1] > self._mask_bounds_buf.shape[0] or qo_h.size > self._mask_qo_buf.numel():
+            raise ValueError(
+                f"use_cuda_graph=True: {int(qo_h[-1])} query tokens / batch {qo_h.size - 1} exceed "
+                f"the first plan's {self._mask_bounds_buf.shape[0]} / {self._mask_qo_buf.numel() - 1}"
+            )
+        ibuf[: indptr_t.numel()].copy_(indptr_t, non_blocking=True)
+        self._mask_qo_buf[: qo_h.size].copy_(torch.from_numpy(qo_h), non_blocking=True)
+        words = CustomMask.words(packed, self._mask_words_buf)
+        return CustomMask(
+            packed_custom_mask=words,
+            mask_indptr=ibuf,
+            qo_indptr=self._mask_qo_buf,
+            kv_bounds=mask_kv_bounds(
+                words.view(torch.uint8)[: packed.numel()], indptr, qo_len, kv_lens, out=self._mask_bounds_buf
+            ),
+        )
+
+    def _choose_limits(self, batch, total_q, hq, hk, d, num_ctas):
+        """The planner limits for this plan and the bytes the workspace must grow to (0: it
+        fits); no side effects (a kernel that fails to load leaves the previous plan intact)."""
+        rows = _rows_per_cta(d) * num_ctas
+
+        def limits(max_batch, max_q):
+            return Limits(
+                max_batch=max(max_batch, 1),
+                max_total_q_tokens=max(max_q, 1),
+                num_qo_heads=hq,
+                num_kv_heads=hk,
+                head_dim=d,
+                max_partial_rows=rows,
+            )
+
+        have = self._workspace.numel()
+        if self._use_cuda_graph:  # fixed by the buffers and the first plan: offsets never move
+            cands = [limits(self._batch_capacity(batch), self._max_rows)]
+        else:
+            prev = self._planner.limits if self._planner is not None else None
+            same_heads = prev is not None and (prev.num_qo_heads, prev.num_kv_heads, prev.head_dim) == (hq, hk, d)
+            grow_b = max(batch, prev.max_batch) if same_heads else batch
+            grow_q = max(_round_rows(total_q), prev.max_total_q_tokens) if same_heads else _round_rows(total_q)
+            if same_heads and prev.max_batch >= batch and prev.max_total_q_tokens >= total_q:
+                cands = [prev]
+            else:  # grow with headroom; exact sizes if the headroom does not fit the workspace
+                cands = [limits(grow_b, grow_q), limits(batch, total_q)]
+        lim = next((c for c in cands if WorkspaceLayout(c, num_ctas).total_bytes <= have), None)
+        if lim is not None:
+            return lim, 0
+        need = WorkspaceLayout(cands[-1], num_ctas).total_bytes
+        if not self.grows_workspace:
+            raise ValueError(
+                f"float_workspace_buffer has {have} bytes; this plan needs {need} (batch {batch}, "
+                f"{total_q} query tokens, {hq} qo heads, head_dim {d})"
+            )
+        return cands[-1], need
+
+    def _install_planner(self, lim, num_sms, per_sm, cost, grow) -> Planner:
+        """Make ``lim``'s planner current (growing the workspace to ``grow`` bytes if set);
+        ``cost``: the backend's planner parameters."""
+        if grow:
+            self._workspace = torch.empty(grow, dtype=torch.uint8, device=self._device)
+            self._views = None
+        num_ctas = num_sms * per_sm
+        if self._planner is None or self._planner.limits != lim or self._planner.num_ctas != num_ctas:
+            self._planner = Planner(lim, num_sms, per_sm, **cost)
+            self._views = None
+        if self._views is None:  # section offsets are fixed per planner: views made once
+            self._views = self._planner.layout.views(self._workspace)
+        return self._planner
+
+    def _batch_capacity(self, batch) -> int:
+        cap = self._qo_indptr_buf.numel() - 1
+        if batch > cap:
+            raise ValueError(f"batch {batch} exceeds the CUDA-graph buffers' capacity {cap} (qo_indptr_buf)")
+        return cap
+
+    def _commit(self, st: PrefillPlanState, inputs: PrefillInputs) -> None:
+        """Make ``st`` (with its device ``inputs``) the current plan."""
+        info = {
+            "num_qo_heads": st.hq,
+            "num_kv_heads": st.hk,
+            "head_dim": st.head_dim,
+            "sm_scale": st.sm_scale,
+            "device": self._device,
+            "batch": st.batch,
+        }
+        family, arch, spec_kw = st.family, st.arch, st.spec_kw
+        binding = VariantBinding(st.variant, info, st.attn, lambda v: kernel(family, arch, **spec_kw, **_variant_kw(v)))
+        # the KV pass: the plan's key transform, if any (run()'s sinks do not touch keys)
+        pass_binding = None if st.pass_module is None else VariantBinding(st.pass_variant, info, st.pass_module, None)
+        gathered = None
+        if st.gather is not None:  # the pass's output: contiguous K / V in the workspace
+            off, per = st.gather
+            n, hk, d = int(st.kv_lens.sum()), st.hk, st.head_dim
+            gathered = tuple(
+                self._workspace[o : o + per].view(st.dtype)[: n * hk * d].view(1, n, hk, d) for o in (off, off + per)
+            )
+        self._state = replace(st, inputs=inputs, binding=binding, pass_binding=pass_binding, gathered=gathered)
+
+    def _to_device(self, t, buf, name):
+        return common.to_device(t, buf, name, self._device)
+
+    # -- run ------------------------------------------------------------------------------
+    def _check_run(self, q, out, lse, fp8_scales, args, **unsupported):
+        st = self._require_plan()
+        common.check_run_capture(self._use_cuda_graph, "*_buf index")
+        if args and st.variant is None:
+            raise TypeError(
+                f"run() got {len(args)} extra positional argument(s): those are the runtime arguments of "
+                f"plan(variant=...), and this plan has no variant (custom jit_args kernels are not "
+                f"supported)"
+            )
+        common.reject_unsupported(fp8_scales=fp8_scales, extra=tuple(unsupported.items()))
+        common.check_q(q, st.total_q, st.hq, st.head_dim, st.dtype, self._device, self._use_cuda_graph,
+                       " (qo_indptr[-1])")  # fmt: skip
+        return common.out_and_lse(q, out, lse, st.hq)
+
+    def _check_kv(self, k, v, what):
+        dt, dev = self._state.dtype, self._device
+        if k.dtype != dt or v.dtype != dt or k.device != dev or v.device != dev:
+            raise ValueError(f"{what} must be {dt} on {dev}, got {k.dtype} / {v.dtype} on {k.device} / {v.device}")
+
+    def _launch(self, q, k4, v4, kv_indptr, kv_indices, out, lse, args=(), sinks=None):
+        """K/V are 4-D views; a cache without any token (so no request has kv) gets o = 0,
+        lse = -inf without a kernel (TMA descriptors cannot describe an empty tensor; with
+        sinks: lse = the sink)."""
+        st = self._state
+        sinks = common.check_sinks(sinks, st.hq, self._device)
+        module, vvals = st.binding.select(args, sinks)
+        if q.shape[0] == 0:
+            return
+        if (st.gathered[0] if st.gathered is not None else k4).numel() == 0:
+            out.zero_()
+            lse.fill_(-math.inf)
+            if sinks is not None:
+                lse.copy_((sinks.float() * (1.0 / math.log(2.0)))[None, :].expand_as(lse))
+            return
+        inp = st.inputs
+        if st.pass_binding is not None:  # the KV pass: gather the paged cache, and / or transform K
+            pass_module, pass_vals = st.pass_binding.select(args if st.pass_binding.variant is not None else ())
+            if st.gathered is not None:  # paged -> contiguous K and V (ragged from here on)
+                k_g, v_g = st.gathered
+                pass_module(
+                    k4,
+                    v4,
+                    k_g,
+                    v_g,
+                    inp.qo_indptr,
+                    inp.kv_tok_indptr,
+                    kv_indptr,
+                    kv_indices,
+                    st.batch,
+                    st.sm_scale,
+                    st.pass_grid,
+                    *pass_vals,
+                )
+                k4, v4, kv_indptr, kv_indices = k_g, v_g, inp.kv_tok_indptr, inp.no_indices
+            else:  # ragged K through the variant's transform_k, once per key (V and pages unused)
+                k_t = torch.empty((1, k4.shape[1], st.hk, st.head_dim), dtype=k4.dtype, device=k4.device)
+                pass_module(
+                    k4,
+                    k4,
+                    k_t,
+                    k_t,
+                    inp.qo_indptr,
+                    kv_indptr,
+                    kv_indptr,
+                    kv_indptr,
+                    kv_indptr.numel() - 1,
+                    st.sm_scale,
+                    st.pass_grid,
+                    *pass_vals,
+                )
+                k4 = k_t
+        vw = self._views
+        module(
+            q,
+            k4,
+            v4,
+            kv_indptr,
+            kv_indices,
+            out,
+            lse,
+            vw["work_items"],
+            vw["work_indptr"],
+            vw["partial_o"],
+            vw["partial_lse"],
+            st.group,
+            st.sm_scale,
+            st.soft_cap,
+            st.window_left,
+            st.num_ctas,
+            *vvals,
+        )
+        if self._use_cuda_graph or st.plan.has_split:
+            st.merge(vw["partial_o"], vw["partial_lse"], vw["merge_tasks"], vw["meta"], out, lse, st.group, st.num_ctas)
