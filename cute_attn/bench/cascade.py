@@ -8,12 +8,18 @@ wrappers, ``run()`` captured once and replayed.  The cascade runs its own-tokens
 decode kernel (the default); the same cascade with the prefill kernel at every level
 (``decode_kernel=False``) is timed beside it.  Each output is checked against the flat decode
 kernel's before it is timed.
+
+FlashInfer (impl ``flashinfer``, where ``import flashinfer`` works; ``bench/peers.py``): its
+``MultiLevelCascadeAttentionWrapper`` on the same levels and cache (CUDA graph, its default
+backend: fa3 prefill per level + its merge), recorded on the cascade case, and its flat decode
+(``use_tensor_cores=True``) on the flat case; each output checked against ours first.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import peers
 from .common import cudnn_time, do_bench
 from .decode import HK, HQ, D
 
@@ -25,17 +31,31 @@ def _cache(num_pages):
     return k, torch.randn_like(k)
 
 
-def _graph(fn):
-    fn()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+def _rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def _decode_case(res, batch, prefix, unique, gen, ws):
-    from cute_attn import BatchDecodeWithPagedKVCacheWrapper, MultiLevelCascadeAttentionWrapper
+def _fi_time(make, ref, what):
+    """FlashInfer's run (``make()`` builds it: a CascadeRun / DecodeRun), its output checked
+    against ``ref``: (time, max abs diff, None) or (None, None, why).  Never raises."""
+    run, why = peers.fi_call(make)
+    if run is None:
+        return None, None, why
+    try:
+        if run.graph is None:
+            print(f"  {what}: CUDA-graph capture failed ({run.graph_why}); its eager run() timed instead")
+        run.replay()
+        torch.cuda.synchronize()
+        diff, ok = peers.check_output(what, run.out, ref)
+        if not ok:
+            return None, None, peers.DIFFERS
+        return do_bench(run.replay), diff, None
+    except Exception as e:
+        return None, None, peers.why_failed(e)
 
+
+def _decode_case(res, batch, prefix, unique, gen, ws, fi, ws_fi):
+    ours = peers.ours()
     p_pages, u_pages = prefix // PAGE, unique // PAGE
     cache = _cache(p_pages + batch * u_pages)
     perm = torch.randperm(p_pages + batch * u_pages, generator=gen).to(torch.int32)
@@ -46,61 +66,41 @@ def _decode_case(res, batch, prefix, unique, gen, ws):
     indptr = [torch.tensor([0, p_pages], **i32), torch.arange(batch + 1, **i32) * u_pages]
     indices = [shared.clone(), own.reshape(-1).clone()]
     last = [torch.tensor([PAGE], **i32), torch.full((batch,), PAGE, **i32)]
-    bufs = [[t.cuda() for t in arr] for arr in (qo, indptr, indices, last)]
+    levels = (qo, indptr, indices, last, HQ, HK, D, PAGE)
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
-    cw = MultiLevelCascadeAttentionWrapper(
-        2,
-        ws[0],
-        "NHD",
-        use_cuda_graph=True,
-        qo_indptr_buf_arr=bufs[0],
-        paged_kv_indptr_buf_arr=bufs[1],
-        paged_kv_indices_buf_arr=bufs[2],
-        paged_kv_last_page_len_buf_arr=bufs[3],
-    )
-    cw.plan(qo, indptr, indices, last, HQ, HK, D, PAGE, q_data_type=torch.bfloat16)
-    out_c = torch.empty_like(q)
-    g_c = _graph(lambda: cw.run(q, cache, out=out_c))
+    cw = peers.CascadeRun(ours, ws[0], q, cache, *levels)
     # flat: every request's table is prefix + own pages
     f_indptr = torch.arange(batch + 1, **i32) * (p_pages + u_pages)
     f_indices = torch.cat([shared.expand(batch, p_pages), own], dim=1).reshape(-1).contiguous()
     f_last = torch.full((batch,), PAGE, **i32)
-    fw = BatchDecodeWithPagedKVCacheWrapper(
-        ws[1],
-        use_cuda_graph=True,
-        paged_kv_indptr_buffer=f_indptr.cuda(),
-        paged_kv_indices_buffer=f_indices.cuda(),
-        paged_kv_last_page_len_buffer=f_last.cuda(),
-    )
-    fw.plan(f_indptr, f_indices, f_last, HQ, HK, D, PAGE, q_data_type=torch.bfloat16)
-    out_f = torch.empty_like(q)
-    g_f = _graph(lambda: fw.run(q, cache, out=out_f))
-    g_c.replay()
-    g_f.replay()
+    flat = (f_indptr, f_indices, f_last, HQ, HK, D, PAGE)
+    fw = peers.DecodeRun(ours, ws[1], q, cache, *flat, with_lse=False)
+    for run, what in ((cw, "cascade"), (fw, "flat decode")):
+        if run.graph is None:
+            print(f"  cute_attn {what}: CUDA-graph capture failed ({run.graph_why}); eager run() timed")
+    cw.replay()
+    fw.replay()
     torch.cuda.synchronize()
-    err = ((out_c.float() - out_f.float()).norm() / out_f.float().norm()).item()
+    err = _rel_err(cw.out, fw.out)
     assert err < 2e-2, f"cascade and flat decode disagree: relative error {err:.3e}"
-    t_c, t_f = do_bench(g_c.replay), do_bench(g_f.replay)
+    t_c, t_f = do_bench(cw.replay), do_bench(fw.replay)
     # the same cascade with the prefill kernel at every level (plan(decode_kernel=False))
-    pbufs = [[t.clone() for t in arr] for arr in bufs]
-    pw = MultiLevelCascadeAttentionWrapper(
-        2,
-        ws[2],
-        "NHD",
-        use_cuda_graph=True,
-        qo_indptr_buf_arr=pbufs[0],
-        paged_kv_indptr_buf_arr=pbufs[1],
-        paged_kv_indices_buf_arr=pbufs[2],
-        paged_kv_last_page_len_buf_arr=pbufs[3],
-    )
-    pw.plan(qo, indptr, indices, last, HQ, HK, D, PAGE, q_data_type=torch.bfloat16, decode_kernel=False)
-    out_p = torch.empty_like(q)
-    g_p = _graph(lambda: pw.run(q, cache, out=out_p))
-    g_p.replay()
+    pw = peers.CascadeRun(ours, ws[2], q, cache, *levels, plan_kw=dict(decode_kernel=False))
+    pw.replay()
     torch.cuda.synchronize()
-    err_p = ((out_p.float() - out_f.float()).norm() / out_f.float().norm()).item()
+    err_p = _rel_err(pw.out, fw.out)
     assert err_p < 2e-2, f"cascade (prefill kernel) and flat decode disagree: relative error {err_p:.3e}"
-    t_p = do_bench(g_p.replay)
+    t_p = do_bench(pw.replay)
+    del pw
+    # FlashInfer: its cascade on the same levels, its flat decode on the same flat table
+    fi_c = fi_f = (None, None, None)
+    if fi is not None:
+        cw.replay()
+        fw.replay()
+        torch.cuda.synchronize()
+        fi_c = _fi_time(lambda: peers.CascadeRun(fi, ws_fi[0], q, cache, *levels), cw.out, "flashinfer cascade")
+        fi_f = _fi_time(lambda: peers.DecodeRun(fi, ws_fi[1], q, cache, *flat), fw.out, "flashinfer flat decode")
+    del cw, fw
     # cuDNN on the batch laid out dense (the prefix copied into every request)
     kd = torch.randn(batch, HK, prefix + unique, D, device="cuda", dtype=torch.bfloat16)
     vd = torch.randn_like(kd)
@@ -114,10 +114,24 @@ def _decode_case(res, batch, prefix, unique, gen, ws):
     if t_cudnn is not None:
         res.add(case, "sdpa_cudnn", "us", t_cudnn)
         res.add(case, "sdpa_cudnn", "ratio", t_cudnn / t_c)
+    fi_cols, notes = [], ""
+    for (tf, diff, why), c, t_ref, what in ((fi_c, case, t_c, "cascade"), (fi_f, case + "/flat", t_f, "flat")):
+        if tf is not None:
+            res.add(c, "flashinfer", "us", tf)
+            res.add(c, "flashinfer", "ratio", tf / t_ref)
+            fi_cols.append(f"{tf:9.1f} ({tf / t_ref:5.2f}x)")
+            notes += f"  fi {what} maxdiff {diff:.1e}"
+        else:
+            if why is not None:
+                peers.say("flashinfer", why, f"{case} ({what})")
+            fi_cols.append(peers.column(why) if why is not None else "n/a")
     name = f"bs{batch} prefix {prefix} + {unique}"
     cud = f"{t_cudnn:9.1f} ({t_cudnn / t_c:5.2f}x)" if t_cudnn is not None else "n/a"
     res.add(case + "/prefill_kernel_only", "cute_attn", "us", t_p)
-    print(f"{name:<32} {t_c:9.1f} {t_f:9.1f} ({t_f / t_c:5.2f}x) {cud:>20} {t_p:9.1f}   err {err:.1e}")
+    print(
+        f"{name:<32} {t_c:9.1f} {t_f:9.1f} ({t_f / t_c:5.2f}x) {cud:>20} {t_p:9.1f} {fi_cols[0]:>18} "
+        f"{fi_cols[1]:>18}   err {err:.1e}{notes}"
+    )
 
 
 def cascade_cases(quick: bool):
@@ -126,11 +140,13 @@ def cascade_cases(quick: bool):
 
 
 def bench_cascade(res, quick: bool) -> None:
+    fi = peers.flashinfer()
     gen = torch.Generator().manual_seed(0)  # page order
     ws = [torch.empty(256 << 20, dtype=torch.uint8, device="cuda") for _ in range(3)]
+    ws_fi = [fi.workspace(256) for _ in range(2)] if fi is not None else None
     print(
         f"{'cascade decode (bf16, 32/8 heads, d128)':<32} {'ours us':>9} {'flat us (x)':>17} {'cudnn dense (x)':>20} "
-        f"{'prefill kernel only us':>9}"
+        f"{'prefill-kernel us':>9} {'flashinfer us (x)':>18} {'fi flat us (x)':>18}"
     )
     for batch, prefix, unique in cascade_cases(quick):
-        _decode_case(res, batch, prefix, unique, gen, ws)
+        _decode_case(res, batch, prefix, unique, gen, ws, fi, ws_fi)

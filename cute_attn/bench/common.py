@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import subprocess
+import warnings
 from pathlib import Path
 
 
@@ -54,6 +55,77 @@ def cudnn_time(q, k, v) -> float | None:
     except Exception as e:  # pragma: no cover
         print(f"  cudnn failed: {type(e).__name__}: {str(e)[:200]}")
         return None
+
+
+FLEX_UNFUSED = "n/a (unfused fallback)"
+
+
+def compiled_flex():
+    """A freshly compiled ``flex_attention`` for one shape: dynamo's caches reset first and its
+    recompile limit raised.  One compiled object reused across shapes / score mods passes
+    dynamo's recompile limit (8) and then silently runs the unfused eager path (70x slower):
+    those numbers are not FlexAttention's speed.  Raises ImportError without FlexAttention."""
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if isinstance(getattr(cfg, name, None), int):
+            setattr(cfg, name, max(getattr(cfg, name), 256))
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):  # an error, not a silent eager fallback
+        cfg.fail_on_recompile_limit_hit = True
+    return torch.compile(flex_attention)
+
+
+def _rearm_flex_warning() -> None:
+    """flex_attention warns "... unfused implementation ..." once per process (and marks the
+    warning as shown while it is being compiled, without warning): forget that it was shown."""
+    try:
+        import torch.nn.attention.flex_attention as fa_mod
+    except ImportError:
+        return
+    shown = getattr(fa_mod, "_WARNINGS_SHOWN", None)
+    if isinstance(shown, set):
+        shown.clear()
+
+
+def _unfused(caught) -> bool:
+    return any("unfused" in str(w.message) for w in caught)
+
+
+def flex_bench(call, timer=None):
+    """Time FlexAttention freshly compiled for this shape: ``call(fa)`` makes one call of the
+    compiled ``fa`` and returns its output.  ``(time_us, first output, None)``, or ``(None, None,
+    why)``: ``"n/a (unfused fallback)"`` where flex_attention warned that it ran unfused (not
+    compiled), ``"n/a (...)"`` for a compile error or no FlexAttention.  Never raises."""
+    import torch
+
+    timer = timer or do_bench
+    try:
+        fa = compiled_flex()
+    except Exception as e:
+        return None, None, f"n/a (no FlexAttention: {type(e).__name__}: {str(e)[:100]})"
+    try:
+        _rearm_flex_warning()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = call(fa)
+            torch.cuda.synchronize()
+    except Exception as e:
+        return None, None, f"n/a (compile error: {type(e).__name__}: {' '.join(str(e).split())[:120]})"
+    if _unfused(caught):
+        return None, None, FLEX_UNFUSED
+    try:
+        _rearm_flex_warning()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t = timer(lambda: call(fa))
+        if _unfused(caught):
+            return None, None, FLEX_UNFUSED
+        return t, out, None
+    except Exception as e:
+        return None, None, f"n/a (failed: {type(e).__name__}: {' '.join(str(e).split())[:120]})"
 
 
 def commit() -> str:

@@ -1,8 +1,14 @@
-"""Paged decode vs torch SDPA (cuDNN / flash backends, dense padded KV) and FlexAttention.
+"""Paged decode vs FlashInfer (where importable), torch SDPA (cuDNN / flash backends, dense
+padded KV) and FlexAttention.
 
 Metric: KV bytes that must be read (sum of kv_len x kv_heads x head_dim x 2 tensors x 2 bytes)
-over time.  Baselines get the same data laid out dense [batch, kv_heads, max_len, head_dim]; a
-skewed batch is padded to its longest request, which is what a non-ragged kernel pays.
+over time.  Ours and FlashInfer (``use_tensor_cores=True``, its fastest decode for GQA) run the
+same paged cache as serving engines run decode: CUDA-graph-enabled wrappers, ``run()`` captured
+once and replayed (eager ``run()`` recorded as ``.../eager``); FlashInfer's output is checked
+against ours before its time is recorded.  The other baselines get the same data laid out dense
+[batch, kv_heads, max_len, head_dim]; a skewed batch is padded to its longest request, which is
+what a non-ragged kernel pays.  Cases: 32 q / 8 kv heads, head dim 128 (``decode_cases()``), and
+(full runs) the gpt-oss shape, 64 q / 8 kv heads, head dim 64 (``shape_cases()``).
 """
 
 from __future__ import annotations
@@ -11,27 +17,30 @@ import random
 
 import torch
 
-from .common import do_bench
+from . import peers
+from .common import do_bench, flex_bench
 
 HQ, HK, D = 32, 8, 128
 
 
-def _paged(kv_lens, page_size, gen):
+def _paged(kv_lens, page_size, gen, hk=None, d=None):
+    hk, d = hk or HK, d or D
     pages = [(n + page_size - 1) // page_size for n in kv_lens]
     total = sum(pages)
     indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0).tolist()), dtype=torch.int32)
     indices = torch.randperm(total, generator=gen).to(torch.int32)
     last = torch.tensor([n - (p - 1) * page_size for n, p in zip(kv_lens, pages)], dtype=torch.int32)
-    k = torch.randn(total, page_size, HK, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(total, page_size, HK, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(total, page_size, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(total, page_size, hk, d, device="cuda", dtype=torch.bfloat16)
     return (k, v), indptr, indices, last
 
 
-def _dense(kv_lens):
+def _dense(kv_lens, hq=None, hk=None, d=None):
+    hq, hk, d = hq or HQ, hk or HK, d or D
     b, lmax = len(kv_lens), max(kv_lens)
-    q = torch.randn(b, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(b, HK, lmax, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(b, HK, lmax, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hk, lmax, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, hk, lmax, d, device="cuda", dtype=torch.bfloat16)
     return q, k, v
 
 
@@ -46,7 +55,7 @@ def _sdpa_time(backend, q, k, v):
             return do_bench(lambda: f(q, k, v, enable_gqa=True)), "gqa"
     except Exception:
         pass
-    rep = HQ // HK  # backend without GQA support: expanded KV (reads rep x the bytes)
+    rep = q.shape[1] // k.shape[1]  # backend without GQA support: expanded KV (reads rep x the bytes)
     ke, ve = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     try:
         with sdpa_kernel([be]):
@@ -57,23 +66,20 @@ def _sdpa_time(backend, q, k, v):
 
 
 def _flex_time(q, k, v, kv_lens):
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError:
-        return None
+    """(time, None) or (None, why): FlexAttention compiled for this shape, a length mask."""
     lens = torch.tensor(kv_lens, device="cuda")
 
     def mask(b, h, qi, kvi):
         return kvi < lens[b]
 
     try:
+        from torch.nn.attention.flex_attention import create_block_mask
+
         bm = create_block_mask(mask, len(kv_lens), None, 1, k.shape[2], device="cuda")
-        fa = torch.compile(flex_attention)
-        fa(q, k, v, block_mask=bm, enable_gqa=True)
-        return do_bench(lambda: fa(q, k, v, block_mask=bm, enable_gqa=True))
     except Exception as e:  # pragma: no cover
-        print(f"  flex failed: {type(e).__name__}: {str(e)[:200]}")
-        return None
+        return None, f"n/a ({type(e).__name__}: {str(e)[:100]})"
+    t, _, why = flex_bench(lambda fa: fa(q, k, v, block_mask=bm, enable_gqa=True))
+    return t, why
 
 
 def decode_cases():
@@ -88,60 +94,110 @@ def decode_cases():
     ]
 
 
-def bench_decode(res, quick: bool) -> None:
-    from cute_attn import BatchDecodeWithPagedKVCacheWrapper
+def shape_cases():
+    """Decode cases of other head shapes: (name, kv lengths, page size, q heads, kv heads, head dim)."""
+    return [("bs64/kv4096/page16", [4096] * 64, 16, 64, 8, 64)]  # gpt-oss: 64 q / 8 kv heads, d64
 
+
+def _fi_decode(fi, ws, q, cache, indptr, indices, last, hq, hk, d, ps, ours_run):
+    """FlashInfer's run of the case, its output checked against ours: (DecodeRun, eager time,
+    max abs diff) or (None, why, None)."""
+    run, why = peers.fi_call(peers.DecodeRun, fi, ws, q, cache, indptr, indices, last, hq, hk, d, ps)
+    if run is None:
+        return None, why, None
+    if run.graph is None:
+        print(f"  flashinfer: CUDA-graph capture failed ({run.graph_why}); its eager run() timed instead")
+    try:
+        ours_run.replay()
+        run.replay()
+        torch.cuda.synchronize()
+        diff, ok = peers.check_output("flashinfer decode", run.out, ours_run.out)
+        if not ok:
+            return None, peers.DIFFERS, None
+        return run, do_bench(run.eager), diff
+    except Exception as e:
+        return None, peers.why_failed(e), None
+
+
+def _decode_case(res, lib_ours, fi, ws, ws_fi, gen, name, kv_lens, ps, hq, hk, d, quick):
+    cache, indptr, indices, last = _paged(kv_lens, ps, gen, hk, d)
+    b = len(kv_lens)
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+    # as a serving engine runs decode: a CUDA-graph-enabled wrapper, run() captured once and
+    # replayed (the eager run() time is recorded too)
+    ours = peers.DecodeRun(lib_ours, ws, q, cache, indptr, indices, last, hq, hk, d, ps)
+    if ours.graph is None:
+        print(f"  cute_attn: CUDA-graph capture failed ({ours.graph_why}); eager run() timed")
+    t_eager = do_bench(ours.eager)
+    t = do_bench(ours.replay)
+    kv_bytes = sum(kv_lens) * hk * d * 2 * 2
+    case = f"decode/hd{d}/gqa{hq // hk}/{name}"
+    res.add(case, "cute_attn", "us", t)
+    res.add(case, "cute_attn", "TB/s", kv_bytes / t / 1e6)
+    res.add(case + "/eager", "cute_attn", "us", t_eager)
+    # FlashInfer on the same paged cache, graph replay timed right after ours
+    fi_col, note = "n/a", ""
+    if fi is not None:
+        run, fi_eager, diff = _fi_decode(fi, ws_fi, q, cache, indptr, indices, last, hq, hk, d, ps, ours)
+        if run is None:  # fi_eager: why
+            fi_col = peers.column(fi_eager)
+            peers.say("flashinfer", fi_eager)
+        else:
+            tf = do_bench(run.replay)
+            res.add(case, "flashinfer", "us", tf)
+            res.add(case, "flashinfer", "TB/s", kv_bytes / tf / 1e6)
+            res.add(case, "flashinfer", "ratio", tf / t)
+            res.add(case + "/eager", "flashinfer", "us", fi_eager)
+            res.add(case + "/eager", "flashinfer", "ratio", fi_eager / t_eager)
+            fi_col = f"{tf:7.1f} ({tf / t:4.2f}x)"
+            note = f"  fi maxdiff {diff:.1e}" + ("" if run.graph is not None else " (fi eager)")
+        del run
+    del ours, cache
+    qd, kd, vd = _dense(kv_lens, hq, hk, d)
+    cols = []
+    for be in ("cudnn", "flash"):
+        tb, how = _sdpa_time(be, qd, kd, vd)
+        if tb is not None:
+            res.add(case, f"sdpa_{be}", "us", tb)
+            res.add(case, f"sdpa_{be}", "TB/s", kv_bytes / tb / 1e6)
+            res.add(case, f"sdpa_{be}", "ratio", tb / t)
+            cols.append(f"{tb:7.1f}us {kv_bytes / tb / 1e6:4.2f}")
+        else:
+            cols.append(f"{how:>14}")
+    tf, why = (None, None) if quick else _flex_time(qd, kd, vd, kv_lens)
+    if tf is not None:
+        res.add(case, "flex", "us", tf)
+        res.add(case, "flex", "ratio", tf / t)
+    elif why is not None:
+        print(f"  flex: {why}")
+    del qd, kd, vd
+    flex = f"{tf:9.1f}us" if tf else "n/a"
+    label = name if (hq, hk, d) == (HQ, HK, D) else f"{hq}/{hk}h d{d} {name}"
+    print(
+        f"{label:<40} {t:8.1f} {kv_bytes / t / 1e6:6.3f} {t_eager:8.1f} {cols[0]:>14} {cols[1]:>14} {flex:>12} "
+        f"{fi_col:>18}{note}"
+    )
+
+
+def bench_decode(res, quick: bool) -> None:
+    lib_ours, fi = peers.ours(), peers.flashinfer()
     gen = torch.Generator().manual_seed(0)
-    cases = decode_cases()
+    cases = [(n, lens, ps, HQ, HK, D) for n, lens, ps in decode_cases()]
     if quick:
         cases = cases[:3]
+    else:
+        cases += shape_cases()
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    ws_fi = fi.workspace(256) if fi is not None else None
     print(
         f"{'decode case (bf16, 32/8 heads, d128)':<40} {'graph us':>8} {'TB/s':>6} {'eager us':>8} {'cudnn':>14} "
-        f"{'flash':>14} {'flex':>12}"
+        f"{'flash':>14} {'flex':>12} {'flashinfer us (x)':>18}"
     )
-    for name, kv_lens, ps in cases:
-        cache, indptr, indices, last = _paged(kv_lens, ps, gen)
-        b = len(kv_lens)
-        q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
-        # as a serving engine runs decode: a CUDA-graph-enabled wrapper, run() captured once and
-        # replayed (the eager run() time is recorded too)
-        dev_bufs = dict(
-            paged_kv_indptr_buffer=indptr.cuda(),
-            paged_kv_indices_buffer=indices.cuda(),
-            paged_kv_last_page_len_buffer=last.cuda(),
-        )
-        w = BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True, **dev_bufs)
-        w.plan(indptr, indices, last, HQ, HK, D, ps, q_data_type=torch.bfloat16)
-        out = torch.empty_like(q)
-        lse = torch.empty(b, HQ, device="cuda")
-        w.run(q, cache, out=out, lse=lse)
-        t_eager = do_bench(lambda: w.run(q, cache, out=out, lse=lse))
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            w.run(q, cache, out=out, lse=lse)
-        t = do_bench(g.replay)
-        kv_bytes = sum(kv_lens) * HK * D * 2 * 2
-        case = f"decode/hd128/gqa4/{name}"
-        res.add(case, "cute_attn", "us", t)
-        res.add(case, "cute_attn", "TB/s", kv_bytes / t / 1e6)
-        res.add(case + "/eager", "cute_attn", "us", t_eager)
-        del cache
-        qd, kd, vd = _dense(kv_lens)
-        cols = []
-        for be in ("cudnn", "flash"):
-            tb, how = _sdpa_time(be, qd, kd, vd)
-            if tb is not None:
-                res.add(case, f"sdpa_{be}", "us", tb)
-                res.add(case, f"sdpa_{be}", "TB/s", kv_bytes / tb / 1e6)
-                res.add(case, f"sdpa_{be}", "ratio", tb / t)
-                cols.append(f"{tb:7.1f}us {kv_bytes / tb / 1e6:4.2f}")
-            else:
-                cols.append(f"{how:>14}")
-        tf = None if quick else _flex_time(qd, kd, vd, kv_lens)
-        if tf is not None:
-            res.add(case, "flex", "us", tf)
-            res.add(case, "flex", "ratio", tf / t)
-        del qd, kd, vd
-        flex = f"{tf:9.1f}us" if tf else "n/a"
-        print(f"{name:<40} {t:8.1f} {kv_bytes / t / 1e6:6.3f} {t_eager:8.1f} {cols[0]:>14} {cols[1]:>14} {flex:>12}")
+    for name, kv_lens, ps, hq, hk, d in cases:
+        if (hq, hk, d) == (HQ, HK, D):
+            _decode_case(res, lib_ours, fi, ws, ws_fi, gen, name, kv_lens, ps, hq, hk, d, quick)
+            continue
+        try:  # the extra shapes: a kernel this build lacks is a skip, not the end of the bench
+            _decode_case(res, lib_ours, fi, ws, ws_fi, gen, name, kv_lens, ps, hq, hk, d, quick)
+        except Exception as e:
+            print(f"{hq}/{hk}h d{d} {name}: failed ({type(e).__name__}: {' '.join(str(e).split())[:160]})")

@@ -1,4 +1,5 @@
-"""Batch prefill vs torch SDPA (cuDNN / flash backends) and FlexAttention, bf16, side by side.
+"""Batch prefill vs FlashInfer (where importable), torch SDPA (cuDNN / flash backends) and
+FlexAttention, bf16, side by side.
 
 Metric: TFLOP/s of the attention itself, 4·h·d·s² per request of s tokens (two GEMMs), half of
 it when causal (FA's convention: 4·b·h·s²·d/2); a padded baseline is charged only the useful
@@ -20,6 +21,13 @@ soft-cap over plain attention):
 * ``variant/softcap/prefill/hd128/causal/s8192``: soft-cap 30 (ours and FlexAttention with a
   tanh score_mod).
 
+FlashInfer (impl ``flashinfer``; ``bench/peers.py``): the same wrappers on the same tensors --
+ragged and page 16 with ``backend="fa3"``, page 1 with ``backend="fa2"`` -- in the same turns as
+ours, its ``ratio`` over our matching row (ragged / page 16 / page 1 as the wrapper runs it),
+its output checked against ours first; a module FlashInfer would have to JIT-compile (soft-cap,
+other head dims) is ``n/a (not prebuilt)`` unless ``CUTE_ATTN_BENCH_FI_JIT=1``.  FlexAttention is
+compiled afresh for every shape (``common.flex_bench``); an unfused fallback is a skip.
+
 A baseline that is unavailable (backend missing, shape unsupported) is reported as a skip.
 Ours (ragged, the four paged rows, soft-cap) and the SDPA baselines of the s8192 cases are timed
 one call at a time in turns (ragged, page 16, ..., cuDNN, flash, ragged, ...; 25 calls each,
@@ -35,11 +43,13 @@ import random
 
 import torch
 
-from .common import do_bench, interleaved
+from . import peers
+from .common import do_bench, flex_bench, interleaved
 
 B, H, S = 2, 16, 8192
 DT = torch.bfloat16
 SOFT_CAP = 30.0
+IMPLS = ("sdpa_cudnn", "sdpa_flash", "flex", "flashinfer")  # the table's baseline columns
 
 
 def _flops(lens, h, d, causal):
@@ -58,24 +68,16 @@ def _indptr(lens):
 
 
 def _ragged_runner(lens, q, k, v, causal, d, soft_cap=None):
-    """A planned ragged wrapper's ``run()`` (one warm-up call done), on its own workspace."""
-    from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
-
-    w = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
-    ind = _indptr(lens)
-    w.plan(ind, ind, q.shape[1], k.shape[1], d, causal=causal, q_data_type=DT, logits_soft_cap=soft_cap)
-    out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[1], device="cuda")
-    w.run(q, k, v, out=out, lse=lse)
-    return lambda: w.run(q, k, v, out=out, lse=lse)
+    """A planned ragged wrapper's ``run()`` (one warm-up call done), on its own workspace;
+    ``.out``: its output."""
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    return peers.ragged_prefill(peers.ours(), ws, _indptr(lens), q, k, v, causal, d, logits_soft_cap=soft_cap)
 
 
-def _paged_runner(lens, q, k, v, causal, d, page_size, gen, kv_pass=None):
-    """The same for the ragged k/v re-cut into pages of ``page_size`` tokens in random order
-    (every request starts on a page boundary; the lengths are multiples of the page size here);
-    ``kv_pass``: plan()'s option (None: the wrapper's choice).  Its own 512 MB workspace: room
-    for the plan and the KV pass's contiguous K and V (268 MB at hd256)."""
-    from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
-
+def _paged_cache(lens, k, v, d, page_size, gen):
+    """The ragged k/v re-cut into pages of ``page_size`` tokens in random order (every request
+    starts on a page boundary; the lengths are multiples of the page size here): (cache, qo
+    indptr, kv page indptr, page indices, last page lengths)."""
     assert all(n % page_size == 0 for n in lens)
     n_pages = k.shape[0] // page_size
     perm = torch.randperm(n_pages, generator=gen)
@@ -83,23 +85,17 @@ def _paged_runner(lens, q, k, v, causal, d, page_size, gen, kv_pass=None):
     vc = torch.empty_like(kc)
     kc[perm.cuda()] = k.view(n_pages, page_size, k.shape[1], d)
     vc[perm.cuda()] = v.view(n_pages, page_size, k.shape[1], d)
-    w = BatchPrefillWithPagedKVCacheWrapper(torch.empty(512 << 20, dtype=torch.uint8, device="cuda"))
-    w.plan(
-        _indptr(lens),
-        _indptr([n // page_size for n in lens]),
-        perm.to(torch.int32),
-        torch.full((len(lens),), page_size, dtype=torch.int32),
-        q.shape[1],
-        k.shape[1],
-        d,
-        page_size,
-        causal=causal,
-        q_data_type=DT,
-        kv_pass=kv_pass,
-    )
-    out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[1], device="cuda")
-    w.run(q, (kc, vc), out=out, lse=lse)
-    return lambda: w.run(q, (kc, vc), out=out, lse=lse)
+    last = torch.full((len(lens),), page_size, dtype=torch.int32)
+    return (kc, vc), _indptr(lens), _indptr([n // page_size for n in lens]), perm.to(torch.int32), last
+
+
+def _paged_runner(paged, q, causal, d, page_size, kv_pass=None):
+    """Our paged wrapper on ``_paged_cache``'s cache; ``kv_pass``: plan()'s option (None: the
+    wrapper's choice).  Its own 512 MB workspace: room for the plan and the KV pass's contiguous
+    K and V (268 MB at hd256)."""
+    cache, qo, kvi, idx, last = paged
+    ws = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    return peers.paged_prefill(peers.ours(), ws, qo, kvi, idx, last, q, cache, causal, d, page_size, kv_pass=kv_pass)
 
 
 def _sdpa_runner(backend, q4, k4, v4, causal):
@@ -126,30 +122,19 @@ def _sdpa(backend, q4, k4, v4, causal):
     return (do_bench(fn), None) if fn is not None else (None, why)
 
 
-_FLEX = {}
-
-
-def _flex_fn():
-    if "fn" not in _FLEX:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _FLEX["fn"] = torch.compile(flex_attention)
-    return _FLEX["fn"]
-
-
 def _flex(q4, k4, v4, mask_mod=None, score_mod=None):
-    """(time, None) or (None, why).  ``mask_mod`` None: no block mask (dense)."""
+    """(time, None) or (None, why): FlexAttention compiled for this shape (``common.flex_bench``).
+    ``mask_mod`` None: no block mask (dense)."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask
 
-        fa = _flex_fn()
         bm = None
         if mask_mod is not None:
             bm = create_block_mask(mask_mod, None, None, q4.shape[2], k4.shape[2], device="cuda")
-        fa(q4, k4, v4, block_mask=bm, score_mod=score_mod)
-        return do_bench(lambda: fa(q4, k4, v4, block_mask=bm, score_mod=score_mod)), None
     except Exception as e:
         return None, f"{type(e).__name__}: {str(e)[:120]}"
+    t, _, why = flex_bench(lambda fa: fa(q4, k4, v4, block_mask=bm, score_mod=score_mod))
+    return t, why
 
 
 def _causal_mask(b, h, qi, kvi):
@@ -160,29 +145,88 @@ def _softcap_mod(score, b, h, qi, kvi):
     return SOFT_CAP * torch.tanh(score / SOFT_CAP)
 
 
+def _cell(impl, t, why, t_ours, flops):
+    if t is None:
+        return f"{peers.column(why):>18}"
+    return f"{_tflops(flops, t):7.1f} ({t / t_ours:4.2f}x)".rjust(18)
+
+
 def _row(res, case, flops, t_ours, baselines, extra=""):
-    """Record ours + baselines, print one line."""
+    """Record ours + baselines (a list of (impl, (time, why))), print one line: a column per
+    ``IMPLS`` entry ('-': not run)."""
     res.add(case, "cute_attn", "us", t_ours)
     res.add(case, "cute_attn", "TFLOP/s", _tflops(flops, t_ours))
-    cols = []
+    got = dict(baselines)
     for impl, (t, why) in baselines:
         if t is None:
-            print(f"  {case}: {impl} skipped ({why})")
-            cols.append(f"{'n/a':>15}")
+            peers.say(impl, why, case)
             continue
         res.add(case, impl, "us", t)
         res.add(case, impl, "TFLOP/s", _tflops(flops, t))
         res.add(case, impl, "ratio", t / t_ours)
-        cols.append(f"{_tflops(flops, t):7.1f} ({t / t_ours:4.2f}x)")
+    cols = [_cell(i, *got[i], t_ours, flops) if i in got else f"{'-':>18}" for i in IMPLS]
     print(f"{case:<48} {_tflops(flops, t_ours):7.1f} {t_ours:9.1f}  " + " ".join(cols) + extra)
 
 
+def _fi_runners(fi, lens, q, k, v, causal, d, paged, ours):
+    """FlashInfer's runners of an s8192 case, keyed as ours ("" ragged, "/page16", "/page1", "softcap"
+    where ours has the row): ({key: Call}, {key: why})."""
+    ind = _indptr(lens)
+    calls, why = {}, {}
+    todo = [("", lambda: peers.ragged_prefill(fi, fi.workspace(128), ind, q, k, v, causal, d))]
+    for ps in (16, 1):
+        if f"/page{ps}" in ours:
+            cache, qo, kvi, idx, last = paged[ps]
+
+            def mk(cache=cache, qo=qo, kvi=kvi, idx=idx, last=last, ps=ps):
+                return peers.paged_prefill(fi, fi.workspace(128), qo, kvi, idx, last, q, cache, causal, d, ps)
+
+            todo.append((f"/page{ps}", mk))
+    if "softcap" in ours:
+        todo.append(
+            (
+                "softcap",
+                lambda: peers.ragged_prefill(fi, fi.workspace(128), ind, q, k, v, causal, d, logits_soft_cap=SOFT_CAP),
+            )
+        )
+    for key, make in todo:
+        call, why[key] = peers.fi_call(make)
+        if call is not None:
+            calls[key] = call
+    return calls, why
+
+
+def _turns(fns, optional):
+    """``interleaved(fns)``; where that fails, once more without the ``optional`` keys (the
+    peers), their failure printed: a peer never stops the bench."""
+    try:
+        return interleaved(fns)
+    except Exception as e:
+        if not any(key in fns for key in optional):
+            raise
+        print(f"  timing in turns failed with the peers ({peers.why_failed(e)}); again without them")
+        return interleaved({key: fn for key, fn in fns.items() if key not in optional})
+
+
+def _fi_result(key, fi_calls, fi_why, med, ref, what):
+    """(FlashInfer's time, None) for one key after the turns, its output checked against ``ref``
+    (ours), or (None, why)."""
+    if key not in fi_calls:
+        return None, fi_why.get(key, "n/a")
+    if "fi" + key not in med:
+        return None, "failed (in the turns)"
+    diff, ok = peers.check_output(what, fi_calls[key].out, ref)
+    if not ok:
+        return None, peers.DIFFERS
+    return med["fi" + key], None
+
+
 def bench_prefill(res, quick: bool) -> None:
+    fi = peers.flashinfer()
     gen = torch.Generator().manual_seed(0)
-    impls = ("sdpa_cudnn", "sdpa_flash", "flex")
     print(
         f"{'prefill case (bf16; TFLOP/s, ours/baseline)':<48} {'ours':>7} {'us':>9}  "
-        + " ".join(f"{i:>15}" for i in impls)
+        + " ".join(f"{i:>18}" for i in IMPLS)
     )
     lens = [S] * B
     for d in (128,) if quick else (128, 256):
@@ -194,30 +238,39 @@ def bench_prefill(res, quick: bool) -> None:
             case = f"prefill/hd{d}/{'causal' if causal else 'noncausal'}/s{S}"
             flops = _flops(lens, H, d, causal)
             # ours: ragged; paged as the wrapper runs it (the KV pass where its model says so) and
-            # with kv_pass=False (page 16: TMA page boxes, page 1: the cp.async gather); soft-cap
+            # with kv_pass=False (page 16: TMA page boxes, page 1: the cp.async gather); soft-cap.
+            # One paged cache per page size, shared by our rows and FlashInfer's.
             ours = {"": _ragged_runner(lens, q, k, v, causal, d)}
-            for ps, kv_pass, tag in (
-                (16, None, ""),
-                (16, False, "/page_boxes"),
-                (1, None, ""),
-                (1, False, "/in_kernel_gather"),
-            )[: 1 if quick else None]:
-                ours[f"/page{ps}{tag}"] = _paged_runner(lens, q, k, v, causal, d, ps, gen, kv_pass)
+            rows = ((16, None, ""), (16, False, "/page_boxes"), (1, None, ""), (1, False, "/in_kernel_gather"))
+            paged = {}
+            for ps, kv_pass, tag in rows[: 1 if quick else None]:
+                if ps not in paged:
+                    paged[ps] = _paged_cache(lens, k, v, d, ps, gen)
+                ours[f"/page{ps}{tag}"] = _paged_runner(paged[ps], q, causal, d, ps, kv_pass)
             if d == 128 and causal:
                 ours["softcap"] = _ragged_runner(lens, q, k, v, causal, d, soft_cap=SOFT_CAP)
-            # all of them and the SDPA baselines timed in turns (``common.interleaved``): ratios of
-            # times taken seconds apart would carry the clocks' drift
+            fi_calls, fi_why = _fi_runners(fi, lens, q, k, v, causal, d, paged, ours) if fi else ({}, {})
+            # all of them, FlashInfer's and the SDPA baselines timed in turns
+            # (``common.interleaved``): ratios of times taken seconds apart would carry the clocks' drift
             fns, why = dict(ours), {}
+            fns.update({"fi" + key: call for key, call in fi_calls.items()})
             for be in ("cudnn", "flash"):
                 fn, why[f"sdpa_{be}"] = _sdpa_runner(be, q4, k4, v4, causal)
                 if fn is not None:
                     fns[f"sdpa_{be}"] = fn
-            med = interleaved(fns)
+            med = _turns(fns, {"fi" + key for key in fi_calls})
             t = med[""]
             base = [(impl, (med[impl], None) if impl in med else (None, why[impl])) for impl in why]
             if not quick:
                 base.append(("flex", _flex(q4, k4, v4, _causal_mask if causal else None)))
-            _row(res, case, flops, t, base)
+            fi_res = {}
+            if fi is not None:
+                for key in ("", "/page16", "/page1", "softcap"):
+                    if key in ours:
+                        ref = ours[key].out
+                        fi_res[key] = _fi_result(key, fi_calls, fi_why, med, ref, f"flashinfer {case}{key}")
+                base.append(("flashinfer", fi_res[""]))
+            _row(res, case, flops, t, base, extra=_fi_diff_note(fi_calls, fi_res, ours, ""))
             for name in ours:
                 if not name.startswith("/page"):
                     continue
@@ -226,14 +279,28 @@ def bench_prefill(res, quick: bool) -> None:
                 res.add(pcase, "cute_attn", "us", tp)
                 res.add(pcase, "cute_attn", "TFLOP/s", _tflops(flops, tp))
                 res.add(pcase, "cute_attn", "ratio", tp / t)
-                print(f"{pcase:<48} {_tflops(flops, tp):7.1f} {tp:9.1f}  ({tp / t:4.2f}x the ragged time)")
+                fi_txt = ""
+                if name in fi_res:
+                    tf, wf = fi_res[name]
+                    if tf is None:
+                        peers.say("flashinfer", wf, pcase)
+                        fi_txt = f"  flashinfer {peers.column(wf)}"
+                    else:
+                        res.add(pcase, "flashinfer", "us", tf)
+                        res.add(pcase, "flashinfer", "TFLOP/s", _tflops(flops, tf))
+                        res.add(pcase, "flashinfer", "ratio", tf / tp)
+                        fi_txt = f"  flashinfer {_tflops(flops, tf):7.1f} ({tf / tp:4.2f}x)"
+                        fi_txt += _fi_diff_note(fi_calls, fi_res, ours, name)
+                print(f"{pcase:<48} {_tflops(flops, tp):7.1f} {tp:9.1f}  ({tp / t:4.2f}x the ragged time){fi_txt}")
             if "softcap" in ours:
                 tc = med["softcap"]
                 vcase = f"variant/softcap/{case}"
                 res.add(vcase, "cute_attn", "ratio", tc / t)
                 fl = [] if quick else [("flex", _flex(q4, k4, v4, _causal_mask, _softcap_mod))]
+                if "softcap" in fi_res:
+                    fl.append(("flashinfer", fi_res["softcap"]))
                 _row(res, vcase, flops, tc, fl, extra=f"  ({tc / t:4.2f}x plain attention's time)")
-            del ours
+            del ours, fi_calls, paged, fns
         del q, k, v, q4, k4, v4
 
     # a skewed ragged batch: 32 lognormal lengths (mean ~2k), causal, hd128
@@ -245,8 +312,25 @@ def bench_prefill(res, quick: bool) -> None:
     q = torch.randn(total, H, d, device="cuda", dtype=DT)
     k = torch.randn(total, H, d, device="cuda", dtype=DT)
     v = torch.randn(total, H, d, device="cuda", dtype=DT)
-    t = do_bench(_ragged_runner(lens, q, k, v, True, d))
+    ours_call = _ragged_runner(lens, q, k, v, True, d)
+    t = do_bench(ours_call)
     base = []
+    note = ""
+    if fi is not None:  # FlashInfer's fa3 ragged on the same batch, timed right after ours (do_bench each, as ours)
+        call, wf = peers.fi_call(peers.ragged_prefill, fi, fi.workspace(128), _indptr(lens), q, k, v, True, d)
+        tf = None
+        if call is not None:
+            try:
+                ours_call()
+                torch.cuda.synchronize()
+                diff, ok = peers.check_output(f"flashinfer {case}", call.out, ours_call.out)
+                if ok:
+                    tf, note = do_bench(call), f"  fi maxdiff {diff:.1e}"
+                else:
+                    wf = peers.DIFFERS
+            except Exception as e:
+                wf = peers.why_failed(e)
+        base.append(("flashinfer", (tf, wf)))
     lmax = max(lens)
     pad = (
         lambda x: (
@@ -272,4 +356,12 @@ def bench_prefill(res, quick: bool) -> None:
         q1, k1, v1 = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))  # [1, H, total, d]
         base.append(("flex", _flex(q1, k1, v1, doc_causal)))
         del q1, k1, v1
-    _row(res, case, flops, t, base, extra=f"  (lengths {min(lens)}..{lmax}, {total} tokens; SDPA padded)")
+    _row(res, case, flops, t, base, extra=f"  (lengths {min(lens)}..{lmax}, {total} tokens; SDPA padded){note}")
+
+
+def _fi_diff_note(fi_calls, fi_res, ours, key):
+    """'  fi maxdiff X' for a FlashInfer row that was recorded."""
+    if key not in fi_res or fi_res[key][0] is None:
+        return ""
+    diff, _ = peers.max_diff(fi_calls[key].out, ours[key].out)
+    return f"  fi maxdiff {diff:.1e}"

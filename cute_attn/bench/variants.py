@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .common import do_bench
+from .common import do_bench, flex_bench
 
 HQ, HK, D = 32, 8, 128
 B, L, PS = 64, 4096, 16
@@ -135,34 +135,21 @@ def _time_decode(ws, q, cache, indptr, indices, last, plan_kw, run_args, run_kw)
     return do_bench(g.replay)
 
 
-def _allow_flex_recompiles() -> None:
-    """Every row compiles FlexAttention for its own score/mask function: past dynamo's default
-    recompile limit (8) it silently falls back to the unfused eager path (~70x slower), which
-    would make every later FlexAttention row meaningless."""
-    import torch._dynamo
-
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
-
-
 def _flex(q, k, v, score_mod=None, mask_mod=None):
-    """Time of compiled FlexAttention on dense [B, H, L, D] (q length 1), or None."""
-    _allow_flex_recompiles()
+    """Time of FlexAttention on dense [B, H, L, D] (q length 1), compiled afresh for this row
+    (``common.flex_bench``: a compiled object shared by the rows passed dynamo's recompile limit
+    and fell back to the unfused path), or None (the reason printed)."""
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError:
-        return None
-    try:
-        bm = None
-        if mask_mod is not None:
-            bm = create_block_mask(mask_mod, B, None, 1, L, device="cuda")
-        fa = torch.compile(flex_attention)
-        fa(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True)
-        return do_bench(lambda: fa(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True))
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        bm = create_block_mask(mask_mod, B, None, 1, L, device="cuda") if mask_mod is not None else None
     except Exception as e:  # pragma: no cover
-        print(f"  flex failed: {type(e).__name__}: {str(e)[:200]}")
+        print(f"  flex skipped: {type(e).__name__}: {str(e)[:200]}")
         return None
+    t, _, why = flex_bench(lambda fa: fa(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True))
+    if why is not None:
+        print(f"  flex skipped: {why}")
+    return t
 
 
 def _rope_pass(x, pos, theta=1e4):
@@ -323,19 +310,18 @@ def _time_prefill(ws, q, k, v, ind, causal, plan_kw, run_args, run_kw) -> float:
 
 
 def _flex_prefill(q4, k4, v4, score_mod=None, mask_mod=None):
-    _allow_flex_recompiles()
+    """The same on the prefill rows' dense [2, 16, 8k, 128] tensors."""
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError:
-        return None
-    try:
+        from torch.nn.attention.flex_attention import create_block_mask
+
         bm = create_block_mask(mask_mod, None, None, PSEQ, PSEQ, device="cuda") if mask_mod is not None else None
-        fa = torch.compile(flex_attention)
-        fa(q4, k4, v4, score_mod=score_mod, block_mask=bm)
-        return do_bench(lambda: fa(q4, k4, v4, score_mod=score_mod, block_mask=bm))
     except Exception as e:  # pragma: no cover
-        print(f"  flex failed: {type(e).__name__}: {str(e)[:200]}")
+        print(f"  flex skipped: {type(e).__name__}: {str(e)[:200]}")
         return None
+    t, _, why = flex_bench(lambda fa: fa(q4, k4, v4, score_mod=score_mod, block_mask=bm))
+    if why is not None:
+        print(f"  flex skipped: {why}")
+    return t
 
 
 def _prefill_rows_bench(res, quick: bool) -> None:
