@@ -41,6 +41,13 @@ def load_words(bits, start, span: int) -> list:
     return [(raw[k] >> sh) | ((raw[k + 1] << Uint32(1)) << (Uint32(31) - sh)) for k in range(nwords)]
 
 
+def row_words(bits: list, blk, tScS, col_off) -> list:
+    """Per ``mask_bits`` component of a row ((tensor, bit offset of the row's key 0) pairs):
+    the bits of this thread's keys of the block at key ``blk`` as ``load_words``' words
+    (``tScS[0, 0][1]``: the thread's first column; ``col_off``: its columns' static offsets)."""
+    return [load_words(t, off + blk + tScS[0, 0][1], col_off[-1] + 1) for t, off in bits]
+
+
 def bit_set(words: list, off: int):
     """Whether bit ``off`` (a Python int) of ``load_words``' result is 1."""
     return (words[off // 32] & Uint32(1 << (off % 32))) != Uint32(0)

@@ -3,7 +3,7 @@
 ``cp.async.cg.shared.global.L2::128B``: the prefetch-size hint of PTX (SASS ``LDGSTS...LTC128B``).
 ptxas adds it to some plain ``cp.async`` on its own and not to others, and the difference is
 bandwidth: the decode gather lost it when a restructure moved its copies into a helper, and
-the same kernel read 3-8 % slower on the H200 (session 4).  Kernels that gather rows issue their
+the same kernel read 3-8 % slower on the H200.  Kernels that gather rows issue their
 copies through :func:`cp_async_16` so the hint does not depend on the compiler's mood.
 """
 

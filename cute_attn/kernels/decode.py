@@ -26,10 +26,10 @@ heads; warp w reads head w // (4 / H) and masks the tile's rows of the other hea
 m = -inf, l = 0 and drop out of the ⊕); each row's hook context carries its own kv head.  A
 variant's ``kv_range`` still clips the item's blocks by its first and last rows, which assumes
 the bounds depend on the query position, not the head.  The MMA work per KV byte is the same
-(a GQA-4 tile used 4 of its 16 rows before); what changes is H times fewer items, hence item
-boundaries (epilogue barrier + store, record and Q loads): batch 256 x 1k went from 4.10 to
-4.18 TB/s (BENCHMARKS, session 12).  The wrapper packs where items stay plentiful and whole
-(``decode.MIN_PACKED_ITEMS_PER_CTA``).
+(an unpacked GQA-4 tile uses 4 of its 16 rows); what changes is H times fewer items, hence
+item boundaries (epilogue barrier + store, record and Q loads): packing takes batch 256 x 1k
+from 4.10 to 4.18 TB/s (BENCHMARKS.md).  The wrapper packs where items stay plentiful and
+whole (``decode.MIN_PACKED_ITEMS_PER_CTA``).
 
 Scores are kept in base 2 (scaled by sm_scale·log2 e), so LSE comes out in base 2 as
 FlashInfer returns it.  Variants (``cute_attn/variants``, docs/variants.md) are traced in:
@@ -44,6 +44,9 @@ built-in variants.  Uses no Hopper-only instruction, so it also compiles for sm_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -53,10 +56,10 @@ from cutlass.cute.nvgpu import warp
 from ..variants.base import Ctx, Hooks
 from ..variants.dsl import LOG2E
 from ..variants.trace import make_entry, transform_fragment
-from .bitmask import bit_set, load_words
+from .bitmask import bit_set, row_words
 from .copy import cp_async_16
 from .fragments import mma_acc_as_a, mma_mn_view, quad_max, quad_sum
-from .work import WorkItem
+from .work import ItemInfo, TraceCtx, item_row_values, row_ctx, tok_head
 
 TILE_Q = 16  # packed query rows per work item (one m16 MMA tile)
 BLOCK_N = 64  # KV tokens per pipeline stage: 4 warps x 16 keys
@@ -64,12 +67,92 @@ NUM_WARPS = 4
 THREADS = 32 * NUM_WARPS
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """What a ``paged_decode`` specialization fixes: value dtype (DSL type), head dim, pipeline
+    stages, the variant (or None) and the kv heads per work item."""
+
+    dtype: Any
+    head_dim: int
+    stages: int
+    variant: Any = None
+    heads_per_item: int = 1
+
+    @classmethod
+    def from_spec(cls, p: dict) -> DecodeConfig:
+        from ..abi.dtypes import to_dsl
+        from ..families.base import spec_variant
+
+        return cls(to_dsl(p["dtype"]), p["head_dim"], p["stages"], spec_variant(p), p.get("heads_per_item", 1))
+
+
+class Outputs(NamedTuple):
+    """Where an item's rows go: final rows and their LSE, or fp32 partial slots."""
+
+    mO: Any
+    mLse: Any
+    mPartO: Any
+    mPartLse: Any
+
+
+@dataclass(frozen=True)
+class LoadStream:
+    """What the load cursor reads and writes, fixed for the CTA (made before the item loop and
+    only read in it): the global tensors, the shared Q / K / V stages, the page lookups of the
+    cursor's next block (``rows``), this thread, the page-size divisor and the work list."""
+
+    mQ: Any
+    mK: Any
+    mV: Any
+    mWork: Any
+    mKvIndptr: Any
+    mKvIndices: Any
+    sQ: Any
+    sK: Any
+    sV: Any
+    rows: Any
+    tidx: Any
+    page_size: Any
+    group: Any
+    item_end: Any
+
+
+class LoadCursor:
+    """The load cursor's state: the item it is in, its next block ``nb`` of ``n``, the item's key
+    range [start, end), page_base and kv head, and ``q`` = the index of the item among the
+    items with blocks (selects the Q buffer).  Carried through the kernel's loops as eight
+    Int32 values in this order (``__extract_mlir_values__``): the kernel's loops and the
+    runtime ``if`` of ``_cursor_issue`` carry it as it is; the while loop of ``_cursor_next``
+    wants another order and unpacks it."""
+
+    FIELDS = ("item", "nb", "n", "start", "end", "base", "head", "q")
+
+    def __init__(self, item, nb, n, start, end, base, head, q):
+        self.item, self.nb, self.n, self.start = item, nb, n, start
+        self.end, self.base, self.head, self.q = end, base, head, q
+
+    def next_block(self):
+        """The cursor one block further in its item."""
+        return LoadCursor(self.item, self.nb + 1, self.n, self.start, self.end, self.base, self.head, self.q)
+
+    def astuple(self):
+        return tuple(getattr(self, f) for f in self.FIELDS)
+
+    def __extract_mlir_values__(self):
+        return [v for f in self.FIELDS for v in cutlass.extract_mlir_values(getattr(self, f))]
+
+    def __new_from_mlir_values__(self, values):
+        return LoadCursor(*[cutlass.new_from_mlir_values(getattr(self, f), [v]) for f, v in zip(self.FIELDS, values)])
+
+
 class PagedDecode:
-    def __init__(self, dtype, head_dim: int, stages: int, variant=None, heads_per_item: int = 1):
+    def __init__(self, cfg: DecodeConfig):
+        dtype, head_dim, stages, heads_per_item = cfg.dtype, cfg.head_dim, cfg.stages, cfg.heads_per_item
+        self.cfg = cfg
         self.dtype = dtype
         self.head_dim = head_dim
         self.stages = stages
-        self.hooks = Hooks(variant)
+        self.hooks = Hooks(cfg.variant)
         self.chunks = head_dim // 8  # 16-byte chunks per row
         self.rows_per_thread = BLOCK_N * self.chunks // THREADS  # KV rows each thread gathers per block
         self.row_step = THREADS // self.chunks  # a thread's gathered rows are row_step apart
@@ -212,84 +295,37 @@ class PagedDecode:
         tScS = mma_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_Q, 16))))
         tOcO = mma_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_Q, D))))
         n_rows_thr = cute.size(tScS, mode=[0])
-        # column c is key tScS[0, 0] + _trace_col_off[c] for every thread (thread 0's coordinates
-        # are compile-time numbers): ctx.kv_pos_f32 costs one conversion per block, not per score
         tS0 = mma_mn_view(tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((TILE_Q, 16))))
-        self._trace_col_off = [tS0[0, c][1] - tS0[0, 0][1] for c in range(cute.size(tS0, mode=[1]))]
-        # per variant component: its runtime arguments (kernel values), read by the hook helpers
-        # below while this kernel is traced (kept off the kernel's locals: the DSL's loop
-        # analysis only admits DSL values there)
-        self._trace_vargs = self.hooks.bind(var_tensors, var_scalars)
-        self._trace_sm_scale = sm_scale
+        col_off = tuple(tS0[0, c][1] - tS0[0, 0][1] for c in range(cute.size(tS0, mode=[1])))
+        tc = TraceCtx(vargs=self.hooks.bind(var_tensors, var_scalars), sm_scale=sm_scale, col_off=col_off)
 
         # p // page_size and p % page_size by multiply-high and shift (a runtime integer
         # division is ~25 instructions, and every gathered row needs one)
         page_size = cute.FastDivmodDivisorV2(mK.shape[1])
         rows = cute.make_rmem_tensor((self.n_lookups,), Int32)  # the pages of the cursor's next block's rows
         item_begin, item_end = mWorkIndptr[cta], mWorkIndptr[cta + 1]
-        # The loads run as one stream over this CTA's items: a load cursor (c_*) issues the
-        # blocks of item after item, STAGES-1 blocks ahead of the compute, into a stage ring that
-        # does not restart at item boundaries (block t of the stream goes to stage t % STAGES).
-        # One cp.async group per block, one block issued per computed block: the wait for
-        # block t is always "all but the STAGES-2 newest groups".  Q rides in the group of its
-        # item's first block, in one of STAGES Q buffers (by count of items with blocks: the
-        # cursor is at most STAGES-1 such items ahead).
-        c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = self._cursor_next(
-            mWork,
-            mKvIndptr,
-            mKvIndices,
-            rows,
-            tidx,
-            page_size,
-            group,
-            item_end,
-            item_begin - 1,
-            Int32(0),
-            Int32(0),
-            Int32(0),
-            Int32(0),
-            Int32(0),
-            Int32(0),
-            Int32(-1),
-        )
+        ld = LoadStream(mQ, mK, mV, mWork, mKvIndptr, mKvIndices, sQ, sK, sV, rows, tidx, page_size, group, item_end)
+        # The loads run as one stream over this CTA's items: a load cursor issues the blocks of
+        # item after item, STAGES-1 blocks ahead of the compute, into a stage ring that does not
+        # restart at item boundaries (block t of the stream goes to stage t % STAGES).  One
+        # cp.async group per block, one block issued per computed block: the wait for block t
+        # is always "all but the STAGES-2 newest groups".  Q rides in the group of its item's
+        # first block, in one of STAGES Q buffers (by count of items with blocks: the cursor is
+        # at most STAGES-1 such items ahead).
+        z = Int32(0)
+        cur = self._cursor_next(ld, tc, LoadCursor(item_begin - 1, z, z, z, z, z, z, Int32(-1)))
         for s in cutlass.range_constexpr(self.stages - 1):
-            c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = self._cursor_issue(
-                mQ,
-                mK,
-                mV,
-                mWork,
-                mKvIndptr,
-                mKvIndices,
-                sQ,
-                sK,
-                sV,
-                rows,
-                tidx,
-                page_size,
-                group,
-                item_end,
-                s,
-                c_item,
-                c_nb,
-                c_n,
-                c_start,
-                c_end,
-                c_base,
-                c_head,
-                c_q,
-            )
+            cur = self._cursor_issue(ld, tc, s, cur)
         g = Int32(0)  # blocks computed so far (the stream position of this item's block 0)
         q_cnt = Int32(0)  # items with blocks computed so far (selects the Q buffer)
         for item in cutlass.range(item_begin, item_end, unroll=1):
-            w = WorkItem(mWork, item)
-            req, kv_head, row_start, num_rows = w.req, w.kv_head, w.row_start, w.num_rows
-            kv_start, kv_end, dest, qo_offset = w.kv_start, w.kv_end, w.dest, w.qo_offset
-            qo_len, kv_len, qpos_base = w.qo_len, w.kv_len, w.qpos_base
-            blk_start, blk_end = self._kv_blocks(w, group)
+            info = ItemInfo(mWork, item, group)
+            blk_start, blk_end = self._kv_blocks(info, tc)
             n_blocks = (blk_end - blk_start + self.tpb - 1) // self.tpb
             sQ_i = sQ[None, None, q_cnt % self.stages]
+            row_vals = None
             if const_expr(self.hooks.per_row):
-                self._item_rows(req, kv_head, row_start, group, qpos_base, qo_len, kv_len, tScS, n_rows_thr)
+                row_vals = item_row_values(self.hooks, info, tc, tScS, n_rows_thr, self.head_dim, self.hpi)
 
             acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, D)), Float32)
             acc_O.fill(0.0)
@@ -303,7 +339,7 @@ class PagedDecode:
             for r in cutlass.range_constexpr(n_rows_thr):
                 row_lim[r] = blk_end
                 if const_expr(self.hpi > 1):
-                    u = (row_start + tScS[r, 0][0]) % group  # index among the token's packed rows
+                    u = (info.row_start + tScS[r, 0][0]) % group  # index among the token's packed rows
                     own = u // (group // self.hpi) == wid // self.warps_per_head
                     row_lim[r] = cutlass.select_(own, blk_end, blk_start)
             tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ_i))
@@ -314,32 +350,8 @@ class PagedDecode:
                 if nb == 0:
                     cute.copy(s2r_q, s2r_q.partition_S(sQ_i), s2r_q.retile(tSrQ))
                     if const_expr(self.hooks.has_transform_q):
-                        self._transform_q(tSrQ, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len)
-                c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = self._cursor_issue(
-                    mQ,
-                    mK,
-                    mV,
-                    mWork,
-                    mKvIndptr,
-                    mKvIndices,
-                    sQ,
-                    sK,
-                    sV,
-                    rows,
-                    tidx,
-                    page_size,
-                    group,
-                    item_end,
-                    (g + nb + self.stages - 1) % self.stages,
-                    c_item,
-                    c_nb,
-                    c_n,
-                    c_start,
-                    c_end,
-                    c_base,
-                    c_head,
-                    c_q,
-                )
+                        self._transform_q(tSrQ, thr_mma, info, tc)
+                cur = self._cursor_issue(ld, tc, (g + nb + self.stages - 1) % self.stages, cur)
 
                 stage = (g + nb) % self.stages
                 key0 = blk_start + nb * self.tpb + (wid % self.warps_per_head) * 16
@@ -349,7 +361,7 @@ class PagedDecode:
                 tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_w))
                 cute.copy(s2r_k, s2r_k.partition_S(sK_w), s2r_k.retile(tSrK))
                 if const_expr(self.hooks.has_transform_k):
-                    self._transform_k(tSrK, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len, key0)
+                    self._transform_k(tSrK, thr_mma, info, tc, key0)
                 acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, 16)), Float32)
                 acc_S.fill(0.0)
                 for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
@@ -360,20 +372,8 @@ class PagedDecode:
                 acc_O_mn = mma_mn_view(acc_O)
                 for r in cutlass.range_constexpr(n_rows_thr):
                     if const_expr(self.hooks.per_row):
-                        m_blk = self._row_scores(
-                            acc_S_mn,
-                            r,
-                            tScS,
-                            key0,
-                            row_lim[r] if const_expr(self.hpi > 1) else blk_end,
-                            req,
-                            kv_head,
-                            row_start,
-                            group,
-                            qpos_base,
-                            qo_len,
-                            kv_len,
-                        )
+                        lim = row_lim[r] if const_expr(self.hpi > 1) else blk_end
+                        m_blk = self._row_scores(acc_S_mn, r, tScS, key0, lim, row_vals[r], tc)
                     else:
                         m_blk = -Float32.inf
                         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
@@ -427,8 +427,8 @@ class PagedDecode:
                 # l = w/4) with w = this item's share of the request's keys; the ⊕ below and
                 # the split-KV merge then return Σ w_i (Σ_j p_j v_j / w_i) / Σ w_i = Σ_j p_j v_j
                 w_item = Float32(0.0)
-                if kv_len > 0:
-                    w_item = Float32(kv_end - kv_start) / Float32(kv_len)
+                if info.kv_len > 0:
+                    w_item = Float32(info.kv_end - info.kv_start) / Float32(info.kv_len)
             for r in cutlass.range_constexpr(n_rows_thr):
                 if const_expr(self.hooks.softmax):
                     row_l[r] = quad_sum(row_l[r])
@@ -439,157 +439,69 @@ class PagedDecode:
                 if lane % 4 == 0:
                     sM[j, wid] = row_m[r]
                     sL[j, wid] = row_l[r]
-                if j < num_rows:  # rows past the tile's end are never stored
+                if j < info.num_rows:  # rows past the tile's end are never stored
                     for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                         sO[j, tOcO[0, c][1]] = acc_O_mn[r, c]
             cute.arch.sync_threads()
-            self._store(
-                mO,
-                mLse,
-                mPartO,
-                mPartLse,
-                kv_ptr,
-                o_stage,
-                sM,
-                sL,
-                tidx,
-                row_start,
-                num_rows,
-                dest,
-                qo_offset,
-                kv_head,
-                group,
-                req,
-                qpos_base,
-                qo_len,
-                kv_len,
-                kv_start,
-            )
+            self._store(Outputs(mO, mLse, mPartO, mPartLse), kv_ptr, o_stage, (sM, sL), tidx, info, tc)
 
     # ---- loads and buffers ------------------------------------------------------------------
-    def _kv_blocks(self, w: WorkItem, group):
+    def _kv_blocks(self, info: ItemInfo, tc: TraceCtx):
         """The KV range whose blocks an item reads: its token range, clipped by a variant's
         kv_range (bounds non-decreasing in q_pos: the first row gives lo, the last row hi)."""
         if self.hooks.has_kv_range:
-            return self._clip_range(
-                w.req, w.kv_head, w.row_start, w.num_rows, group, w.qpos_base, w.qo_len, w.kv_len, w.kv_start, w.kv_end
-            )
-        return w.kv_start, w.kv_end
-
-    def _cursor_item(self, mWork, mKvIndptr, item, group):
-        """(first key, end key, page_base, kv head) of the blocks item ``item`` reads."""
-        w = WorkItem(mWork, item)
-        start, end = self._kv_blocks(w, group)
-        return start, end, mKvIndptr[w.req], w.kv_head
+            return self._clip_range(info, tc)
+        return info.kv_start, info.kv_end
 
     @cute.jit
-    def _cursor_next(
-        self,
-        mWork: cute.Tensor,
-        mKvIndptr: cute.Tensor,
-        mKvIndices: cute.Tensor,
-        rows: cute.Tensor,
-        tidx: Int32,
-        page_size: cute.FastDivmodDivisorV2,
-        group: Int32,
-        item_end: Int32,
-        c_item: Int32,
-        c_nb: Int32,
-        c_n: Int32,
-        c_start: Int32,
-        c_end: Int32,
-        c_base: Int32,
-        c_head: Int32,
-        c_q: Int32,
-    ):
+    def _cursor_next(self, ld: LoadStream, tc: TraceCtx, cur: LoadCursor):
         """The load cursor past an exhausted item moves on to the next item that has blocks (or
         to the end of the list), then looks up the rows of its next block (the lookups stay one
-        block ahead of the copies).  State: item, next block, blocks, key range, page_base, kv
-        head, and c_q = index of the cursor's item among the items with blocks."""
-        while (c_nb >= c_n) & (c_item + 1 < item_end):
+        block ahead of the copies).  The while loop runs on the cursor's fields unpacked into
+        locals: a loop carries its values in the order they are first assigned in its body
+        (item, start, end, base, head, n, nb, q here), and carrying the LoadCursor itself
+        (field order) changes the generated code."""
+        c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = cur.astuple()
+        while (c_nb >= c_n) & (c_item + 1 < ld.item_end):
             c_item = c_item + 1
-            c_start, c_end, c_base, c_head = self._cursor_item(mWork, mKvIndptr, c_item, group)
+            info = ItemInfo(ld.mWork, c_item, ld.group)
+            c_start, c_end = self._kv_blocks(info, tc)
+            c_base, c_head = ld.mKvIndptr[info.req], info.kv_head
             c_n = (c_end - c_start + self.tpb - 1) // self.tpb
             c_nb = Int32(0)
             if c_n > 0:
                 c_q = c_q + 1
         if c_nb < c_n:
-            self._lookup(mKvIndices, rows, tidx, c_base, page_size, c_start + c_nb * self.tpb, c_end)
-        return c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q
+            self._lookup(ld, c_base, c_start + c_nb * self.tpb, c_end)
+        return LoadCursor(c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q)
 
     @cute.jit
-    def _cursor_issue(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mWork: cute.Tensor,
-        mKvIndptr: cute.Tensor,
-        mKvIndices: cute.Tensor,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        rows: cute.Tensor,
-        tidx: Int32,
-        page_size: cute.FastDivmodDivisorV2,
-        group: Int32,
-        item_end: Int32,
-        stage: Int32,
-        c_item: Int32,
-        c_nb: Int32,
-        c_n: Int32,
-        c_start: Int32,
-        c_end: Int32,
-        c_base: Int32,
-        c_head: Int32,
-        c_q: Int32,
-    ):
+    def _cursor_issue(self, ld: LoadStream, tc: TraceCtx, stage: Int32, cur: LoadCursor):
         """Issue the cursor's next block into ``stage`` (with its item's Q tile when it is the
         item's first block), advance the cursor, and commit one cp.async group (empty once the
         CTA's items are all issued, so the count the compute waits on stays exact)."""
-        if c_nb < c_n:
-            if c_nb == 0:
-                self._issue_q(mQ, mWork, sQ, tidx, group, c_item, c_q % self.stages)
-            self._issue_kv(mK, mV, sK, sV, rows, tidx, page_size, c_head, c_start + c_nb * self.tpb, c_end, stage)
-            c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q = self._cursor_next(
-                mWork,
-                mKvIndptr,
-                mKvIndices,
-                rows,
-                tidx,
-                page_size,
-                group,
-                item_end,
-                c_item,
-                c_nb + 1,
-                c_n,
-                c_start,
-                c_end,
-                c_base,
-                c_head,
-                c_q,
-            )
+        if cur.nb < cur.n:
+            if cur.nb == 0:
+                self._issue_q(ld, cur.item, cur.q % self.stages)
+            self._issue_kv(ld, cur.head, cur.start + cur.nb * self.tpb, cur.end, stage)
+            cur = self._cursor_next(ld, tc, cur.next_block())
         cute.arch.cp_async_commit_group()
-        return c_item, c_nb, c_n, c_start, c_end, c_base, c_head, c_q
+        return cur
 
     @cute.jit
-    def _issue_q(
-        self, mQ: cute.Tensor, mWork: cute.Tensor, sQ: cute.Tensor, tidx: Int32, group: Int32, item: Int32, buf: Int32
-    ):
+    def _issue_q(self, ld: LoadStream, item: Int32, buf: Int32):
         """cp.async item ``item``'s Q tile into Q buffer ``buf``; rows past num_rows re-read row 0
         and are never written out."""
-        w = WorkItem(mWork, item)
+        info = ItemInfo(ld.mWork, item, ld.group)
         for i in cutlass.range_constexpr((TILE_Q * self.chunks + THREADS - 1) // THREADS):
-            idx = tidx + i * THREADS
+            idx = ld.tidx + i * THREADS
             if idx < TILE_Q * self.chunks:
                 j = idx // self.chunks
                 c = idx % self.chunks
-                r = w.row_start + (j if j < w.num_rows else 0)
-                tok = w.qo_offset + r // group
-                head = w.kv_head * group + r % group
+                tok, head = tok_head(info, info.row_start + (j if j < info.num_rows else 0))
                 cp_async_16(
-                    sQ.iterator.toint() + self._smem_off(j, c, buf, TILE_Q) * 2,
-                    mQ[tok, head, None].iterator.toint() + c * 16,
+                    ld.sQ.iterator.toint() + self._smem_off(j, c, buf, TILE_Q) * 2,
+                    ld.mQ[tok, head, None].iterator.toint() + c * 16,
                 )
 
     def _check_smem_off(self, layout, rows: int):
@@ -619,95 +531,69 @@ class PagedDecode:
         return cute.make_tensor(cute.make_ptr(Float32, ptr.toint(), cute.AddressSpace.smem, assumed_align=16), layout)
 
     # ---- variant hook helpers: plain Python, called while the kernel is traced --------------
-    def _ctx(self, req, kv_head, row, group, qpos_base, qo_len, kv_len) -> Ctx:
-        """The hook context of packed query row ``row`` (``kv_head``: the item's; with head
-        packing, ``group`` is the plan's, H x the model's, and the row's kv head is found by it)."""
-        qo_head = kv_head * group + row % group
-        if self.hpi > 1:
-            kv_head = qo_head // (group // self.hpi)
-        return Ctx(
-            batch=req,
-            qo_head=qo_head,
-            kv_head=kv_head,
-            q_pos=qpos_base + row // group,
-            qo_len=qo_len,
-            kv_len=kv_len,
-            head_dim=self.head_dim,
-            sm_scale=self._trace_sm_scale,
-        )
+    def _ctx(self, info: ItemInfo, row, tc: TraceCtx) -> Ctx:
+        """The hook context of packed query row ``row`` (``row_ctx``: with head packing the
+        row's own kv head)."""
+        return row_ctx(info, row, self.head_dim, tc.sm_scale, self.hpi)
 
-    def _clip_range(self, req, kv_head, row_start, num_rows, group, qpos_base, qo_len, kv_len, kv_start, kv_end):
+    def _clip_range(self, info: ItemInfo, tc: TraceCtx):
         """The item's KV range clipped to the variant's kv_range (bounds are non-decreasing in
         q_pos: the first row gives the lower bound, the last row the upper)."""
-        va = self._trace_vargs
-        lo, _ = self.hooks.kv_range(self._ctx(req, kv_head, row_start, group, qpos_base, qo_len, kv_len), va)
-        _, hi = self.hooks.kv_range(
-            self._ctx(req, kv_head, row_start + num_rows - 1, group, qpos_base, qo_len, kv_len), va
-        )
-        start, end = kv_start, kv_end
+        lo, _ = self.hooks.kv_range(self._ctx(info, info.row_start, tc), tc.vargs)
+        _, hi = self.hooks.kv_range(self._ctx(info, info.row_start + info.num_rows - 1, tc), tc.vargs)
+        start, end = info.kv_start, info.kv_end
         if lo is not None:
-            start = cutlass.select_(lo > kv_start, lo, kv_start)
+            start = cutlass.select_(lo > info.kv_start, lo, info.kv_start)
         if hi is not None:
-            end = cutlass.select_(hi < kv_end, hi, kv_end)
+            end = cutlass.select_(hi < info.kv_end, hi, info.kv_end)
         return start, cutlass.select_(end > start, end, start)
 
-    def _transform_q(self, tSrQ, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len):
-        va = self._trace_vargs
+    def _transform_q(self, tSrQ, thr_mma, info: ItemInfo, tc: TraceCtx):
         transform_fragment(
             tSrQ,
             thr_mma.partition_A(cute.make_identity_tensor((TILE_Q, self.head_dim))),
-            lambda ctx, lo, hi, d: self.hooks.transform_q(ctx, va, lo, hi, d),
-            lambda j: self._ctx(req, kv_head, row_start + j, group, qpos_base, qo_len, kv_len),
+            lambda ctx, lo, hi, d: self.hooks.transform_q(ctx, tc.vargs, lo, hi, d),
+            lambda j: self._ctx(info, info.row_start + j, tc),
             self.dtype,
         )
 
-    def _transform_k(self, tSrK, thr_mma, req, kv_head, row_start, group, qpos_base, qo_len, kv_len, key0):
-        va = self._trace_vargs
-        base = self._ctx(req, kv_head, row_start, group, qpos_base, qo_len, kv_len)
+    def _transform_k(self, tSrK, thr_mma, info: ItemInfo, tc: TraceCtx, key0):
+        base = self._ctx(info, info.row_start, tc)
         transform_fragment(
             tSrK,
             thr_mma.partition_B(cute.make_identity_tensor((16, self.head_dim))),
-            lambda ctx, lo, hi, d: self.hooks.transform_k(ctx, va, lo, hi, d),
+            lambda ctx, lo, hi, d: self.hooks.transform_k(ctx, tc.vargs, lo, hi, d),
             lambda n: base.replace(kv_pos=key0 + n, _fresh=True),
             self.dtype,
         )
 
-    def _item_rows(self, req, kv_head, row_start, group, qpos_base, qo_len, kv_len, tScS, n_rows):
-        """``self._trace_rows``: per accumulator row of this thread, (ctx, kv_range lo, hi,
-        mask_bits) for the item (``Hooks.row_values``).  Set by this helper: an assignment to
-        self inside the kernel's loops would make the DSL carry self through them."""
-        out = []
-        for r in range(n_rows):
-            rctx = self._ctx(req, kv_head, row_start + tScS[r, 0][0], group, qpos_base, qo_len, kv_len)
-            out.append((rctx, *self.hooks.row_values(rctx, self._trace_vargs)))
-        self._trace_rows = out
-
-    def _row_scores(self, acc_S_mn, r, tScS, key0, blk_end, req, kv_head, row_start, group, qpos_base, qo_len, kv_len):
+    def _row_scores(self, acc_S_mn, r, tScS, key0, blk_end, row_vals, tc: TraceCtx):
         """Logits (base 2) or weights of one accumulator row with the variant's logits, mask
-        and kv_range applied; returns the row's max over this thread's columns."""
-        H, va = self.hooks, self._trace_vargs
-        rctx, lo, hi, bits = self._trace_rows[r]
+        and kv_range applied (``row_vals``: the row's entry of ``item_row_values``); returns the
+        row's max over this thread's columns."""
+        H, va, col_off = self.hooks, tc.vargs, tc.col_off
+        rctx, lo, hi, bits = row_vals
         # bitmap masks: this row's bits of the warp's 16 keys, tested per element in registers
-        bitmaps = [load_words(t, off + key0 + tScS[0, 0][1], self._trace_col_off[-1] + 1) for t, off in bits]
+        bitmaps = row_words(bits, key0, tScS, col_off)
         fill = -Float32.inf if H.softmax else Float32(0.0)
         m_blk = -Float32.inf
         kv_f0 = (key0 + tScS[0, 0][1]).to(Float32)  # float positions: per block + a constant per column
         rel_f0 = kv_f0 - rctx.q_pos.to(Float32)
         for c in range(cute.size(acc_S_mn, mode=[1])):
             kv_pos = key0 + tScS[0, c][1]
-            off = float(self._trace_col_off[c])
+            off = float(col_off[c])
             ectx = rctx.replace(kv_pos=kv_pos, kv_pos_f32=(kv_f0, off), rel_pos_f32=(rel_f0, off))
             ok = kv_pos < blk_end
             if H.has_logits:
-                v = H.logits(ectx, va, acc_S_mn[r, c] * self._trace_sm_scale)
+                v = H.logits(ectx, va, acc_S_mn[r, c] * tc.sm_scale)
                 if H.softmax:
                     v = v * LOG2E
             else:
-                v = acc_S_mn[r, c] * (self._trace_sm_scale * LOG2E)
+                v = acc_S_mn[r, c] * (tc.sm_scale * LOG2E)
             if H.has_mask:
                 ok = H.mask(ectx, va, ok)
             for words in bitmaps:
-                ok = ok & bit_set(words, self._trace_col_off[c])
+                ok = ok & bit_set(words, col_off[c])
             if lo is not None:
                 ok = ok & (kv_pos >= lo)
             if hi is not None:
@@ -718,35 +604,26 @@ class PagedDecode:
                 m_blk = cute.arch.fmax(m_blk, v)
         return m_blk
 
-    def _finalize(self, m, l, req, kv_head, row, group, qpos_base, qo_len, kv_len, kv_start):
-        ctx = self._ctx(req, kv_head, row, group, qpos_base, qo_len, kv_len)
-        ctx.first_chunk = kv_start == 0
-        return self.hooks.finalize(ctx, self._trace_vargs, m, l)
+    def _finalize(self, m, l, info: ItemInfo, row, tc: TraceCtx):
+        ctx = self._ctx(info, row, tc)
+        ctx.first_chunk = info.kv_start == 0
+        return self.hooks.finalize(ctx, tc.vargs, m, l)
 
-    def _output(self, o4, req, kv_head, row, group, qpos_base, qo_len, kv_len, d0):
-        ctx = self._ctx(req, kv_head, row, group, qpos_base, qo_len, kv_len)
+    def _output(self, o4, info: ItemInfo, row, tc: TraceCtx, d0):
+        ctx = self._ctx(info, row, tc)
         for e in range(4):
-            o4[e] = self.hooks.output(ctx, self._trace_vargs, o4[e], d0 + e)
+            o4[e] = self.hooks.output(ctx, tc.vargs, o4[e], d0 + e)
 
     @cute.jit
-    def _lookup(
-        self,
-        mKvIndices: cute.Tensor,
-        rows: cute.Tensor,
-        tidx: Int32,
-        page_base: Int32,
-        page_size: cute.FastDivmodDivisorV2,
-        blk_start: Int32,
-        kv_end: Int32,
-    ):
+    def _lookup(self, ld: LoadStream, page_base: Int32, blk_start: Int32, kv_end: Int32):
         """The page of each KV row this thread gathers in the block starting at token blk_start
         (token p lives in page kv_indices[page_base + p // page_size]; tokens past kv_end re-read
         the last valid token: finite data, masked to -inf later).  Only the loads: their values
         are first used by the copies of the next iteration (``_issue_kv``), so no instruction
         here waits for them (the cursor's branches would otherwise stall on each lookup)."""
         for t in cutlass.range_constexpr(self.n_lookups):
-            page, _ = divmod(self._row_pos(tidx, t, blk_start, kv_end), page_size)
-            rows[t] = mKvIndices[page_base + page]
+            page, _ = divmod(self._row_pos(ld.tidx, t, blk_start, kv_end), ld.page_size)
+            ld.rows[t] = ld.mKvIndices[page_base + page]
 
     def _row_pos(self, tidx, t, blk_start, kv_end):
         """Token of this thread's t-th distinct token (its rows t, t + n_lookups, ...: one per
@@ -755,33 +632,21 @@ class PagedDecode:
         return cutlass.select_(p < kv_end, p, kv_end - 1)
 
     @cute.jit
-    def _issue_kv(
-        self,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        rows: cute.Tensor,
-        tidx: Int32,
-        page_size: cute.FastDivmodDivisorV2,
-        kv_head: Int32,
-        blk_start: Int32,
-        kv_end: Int32,
-        stage: Int32,
-    ):
+    def _issue_kv(self, ld: LoadStream, kv_head: Int32, blk_start: Int32, kv_end: Int32, stage: Int32):
         """cp.async this thread's 16-byte chunks of the block's K and V rows (pages looked up in
-        ``rows``) into a stage."""
+        ``ld.rows``) into a stage."""
+        tidx, rows = ld.tidx, ld.rows
         c = tidx % self.chunks
-        k_base, v_base = sK.iterator.toint(), sV.iterator.toint()
-        slots = [divmod(self._row_pos(tidx, t, blk_start, kv_end), page_size)[1] for t in range(self.n_lookups)]
+        k_base, v_base = ld.sK.iterator.toint(), ld.sV.iterator.toint()
+        slots = [divmod(self._row_pos(tidx, t, blk_start, kv_end), ld.page_size)[1] for t in range(self.n_lookups)]
         for i in cutlass.range_constexpr(self.rows_per_thread):
             # block row r = tidx // chunks + i * row_step: head i // n_lookups of the item's
             # heads, token t = i % n_lookups of this thread's
             r = tidx // self.chunks + i * self.row_step
             t, h = i % self.n_lookups, kv_head * self.hpi + i // self.n_lookups
             d = self._smem_off(r, c, stage, BLOCK_N) * 2
-            cp_async_16(k_base + d, mK[rows[t], slots[t], h, None].iterator.toint() + c * 16)
-            cp_async_16(v_base + d, mV[rows[t], slots[t], h, None].iterator.toint() + c * 16)
+            cp_async_16(k_base + d, ld.mK[rows[t], slots[t], h, None].iterator.toint() + c * 16)
+            cp_async_16(v_base + d, ld.mV[rows[t], slots[t], h, None].iterator.toint() + c * 16)
 
     def _smem_off(self, r, c, s, rows: int):
         """Element offset of row r, 16-byte chunk c, slice s of a (rows, D, n) tile in this
@@ -790,33 +655,14 @@ class PagedDecode:
         return s * (rows * self.head_dim) + (c // 8) * (rows * 64) + r * 64 + ((c % 8) ^ (r % 8)) * 8
 
     @cute.jit
-    def _store(
-        self,
-        mO: cute.Tensor,
-        mLse: cute.Tensor,
-        mPartO: cute.Tensor,
-        mPartLse: cute.Tensor,
-        kv_ptr: cute.Pointer,
-        o_stage: Int32,
-        sM: cute.Tensor,
-        sL: cute.Tensor,
-        tidx: Int32,
-        row_start: Int32,
-        num_rows: Int32,
-        dest: Int32,
-        qo_offset: Int32,
-        kv_head: Int32,
-        group: Int32,
-        req: Int32,
-        qpos_base: Int32,
-        qo_len: Int32,
-        kv_len: Int32,
-        kv_start: Int32,
-    ):
+    def _store(self, outs: Outputs, kv_ptr: cute.Pointer, o_stage: Int32, stats, tidx: Int32, info, tc):
         """⊕ of the four warps' states per row (max m, l = Σ l_w 2^(m_w - m), then the variant's
         ``finalize``), and the store: final rows (value dtype) or a partial slot (fp32), 4
         columns per thread-step.  A variant's ``output`` hook applies to final rows (the wrapper
-        does not split the KV of such variants)."""
+        does not split the KV of such variants).  ``stats``: the warps' (sM, sL)."""
+        sM, sL = stats
+        mO, mLse, mPartO, mPartLse = outs
+        row_start, num_rows, dest = info.row_start, info.num_rows, info.dest
         per_row = self.head_dim // 4
         for i in cutlass.range_constexpr((TILE_Q * per_row + THREADS - 1) // THREADS):
             idx = tidx + i * THREADS
@@ -831,9 +677,7 @@ class PagedDecode:
                 for w in cutlass.range_constexpr(NUM_WARPS):
                     l_all = l_all + sL[j, w] * cute.math.exp2(sM[j, w] - m_use, fastmath=True)
                 if const_expr(self.hooks.has_finalize):
-                    m_all, l_all = self._finalize(
-                        m_all, l_all, req, kv_head, row_start + j, group, qpos_base, qo_len, kv_len, kv_start
-                    )
+                    m_all, l_all = self._finalize(m_all, l_all, info, row_start + j, tc)
                     m_use = m_all if m_all != -Float32.inf else Float32(0.0)
                 inv_l = Float32(0.0)
                 if l_all > Float32(0.0):
@@ -848,13 +692,12 @@ class PagedDecode:
                     lse = m_all + cute.math.log2(l_all, fastmath=True)
                 r = row_start + j
                 if dest < 0:
-                    tok = qo_offset + r // group
-                    head = kv_head * group + r % group
+                    tok, head = tok_head(info, r)
                     out = cute.make_rmem_tensor((4,), mO.element_type)
                     if const_expr(self.hooks.has_output):
                         o4 = cute.make_rmem_tensor((4,), Float32)
                         o4.store(acc)
-                        self._output(o4, req, kv_head, r, group, qpos_base, qo_len, kv_len, c4 * 4)
+                        self._output(o4, info, r, tc, c4 * 4)
                         out.store(o4.load().to(mO.element_type))
                     else:
                         out.store(acc.to(mO.element_type))
@@ -874,12 +717,8 @@ def build_paged_decode(spec):
     """The jit entry for a ``paged_decode`` spec: its variant is re-created from the spec's
     ``variant`` text and must still have the spec's fingerprint (else the class changed since
     the spec was made and the module would be cached under the wrong key)."""
-    from ..abi.dtypes import to_dsl
-    from ..families.base import spec_variant as _spec_variant
-    from ..families.decode import decode_abi_fixed as _decode_abi_fixed
+    from ..families.decode import decode_abi_fixed
     from ..variants.base import abi_args
 
-    p = spec.pdict
-    variant = _spec_variant(p)
-    k = PagedDecode(to_dsl(p["dtype"]), p["head_dim"], p["stages"], variant, p.get("heads_per_item", 1))
-    return make_entry(k, _decode_abi_fixed(p), abi_args(variant))
+    cfg = DecodeConfig.from_spec(spec.pdict)
+    return make_entry(PagedDecode(cfg), decode_abi_fixed(spec.pdict), abi_args(cfg.variant))

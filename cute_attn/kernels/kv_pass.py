@@ -11,7 +11,7 @@ kernel, so that the kernel reads plain contiguous K/V by TMA.  Two jobs, one mec
   ``t % page_size``).  A cache whose pages are not whole TMA boxes (page sizes other than
   multiples of 16, page 1 above all) is otherwise gathered inside the kernel by 16-byte
   ``cp.async``, for every query tile that reads a block, at 15-20 % of the TMA kernel's time
-  (BENCHMARKS.md, session 7); this pass reads the cache once and writes it once.
+  (BENCHMARKS.md); this pass reads the cache once and writes it once.
 
 Both at once for a paged cache with a key transform.  A ragged batch without a key transform
 has nothing to do here (the builder refuses it).  The wrapper decides when the pass pays
@@ -30,6 +30,8 @@ SIMT loads and stores, so nothing here is Hopper-specific.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -37,8 +39,20 @@ from cutlass import Float32, Int32, const_expr
 
 from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry, transform_pairs
+from .work import TraceCtx
 
 THREADS = 256
+
+
+class KeyRow(NamedTuple):
+    """One row (token, kv head) of the pass as its key transform sees it: the request, the kv
+    head, the key's position in the request and the request's lengths."""
+
+    req: Any
+    head: Any
+    kv_pos: Any
+    qo_len: Any
+    kv_len: Any
 
 
 class KvPass:
@@ -110,7 +124,7 @@ class KvPass:
         cta, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
         half = self.half
-        vargs = self.hooks.bind(var_tensors, var_scalars)
+        tc = TraceCtx(vargs=self.hooks.bind(var_tensors, var_scalars), sm_scale=sm_scale)
         heads = cute.FastDivmodDivisorV2(mK.shape[2])  # row -> (token, head): multiply-high, no division
         if const_expr(self.paged):
             page_size = cute.FastDivmodDivisorV2(mK.shape[1])  # token -> (page, slot)
@@ -155,18 +169,8 @@ class KvPass:
                     cute.autovec_copy(cute.local_tile(srcs[j], (8,), (c + half,)), hi[i][j])
             if const_expr(self.transform):
                 for i in cutlass.range_constexpr(2):
-                    self._transform_row(
-                        reqs[i],
-                        head[i],
-                        pos[i],
-                        mQoIndptr[reqs[i] + 1] - mQoIndptr[reqs[i]],
-                        lens[i],
-                        sm_scale,
-                        vargs,
-                        lo[i][0],
-                        hi[i][0],
-                        c,
-                    )
+                    key = KeyRow(reqs[i], head[i], pos[i], mQoIndptr[reqs[i] + 1] - mQoIndptr[reqs[i]], lens[i])
+                    self._transform_row(key, tc, lo[i][0], hi[i][0], c)
             outs = [mKout, mVout]
             for i in cutlass.range_constexpr(2):
                 if rows[i] < end:
@@ -175,18 +179,18 @@ class KvPass:
                         cute.autovec_copy(lo[i][j], cute.local_tile(dst, (8,), (c,)))
                         cute.autovec_copy(hi[i][j], cute.local_tile(dst, (8,), (c + half,)))
 
-    def _transform_row(self, req, head, kv_pos, qo_len, kv_len, sm_scale, vargs, lo, hi, c):
+    def _transform_row(self, key: KeyRow, tc: TraceCtx, lo, hi, c):
         """transform_k on one row's chunk pair (a helper: the Ctx stays out of the kernel's loop)."""
         ctx = Ctx(
-            batch=req,
-            kv_head=head,
-            kv_pos=kv_pos,
-            qo_len=qo_len,
-            kv_len=kv_len,
+            batch=key.req,
+            kv_head=key.head,
+            kv_pos=key.kv_pos,
+            qo_len=key.qo_len,
+            kv_len=key.kv_len,
             head_dim=self.head_dim,
-            sm_scale=sm_scale,
+            sm_scale=tc.sm_scale,
         )
-        transform_pairs(self.hooks, vargs, ctx, lo, hi, c * 8, self.dtype, query=False)
+        transform_pairs(self.hooks, tc.vargs, ctx, lo, hi, c * 8, self.dtype, query=False)
 
 
 def build_kv_pass(spec):

@@ -1,4 +1,4 @@
-"""The ⊕ operator on attention states, as CuTe DSL kernels (DESIGN §2).
+"""The ⊕ operator on attention states, as CuTe DSL kernels (docs/design.md, §6 Split-KV and the ⊕ merge).
 
 A state is (v, s): v the normalized output of attention over some key set, s its
 log-sum-exp in base 2.  Two states merge as

@@ -29,7 +29,7 @@ kernel.
 Variants (``cute_attn/variants``, docs/variants.md): causal, the sliding window and soft-cap are
 static flags (block skipping, mask-free blocks, the soft-cap folded into ``_logits``); any other
 variant is traced in through ``Hooks``, its calls kept in plain-Python helpers
-(``prefill_sm90_hooks.py``: ``_item_rows``, ``_hook_logits``, ``_hook_visible``, ``_rotate_q``,
+(``prefill_sm90_hooks.py``: ``_hook_logits``, ``_hook_visible``, ``_rotate_q``,
 ``_finalize_rows``; ``_rotate_k`` is the producer's):
 - ``bias`` (the components' before the first ``logits`` one): seeded into the QK accumulator
   before each block's GEMM (``_seed_bias``, in q·k's units), so the softmax runs the plain path;
@@ -37,7 +37,7 @@ variant is traced in through ``Hooks``, its calls kept in plain-Python helpers
   range takes the masked path on every block; a ``kv_range`` also clips the item's blocks;
 - ``transform_q``: the consumer WG rotates its Q rows in shared memory once per item;
   ``transform_k``: ragged KV (spec ``keys_transformed``): the wrapper runs the key-transform
-  pass (``kernels/key_transform.py``) first, once per key, and this kernel reads its output by
+  pass (``kernels/kv_pass.py``) first, once per key, and this kernel reads its output by
   TMA like plain K.  Paged KV: the producer rotates each K block in shared memory before
   releasing it to the consumers (one extra pass over the block by the otherwise idle producer
   WG, repeated for every query tile); K then always comes by cp.async (a TMA write cannot be
@@ -52,7 +52,9 @@ With no variant nothing of this is traced: the plain kernel is unchanged.
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -68,8 +70,8 @@ from ..variants.trace import make_entry
 from .fragments import WG, quad_sum, wgmma_acc_as_a, wgmma_mn_view
 from .prefill_sm90_hooks import PrefillHooks
 from .prefill_sm90_producer import BAR_PRODUCER, BOX_WARPS, ROW_RING, PrefillProducer, check_gather_swizzle
-from .prefill_sm90_softmax import PrefillSoftmax
-from .work import WorkItem
+from .prefill_sm90_softmax import ItemRows, PrefillSoftmax, SoftmaxState
+from .work import ItemInfo, TraceCtx, item_row_values, tok_head
 
 SMEM_MAX = 232448  # bytes of shared memory per block on sm_90
 
@@ -96,38 +98,116 @@ BAR_WG0, BAR_PINGPONG0 = 1, 3
 assert BAR_PRODUCER not in (0, BAR_WG0, BAR_WG0 + 1, BAR_PINGPONG0, BAR_PINGPONG0 + 1) and BAR_PRODUCER < 16
 
 
+@dataclass(frozen=True)
+class PrefillConfig:
+    """What a ``batch_prefill_sm90`` specialization fixes (the spec's parameters; 0 / -1: the
+    kernel's default for the head dim, see ``KV_TILES`` / ``REGS``)."""
+
+    dtype: Any  # DSL type
+    head_dim: int
+    tile_q: int
+    paged: bool
+    causal: bool
+    soft_cap: bool
+    window: bool
+    tile_n: int = 0
+    stages: int = 0
+    pingpong: int = -1
+    page_box: int = 0
+    box_warps: int = 0
+    producer_regs: int = 0
+    variant: Any = None
+    keys_transformed: bool = False
+    lazy_rescale: int = 1
+
+    @classmethod
+    def from_spec(cls, p: dict) -> PrefillConfig:
+        from ..abi.dtypes import to_dsl
+        from ..families.base import spec_variant
+
+        return cls(
+            to_dsl(p["dtype"]),
+            p["head_dim"],
+            p["tile_q"],
+            p["paged"],
+            p["causal"],
+            p["soft_cap"],
+            p["window"],
+            p.get("tile_n", 0),
+            p.get("stages", 0),
+            p.get("pingpong", -1),
+            p.get("page_box", 0),
+            p.get("box_warps", 0),
+            p.get("producer_regs", 0),
+            spec_variant(p),
+            p.get("keys_transformed", False),
+            p.get("lazy_rescale", 1),
+        )
+
+
+class Gmem(NamedTuple):
+    """The kernel's global tensors (the family's ABI order)."""
+
+    mQ: Any
+    mK: Any
+    mV: Any
+    mKvIndptr: Any
+    mKvIndices: Any
+    mO: Any
+    mLse: Any
+    mWork: Any
+    mWorkIndptr: Any
+    mPartO: Any
+    mPartLse: Any
+
+
+class Tma(NamedTuple):
+    """K / V TMA atoms and their global views (None on the gather path)."""
+
+    tma_k: Any
+    tK: Any
+    tma_v: Any
+    tV: Any
+
+
+class Stages(NamedTuple):
+    """Shared memory: the Q tile, the K / V stage rings, the output staging tile and the gather
+    producer's row addresses (None without gather), plus the K / V pipelines."""
+
+    sQ: Any
+    sK: Any
+    sV: Any
+    sO: Any
+    sRows: Any
+    pipe_k: Any
+    pipe_v: Any
+
+
+class WgThread(NamedTuple):
+    """A consumer thread's place: its warpgroup, thread in it, lane and the WG's barrier."""
+
+    wg: Any
+    tw: Any
+    lane: Any
+    bar_wg: Any
+
+
 class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
     """The kernel: configuration, host launch, the CTA's roles and the consumers' block loop and
     epilogue; the producer, the online softmax and the variant hooks are its mixins
     (``prefill_sm90_producer`` / ``_softmax`` / ``_hooks``)."""
 
-    def __init__(
-        self,
-        dtype,
-        head_dim: int,
-        tile_q: int,
-        paged: bool,
-        causal: bool,
-        soft_cap: bool,
-        window: bool,
-        tile_n: int = 0,
-        stages: int = 0,
-        pingpong: int = -1,
-        page_box: int = 0,
-        box_warps: int = 0,
-        producer_regs: int = 0,
-        variant=None,
-        keys_transformed: bool = False,
-        lazy_rescale: int = 1,
-    ):
+    def __init__(self, cfg: PrefillConfig):
+        dtype, head_dim, tile_q, paged, soft_cap = cfg.dtype, cfg.head_dim, cfg.tile_q, cfg.paged, cfg.soft_cap
+        self.cfg = cfg
         assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_q = tile_q
         self.num_mma_wg = tile_q // 64
         self.paged = paged
-        self.hooks = H = Hooks(variant, seed_bias=True)  # biases seed the Q·Kᵀ accumulator (_seed_bias)
-        if keys_transformed:  # K comes already transformed (kernels/key_transform.py): not again here
+        self.hooks = H = Hooks(cfg.variant, seed_bias=True)  # biases seed the Q·Kᵀ accumulator (_seed_bias)
+        if cfg.keys_transformed:  # K comes already transformed (the KV pass, kv_pass.py): not again here
             assert H.has_transform_k and not paged, "keys_transformed: a ragged spec whose variant has transform_k"
             H.has_transform_k = False
         if soft_cap and H.has_logits:
@@ -136,20 +216,20 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         # rows of a page (paged, page size a multiple of page_box) -- or a cp.async gather
         # (paged, any page size; and always when the producer rotates K blocks (transform_k):
         # a TMA write cannot be followed by a producer pass without another barrier).
-        self.page_box = page_box if paged and not H.has_transform_k else 0
+        self.page_box = cfg.page_box if paged and not H.has_transform_k else 0
         self.gather = (paged and not self.page_box) or H.has_transform_k
         # paged TMA: producer warps that issue a block's boxes (box b by warp b % box_warps)
-        self.box_warps = box_warps or BOX_WARPS
-        self.causal = causal
+        self.box_warps = cfg.box_warps or BOX_WARPS
+        self.causal = cfg.causal
         self.soft_cap = soft_cap
-        self.window = window
+        self.window = cfg.window
         self.mask_all = H.has_mask or H.has_kv_range  # masked path on every block
         # the soft-cap's fixed shift (see _running_max): its weights span 2^-100 .. 2^64, which a bf16
         # P holds (fp32's exponent range) and an fp16 one does not (subnormal below 2^-14)
         self.cap_fixed_shift = soft_cap and dtype is cutlass.BFloat16
         dn, ds = KV_TILES[head_dim, self.gather]
-        self.tile_n = tile_n or dn
-        self.stages = stages or ds
+        self.tile_n = cfg.tile_n or dn
+        self.stages = cfg.stages or ds
         self.threads = WG * (1 + self.num_mma_wg)
         self.chunks = head_dim // 8  # 16-byte chunks per row
         self.producer_regs, self.mma_regs = REGS[self.num_mma_wg, self.gather]
@@ -157,16 +237,16 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             # paged TMA: the page lookups want a few more producer registers (24 spills a little);
             # hd256 consumers need all 240 (at 232 ptxas serializes the wgmmas)
             self.producer_regs, self.mma_regs = 32, 232
-        if producer_regs and self.num_mma_wg == 2:  # knob: 3 warpgroups share 504 registers per lane
-            self.producer_regs, self.mma_regs = producer_regs, (504 - producer_regs) // 2 // 8 * 8
+        if cfg.producer_regs and self.num_mma_wg == 2:  # knob: 3 warpgroups share 504 registers per lane
+            self.producer_regs, self.mma_regs = cfg.producer_regs, (504 - cfg.producer_regs) // 2 // 8 * 8
         # ping-pong between the two consumer WGs pays off while O is small; with head_dim 256 the
         # tensor cores are busy enough with one WG's GEMMs (as FA3)
-        self.pingpong = self.num_mma_wg == 2 and (head_dim <= 128 if pingpong < 0 else bool(pingpong))
+        self.pingpong = self.num_mma_wg == 2 and (head_dim <= 128 if cfg.pingpong < 0 else bool(cfg.pingpong))
         self.rescale_before_pv = head_dim > 128
         # the running max is only raised when a block's max exceeds it by more than LAZY_RESCALE
         # (base 2), so most blocks skip the O rescale (64 FMULs per thread at hd128, 128 at
         # hd256: as many as the block's scores); an idea from FA4
-        self.lazy_rescale = bool(lazy_rescale)
+        self.lazy_rescale = bool(cfg.lazy_rescale)
         # The output goes out through its own staging tile (coalesced 16-byte stores), so the
         # next item's Q can be prefetched into sQ during this item's last PV and epilogue.  At
         # hd256 only half of O's columns fit next to Q and the K/V stages: it is staged in two
@@ -339,16 +419,22 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        # per variant component: its runtime arguments (kernel values), read by the hook helpers
-        # while this kernel is traced (kept off the kernel's locals: the DSL's loop analysis
-        # only admits DSL values there)
-        self._trace_vargs = self.hooks.bind(var_tensors, var_scalars)
-        self._trace_sm_scale = sm_scale
-        self._trace_inv_sm_scale = Float32(1.0) / sm_scale if self.hooks.has_bias else None
-        self._trace_inv_cap = inv_cap_scaled  # sm_scale / cap: the soft-cap's tanh argument per raw q·k
+        # the launch's scalars and the variant's runtime arguments, read by both roles' helpers
+        vargs = self.hooks.bind(var_tensors, var_scalars)
+        inv_sm_scale = Float32(1.0) / sm_scale if self.hooks.has_bias else None
+        fixed_shift = None
         if const_expr(self.cap_fixed_shift):
-            self._trace_fixed_shift = self._fixed_shift(scale_log2)
-        self._trace_group = group
+            fixed_shift = self._fixed_shift(scale_log2)
+        tc = TraceCtx(
+            vargs=vargs,
+            sm_scale=sm_scale,
+            inv_sm_scale=inv_sm_scale,
+            inv_cap=inv_cap_scaled,
+            fixed_shift=fixed_shift,
+            group=group,
+            window_left=window_left,
+            scale_log2=scale_log2,
+        )
         if const_expr(not self.gather):
             if warp_idx == 0:
                 cpasync.prefetch_descriptor(tma_k)
@@ -372,7 +458,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             # wgmma on a stage once its full barrier completes, with no proxy fence in between:
             # the mbarrier completion of cp.async is what CUTLASS's sm90 cp.async GMMA mainloops,
             # FA3's non-TMA paged KV and quack's gather-A GEMM rely on as well.  A fence.proxy.async
-            # per block in the consumers cost up to 8 % (session 7, BENCHMARKS.md).
+            # per block in the consumers cost up to 8 % (BENCHMARKS.md).
             mk_pipe = lambda bar: pipeline.PipelineCpAsync.create(  # noqa: E731
                 barrier_storage=bar,
                 num_stages=self.stages,
@@ -395,97 +481,38 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         pipeline.pipeline_init_arrive(is_relaxed=True)
         pipeline.pipeline_init_wait()
 
+        gm = Gmem(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse)
+        sm = Stages(sQ, sK, sV, sO, sRows, pipe_k, pipe_v)
         if tidx < WG:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            self._produce(
-                mK,
-                mV,
-                mKvIndptr,
-                mKvIndices,
-                mWork,
-                mWorkIndptr,
-                tma_k,
-                tK,
-                tma_v,
-                tV,
-                sK,
-                sV,
-                sRows,
-                pipe_k,
-                pipe_v,
-                cta,
-                tidx,
-                warp_idx,
-                group,
-                window_left,
-            )
+            self._produce(gm, Tma(tma_k, tK, tma_v, tV), sm, cta, tidx, warp_idx, tc)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self._consume(
-                mQ,
-                mO,
-                mLse,
-                mWork,
-                mWorkIndptr,
-                mPartO,
-                mPartLse,
-                sQ,
-                sK,
-                sV,
-                sO,
-                pipe_k,
-                pipe_v,
-                mma_qk,
-                mma_pv,
-                cta,
-                tidx - WG,
-                group,
-                scale_log2,
-                window_left,
-            )
+            self._consume(gm, sm, mma_qk, mma_pv, cta, tidx - WG, tc)
 
     @cute.jit
-    def _block_range(self, w: WorkItem, group: Int32, window_left: Int32):
+    def _block_range(self, info: ItemInfo, tc: TraceCtx):
         """(first block, number of blocks) of an item; both roles walk the same blocks.
         Block i covers kv [KV_START + i*TN, min(KV_START + (i+1)*TN, KV_END)).  With a window,
         blocks entirely left of what the tile's first row may see are skipped."""
-        kv_start = w.kv_start
-        n_blocks = (w.kv_end - kv_start + self.tile_n - 1) // self.tile_n
+        kv_start = info.kv_start
+        n_blocks = (info.kv_end - kv_start + self.tile_n - 1) // self.tile_n
         first = Int32(0)
         if const_expr(self.window):
-            q_lo = w.qpos_base + w.row_start // group
-            lo_key = q_lo - window_left
+            q_lo = info.qpos_base + info.row_start // info.group
+            lo_key = q_lo - tc.window_left
             if lo_key > kv_start:
                 first = cutlass.min((lo_key - kv_start) // self.tile_n, n_blocks)
         if const_expr(self.hooks.has_kv_range):
-            first, n_blocks = self._clip_blocks(w, kv_start, first, n_blocks)
+            first, n_blocks = self._clip_blocks(info, tc, kv_start, first, n_blocks)
         return first, n_blocks
 
     # ---- consumers -----------------------------------------------------------------------
     @cute.jit
-    def _consume(
-        self,
-        mQ,
-        mO,
-        mLse,
-        mWork,
-        mWorkIndptr,
-        mPartO,
-        mPartLse,
-        sQ,
-        sK,
-        sV,
-        sO,
-        pipe_k,
-        pipe_v,
-        mma_qk,
-        mma_pv,
-        cta,
-        ct,
-        group,
-        scale_log2,
-        window_left,
-    ):
+    def _consume(self, gm: Gmem, sm: Stages, mma_qk, mma_pv, cta, ct, tc: TraceCtx):
+        mQ, mWork, mWorkIndptr = gm.mQ, gm.mWork, gm.mWorkIndptr
+        sQ, sK, sV, sO, pipe_k, pipe_v = sm.sQ, sm.sK, sm.sV, sm.sO, sm.pipe_k, sm.pipe_v
+        group = tc.group
         TN, D, TQ = self.tile_n, self.head_dim, self.tile_q
         wg = ct // WG  # consumer warpgroup 0 / 1: packed rows [64 wg, 64 wg + 64) of the tile
         tw = ct % WG
@@ -498,13 +525,15 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
         tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
         tScS = wgmma_mn_view(thr_qk.partition_C(cute.make_identity_tensor((TQ, TN))))
-        # column c of a thread's scores is key tScS[0, 0] + _trace_col_off[c] (the same static
-        # offsets for every thread; thread 0's coordinates are compile-time numbers)
+        # column c of a thread's scores is key tScS[0, 0] + col_off[c] (the same static offsets
+        # for every thread; thread 0's coordinates are compile-time numbers), and the same for O
         tS0 = wgmma_mn_view(mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((TQ, TN))))
-        self._trace_col_off = [tS0[0, c][1] - tS0[0, 0][1] for c in range(cute.size(tS0, mode=[1]))]
+        col_off = tuple(tS0[0, c][1] - tS0[0, 0][1] for c in range(cute.size(tS0, mode=[1])))
         tOcO = wgmma_mn_view(thr_pv.partition_C(cute.make_identity_tensor((TQ, D))))
         tO0 = wgmma_mn_view(mma_pv.get_slice(0).partition_C(cute.make_identity_tensor((TQ, D))))
-        self._o_col_off = [tO0[0, c][1] - tO0[0, 0][1] for c in range(cute.size(tO0, mode=[1]))]
+        o_col_off = tuple(tO0[0, c][1] - tO0[0, 0][1] for c in range(cute.size(tO0, mode=[1])))
+        tc = dataclasses.replace(tc, col_off=col_off, o_col_off=o_col_off)
+        thr = WgThread(wg, tw, lane, bar_wg)
         n_rows = cute.size(tScS, mode=[0])  # rows this thread holds (2)
         g2s = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128
@@ -517,30 +546,30 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         H = self.hooks
         item_end = mWorkIndptr[cta + 1]
         if mWorkIndptr[cta] < item_end:
-            self._load_q(mQ, WorkItem(mWork, mWorkIndptr[cta]), sQ, g2s, wg, tw, group)
+            self._load_q(mQ, ItemInfo(mWork, mWorkIndptr[cta], group), sQ, g2s, wg, tw)
         for item in cutlass.range(mWorkIndptr[cta], item_end, unroll=1):
-            w = WorkItem(mWork, item)
-            kv_head, row_start, num_rows, kv_start, kv_end = w.kv_head, w.row_start, w.num_rows, w.kv_start, w.kv_end
-            dest, qo_offset, qpos_base = w.dest, w.qo_offset, w.qpos_base
-            first, n_blocks = self._block_range(w, group, window_left)
+            info = ItemInfo(mWork, item, group)
+            kv_start, kv_end = info.kv_start, info.kv_end
+            first, n_blocks = self._block_range(info, tc)
 
             # this WG's Q rows: prefetched before the loop or during the previous item
             cute.arch.cp_async_wait_group(0)
             if const_expr(H.has_transform_q):  # rotate the WG's Q rows in place once all landed
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
-                self._rotate_q(sQ, tw, wg, w.req, kv_head, row_start, w.qo_len, w.kv_len)
+                self._rotate_q(sQ, tw, wg, info, tc)
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> read by wgmma (async proxy)
             cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
 
             # per-row query positions (bottom-right aligned causal / window) and softmax state
             q_pos = cute.make_rmem_tensor((n_rows,), Int32)
             for r in cutlass.range_constexpr(n_rows):
-                q_pos[r] = qpos_base + (row_start + tScS[r, 0][0]) // group
-            q_lo = qpos_base + row_start // group
-            q_hi = qpos_base + (row_start + num_rows - 1) // group
-            if const_expr(H.per_row):  # (stored by the helper: an assignment to self here would make
-                # the DSL carry self through the loop)
-                self._item_rows(w.req, kv_head, row_start, tScS, w.qo_len, w.kv_len, n_rows)
+                q_pos[r] = info.qpos_base + (info.row_start + tScS[r, 0][0]) // group
+            q_lo = info.qpos_base + info.row_start // group
+            q_hi = info.qpos_base + (info.row_start + info.num_rows - 1) // group
+            row_vals = None
+            if const_expr(H.per_row):
+                row_vals = item_row_values(H, info, tc, tScS, n_rows, self.head_dim)
+            rows = ItemRows(tScS, q_pos, q_lo, q_hi, kv_end, row_vals)
             row_m = cute.make_rmem_tensor((n_rows,), Float32)
             row_l = cute.make_rmem_tensor((n_rows,), Float32)
             row_m.fill(-Float32.inf)
@@ -556,38 +585,25 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             tOrP = cute.make_tensor(rP.iterator, wgmma_acc_as_a(rP.layout))
             corr = cute.make_rmem_tensor((n_rows,), Float32)
             acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((TQ, TN)), Float32)
+            st = SoftmaxState(row_m, row_l, corr)
             if n_blocks > first:
                 blk = kv_start + (n_blocks - 1) * TN
-                first_words = self._mask_words(blk, tScS)
+                first_words = self._mask_words(blk, rows, tc)
                 if const_expr(H.has_bias):
-                    self._seed_bias(acc_S, tScS, blk, q_pos)
+                    self._seed_bias(acc_S, rows, blk, tc)
                 pipe_k.consumer_wait(state)
                 self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
                 warpgroup.wait_group(0)
                 pipe_k.consumer_release(state)
-                self._mask_softmax(
-                    acc_S,
-                    row_m,
-                    row_l,
-                    corr,
-                    tScS,
-                    q_pos,
-                    q_lo,
-                    q_hi,
-                    blk,
-                    kv_end,
-                    scale_log2,
-                    window_left,
-                    first_words,
-                )
+                self._mask_softmax(acc_S, st, rows, blk, first_words, tc)
                 rP.store(acc_S.load().to(self.dtype))
                 for j in cutlass.range(1, n_blocks - first, unroll=1):
                     blk = kv_start + (n_blocks - 1 - j) * TN
                     v_state = state.clone()
                     state.advance()
-                    blk_words = self._mask_words(blk, tScS)
+                    blk_words = self._mask_words(blk, rows, tc)
                     if const_expr(H.has_bias):  # S(j-1) is in rP by now
-                        self._seed_bias(acc_S, tScS, blk, q_pos)
+                        self._seed_bias(acc_S, rows, blk, tc)
                     pipe_k.consumer_wait(state)
                     self._pingpong_wait(wg)
                     self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
@@ -600,28 +616,14 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                     self._pingpong_signal(wg)
                     warpgroup.wait_group(1)  # S(j) is ready; PV(j-1) may still run
                     pipe_k.consumer_release(state)
-                    self._mask_softmax(
-                        acc_S,
-                        row_m,
-                        row_l,
-                        corr,
-                        tScS,
-                        q_pos,
-                        q_lo,
-                        q_hi,
-                        blk,
-                        kv_end,
-                        scale_log2,
-                        window_left,
-                        blk_words,
-                    )
+                    self._mask_softmax(acc_S, st, rows, blk, blk_words, tc)
                     warpgroup.wait_group(0)
                     pipe_v.consumer_release(v_state)
                     rP.store(acc_S.load().to(self.dtype))
                     if const_expr(not self.rescale_before_pv and H.softmax):
                         self._rescale_o(acc_O, corr)
                 if item + 1 < item_end:  # every QK of this item is done: sQ is free
-                    self._load_q(mQ, WorkItem(mWork, item + 1), sQ, g2s, wg, tw, group)
+                    self._load_q(mQ, ItemInfo(mWork, item + 1, group), sQ, g2s, wg, tw)
                 if const_expr(self.rescale_before_pv and H.softmax):
                     self._rescale_o(acc_O, corr)
                 pipe_v.consumer_wait(state)
@@ -633,31 +635,9 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                 state.advance()
             else:
                 if item + 1 < item_end:  # no KV block: this item's Q is not used at all
-                    self._load_q(mQ, WorkItem(mWork, item + 1), sQ, g2s, wg, tw, group)
+                    self._load_q(mQ, ItemInfo(mWork, item + 1, group), sQ, g2s, wg, tw)
 
-            self._epilogue(
-                acc_O,
-                row_m,
-                row_l,
-                tOcO,
-                sO,
-                mO,
-                mLse,
-                mPartO,
-                mPartLse,
-                wg,
-                tw,
-                lane,
-                bar_wg,
-                row_start,
-                num_rows,
-                dest,
-                qo_offset,
-                kv_head,
-                group,
-                scale_log2,
-                w,
-            )
+            self._epilogue(acc_O, st, tOcO, sO, gm, thr, info, tc)
 
     @cute.jit
     def _zero_v_tail(self, sV, state, valid, tw, bar_wg):
@@ -680,19 +660,19 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
 
     @cute.jit
-    def _load_q(self, mQ, w, sQ, g2s, wg, tw, group):
-        """cp.async this WG's 64 packed Q rows of ``item`` into smem (GQA: packed row r is token
+    def _load_q(self, mQ, info: ItemInfo, sQ, g2s, wg, tw):
+        """cp.async this WG's 64 packed Q rows of an item into smem (GQA: packed row r is token
         r // group of head kv_head * group + r % group); rows past NUM_ROWS re-read the tile's
         row 0 (finite, never stored).  Waited for at the top of the item loop."""
-        kv_head, row_start, num_rows, qo_offset = w.kv_head, w.row_start, w.num_rows, w.qo_offset
+        row_start, num_rows = info.row_start, info.num_rows
         for i in cutlass.range_constexpr(64 * self.chunks // WG):
             idx = tw + i * WG
             j = wg * 64 + idx // self.chunks
             c = idx % self.chunks
-            r = row_start + (j if j < num_rows else 0)
+            tok, head = tok_head(info, row_start + (j if j < num_rows else 0))
             cute.copy(
                 g2s,
-                cute.local_tile(mQ[qo_offset + r // group, kv_head * group + r % group, None], (8,), (c,)),
+                cute.local_tile(mQ[tok, head, None], (8,), (c,)),
                 cute.local_tile(sQ[j, None], (8,), (c,)),
             )
         cute.arch.cp_async_commit_group()
@@ -731,42 +711,23 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             cute.arch.barrier_arrive(barrier_id=BAR_PINGPONG0 + 1 - wg, number_of_threads=2 * WG)
 
     @cute.jit
-    def _epilogue(
-        self,
-        acc_O,
-        row_m,
-        row_l,
-        tOcO,
-        sO,
-        mO,
-        mLse,
-        mPartO,
-        mPartLse,
-        wg,
-        tw,
-        lane,
-        bar_wg,
-        row_start,
-        num_rows,
-        dest,
-        qo_offset,
-        kv_head,
-        group,
-        scale_log2,
-        w,
-    ):
+    def _epilogue(self, acc_O, st, tOcO, sO, gm: Gmem, thr: WgThread, info: ItemInfo, tc: TraceCtx):
         """Normalize and store: final rows (value dtype + LSE) through the staging tile sO, or a
         partial slot (fp32) straight from registers."""
+        row_m, row_l = st.row_m, st.row_l
+        mO, mLse, mPartO, mPartLse = gm.mO, gm.mLse, gm.mPartO, gm.mPartLse
+        wg, tw, lane, bar_wg = thr
+        row_start, num_rows, dest = info.row_start, info.num_rows, info.dest
         D, TQ = self.head_dim, self.tile_q
         O = wgmma_mn_view(acc_O)
         n_rows = cute.size(O, mode=[0])
         lse = cute.make_rmem_tensor((n_rows,), Float32)
-        scale = self._row_scale(scale_log2)  # row_m is in S's units (see _softmax)
+        scale = self._row_scale(tc.scale_log2)  # row_m is in S's units (see _softmax)
         H = self.hooks
         if const_expr(H.has_finalize or not H.softmax):
             # variant statistics (sinks) / weights without softmax: plain-Python helper
             inv_t = cute.make_rmem_tensor((n_rows,), Float32)
-            self._finalize_rows(row_m, row_l, tOcO, inv_t, lse, scale, w, dest, n_rows)
+            self._finalize_rows(st, tOcO, inv_t, lse, scale, info, tc)
             for r in cutlass.range_constexpr(n_rows):
                 for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
                     O[r, c] = O[r, c] * inv_t[r]
@@ -781,11 +742,11 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                 for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
                     O[r, c] = O[r, c] * inv
         if const_expr(H.has_output):  # final rows only: plan() disables split-KV for such variants
-            self._output_rows(O, tOcO, w, n_rows)
+            self._output_rows(O, tOcO, info, tc)
         if dest < 0:
             # through shared memory: 16-byte stores, each row to its own (token, head) address;
             # o_cols columns per pass (column c of a thread is at the static offset
-            # _o_col_off[c] from its first, which is < 8: the pass of c is known at trace time)
+            # tc.o_col_off[c] from its first, which is < 8: the pass of c is known at trace time)
             OC = self.o_cols
             oc_chunks = OC // 8
             for h in cutlass.range_constexpr(D // OC):
@@ -794,12 +755,12 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                 for r in cutlass.range_constexpr(n_rows):
                     j = tOcO[r, 0][0]
                     for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                        if const_expr(self._o_col_off[c] // OC == h):
+                        if const_expr(tc.o_col_off[c] // OC == h):
                             sO[j, tOcO[0, c][1] - h * OC] = O[r, c].to(self.dtype)
                     if const_expr(h == 0):
                         if lane % 4 == 0 and j < num_rows:
-                            row = row_start + j
-                            mLse[qo_offset + row // group, kv_head * group + row % group] = lse[r]
+                            tok, head = tok_head(info, row_start + j)
+                            mLse[tok, head] = lse[r]
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
                 for i in cutlass.range_constexpr(64 * oc_chunks // WG):
                     idx = tw + i * WG
@@ -809,14 +770,8 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                         row = row_start + j
                         frag = cute.make_rmem_tensor((8,), self.dtype)
                         cute.autovec_copy(cute.local_tile(sO[j, None], (8,), (c,)), frag)
-                        cute.autovec_copy(
-                            frag,
-                            cute.local_tile(
-                                mO[qo_offset + row // group, kv_head * group + row % group, None],
-                                (8,),
-                                (h * oc_chunks + c,),
-                            ),
-                        )
+                        tok, head = tok_head(info, row)
+                        cute.autovec_copy(frag, cute.local_tile(mO[tok, head, None], (8,), (h * oc_chunks + c,)))
         else:
             for r in cutlass.range_constexpr(n_rows):
                 j = tOcO[r, 0][0]
@@ -834,29 +789,8 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
 def build_batch_prefill_sm90(spec):
     """The jit entry for a ``batch_prefill_sm90`` spec: the variant (if any) is re-created from
     the spec's ``variant`` text and must still have the spec's fingerprint."""
-    from ..abi.dtypes import to_dsl
-    from ..families.base import spec_variant as _spec_variant
-    from ..families.prefill import prefill_abi_fixed as _prefill_abi_fixed
+    from ..families.prefill import prefill_abi_fixed
     from ..variants.base import abi_args
 
-    p = spec.pdict
-    variant = _spec_variant(p)
-    k = BatchPrefillSm90(
-        to_dsl(p["dtype"]),
-        p["head_dim"],
-        p["tile_q"],
-        p["paged"],
-        p["causal"],
-        p["soft_cap"],
-        p["window"],
-        p.get("tile_n", 0),
-        p.get("stages", 0),
-        p.get("pingpong", -1),
-        p.get("page_box", 0),
-        p.get("box_warps", 0),
-        p.get("producer_regs", 0),
-        variant,
-        p.get("keys_transformed", False),
-        p.get("lazy_rescale", 1),
-    )
-    return make_entry(k, _prefill_abi_fixed(p), abi_args(variant))
+    cfg = PrefillConfig.from_spec(spec.pdict)
+    return make_entry(BatchPrefillSm90(cfg), prefill_abi_fixed(spec.pdict), abi_args(cfg.variant))

@@ -5,7 +5,8 @@ the QK accumulator, logits, masks and bitmaps, ``kv_range`` block clipping, the 
 transforms, ``finalize`` and ``output``.  The helpers are plain Python, called while the kernel
 is traced; with no variant none of them traces anything.
 
-A mixin of ``BatchPrefillSm90``: its methods read the kernel's configuration from ``self``.
+A mixin of ``BatchPrefillSm90``: its methods read the kernel's configuration from ``self``,
+the item from an ``ItemInfo`` and the launch's values from a ``TraceCtx`` (``work.py``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from cutlass import Float32, Int32, Uint32, const_expr
 from ..variants.base import Ctx
 from ..variants.dsl import LOG2E
 from ..variants.trace import transform_pairs
-from .bitmask import bit_set, load_words
+from .bitmask import bit_set, row_words
 from .fragments import WG, quad_sum, wgmma_mn_view
+from .work import ItemInfo, TraceCtx, row_ctx
 
 
 class PrefillHooks:
@@ -35,10 +37,10 @@ class PrefillHooks:
         return scale_log2
 
     @cute.jit
-    def _logits(self, s: Float32) -> Float32:
+    def _logits(self, s: Float32, inv_cap: Float32) -> Float32:
         """The soft-cap on raw q·k, in units of cap (``_row_scale`` has the factor): tanh(q·k ·
-        sm_scale / cap)."""
-        return cute.math.tanh(s * self._trace_inv_cap, fastmath=True)
+        sm_scale / cap); ``inv_cap`` = sm_scale / cap."""
+        return cute.math.tanh(s * inv_cap, fastmath=True)
 
     @cute.jit
     def _visible(self, kv_pos: Int32, kv_end: Int32, q_pos: Int32, window_left: Int32):
@@ -51,47 +53,32 @@ class PrefillHooks:
         return ok
 
     # ---- traced variants: plain Python, called while the kernel is traced --------------------
-    def _row_ctx(self, req, kv_head, row, qo_len, kv_len) -> Ctx:
-        """The hook context of packed query row ``row`` (relative to the request)."""
-        g = self._trace_group
-        return Ctx(
-            batch=req,
-            qo_head=kv_head * g + row % g,
-            kv_head=kv_head,
-            q_pos=kv_len - qo_len + row // g,
-            qo_len=qo_len,
-            kv_len=kv_len,
-            head_dim=self.head_dim,
-            sm_scale=self._trace_sm_scale,
-        )
-
-    def _k_ctx(self, req, kv_head, qo_len, kv_len, kv_pos) -> Ctx:
+    def _k_ctx(self, info: ItemInfo, tc: TraceCtx, kv_pos) -> Ctx:
         """The context of a key (transform_k): no query row.  Its once-values are evaluated here
         (a dummy call), so they are computed once per block, not per row."""
         ctx = Ctx(
-            batch=req,
-            kv_head=kv_head,
+            batch=info.req,
+            kv_head=info.kv_head,
             kv_pos=kv_pos,
-            qo_len=qo_len,
-            kv_len=kv_len,
+            qo_len=info.qo_len,
+            kv_len=info.kv_len,
             head_dim=self.head_dim,
-            sm_scale=self._trace_sm_scale,
+            sm_scale=tc.sm_scale,
         )
-        self.hooks.transform_k(ctx, self._trace_vargs, Float32(0.0), Float32(0.0), Int32(0))
+        self.hooks.transform_k(ctx, tc.vargs, Float32(0.0), Float32(0.0), Int32(0))
         return ctx
 
-    def _transform_key_pairs(self, base, kv_pos, lo, hi, d0):
+    def _transform_key_pairs(self, base, tc: TraceCtx, kv_pos, lo, hi, d0):
         """``transform_pairs`` for key ``kv_pos`` (a helper: a ``base.replace`` written in the
         caller's runtime loop would make the DSL carry the Ctx through it)."""
-        transform_pairs(self.hooks, self._trace_vargs, base.replace(kv_pos=kv_pos), lo, hi, d0, self.dtype, query=False)
+        transform_pairs(self.hooks, tc.vargs, base.replace(kv_pos=kv_pos), lo, hi, d0, self.dtype, query=False)
 
-    def _clip_blocks(self, w, kv_start, first, n_blocks):
+    def _clip_blocks(self, info: ItemInfo, tc: TraceCtx, kv_start, first, n_blocks):
         """Blocks of an item clipped to the variant's kv_range (bounds non-decreasing in q_pos:
         the tile's first row gives the lower bound, its last row the upper)."""
-        H, va, TN = self.hooks, self._trace_vargs, self.tile_n
-        req, kv_head, row0, nrows, qo_len, kv_len = w.req, w.kv_head, w.row_start, w.num_rows, w.qo_len, w.kv_len
-        lo, _ = H.kv_range(self._row_ctx(req, kv_head, row0, qo_len, kv_len), va)
-        _, hi = H.kv_range(self._row_ctx(req, kv_head, row0 + nrows - 1, qo_len, kv_len), va)
+        H, va, TN = self.hooks, tc.vargs, self.tile_n
+        lo, _ = H.kv_range(row_ctx(info, info.row_start, self.head_dim, tc.sm_scale), va)
+        _, hi = H.kv_range(row_ctx(info, info.row_start + info.num_rows - 1, self.head_dim, tc.sm_scale), va)
         if hi is not None:
             nb = cutlass.select_(hi > kv_start, (hi - kv_start + TN - 1) // TN, Int32(0))
             n_blocks = cutlass.select_(nb < n_blocks, nb, n_blocks)
@@ -100,68 +87,55 @@ class PrefillHooks:
             first = cutlass.select_(f > first, f, first)
         return cutlass.select_(first < n_blocks, first, n_blocks), n_blocks
 
-    def _item_rows(self, req, kv_head, row_start, tScS, qo_len, kv_len, n_rows):
-        """``self._trace_rows``: per accumulator row of this thread, (ctx, kv_range lo, hi,
-        mask_bits) for the item (``Hooks.row_values``: once-values evaluated here, once per
-        item, and reused by the per-block calls)."""
-        out = []
-        for r in range(n_rows):
-            ctx = self._row_ctx(req, kv_head, row_start + tScS[r, 0][0], qo_len, kv_len)
-            out.append((ctx, *self.hooks.row_values(ctx, self._trace_vargs)))
-        self._trace_rows = out
-
-    def _hook_logits(self, r, kv_pos, s, kv_pos_f32, rel_pos_f32):
+    def _hook_logits(self, row_vals, tc: TraceCtx, kv_pos, s, kv_pos_f32, rel_pos_f32):
         """Raw q·k -> the variant's logit (natural units: the softmax's scale is log2 e, see
         ``_row_scale``) or its weight (no softmax).  The float positions come as (per-block
         base, column constant) pairs (``Ctx``)."""
-        ctx = self._trace_rows[r][0].replace(kv_pos=kv_pos, kv_pos_f32=kv_pos_f32, rel_pos_f32=rel_pos_f32)
-        return self.hooks.logits(ctx, self._trace_vargs, s * self._trace_sm_scale)
+        ctx = row_vals[0].replace(kv_pos=kv_pos, kv_pos_f32=kv_pos_f32, rel_pos_f32=rel_pos_f32)
+        return self.hooks.logits(ctx, tc.vargs, s * tc.sm_scale)
 
-    def _seed_bias(self, acc_S, tScS, blk, q_pos):
+    def _seed_bias(self, acc_S, rows, blk, tc: TraceCtx):
         """S := the variant's bias / sm_scale for the block at blk (``Hooks.bias``), so the QK
         GEMM accumulates onto it and the softmax sees q·k + bias in q·k's units, at no cost per
         score there.  Called before the block's QK wait (a bias load's latency hides under it);
         float positions as (per-block base, column constant) pairs (``Ctx``)."""
         S = wgmma_mn_view(acc_S)
+        tScS, q_pos = rows.tScS, rows.q_pos
         kv_f0 = (blk + tScS[0, 0][1]).to(Float32)
         for r in range(cute.size(S, mode=[0])):
-            ctx = self._trace_rows[r][0]
+            ctx = rows.vals[r][0]
             rel_f0 = kv_f0 - q_pos[r].to(Float32)
             for c in range(cute.size(S, mode=[1])):
-                off = float(self._trace_col_off[c])
+                off = float(tc.col_off[c])
                 cc = ctx.replace(kv_pos=blk + tScS[0, c][1], kv_pos_f32=(kv_f0, off), rel_pos_f32=(rel_f0, off))
-                S[r, c] = self.hooks.bias(cc, self._trace_vargs, self._trace_inv_sm_scale)
+                S[r, c] = self.hooks.bias(cc, tc.vargs, tc.inv_sm_scale)
 
-    def _hook_visible(self, r, kv_pos, ok):
+    def _hook_visible(self, row_vals, tc: TraceCtx, kv_pos, ok):
         H = self.hooks
-        ctx, lo, hi, _ = self._trace_rows[r]
+        ctx, lo, hi, _ = row_vals
         if H.has_mask:
-            ok = H.mask(ctx.replace(kv_pos=kv_pos), self._trace_vargs, ok)
+            ok = H.mask(ctx.replace(kv_pos=kv_pos), tc.vargs, ok)
         if lo is not None:
             ok = _and(ok, kv_pos >= lo)
         if hi is not None:
             ok = _and(ok, kv_pos < hi)
         return ok
 
-    def _mask_words(self, blk, tScS):
+    def _mask_words(self, blk, rows, tc: TraceCtx):
         """Per row of this thread, per ``mask_bits`` component: the bits of its keys of the
         block at blk as words (``bitmask.load_words``), bit j of word k = key blk + col0 + 32k +
         j.  Loaded before the block's QK wait (a variant mask tests every block), so their
         latency hides under the GEMM."""
         if not self.hooks.has_mask_bits:
             return None
-        n_rows = len(self._trace_rows)
-        return [
-            [load_words(t, off + blk + tScS[0, 0][1], self._trace_col_off[-1] + 1) for t, off in self._trace_rows[r][3]]
-            for r in range(n_rows)
-        ]
+        return [row_words(vals[3], blk, rows.tScS, tc.col_off) for vals in rows.vals]
 
-    def _bits_uniform(self, words):
+    def _bits_uniform(self, words, tc: TraceCtx):
         """(no key visible, every key visible) to this warp's rows in the block by the bitmaps
         of ``_mask_words`` (this thread's columns only; warp-uniform votes)."""
         none_seen, all_seen = None, None
-        masks = [0] * ((self._trace_col_off[-1] + 32) // 32)
-        for off in self._trace_col_off:
+        masks = [0] * ((tc.col_off[-1] + 32) // 32)
+        for off in tc.col_off:
             masks[off // 32] |= 1 << (off % 32)
         for per_row in words:
             for bits in per_row:
@@ -176,32 +150,33 @@ class PrefillHooks:
         """The item-end / causal / window test of a score, or None in a block they do not cut."""
         return self._visible(kv_pos, kv_end, q_pos, window_left) if bounds else None
 
-    def _mask_bits_ok(self, bitmaps, c, ok):
+    def _mask_bits_ok(self, bitmaps, c, ok, tc: TraceCtx):
         """``ok`` and this thread's column c in every bitmap of ``_mask_words``."""
         for words in bitmaps:
-            ok = _and(ok, bit_set(words, self._trace_col_off[c]))
+            ok = _and(ok, bit_set(words, tc.col_off[c]))
         return ok
 
-    def _finalize_rows(self, row_m, row_l, tOcO, inv_t, lse, scale, w, dest, n_rows):
+    def _finalize_rows(self, st, tOcO, inv_t, lse, scale, info: ItemInfo, tc: TraceCtx):
         """Per row of this thread: the factor O is scaled by and the LSE, with the variant's
         ``finalize`` (first_chunk: the item that starts at kv 0) or, without softmax, the
         weights' state: o = Σ w·v as is for a final row (LSE 0, -inf without keys); a split
         item writes (o / s, log2 s) with s its share of the tile's kv extent (as the planner
         cuts it: causal tiles end at their last row's diagonal), so the ⊕ merge sums them."""
-        H, va, g = self.hooks, self._trace_vargs, self._trace_group
-        req, kv_head, row_start, qo_len, kv_len = w.req, w.kv_head, w.row_start, w.qo_len, w.kv_len
-        kv_start, kv_end = w.kv_start, w.kv_end
+        H, va, g = self.hooks, tc.vargs, info.group
+        row_m, row_l, n_rows = st.row_m, st.row_l, cute.size(inv_t)
+        row_start, qo_len, kv_len = info.row_start, info.qo_len, info.kv_len
+        kv_start, kv_end = info.kv_start, info.kv_end
         ninf, zero = -Float32.inf, Float32(0.0)
         if not H.softmax:
             ext = kv_len
             if self.causal:
-                last_tok = (row_start + w.num_rows - 1) // g
+                last_tok = (row_start + info.num_rows - 1) // g
                 ext = kv_len - qo_len + last_tok + 1
                 ext = cutlass.select_(ext < kv_len, ext, kv_len)
                 ext = cutlass.select_(ext > 0, ext, Int32(0))
             ext_f = Int32(cutlass.select_(ext > 0, ext, Int32(1))).to(Float32)
             w = cutlass.select_(ext > 0, Int32(kv_end - kv_start).to(Float32) / ext_f, zero)
-            final = dest < 0
+            final = info.dest < 0
             inv = cutlass.select_(final, Float32(1.0), cutlass.select_(w > zero, cute.arch.rcp_approx(w), zero))
             ls = cutlass.select_(w > zero, cutlass.select_(final, zero, cute.math.log2(w, fastmath=True)), ninf)
             for r in range(n_rows):
@@ -211,7 +186,7 @@ class PrefillHooks:
         for r in range(n_rows):
             l = quad_sum(row_l[r])
             m = row_m[r] * scale  # base 2 (-inf: nothing seen, running max; l = 0 says it in any case)
-            ctx = self._row_ctx(req, kv_head, row_start + tOcO[r, 0][0], qo_len, kv_len)
+            ctx = row_ctx(info, row_start + tOcO[r, 0][0], self.head_dim, tc.sm_scale)
             ctx.first_chunk = kv_start == 0
             m2, l2 = H.finalize(ctx, va, m, l)
             m2u = cutlass.select_(m2 == ninf, zero, m2)
@@ -227,15 +202,14 @@ class PrefillHooks:
                 ok, m2 + cute.math.log2(cutlass.select_(ok, l2, Float32(1.0)), fastmath=True), ninf
             )
 
-    def _output_rows(self, O, tOcO, w, n_rows):
-        H, va = self.hooks, self._trace_vargs
-        req, kv_head, row_start, qo_len, kv_len = w.req, w.kv_head, w.row_start, w.qo_len, w.kv_len
-        for r in range(n_rows):
-            ctx = self._row_ctx(req, kv_head, row_start + tOcO[r, 0][0], qo_len, kv_len)
+    def _output_rows(self, O, tOcO, info: ItemInfo, tc: TraceCtx):
+        H, va = self.hooks, tc.vargs
+        for r in range(cute.size(O, mode=[0])):
+            ctx = row_ctx(info, info.row_start + tOcO[r, 0][0], self.head_dim, tc.sm_scale)
             for c in range(cute.size(O, mode=[1])):
                 O[r, c] = H.output(ctx, va, O[r, c], tOcO[0, c][1])
 
-    def _rotate_q(self, sQ, tw, wg, req, kv_head, row_start, qo_len, kv_len):
+    def _rotate_q(self, sQ, tw, wg, info: ItemInfo, tc: TraceCtx):
         """transform_q on this WG's 64 Q rows in shared memory, once per item (after the whole
         WG's copies landed).  (Scaling Q here by sm_scale / cap, to save the soft-cap's multiply
         per score, was measured: the extra rounding of Q moved the LSE by up to 8e-3 at cap 30
@@ -244,18 +218,18 @@ class PrefillHooks:
         half = self.chunks // 2
         rows_per_pass = WG // half
         c = tw % half
-        g = self._trace_group
+        g, kv_head = info.group, info.kv_head
         base = Ctx(
-            batch=req,
+            batch=info.req,
             kv_head=kv_head,
-            qo_len=qo_len,
-            kv_len=kv_len,
+            qo_len=info.qo_len,
+            kv_len=info.kv_len,
             head_dim=self.head_dim,
-            sm_scale=self._trace_sm_scale,
+            sm_scale=tc.sm_scale,
         )
         for k in range(64 // rows_per_pass):
             j = wg * 64 + tw // half + k * rows_per_pass
-            row = row_start + j
+            row = info.row_start + j
             ctx = base.replace(qo_head=kv_head * g + row % g, _fresh=True)
             lo = cute.make_rmem_tensor((8,), self.dtype)
             hi = cute.make_rmem_tensor((8,), self.dtype)
@@ -265,8 +239,8 @@ class PrefillHooks:
             cute.autovec_copy(s_hi, hi)
             transform_pairs(
                 self.hooks,
-                self._trace_vargs,
-                ctx.replace(q_pos=kv_len - qo_len + row // g),
+                tc.vargs,
+                ctx.replace(q_pos=info.qpos_base + row // g),
                 lo,
                 hi,
                 c * 8,

@@ -10,7 +10,8 @@ Three ways K/V reach the swizzled stage tiles, chosen per spec:
   (``transform_k``): a ``cp.async`` gather of 16-byte chunks by all 128 threads, row addresses
   staged in shared memory one block ahead (``ROW_RING``).
 
-A mixin of ``BatchPrefillSm90``: its methods read the kernel's configuration from ``self``.
+A mixin of ``BatchPrefillSm90``: its methods read the kernel's configuration from ``self``,
+the item from an ``ItemInfo`` and the launch's values from a ``TraceCtx`` (``work.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from .copy import cp_async_16
 from .fragments import WG
-from .work import WorkItem
+from .work import ItemInfo
 
 BAR_PRODUCER = 5  # the gather producer's named barrier (see prefill_sm90's named barriers)
 ROW_RING = 3  # blocks of page lookups staged in smem by the gather producer (see _produce)
@@ -33,29 +34,14 @@ class PrefillProducer:
     """K/V loads of the prefill kernel (see the module docstring)."""
 
     @cute.jit
-    def _produce(
-        self,
-        mK,
-        mV,
-        mKvIndptr,
-        mKvIndices,
-        mWork,
-        mWorkIndptr,
-        tma_k,
-        tK,
-        tma_v,
-        tV,
-        sK,
-        sV,
-        sRows,
-        pipe_k,
-        pipe_v,
-        cta,
-        tidx,
-        warp_idx,
-        group,
-        window_left,
-    ):
+    def _produce(self, gm, tma, sm, cta, tidx, warp_idx, tc):
+        """The producer warpgroup's loop over the CTA's items (``gm``: the kernel's global
+        tensors, ``tma``: its TMA atoms, ``sm``: shared memory and pipelines, ``tc``: the
+        launch's values)."""
+        mK, mKvIndptr, mKvIndices, mWork, mWorkIndptr = gm.mK, gm.mKvIndptr, gm.mKvIndices, gm.mWork, gm.mWorkIndptr
+        tma_k, tK, tma_v, tV = tma
+        sK, sV, sRows, pipe_k, pipe_v = sm.sK, sm.sV, sm.sRows, sm.pipe_k, sm.pipe_v
+        group = tc.group
         TN, D = self.tile_n, self.head_dim
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -70,9 +56,9 @@ class PrefillProducer:
         if const_expr(self.gather):
             dst = self._gather_dst(sK, sV, tidx)
         for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1], unroll=1):
-            w = WorkItem(mWork, item)
-            req, kv_head, kv_start, kv_end = w.req, w.kv_head, w.kv_start, w.kv_end
-            first, n_blocks = self._block_range(w, group, window_left)
+            info = ItemInfo(mWork, item, group)
+            req, kv_head, kv_start, kv_end = info.req, info.kv_head, info.kv_start, info.kv_end
+            first, n_blocks = self._block_range(info, tc)
             if const_expr(self.page_box):
                 # A block is TN / page_box boxes, and one warp issuing all of them (a shuffle, the
                 # coordinates and a TMA each) is slower than the consumers use them: the boxes are
@@ -158,7 +144,7 @@ class PrefillProducer:
                 nb = n_blocks - first
                 if nb > 0:
                     ak, av = self._row_addrs(
-                        mK, mV, mKvIndices, tidx, kv_start + (n_blocks - 1) * TN, kv_end, page_base, page_size, kv_head
+                        gm, tidx, kv_start + (n_blocks - 1) * TN, kv_end, page_base, page_size, kv_head
                     )
                     if tidx < TN:
                         sRows[0, tidx, ring % ROW_RING] = ak
@@ -170,15 +156,7 @@ class PrefillProducer:
                     k_idx = k_state.index  # the stage K(j) goes to (rotated below with transform_k)
                     if j + 1 < nb:
                         ak, av = self._row_addrs(
-                            mK,
-                            mV,
-                            mKvIndices,
-                            tidx,
-                            kv_start + (n_blocks - 2 - j) * TN,
-                            kv_end,
-                            page_base,
-                            page_size,
-                            kv_head,
+                            gm, tidx, kv_start + (n_blocks - 2 - j) * TN, kv_end, page_base, page_size, kv_head
                         )
                     if j < nb:
                         pipe_k.producer_acquire(k_state)
@@ -201,9 +179,7 @@ class PrefillProducer:
                             # K(j) rotated in place while V(j-1) is in flight, then released
                             cute.arch.cp_async_commit_group()
                             cute.arch.cp_async_wait_group(1)
-                            self._rotate_k(
-                                sK, tidx, k_idx, kv_start + (n_blocks - 1 - j) * TN, req, kv_head, w.qo_len, w.kv_len
-                            )
+                            self._rotate_k(sK, tidx, k_idx, kv_start + (n_blocks - 1 - j) * TN, info, tc)
                             cute.arch.fence_view_async_shared()  # generic writes -> read by wgmma
                             pipe_k.sync_object_full.arrive_mbarrier(k_idx)
                     if j + 1 < nb:
@@ -268,10 +244,11 @@ class PrefillProducer:
         return mKvIndices[page_base + q], r // self.page_box
 
     @cute.jit
-    def _row_addrs(self, mK, mV, mKvIndices, tidx, blk, kv_end, page_base, page_size, kv_head):
+    def _row_addrs(self, gm, tidx, blk, kv_end, page_base, page_size, kv_head):
         """Global byte addresses of the K and V rows (this kv head) of row tidx of the block
         starting at token blk; rows past kv_end re-read the last token (finite data, masked
         later: a NaN there would survive 0 * NaN in P V)."""
+        mK, mV, mKvIndices = gm.mK, gm.mV, gm.mKvIndices
         p = blk + tidx
         p = p if p < kv_end else kv_end - 1
         page, slot = Int32(0), page_base + p  # ragged KV gathered (transform_k): token kv_indptr[req] + p
@@ -332,13 +309,13 @@ class PrefillProducer:
             )
 
     @cute.jit
-    def _rotate_k(self, sK, tidx, stage, blk, req, kv_head, qo_len, kv_len):
+    def _rotate_k(self, sK, tidx, stage, blk, info, tc):
         """transform_k on this thread's pairs of a K block in shared memory (``_gather_pairs``'s
         assignment); key row ``row`` is token ``blk + row`` of the request."""
         half = self.chunks // 2
         rows_per_pass = WG // half
         c = tidx % half
-        base = self._k_ctx(req, kv_head, qo_len, kv_len, blk)  # once-values: per block, outside the row loop
+        base = self._k_ctx(info, tc, blk)  # once-values: per block, outside the row loop
         for r in cutlass.range(self.tile_n // rows_per_pass, unroll=1):
             row = tidx // half + r * rows_per_pass
             lo = cute.make_rmem_tensor((8,), self.dtype)
@@ -347,7 +324,7 @@ class PrefillProducer:
             s_hi = cute.local_tile(sK[row, None, stage], (8,), (c + half,))
             cute.autovec_copy(s_lo, lo)
             cute.autovec_copy(s_hi, hi)
-            self._transform_key_pairs(base, blk + row, lo, hi, c * 8)
+            self._transform_key_pairs(base, tc, blk + row, lo, hi, c * 8)
             cute.autovec_copy(lo, s_lo)
             cute.autovec_copy(hi, s_hi)
 

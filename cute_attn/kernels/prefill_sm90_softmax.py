@@ -9,6 +9,8 @@ A mixin of ``BatchPrefillSm90``: its methods read the kernel's configuration fro
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
@@ -19,15 +21,37 @@ LAZY_RESCALE = 8.0  # base-2 units a row's block max may exceed its kept max by 
 FIXED_SHIFT_MAX_SCALE = 82.0  # soft-cap: the largest cap·log2 e taking the fixed shift (_running_max)
 
 
+class SoftmaxState(NamedTuple):
+    """A consumer thread's online-softmax state of its rows: running max (S's units), partial
+    sum, and the factor O must be rescaled by after the last block."""
+
+    row_m: Any
+    row_l: Any
+    corr: Any
+
+
+class ItemRows(NamedTuple):
+    """A consumer thread's rows of the item: score coordinates (``tScS``), the rows' query
+    positions, the tile's first / last row's position, the item's kv end and the variant's
+    per-row values (``work.item_row_values``; None without per-row hooks)."""
+
+    tScS: Any
+    q_pos: Any
+    q_lo: Any
+    q_hi: Any
+    kv_end: Any
+    vals: Any
+
+
 class PrefillSoftmax:
     """Masked / mask-free online softmax of one block (see the module docstring)."""
 
     @cute.jit
-    def _mask_softmax(
-        self, acc_S, row_m, row_l, corr, tScS, q_pos, q_lo, q_hi, blk, kv_end, scale_log2, window_left, words
-    ):
+    def _mask_softmax(self, acc_S, st: SoftmaxState, rows: ItemRows, blk, words, tc):
         """Masked softmax only where some key of the block may be invisible to some row of the
         tile (the partial last block, the causal diagonal, the window's left edge)."""
+        q_lo, q_hi, kv_end, window_left = rows.q_lo, rows.q_hi, rows.kv_end, tc.window_left
+        corr = st.corr
         need_mask = blk + self.tile_n > kv_end
         if const_expr(self.causal):
             need_mask = need_mask | (blk + self.tile_n - 1 > q_lo)
@@ -39,65 +63,42 @@ class PrefillSoftmax:
             # the variant masks by bitmaps alone: where a warp's bits of the block are all 0 it
             # skips the softmax; where they are all 1 it takes the mask-free path (per warp:
             # rows and columns of one warp share no reduction with another warp)
-            none_seen, all_seen = self._bits_uniform(words)
+            none_seen, all_seen = self._bits_uniform(words, tc)
             if none_seen:
                 acc_S.fill(0.0)
                 corr.fill(1.0)
             elif need_mask:
-                self._softmax(
-                    acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, window_left, words, True, True
-                )
+                self._softmax(acc_S, st, rows, blk, words, tc, True, True)
             elif all_seen:
-                self._softmax(
-                    acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, window_left, words, False, False
-                )
+                self._softmax(acc_S, st, rows, blk, words, tc, False, False)
             else:
-                self._softmax(
-                    acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, window_left, words, True, False
-                )
+                self._softmax(acc_S, st, rows, blk, words, tc, True, False)
         elif need_mask:
-            self._softmax(
-                acc_S, row_m, row_l, corr, tScS, q_pos, blk, kv_end, scale_log2, window_left, words, True, True
-            )
+            self._softmax(acc_S, st, rows, blk, words, tc, True, True)
         else:
-            self._softmax(
-                acc_S,
-                row_m,
-                row_l,
-                corr,
-                tScS,
-                q_pos,
-                blk,
-                kv_end,
-                scale_log2,
-                window_left,
-                words,
-                self.mask_all,
-                False,
-            )
+            self._softmax(acc_S, st, rows, blk, words, tc, self.mask_all, False)
 
     @cute.jit
     def _softmax(
         self,
         acc_S,
-        row_m,
-        row_l,
-        corr,
-        tScS,
-        q_pos,
+        st: SoftmaxState,
+        rows: ItemRows,
         blk,
-        kv_end,
-        scale_log2,
-        window_left,
         words,
+        tc,
         masked: cutlass.Constexpr,
         bounds: cutlass.Constexpr,
     ):
         """Online softmax of one block in place: S -> P = exp2(S * scale - m * scale), l rescaled;
         the factor O must be rescaled by goes to ``corr`` (O may still be in use by a wgmma).
         ``row_m`` is kept in S's units (raw q·k, or the logits after a soft-cap or a variant's
-        logits, see ``_row_scale``) so the scale folds into one FFMA per element.  Max and sum use 4 partial
-        accumulators per row: one warp runs this alone while the other WG's GEMMs run, so its latency chains matter."""
+        logits, see ``_row_scale``) so the scale folds into one FFMA per element.  Max and sum
+        use 4 partial accumulators per row: one warp runs this alone while the other WG's GEMMs
+        run, so its latency chains matter."""
+        row_m, row_l, corr = st
+        tScS, q_pos, kv_end, window_left = rows.tScS, rows.q_pos, rows.kv_end, tc.window_left
+        scale_log2 = tc.scale_log2
         S = wgmma_mn_view(acc_S)
         ncol = cute.size(S, mode=[1])
         scale = self._row_scale(scale_log2)
@@ -116,21 +117,22 @@ class PrefillSoftmax:
                     v = S[r, c]
                     kv_pos = blk + tScS[0, c][1]
                     if const_expr(H.has_logits):
-                        off = float(self._trace_col_off[c])
-                        v = self._hook_logits(r, kv_pos, v, (kv_f0, off), (rel_f0, off))
+                        off = float(tc.col_off[c])
+                        v = self._hook_logits(rows.vals[r], tc, kv_pos, v, (kv_f0, off), (rel_f0, off))
                     elif const_expr(self.soft_cap):
-                        v = self._logits(v)
+                        v = self._logits(v, tc.inv_cap)
                     if const_expr(masked):
                         ok = self._bounds_ok(bounds, kv_pos, kv_end, q_pos[r], window_left)
                         if const_expr(self.mask_all):
-                            ok = self._hook_visible(r, kv_pos, ok)
-                        v = _keep(self._mask_bits_ok(bitmaps, c, ok), v, -Float32.inf if H.softmax else Float32(0.0))
+                            ok = self._hook_visible(rows.vals[r], tc, kv_pos, ok)
+                        ok = self._mask_bits_ok(bitmaps, c, ok, tc)
+                        v = _keep(ok, v, -Float32.inf if H.softmax else Float32(0.0))
                     S[r, c] = v
             if const_expr(not H.softmax):
                 corr[r] = Float32(1.0)  # weights as they are (FlashSigmoid): nothing to rescale
             else:
                 if const_expr(self.cap_fixed_shift):
-                    m_blk = self._trace_fixed_shift  # soft-cap: a fixed shift (see _running_max)
+                    m_blk = tc.fixed_shift  # soft-cap: a fixed shift (see _running_max)
                     if self._running_max(scale):
                         m_blk = self._block_max(S, r, ncol)
                 else:
