@@ -59,6 +59,7 @@ from ..variants.trace import make_entry, transform_fragment
 from .bitmask import bit_set, row_words
 from .copy import cp_async_16
 from .fragments import mma_acc_as_a, mma_mn_view, quad_max, quad_sum
+from .pages import in_cache
 from .work import ItemInfo, TraceCtx, item_row_values, row_ctx, tok_head
 
 TILE_Q = 16  # packed query rows per work item (one m16 MMA tile)
@@ -639,14 +640,15 @@ class PagedDecode:
         c = tidx % self.chunks
         k_base, v_base = ld.sK.iterator.toint(), ld.sV.iterator.toint()
         slots = [divmod(self._row_pos(tidx, t, blk_start, kv_end), ld.page_size)[1] for t in range(self.n_lookups)]
+        pages = [in_cache(rows[t], ld.mK.shape[0]) for t in range(self.n_lookups)]
         for i in cutlass.range_constexpr(self.rows_per_thread):
             # block row r = tidx // chunks + i * row_step: head i // n_lookups of the item's
             # heads, token t = i % n_lookups of this thread's
             r = tidx // self.chunks + i * self.row_step
             t, h = i % self.n_lookups, kv_head * self.hpi + i // self.n_lookups
             d = self._smem_off(r, c, stage, BLOCK_N) * 2
-            cp_async_16(k_base + d, ld.mK[rows[t], slots[t], h, None].iterator.toint() + c * 16)
-            cp_async_16(v_base + d, ld.mV[rows[t], slots[t], h, None].iterator.toint() + c * 16)
+            cp_async_16(k_base + d, ld.mK[pages[t], slots[t], h, None].iterator.toint() + c * 16)
+            cp_async_16(v_base + d, ld.mV[pages[t], slots[t], h, None].iterator.toint() + c * 16)
 
     def _smem_off(self, r, c, s, rows: int):
         """Element offset of row r, 16-byte chunk c, slice s of a (rows, D, n) tile in this

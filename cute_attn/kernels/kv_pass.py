@@ -39,6 +39,7 @@ from cutlass import Float32, Int32, const_expr
 
 from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry, transform_pairs
+from .pages import in_cache
 from .work import TraceCtx
 
 THREADS = 256
@@ -160,7 +161,7 @@ class KvPass:
                 lens.append(kv_end - kv_start)
                 if const_expr(self.paged):
                     page_idx, slot = divmod(t - kv_start, page_size)
-                    page = mPageIndices[page_base + page_idx]
+                    page = in_cache(mPageIndices[page_base + page_idx], mK.shape[0])
                     srcs = [mK[page, slot, h, None], mV[page, slot, h, None]]
                 else:
                     srcs = [mK[0, t, h, None]]

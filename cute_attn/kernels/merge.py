@@ -56,12 +56,19 @@ def store_vec(row: cute.Tensor, lane: Int32, vec: cutlass.Constexpr, value):
 def oplus_step(m: Float32, d: Float32, acc, s_i: Float32, v_i):
     """Fold one state (v_i, LSE s_i) into a running (max m, denominator d, unnormalized acc).
     ``m_safe`` keeps exp2 finite while every state so far is empty (-inf): weights are then 0,
-    and a row that stays empty ends with d = 0 (written as v = 0, LSE = -inf)."""
+    and a row that stays empty ends with d = 0 (written as v = 0, LSE = -inf).  An empty
+    state's v is not read: whatever it holds (a caller's NaN) would survive 0 * v."""
     m_new = cute.arch.fmax(m, s_i)
     m_safe = m_new if m_new != -Float32.inf else Float32(0.0)
     scale = cute.math.exp2(m - m_safe, fastmath=True)
     w = cute.math.exp2(s_i - m_safe, fastmath=True)
-    return m_new, d * scale + w, acc * scale + v_i * w
+    return m_new, d * scale + w, acc * scale + _weighted(v_i, w, s_i)
+
+
+@cute.jit
+def _weighted(v, w: Float32, s: Float32):
+    """w * v, or 0 for an empty state (s = -inf, w = 0) whatever v holds."""
+    return cute.where(cute.full_like(v, s) != -Float32.inf, v * w, 0.0)
 
 
 PARTIALS_BATCH = 8  # partial slots whose loads one batch of the split merge issues together
@@ -197,7 +204,7 @@ class MergePair:
                         wa = cute.math.exp2(sa - m, fastmath=True)
                         wb = cute.math.exp2(sb - m, fastmath=True)
                         d = wa + wb
-                        out = (va * wa + vb * wb) * cute.arch.rcp_approx(d)
+                        out = (_weighted(va, wa, sa) + _weighted(vb, wb, sb)) * cute.arch.rcp_approx(d)
                         lse = m + cute.math.log2(d, fastmath=True)
                     store_vec(mO[si, h, None], lane, self.vec, out)
                     if lane == 0:

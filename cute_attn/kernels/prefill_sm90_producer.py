@@ -23,6 +23,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from .copy import cp_async_16
 from .fragments import WG
+from .pages import in_cache
 from .work import ItemInfo
 
 BAR_PRODUCER = 5  # the gather producer's named barrier (see prefill_sm90's named barriers)
@@ -254,7 +255,7 @@ class PrefillProducer:
         page, slot = Int32(0), page_base + p  # ragged KV gathered (transform_k): token kv_indptr[req] + p
         if const_expr(self.paged):
             q, slot = divmod(p, page_size)
-            page = mKvIndices[page_base + q]
+            page = in_cache(mKvIndices[page_base + q], mK.shape[0])
         return mK[page, slot, kv_head, None].iterator.toint(), mV[page, slot, kv_head, None].iterator.toint()
 
     def _chunk(self, addr):
