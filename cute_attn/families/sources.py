@@ -3,9 +3,10 @@
 ``source_fingerprint`` hashes a family's sources for its cache key: its builder module, the
 module that declares the family, every ``cute_attn`` module those import (transitively), the
 attention variants (traced into the kernels) and the build recipe (``runtime/build.py``).
-Each file enters as its syntax tree without docstrings, so comments, docstrings and
-formatting never change a key, and no module outside that closure -- the loader, the cache,
-the planner, the wrappers -- can.  The import walk is also what the import-cycle test reads.
+Each file enters byte for byte (a syntax tree would not do: its dump differs between Python
+versions, and a key must be the same on the machine that compiles and the one that runs); no
+module outside that closure -- the loader, the cache, the planner, the wrappers -- can change a
+key.  The import walk is also what the import-cycle test reads.
 """
 
 from __future__ import annotations
@@ -79,22 +80,6 @@ def closure(modules) -> set:
     return files
 
 
-def _strip_docstrings(tree: ast.AST) -> ast.AST:
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
-                if isinstance(body[0].value.value, str):
-                    node.body = body[1:] or [ast.Pass()]
-    return tree
-
-
-def code_digest(path: Path) -> bytes:
-    """A file's code without comments, docstrings or layout (its syntax tree)."""
-    tree = _strip_docstrings(ast.parse(path.read_bytes()))
-    return ast.dump(tree, annotate_fields=False, include_attributes=False).encode()
-
-
 @functools.cache
 def source_fingerprint(modules: tuple = ()) -> str:
     """sha256 over the code a kernel is built from: ``modules`` (a family's builder module and
@@ -110,5 +95,5 @@ def source_fingerprint(modules: tuple = ()) -> str:
     for p in sorted(files):
         h.update(str(p.relative_to(PKG_ROOT)).encode())
         h.update(b"\0")
-        h.update(code_digest(p))
+        h.update(p.read_bytes())
     return h.hexdigest()[:16]
