@@ -5,8 +5,17 @@ kernels (see ``python -m cute_attn compile``); running them needs the CUDA runti
 """
 
 from ._version import __version__  # noqa: F401
-from .cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402,F401
-from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache  # noqa: E402,F401
+from .cascade import (  # noqa: E402,F401
+    BatchDecodeWithSharedPrefixPagedKVCacheWrapper,
+    BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
+    MultiLevelCascadeAttentionWrapper,
+)
+from .decode import (  # noqa: E402,F401
+    BatchDecodeWithPagedKVCacheWrapper,
+    CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
+    fast_decode_plan,
+    single_decode_with_kv_cache,
+)
 from .merge import merge_state, merge_state_in_place, merge_states  # noqa: E402,F401
 from .prefill import (  # noqa: E402,F401
     BatchPrefillWithPagedKVCacheWrapper,
@@ -19,12 +28,16 @@ from .sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWra
 # FlashInfer's top-level names that exist here: ``import cute_attn as flashinfer`` works for them
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+    "fast_decode_plan",
     "single_decode_with_kv_cache",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",
     "single_prefill_with_kv_cache",
     "single_prefill_with_kv_cache_return_lse",
     "MultiLevelCascadeAttentionWrapper",
+    "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
+    "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
     "BlockSparseAttentionWrapper",
     "VariableBlockSparseAttentionWrapper",
     "merge_state",

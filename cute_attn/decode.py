@@ -1,12 +1,21 @@
-"""Batch decode, FlashInfer's ``flashinfer.decode`` names: ``BatchDecodeWithPagedKVCacheWrapper``
-and ``single_decode_with_kv_cache`` (the code: ``cute_attn.wrappers``)."""
+"""Batch decode, FlashInfer's ``flashinfer.decode`` names: ``BatchDecodeWithPagedKVCacheWrapper``,
+``CUDAGraphBatchDecodeWithPagedKVCacheWrapper``, ``fast_decode_plan`` and
+``single_decode_with_kv_cache`` (the code: ``cute_attn.wrappers``)."""
 
 from .wrappers.common import workspace_bytes
-from .wrappers.decode import MIN_PACKED_ITEMS_PER_CTA, SUPPORTED_HEAD_DIMS, BatchDecodeWithPagedKVCacheWrapper
+from .wrappers.decode import (
+    MIN_PACKED_ITEMS_PER_CTA,
+    SUPPORTED_HEAD_DIMS,
+    BatchDecodeWithPagedKVCacheWrapper,
+    CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
+)
+from .wrappers.decode_engine import fast_decode_plan
 from .wrappers.single import single_decode_with_kv_cache
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+    "fast_decode_plan",
     "single_decode_with_kv_cache",
     "MIN_PACKED_ITEMS_PER_CTA",
     "SUPPORTED_HEAD_DIMS",

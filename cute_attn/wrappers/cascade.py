@@ -43,7 +43,14 @@ from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .merge import merge_pair_module, merge_state, merge_state_in_place, merge_states  # noqa: F401  (flashinfer.cascade's names)
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
-__all__ = ["MultiLevelCascadeAttentionWrapper", "merge_state", "merge_state_in_place", "merge_states"]
+__all__ = [
+    "MultiLevelCascadeAttentionWrapper",
+    "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
+    "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
+    "merge_state",
+    "merge_state_in_place",
+    "merge_states",
+]
 
 _SLICE_ALIGN = 4096  # level slices start on this boundary (the planner aligns sections to 256 B)
 
@@ -124,6 +131,8 @@ class MultiLevelCascadeAttentionWrapper:
             )
             for ws, b in zip(self._slices, per_level)
         ]
+        for w in self._prefill:  # a level keeps the full split-KV room (an error names a too-small slice)
+            w.fit_partials = False
         self._decode = [None] * self._num_levels  # made on first use, on the level's slice and buffers
         self._kind = [None] * self._num_levels  # "decode" / "prefill": the kernel of the current plan
         self._total_q = None
@@ -305,6 +314,149 @@ class MultiLevelCascadeAttentionWrapper:
         return (out, lse) if return_lse else out
 
     forward = run
+
+    def end_forward(self) -> None:
+        pass
+
+
+class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
+    """FlashInfer's deprecated shared-prefix decode wrapper, thin over cute_attn's (as
+    FlashInfer's over its own): the shared prefix as contiguous ``k_shared`` / ``v_shared``
+    (``single_prefill_with_kv_cache``), each request's own tokens in a paged cache
+    (``BatchDecodeWithPagedKVCacheWrapper``), the two states ⊕-merged."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
+        self._batch_decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
+        self._kv_layout = kv_layout
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
+        self._batch_decode_wrapper.reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
+
+    def begin_forward(
+        self,
+        unique_kv_indptr,
+        unique_kv_indices,
+        unique_kv_last_page_len,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        data_type="float16",
+    ) -> None:
+        self._batch_decode_wrapper.begin_forward(
+            unique_kv_indptr,
+            unique_kv_indices,
+            unique_kv_last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            pos_encoding_mode="NONE",
+            data_type=data_type,
+        )
+
+    plan = begin_forward
+
+    def forward(self, q: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor, unique_kv_cache):
+        from .single import single_prefill_with_kv_cache
+
+        inner = self._batch_decode_wrapper
+        v_s, s_s = single_prefill_with_kv_cache(
+            q,
+            k_shared,
+            v_shared,
+            causal=False,
+            pos_encoding_mode="NONE",
+            kv_layout=self._kv_layout,
+            sm_scale=inner._state.sm_scale_arg if inner._state is not None else None,
+            return_lse=True,
+        )
+        v_u, s_u = inner.forward_return_lse(q, unique_kv_cache, pos_encoding_mode="NONE")
+        merge_state_in_place(v_s, s_s, v_u, s_u)
+        return v_s
+
+    run = forward
+
+    def end_forward(self) -> None:
+        pass
+
+
+class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
+    """FlashInfer's deprecated shared-prefix prefill wrapper, thin over cute_attn's: the shared
+    prefix by ``single_prefill_with_kv_cache`` (non-causal), each request's own tokens by
+    ``BatchPrefillWithPagedKVCacheWrapper`` (``causal`` applies there), ⊕-merged."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
+        self._batch_prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
+        self._kv_layout = kv_layout
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
+        self._batch_prefill_wrapper.reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
+
+    def begin_forward(
+        self,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+    ) -> None:
+        self._batch_prefill_wrapper.begin_forward(
+            qo_indptr,
+            paged_kv_indptr,
+            paged_kv_indices,
+            paged_kv_last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+        )
+
+    plan = begin_forward
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_shared: torch.Tensor,
+        v_shared: torch.Tensor,
+        unique_kv_cache,
+        causal: bool = False,
+        use_fp16_qk_reduction: bool = False,
+        sm_scale: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+    ):
+        from .single import single_prefill_with_kv_cache
+
+        v_s, s_s = single_prefill_with_kv_cache(
+            q,
+            k_shared,
+            v_shared,
+            causal=False,
+            pos_encoding_mode="NONE",
+            kv_layout=self._kv_layout,
+            sm_scale=sm_scale,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+            return_lse=True,
+        )
+        v_u, s_u = self._batch_prefill_wrapper.forward_return_lse(
+            q,
+            unique_kv_cache,
+            causal=causal,
+            pos_encoding_mode="NONE",
+            use_fp16_qk_reduction=use_fp16_qk_reduction,
+            sm_scale=sm_scale,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+        )
+        merge_state_in_place(v_s, s_s, v_u, s_u)
+        return v_s
+
+    run = forward
 
     def end_forward(self) -> None:
         pass

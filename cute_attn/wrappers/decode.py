@@ -15,7 +15,6 @@ Variants (docs/variants.md): FlashInfer's options map onto built-ins (``logits_s
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple, Union
 
 import numpy as np
@@ -33,7 +32,8 @@ from ..sched.inputs import as_index_array, check_indptr
 from ..variants import base as vbase
 from ..variants.binding import VariantBinding
 from ..variants.builtins import CustomMask, mask_kv_bounds
-from . import common
+from . import common, compat, guards
+from .decode_engine import DecodeEngineAPI, fast_decode_plan  # noqa: F401
 from .masks import device_mask, packed_mask
 from .options import check_options, decode_variant
 from .plans import DecodePlanState
@@ -55,7 +55,7 @@ def _packed_kernel_ships(variant) -> bool:
     return tuple(variant_params(variant).items()) in _SHIPPED_PACKED
 
 
-class BatchDecodeWithPagedKVCacheWrapper(common.WrapperBase):
+class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
     """FlashInfer's batch decode wrapper.  ``plan()`` once per step (shared by all layers),
     ``run()`` per layer.  With ``use_cuda_graph=True`` a captured ``run()`` stays valid when
     ``plan()`` is called again with other lengths/batch composition within the buffers' sizes.
@@ -86,9 +86,31 @@ class BatchDecodeWithPagedKVCacheWrapper(common.WrapperBase):
                 ),
                 "sized for the largest batch",
             )
+            if paged_kv_indptr_buffer.numel() != paged_kv_last_page_len_buffer.numel() + 1:
+                raise ValueError(
+                    f"paged_kv_indptr_buffer must have len(paged_kv_last_page_len_buffer) + 1 = "
+                    f"{paged_kv_last_page_len_buffer.numel() + 1} entries, got {paged_kv_indptr_buffer.numel()}"
+                )
+        if backend not in ("auto", "fa2", "fa3"):
+            raise NotImplementedError(f"backend {backend!r} is not supported (cute_attn has its own decode kernel)")
+        self._float_ws_arg = float_workspace_buffer
+        self._use_tensor_cores_arg = bool(use_tensor_cores)
+        self._backend_arg = backend
         self._indptr_buf = paged_kv_indptr_buffer
         self._indices_buf = paged_kv_indices_buffer
+        self._last_buf = paged_kv_last_page_len_buffer
+        self._fixed_bs = paged_kv_last_page_len_buffer.numel() if use_cuda_graph else 0
+        self._int_ws = None
+        self._pinned_ws = None
+        self._cached = None  # compat.CachedModule, after the first plan()
+        self._plan_info = None  # what vLLM's fast path stores from _cached_module.plan()
+        self._mt = None  # the paged prefill wrapper that runs plans of q_len_per_req > 1
+        self._mt_qo_buf = None
+        self._q_len = 1  # the current plan's query tokens per request
+        self._frozen_q_len = None  # CUDA-graph mode: the first plan's q_len_per_req
         self._graph_hpi = None  # CUDA-graph mode: the first plan's, kept (the captured kernel's)
+        self._graph_fixed = None  # CUDA-graph mode: the first plan's scale and variant (_check_graph_fixed)
+        self._used_pages = 0  # indptr[-1] of the current plan: the page ids the kernel reads
         self._mask_bufs = None  # CUDA-graph mode: the custom mask's tensors, sized by the first plan
 
     @property
@@ -100,8 +122,11 @@ class BatchDecodeWithPagedKVCacheWrapper(common.WrapperBase):
         """Use another workspace from the next ``plan()`` on (FlashInfer's method; the int
         workspace is not used: the plan lives in the float one)."""
         super().reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
-        self._graph_hpi = None  # graphs captured on the old workspace are void: capture again
+        self._graph_hpi = self._graph_fixed = None  # graphs captured on the old workspace are void
+        self._captured_rows = None
 
+    # ---- plan -------------------------------------------------------------------------------
+    @common.guarded_plan
     def plan(
         self,
         indptr,
@@ -111,38 +136,74 @@ class BatchDecodeWithPagedKVCacheWrapper(common.WrapperBase):
         num_kv_heads: int,
         head_dim: int,
         page_size: int,
+        *deprecated_positional_args,
+        **kwargs,
+    ) -> None:
+        """FlashInfer 0.7.2's ``plan``: after ``page_size`` its keyword arguments
+        (:meth:`_plan_impl`); positional ones map in FlashInfer's legacy order
+        (``compat.DECODE_PLAN_LEGACY``) with a DeprecationWarning."""
+        kw = compat.legacy_decode_kwargs(deprecated_positional_args, kwargs)
+        return self._plan_impl(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **kw)
+
+    begin_forward = plan
+
+    def end_forward(self) -> None:
+        pass
+
+    def _plan_impl(
+        self,
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        *,
         pos_encoding_mode: str = "NONE",
         window_left: int = -1,
+        window_right: int = 0,
         logits_soft_cap: Optional[float] = None,
-        q_data_type="float16",
+        q_data_type=None,
         kv_data_type=None,
+        o_data_type=None,
         data_type=None,
         sm_scale: Optional[float] = None,
         rope_scale: Optional[float] = None,
         rope_theta: Optional[float] = None,
         non_blocking: bool = True,
-        o_data_type=None,
         block_tables: Optional[torch.Tensor] = None,
         seq_lens: Optional[torch.Tensor] = None,
         fixed_split_size: Optional[int] = None,
         disable_split_kv: bool = False,
+        q_len_per_req: int = 1,
+        is_causal: Optional[bool] = None,
         variant=None,
         custom_mask: Optional[torch.Tensor] = None,
         packed_custom_mask: Optional[torch.Tensor] = None,
         heads_per_item: Optional[int] = None,
     ) -> None:
-        """FlashInfer's arguments.  ``fixed_split_size`` (in pages, as FlashInfer): every request's
+        """FlashInfer's arguments.  ``q_data_type`` (default float16) and ``kv_data_type``
+        (default the q dtype) are filled from ``data_type`` where not given, as FlashInfer.
+        ``fixed_split_size`` (in pages, as FlashInfer; -1 or None: off): every request's
         KV is cut at multiples of it and nothing else, so a request's output is bitwise the same
         whatever else is in the batch.  ``disable_split_kv``: no request is split (one work item
-        per request and kv head).
+        per request and kv head).  ``window_right`` must be 0 (FlashInfer's default; other
+        values are its cute-dsl backend's).
+
+        ``q_len_per_req`` > 1 (2-8 query tokens per request, causal among them, bottom-right
+        aligned): the plan runs on the paged prefill kernel (an internal
+        ``BatchPrefillWithPagedKVCacheWrapper`` on this workspace); ``run()`` then takes q
+        ``[batch * q_len_per_req, num_qo_heads, head_dim]``.  Every request needs kv_len >=
+        q_len_per_req.
 
         Variants: ``pos_encoding_mode`` ``"ALIBI"`` (slopes from the head count, as FlashInfer's
         ``get_alibi_slopes``) or ``"ROPE_LLAMA"`` (``rope_scale`` default 1, ``rope_theta``
         default 1e4; the query sits at position ``kv_len - 1``, key ``j`` at ``j``), soft-cap,
-        window, and (extensions: FlashInfer's decode has none of them) ``custom_mask`` (flat
-        bool, concatenated ``[1, kv_len]`` rows) or ``packed_custom_mask`` (its bits, packed
-        per request as FlashInfer's prefill) and ``variant`` (any ``cute_attn.variants.Variant``,
-        applied after the built-ins).
+        window, and (extensions, keyword-only: FlashInfer's decode has none of them)
+        ``custom_mask`` (flat bool, concatenated ``[1, kv_len]`` rows) or ``packed_custom_mask``
+        (its bits, packed per request as FlashInfer's prefill) and ``variant`` (any
+        ``cute_attn.variants.Variant``, applied after the built-ins).
 
         ``heads_per_item`` (an extension): kv heads per work item, 1, 2 or 4 (head packing,
         ``kernels/decode.py``; more than 1 only for softmax variants without query/key
@@ -154,9 +215,38 @@ class BatchDecodeWithPagedKVCacheWrapper(common.WrapperBase):
         holds for every later plan, ``fixed_split_size`` ones included (the captured launch
         keeps its kernel): give the first plan ``heads_per_item=1`` for outputs bitwise equal
         to an eager wrapper's in batch-invariant mode."""
+        if data_type is not None:
+            q_data_type = data_type if q_data_type is None else q_data_type
+            kv_data_type = data_type if kv_data_type is None else kv_data_type
+        if q_data_type is None:
+            q_data_type = "float16"
+        if window_right != 0:
+            raise NotImplementedError(f"window_right={window_right} is not supported (FlashInfer: cute-dsl only)")
+        fixed_split_size = compat.split_size(fixed_split_size)
+        if not isinstance(q_len_per_req, (int, np.integer)) or q_len_per_req < 1:
+            raise ValueError(f"q_len_per_req must be a positive int, got {q_len_per_req!r}")
+        q_len_per_req = int(q_len_per_req)
+        if is_causal is not None and bool(is_causal) != (q_len_per_req > 1):
+            raise NotImplementedError(
+                "is_causal must be q_len_per_req > 1 (the decode mask follows q_len_per_req, as FlashInfer's fa2)"
+            )
+        if self._use_cuda_graph and self._frozen_q_len is not None and q_len_per_req != self._frozen_q_len:
+            raise ValueError(
+                f"use_cuda_graph=True: q_len_per_req is part of the captured shape; this wrapper was planned "
+                f"with {self._frozen_q_len}, got {q_len_per_req} (use a wrapper per q_len_per_req)"
+            )
+        if q_len_per_req > 1:
+            return self._plan_multi(
+                indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, q_len_per_req,
+                pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, sm_scale=sm_scale,
+                rope_scale=rope_scale, rope_theta=rope_theta, block_tables=block_tables, seq_lens=seq_lens,
+                fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, variant=variant,
+                custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, heads_per_item=heads_per_item,
+            )  # fmt: skip
         check_options(pos_encoding_mode, variant)
         common.check_heads(num_qo_heads, num_kv_heads, head_dim, SUPPORTED_HEAD_DIMS)
-        q_dtype = common.plan_dtype(data_type if data_type is not None else q_data_type, kv_data_type, o_data_type)
+        q_dtype = common.plan_dtype(q_data_type, kv_data_type, o_data_type)
         if block_tables is not None or seq_lens is not None:
             raise NotImplementedError(
                 "block_tables / seq_lens (the trtllm-gen backend's inputs) are not supported; "
@@ -170,6 +260,7 @@ class BatchDecodeWithPagedKVCacheWrapper(common.WrapperBase):
         check_indptr("indptr", indptr_h)
         batch = indptr_h.shape[0] - 1
         indices_t = common.int32_tensor(indices)
+        guards.check_indices_length(indices_t, int(indptr_h[-1]), "indices")
         host_indices = None if indices_t.is_cuda else indices_t.cpu()
         # kv lengths, checked, once per plan: the planner, the packing rule and a custom mask use them
         kv_lens = kv_lens_from_paged(indptr_h, last_page_len, page_size, kv_indices=host_indices)
@@ -191,52 +282,43 @@ class BatchDecodeWithPagedKVCacheWrapper(common.WrapperBase):
         arch = arch_of_index(self._dev)
         backend = backend_for("decode", arch)
         (tile,) = backend.tiles
-        per_sm = self._ctas_per_sm or backend.ctas_for(head_dim)
-        num_sms = sm_count_of_index(self._dev)
-        num_ctas = num_sms * per_sm
-        limits = self._limits(batch, hq, hk, head_dim, num_ctas, tile)
-        if self._planner is None or self._planner.limits != limits or self._planner.num_ctas != num_ctas:
-            # the backend's cost parameters (alpha, balance_tol: families/backends.py says why)
-            self._planner = Planner(limits, num_sms, per_sm, **backend.planner)
-            self._views = None
-        need = self._planner.layout.total_bytes
-        if self._workspace.numel() < need:
-            raise ValueError(
-                f"float_workspace_buffer has {self._workspace.numel()} bytes; this plan needs {need} "
-                f"(batch {batch}, {hq} qo heads, head_dim {head_dim})"
-            )
-        if self._views is None:  # section offsets are fixed per planner: views made once
-            self._views = self._planner.layout.views(self._workspace)
         split_tokens = self._split_tokens(fixed_split_size, disable_split_kv, page_size)
+        num_ctas = sm_count_of_index(self._dev) * (self._ctas_per_sm or backend.ctas_for(head_dim))
         hpi = self._heads_per_item(
             heads_per_item, kv_lens, hq, hk, num_ctas, split_tokens is not None, hooks.packs_heads, var, tile
         )
-        plan = self._planner.plan(
-            np.arange(batch + 1),
-            kv_lens,
-            page_size=int(page_size),
-            num_qo_heads=hq,
-            num_kv_heads=hk,
-            cta_tile_q=tile,
-            kv_split_size=split_tokens,
-            heads_per_item=hpi,
-            workspace=self._workspace,
-        )
-        kv_indptr = common.to_device(indptr, self._indptr_buf, "indptr", self._device)
-        kv_indices = common.to_device(indices_t, self._indices_buf, "indices", self._device)
-        if self._use_cuda_graph and self._graph_hpi is None:
-            self._graph_hpi = hpi  # once the plan is in place (a plan that failed fixes nothing)
-        sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
         dt = common.dtype_name(q_dtype)
 
         def load(v):
-            s = decode_spec(arch, dt, head_dim, v, hpi)
-            return kernel(backend.family, arch, **s.pdict)
+            sp = decode_spec(arch, dt, head_dim, v, hpi)
+            return kernel(backend.family, arch, **sp.pdict)
 
+        # modules first: a missing one fails before the workspace is overwritten
         decode = load(var)
         ms = merge_partials_spec(arch, dt, head_dim, tile)
         merge = kernel(ms.family, arch, **ms.pdict)
-        info = dict(num_qo_heads=hq, num_kv_heads=hk, head_dim=head_dim, sm_scale=sm_scale, device=self._device)
+        self._check_graph_fixed(
+            dict(sm_scale=guards.launch_sm_scale(sm_scale, head_dim), variant=variant_params(var)),
+            batch,
+        )
+        plan = self._schedule(kv_lens, batch, hq, hk, head_dim, int(page_size), split_tokens, hpi, backend, arch)
+        kv_indptr = common.to_device(indptr, self._indptr_buf, "indptr", self._device)
+        kv_indices = common.to_device(indices_t, self._indices_buf, "indices", self._device)
+        if self._use_cuda_graph:
+            common.to_device(last_page_len, self._last_buf, "last_page_len", self._device)  # as FlashInfer
+        if self._use_cuda_graph and self._graph_hpi is None:
+            self._graph_hpi = hpi  # once the plan is in place (a plan that failed fixes nothing)
+        sm = guards.launch_sm_scale(sm_scale, head_dim)
+        info = dict(num_qo_heads=hq, num_kv_heads=hk, head_dim=head_dim, sm_scale=sm, device=self._device)
+        options = dict(
+            pos_encoding_mode=pos_encoding_mode,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+            custom_mask=mask,
+            variant=variant,
+            load=load,
+        )
+        self._used_pages = int(indptr_h[-1])
         self._state = DecodePlanState(
             plan=plan,
             batch=batch,
@@ -245,7 +327,7 @@ class BatchDecodeWithPagedKVCacheWrapper(common.WrapperBase):
             head_dim=head_dim,
             page_size=int(page_size),
             dtype=q_dtype,
-            sm_scale=sm_scale,
+            sm_scale=sm,
             window_left=int(window_left),
             num_ctas=self._planner.num_ctas,
             hpi=hpi,
@@ -256,7 +338,71 @@ class BatchDecodeWithPagedKVCacheWrapper(common.WrapperBase):
             decode=decode,
             merge=merge,
             binding=VariantBinding(var, dict(info, batch=batch), decode, load),
+            options=options,
+            arch=arch,
+            family=backend.family,
+            sm_scale_arg=sm_scale,
+            logits_soft_cap=float(logits_soft_cap or 0.0),
+            kv_lens=kv_lens,
         )
+        self._q_len = 1
+        if self._use_cuda_graph and self._frozen_q_len is None:
+            self._frozen_q_len = 1
+        if not self._use_cuda_graph:
+            self._last_dev = last_page_len
+        if self._cached is None:
+            self._cached = compat.CachedModule(self)
+
+    def _check_graph_fixed(self, fixed: dict, batch: int) -> None:
+        """CUDA-graph mode: a captured run() bakes the softmax scale and the variant's runtime
+        values (soft-cap, window) of the plan it was captured with; a re-plan that changes them
+        would be ignored by the replay, so it is an error (as in the prefill wrappers)."""
+        if not self._use_cuda_graph:
+            return
+        common.check_capture_rows(self, batch, "requests")
+        if self._graph_fixed is None:
+            self._graph_fixed = fixed
+            return
+        changed = [k for k in fixed if fixed[k] != self._graph_fixed[k]]
+        if changed:
+            raise ValueError(
+                f"use_cuda_graph=True: plan() changed {changed} since the first plan ({self._graph_fixed}); a "
+                f"captured run() bakes them. Keep them fixed or use another wrapper."
+            )
+
+    def _schedule(self, kv_lens, batch, hq, hk, head_dim, page_size, split_tokens, hpi, backend, arch):
+        """The planner call of a decode plan: (re)make the planner for the limits, plan the
+        lengths and upload the work lists into the workspace; returns the ``sched.Plan``."""
+        (tile,) = backend.tiles
+        per_sm = self._ctas_per_sm or backend.ctas_for(head_dim)
+        num_sms = sm_count_of_index(self._dev)
+        num_ctas = num_sms * per_sm
+        limits = self._limits(batch, hq, hk, head_dim, num_ctas, tile)
+        if self._planner is None or self._planner.limits != limits or self._planner.num_ctas != num_ctas:
+            # the backend's cost parameters (alpha, balance_tol: families/backends.py says why)
+            planner = Planner(limits, num_sms, per_sm, **backend.planner)
+            need = planner.layout.total_bytes
+            if self._workspace.numel() < need:
+                raise ValueError(
+                    f"float_workspace_buffer has {self._workspace.numel()} bytes; this plan needs {need} "
+                    f"(batch {batch}, {hq} qo heads, head_dim {head_dim})"
+                )
+            self._planner, self._views = planner, None
+        if self._views is None:  # section offsets are fixed per planner: views made once
+            self._plan_buf = common.plan_buffer(self._planner.layout, self._workspace)
+            self._views = common.plan_views(self._planner.layout, self._workspace, self._plan_buf)
+        plan = self._planner.plan(
+            np.arange(batch + 1),
+            kv_lens,
+            page_size=int(page_size),
+            num_qo_heads=hq,
+            num_kv_heads=hk,
+            cta_tile_q=tile,
+            kv_split_size=split_tokens,
+            heads_per_item=hpi,
+        )
+        common.upload_plan(self._planner, self._plan_buf)
+        return plan
 
     def _heads_per_item(self, want, kv_lens, hq, hk, num_ctas, invariant, packable, variant, tile) -> int:
         """kv heads per work item for this plan (``plan()``'s ``heads_per_item``; the default
@@ -360,16 +506,22 @@ class BatchDecodeWithPagedKVCacheWrapper(common.WrapperBase):
             max_batch = max(batch, self._planner.limits.max_batch)
         # Partial slots: one tile's rows each, 8 per CTA is ample for split-KV decode (the
         # default sizing is for 128-row prefill tiles and would need 4x the workspace).
-        return Limits(
+        # A workspace too small for that gets fewer (compat.partial_rows_that_fit: FlashInfer's
+        # usual 16 MiB holds every small batch's plan).
+        return compat.partial_rows_that_fit(
+            self._workspace.numel(),
+            num_ctas,
             max_batch=max(max_batch, 1),
             max_total_q_tokens=max(max_batch, 1),
             num_qo_heads=hq,
             num_kv_heads=hk,
             head_dim=d,
             max_qo_len=1,
-            max_partial_rows=8 * num_ctas * tile,
+            rows=8 * num_ctas * tile,
+            min_rows=num_ctas * tile,
         )
 
+    # ---- run ---------------------------------------------------------------------------------
     def run(
         self,
         q: torch.Tensor,
@@ -384,15 +536,39 @@ class BatchDecodeWithPagedKVCacheWrapper(common.WrapperBase):
         enable_pdl=None,
         window_left: Optional[int] = None,
         sinks: Optional[torch.Tensor] = None,
+        q_len_per_req: Optional[int] = None,
+        skip_softmax_threshold_scale_factor=None,
+        kv_cache_sf=None,
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """``*args``: the runtime arguments of plan()'s ``variant`` not given to its constructor,
         in declaration order.  ``sinks``: per-head sink logits ``[num_qo_heads]`` (FlashInfer's
-        attention-sink argument; natural units; the returned LSE includes them)."""
-        st = self._require_plan()
-        common.check_run_capture(self._use_cuda_graph, "paged_kv_*_buffer")
-        if window_left is not None and window_left != st.window_left:
+        attention-sink argument; natural units; the returned LSE includes them).  ``q_scale`` /
+        ``k_scale`` multiply the softmax scale, ``v_scale`` the output after the kernel
+        (FlashInfer's semantics for fp16 / bf16 KV; the LSE is not scaled).  A ``(k, v)`` tuple
+        of 3-D ``[tokens, kv_heads, head_dim]`` caches is a page-size-1 cache."""
+        if window_left is not None and window_left != self._window_left_planned():
             raise ValueError("run(window_left=...) differs from plan(); pass it to plan()")
-        common.reject_unsupported(fp8_scales=(q_scale, k_scale, v_scale))
+        return self._run(q, paged_kv_cache, args, q_scale, k_scale, v_scale, out, lse, return_lse, sinks,
+                         q_len_per_req, skip_softmax_threshold_scale_factor, kv_cache_sf)  # fmt: skip
+
+    def _run(self, q, paged_kv_cache, args, q_scale, k_scale, v_scale, out, lse, return_lse, sinks,
+             q_len_per_req, skip_softmax, kv_cache_sf, binding=None, sm_scale=None):  # fmt: skip
+        compat.check_kv_cache_sf(kv_cache_sf)
+        common.reject_unsupported(extra=(("skip_softmax_threshold_scale_factor", skip_softmax),))
+        paged_kv_cache = compat.expand_3d(paged_kv_cache, self._kv_layout)
+        if self._q_len > 1 and self._mt is not None:
+            if q_len_per_req is not None and q_len_per_req != self._q_len:
+                raise ValueError(f"run(q_len_per_req={q_len_per_req}) differs from plan()'s {self._q_len}")
+            self._check_q_len(q, self._mt._state.batch)
+            return self._mt.run(q, paged_kv_cache, *args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                                out=out, lse=lse, return_lse=return_lse, sinks=sinks)  # fmt: skip
+        st = self._require_plan()
+        if q_len_per_req is not None and q_len_per_req != 1:
+            raise ValueError(f"run(q_len_per_req={q_len_per_req}) differs from plan()'s 1")
+        base = st.sm_scale if sm_scale is None else guards.launch_sm_scale(sm_scale, st.head_dim)
+        sm = compat.folded_sm_scale(base, q_scale, k_scale)
+        v_fac = compat.v_scale_factor(v_scale)
+        common.check_run_capture(self._use_cuda_graph, "paged_kv_*_buffer")
         k, v = common.kv_views(paged_kv_cache, self._kv_layout)
         b, hq, hk, d = st.batch, st.hq, st.hk, st.head_dim
         # CUDA-graph mode: q may hold more rows than this plan's batch (captured at the largest
@@ -407,12 +583,14 @@ class BatchDecodeWithPagedKVCacheWrapper(common.WrapperBase):
             )
         if st.max_page >= k.shape[0]:
             raise ValueError(f"kv indices reference page {st.max_page}, the cache has {k.shape[0]} pages")
+        guards.check_device_page_ids(st.kv_indices, self._used_pages, k.shape[0], "kv indices")
+        common.note_capture_rows(self, q)
         out, lse = common.out_and_lse(q, out, lse, hq)
         sinks = common.check_sinks(sinks, hq, q.device)
         if b:
             vw = self._views
             group = st.plan.group_size  # packed rows per token and kv head (group) of the plan
-            module, vvals = st.binding.select(args, sinks)
+            module, vvals = (binding or st.binding).select(args, sinks)
             module(
                 q,
                 k,
@@ -426,7 +604,7 @@ class BatchDecodeWithPagedKVCacheWrapper(common.WrapperBase):
                 vw["partial_o"],
                 vw["partial_lse"],
                 group,
-                st.sm_scale,
+                sm,
                 st.num_ctas,
                 *vvals,
             )
@@ -434,6 +612,30 @@ class BatchDecodeWithPagedKVCacheWrapper(common.WrapperBase):
                 st.merge(
                     vw["partial_o"], vw["partial_lse"], vw["merge_tasks"], vw["meta"], out, lse, group, st.num_ctas
                 )
+            if v_fac is not None:
+                out.mul_(v_fac)
         return (out, lse) if return_lse else out
 
-    forward = run
+
+class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
+    """FlashInfer's deprecated CUDA-graph decode wrapper: ``use_cuda_graph=True`` with the three
+    index buffers."""
+
+    def __init__(
+        self,
+        workspace_buffer: torch.Tensor,
+        indptr_buffer: torch.Tensor,
+        indices_buffer: torch.Tensor,
+        last_page_len_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_tensor_cores: bool = False,
+    ):
+        super().__init__(
+            workspace_buffer,
+            kv_layout,
+            use_cuda_graph=True,
+            use_tensor_cores=use_tensor_cores,
+            paged_kv_indptr_buffer=indptr_buffer,
+            paged_kv_indices_buffer=indices_buffer,
+            paged_kv_last_page_len_buffer=last_page_len_buffer,
+        )

@@ -30,6 +30,12 @@ class DecodePlanState:
     decode: Any  # the decode module
     merge: Any  # the merge_partials module
     binding: Any  # variants.binding.VariantBinding: run()'s module and variant values
+    options: Any = None  # plan()'s variant options (forward() rebuilds the variant from them)
+    arch: str = ""
+    family: str = ""
+    sm_scale_arg: Optional[float] = None  # plan()'s sm_scale as given (FlashInfer's _sm_scale)
+    logits_soft_cap: float = 0.0  # as planned (0.0: off)
+    kv_lens: Any = None  # host kv lengths of the plan
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class PrefillInputs:
     page_size: int = 1
     max_page: int = -1  # paged: the largest page id in use (-1: unknown)
     kv_tokens: int = 0  # paged: sum of kv lengths
+    used_pages: int = 0  # paged: indptr[-1], the page ids the kernel reads
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,9 @@ class PrefillPlanState:
     binding: Any = None  # VariantBinding of the prefill module
     pass_binding: Any = None  # VariantBinding of the KV pass, or None
     gathered: Optional[tuple] = field(default=None)  # (K, V) views of the gather region
+    options: Any = None  # plan()'s variant options (forward() rebuilds the kernel choice from them)
+    sm_scale_arg: Optional[float] = None  # plan()'s sm_scale as given
+    logits_soft_cap: float = 0.0  # as planned (0.0: off)
 
     @property
     def page_size(self) -> int:

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 
 from ..sched.inputs import as_index_array, check_indptr, kv_lens_from_paged, kv_lens_from_ragged
-from . import common
+from . import common, compat, guards
 from .plans import PrefillInputs
 from .prefill_base import BatchPrefillBase
+from .prefill_engine import recorded_plan
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
@@ -52,7 +53,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
         backend: str = "auto",
         jit_args=None,
         jit_kwargs=None,
+        variant_owns_mask: bool = False,
     ):
+        if variant_owns_mask:
+            raise NotImplementedError("variant_owns_mask (a jit_args variant's own mask) is not supported")
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, jit_args, custom_mask_buf, mask_indptr_buf)
         if use_cuda_graph:
             common.check_index_buffers(
@@ -66,6 +70,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
         self._qo_indptr_buf = qo_indptr_buf if use_cuda_graph else None
         self._kv_indptr_buf = kv_indptr_buf if use_cuda_graph else None
 
+    @common.guarded_plan
+    @recorded_plan
     def plan(
         self,
         qo_indptr,
@@ -99,13 +105,16 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
         max_token_per_sequence: Optional[int] = None,
         max_sequence_kv: Optional[int] = None,
         v_indptr=None,
+        o_indptr=None,
+        uniform_q_len: Optional[int] = None,
         variant=None,
     ) -> None:
         """FlashInfer's arguments.  Index arrays are best passed on the CPU (a CUDA one is read
         back, which synchronizes).  ``fixed_split_size`` (kv tokens): every request's KV is cut
         at multiples of it and nothing else, with a fixed 128-row tile, so a request's output is
         bitwise the same whatever else is batched with it; ``disable_split_kv``: no request is
-        split.  ``use_fp16_qk_reduction`` is accepted and ignored (q·k is always fp32);
+        split.  ``use_fp16_qk_reduction`` and ``uniform_q_len`` are accepted and ignored (q·k is
+        always fp32; the planner sees the lengths);
         ``max_token_per_sequence`` / ``max_sequence_kv`` are cuDNN hints, ignored.
 
         Variants: ``pos_encoding_mode`` ``"ALIBI"`` (slopes as FlashInfer's ``get_alibi_slopes``)
@@ -119,6 +128,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
         FlashInfer; ``variant`` (any ``cute_attn.variants.Variant``,
         applied after the built-ins; its runtime arguments not given to its constructor
         follow the KV in ``run()``)."""
+        fixed_split_size = compat.split_size(fixed_split_size)
         q_dtype, d, arch = self._check_common(
             num_qo_heads,
             num_kv_heads,
@@ -140,6 +150,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
                 ("seq_lens", seq_lens),
                 ("seq_lens_q", seq_lens_q),
                 ("v_indptr", v_indptr),
+                ("o_indptr", o_indptr),
             ),
         )
         qo_h = as_index_array("qo_indptr", qo_indptr)
@@ -205,14 +216,23 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
         out: Optional[torch.Tensor] = None,
         lse: Optional[torch.Tensor] = None,
         return_lse: bool = False,
+        lse_base: str = "log2",
+        lse_layout: str = "NH",
         enable_pdl=None,
-        sinks: Optional[torch.Tensor] = None,
         kv_cache_sf=None,
+        sinks: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """``*args``: the runtime arguments of plan()'s ``variant`` not given to its constructor,
         in declaration order.  ``sinks``: per-head sink logits ``[num_qo_heads]`` (natural
-        units; the returned LSE includes them)."""
-        out, lse = self._check_run(q, out, lse, (q_scale, k_scale, v_scale, o_scale), args, kv_cache_sf=kv_cache_sf)
+        units; the returned LSE includes them).  ``q_scale`` / ``k_scale`` / ``v_scale`` /
+        ``o_scale`` are accepted and ignored for fp16 / bf16 K / V, as FlashInfer 0.7.2's fa2 /
+        fa3 ragged path does (it applies them only with NVFP4 ``kv_cache_sf``)."""
+        compat.check_kv_cache_sf(kv_cache_sf)
+        compat.check_lse_format(lse_base, lse_layout)
+        out, lse = self._check_run(q, out, lse, args)
+        return self._run_ragged(q, k, v, args, out, lse, sinks, None, return_lse)
+
+    def _run_ragged(self, q, k, v, args, out, lse, sinks, ov, return_lse):
         st = self._state
         n, hk, d = st.inputs.kv_total, st.hk, st.head_dim
         if k.dim() != 3 or k.shape != v.shape:
@@ -229,13 +249,56 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
             # exactly the planned tokens: a KV block that runs past the last request's end then
             # reads TMA's zero fill, never what lies beyond in the caller's tensor (0 * NaN = NaN)
             k, v = k[:n], v[:n]
-        self._launch(q, k.unsqueeze(0), v.unsqueeze(0), st.kv_indptr, st.kv_indices, out, lse, args, sinks)
+        self._launch(q, k.unsqueeze(0), v.unsqueeze(0), st.kv_indptr, st.kv_indices, out, lse, args, sinks, ov)
         return (out, lse) if return_lse else out
 
-    forward = run
+    def _run_kv(self, q, kv, ov, q_scale, k_scale, v_scale, return_lse):
+        out, lse = self._check_run(q, None, None, ())
+        return self._run_ragged(q, kv[0], kv[1], (), out, lse, None, ov, return_lse)
 
     def run_return_lse(self, q, k, v, *args, **kw):
         return self.run(q, k, v, *args, **dict(kw, return_lse=True))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        sm_scale: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+    ):
+        """FlashInfer's deprecated ``forward``: ``run`` with this call's ``causal`` (a re-plan
+        where it differs from the plan's), ``sm_scale`` (None: 1/sqrt(head_dim)),
+        ``logits_soft_cap`` and ``window_left`` taking effect (FlashInfer drops the latter two
+        unless planned; cute_attn applies them, with the kernel that has them: loaded on first
+        use outside a CUDA-graph capture, under capture a ValueError asks to pass them to
+        plan()).  The plan's own values stay for later ``run()`` calls."""
+        return self._forward(q, (k, v), causal, pos_encoding_mode, None, None, None, window_left,
+                             logits_soft_cap, sm_scale, rope_scale, rope_theta, False)  # fmt: skip
+
+    def forward_return_lse(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        sm_scale: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+    ):
+        """``forward`` returning (out, lse)."""
+        return self._forward(q, (k, v), causal, pos_encoding_mode, None, None, None, window_left,
+                             logits_soft_cap, sm_scale, rope_scale, rope_theta, True)  # fmt: skip
 
     def end_forward(self) -> None:
         pass
@@ -271,7 +334,10 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         backend: str = "auto",
         jit_args=None,
         jit_kwargs=None,
+        variant_owns_mask: bool = False,
     ):
+        if variant_owns_mask:
+            raise NotImplementedError("variant_owns_mask (a jit_args variant's own mask) is not supported")
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, jit_args, custom_mask_buf, mask_indptr_buf)
         bufs = (
             ("qo_indptr_buf", qo_indptr_buf),
@@ -291,6 +357,62 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
             (b for _, b in bufs) if use_cuda_graph else (None,) * 4
         )
 
+    def workspace_size(
+        self,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        page_size: int,
+        head_dim_vo: Optional[int] = None,
+        custom_mask=None,
+        packed_custom_mask=None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        sm_scale=None,
+        window_left: int = -1,
+        logits_soft_cap=None,
+        rope_scale=None,
+        rope_theta=None,
+        q_data_type="float16",
+        kv_data_type=None,
+        o_data_type=None,
+        prefix_len_ptr=None,
+        token_pos_in_items_ptr=None,
+        token_pos_in_items_len: int = 0,
+        max_item_len_ptr=None,
+        seq_lens=None,
+        seq_lens_q=None,
+        block_tables=None,
+        max_token_per_sequence=None,
+        max_sequence_kv=None,
+        fixed_split_size=None,
+        disable_split_kv: bool = False,
+        uniform_q_len=None,
+    ) -> Tuple[int, int]:
+        """FlashInfer's ``workspace_size``: (float workspace bytes, int workspace bytes) plan()
+        with these sizes uses in this wrapper's workspace (without the KV pass's optional
+        copies); no side effects.  The int bytes are 0 (the plan lives in the float workspace)."""
+        from .prefill_base import prefill_workspace_bytes
+
+        common.reject_unsupported(head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo)
+        qo_h = as_index_array("qo_indptr", qo_indptr)
+        check_indptr("qo_indptr", qo_h)
+        batch, total_q = qo_h.shape[0] - 1, int(qo_h[-1])
+        if self._use_cuda_graph and self._max_rows is not None:
+            total_q = max(total_q, self._max_rows)
+            batch = self._qo_indptr_buf.numel() - 1
+        arch = self._arch_for_plan()
+        have = self._workspace.numel()
+        return prefill_workspace_bytes(self._dev, arch, batch, total_q, int(num_qo_heads), int(num_kv_heads),
+                                       int(head_dim_qk), have), 0  # fmt: skip
+
+    @common.guarded_plan
+    @recorded_plan
     def plan(
         self,
         qo_indptr,
@@ -327,6 +449,7 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         max_sequence_kv: Optional[int] = None,
         fixed_split_size: Optional[int] = None,
         disable_split_kv: bool = False,
+        uniform_q_len: Optional[int] = None,
         variant=None,
         kv_pass: Optional[bool] = None,
     ) -> None:
@@ -341,6 +464,7 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         nor with ``fixed_split_size``, whose output must not depend on the rest of the batch);
         ``True``: always (an error if the workspace is too small or in CUDA-graph mode);
         ``False``: never (the kernel gathers each block itself)."""
+        fixed_split_size = compat.split_size(fixed_split_size)
         q_dtype, d, arch = self._check_common(
             num_qo_heads,
             num_kv_heads,
@@ -375,6 +499,17 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
             )
         check_indptr("qo_indptr", qo_h)
         indices_t = common.int32_tensor(paged_kv_indices)
+        if indptr_h.shape[0] and indptr_h[0] != 0:
+            # FlashInfer reads request b's pages at indices[indptr[b]:indptr[b + 1]] whatever
+            # indptr[0] is (vLLM's prefill plan passes the batch's indptr from its first prefill
+            # request on, not rebased): rebase it, and view the indices from indptr[0] on
+            start = int(indptr_h[0])
+            if start < 0:
+                raise ValueError(f"paged_kv_indptr[0] must be >= 0, got {start}")
+            indptr_h = indptr_h - start
+            indices_t = indices_t.reshape(-1)[start:]
+            paged_kv_indptr = torch.from_numpy(indptr_h.astype(np.int32))
+        guards.check_indices_length(indices_t.reshape(-1), int(indptr_h[-1]), "paged_kv_indices")
         host_indices = None if indices_t.is_cuda else indices_t
         kv_lens = kv_lens_from_paged(indptr_h, paged_kv_last_page_len, int(page_size), host_indices)
         st = self._plan_common(
@@ -417,6 +552,7 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
             page_size=int(page_size),
             max_page=common.max_page_id(host_indices, int(indptr_h[-1])),
             kv_tokens=int(kv_lens.sum()),
+            used_pages=int(indptr_h[-1]),
             **gathered,
         )
         self._commit(st, inputs)
@@ -434,6 +570,8 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         out: Optional[torch.Tensor] = None,
         lse: Optional[torch.Tensor] = None,
         return_lse: bool = False,
+        lse_base: str = "log2",
+        lse_layout: str = "NH",
         enable_pdl=None,
         window_left: Optional[int] = None,
         sinks=None,
@@ -444,21 +582,26 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """``*args``: the runtime arguments of plan()'s ``variant`` not given to its constructor,
         in declaration order.  ``sinks``: per-head sink logits ``[num_qo_heads]`` (natural
-        units; the returned LSE includes them)."""
+        units; the returned LSE includes them).  ``q_scale`` / ``k_scale`` multiply the softmax
+        scale, ``v_scale`` the output after the kernel (FlashInfer's semantics for fp16 / bf16
+        KV; the LSE is not scaled).  A ``(k, v)`` tuple of 3-D ``[tokens, kv_heads, head_dim]``
+        caches is a page-size-1 cache."""
+        compat.check_kv_cache_sf(kv_cache_sf)
+        compat.check_lse_format(lse_base, lse_layout)
+        q_scale, k_scale = compat.scale_value(q_scale, "q_scale"), compat.scale_value(k_scale, "k_scale")
+        v_scale = compat.v_scale_factor(v_scale)
         out, lse = self._check_run(
-            q,
-            out,
-            lse,
-            (q_scale, k_scale, v_scale),
-            args,
-            kv_cache_sf=kv_cache_sf,
-            skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+            q, out, lse, args, skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor
         )
+        if window_left is not None and window_left != self._state.window_left:
+            raise ValueError("run(window_left=...) differs from plan(); pass it to plan()")
+        return self._run_paged(q, paged_kv_cache, args, out, lse, sinks, None, q_scale, k_scale, v_scale, return_lse)
+
+    def _run_paged(self, q, paged_kv_cache, args, out, lse, sinks, ov, q_scale, k_scale, v_scale, return_lse):
         st = self._state
         inp = st.inputs
-        if window_left is not None and window_left != st.window_left:
-            raise ValueError("run(window_left=...) differs from plan(); pass it to plan()")
-        k, v = common.kv_views(paged_kv_cache, self._kv_layout)
+        v_fac = compat.v_scale_factor(v_scale)
+        k, v = common.kv_views(compat.expand_3d(paged_kv_cache, self._kv_layout), self._kv_layout)
         self._check_kv(k, v, "paged_kv_cache")
         if k.shape[1:] != (inp.page_size, st.hk, st.head_dim):
             raise ValueError(
@@ -469,13 +612,55 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
             raise ValueError(
                 f"paged_kv_indices reference page {max(inp.max_page, 0)}, the cache has {k.shape[0]} pages"
             )
-        self._launch(q, k, v, inp.kv_indptr, inp.kv_indices, out, lse, args, sinks)
+        guards.check_device_page_ids(inp.kv_indices, inp.used_pages, k.shape[0], "paged_kv_indices")
+        self._launch(q, k, v, inp.kv_indptr, inp.kv_indices, out, lse, args, sinks, ov, q_scale, k_scale, v_fac)
         return (out, lse) if return_lse else out
 
-    forward = run
+    def _run_kv(self, q, kv, ov, q_scale, k_scale, v_scale, return_lse):
+        out, lse = self._check_run(q, None, None, ())
+        return self._run_paged(q, kv[0], (), out, lse, None, ov, q_scale, k_scale, v_scale, return_lse)
 
     def run_return_lse(self, q, paged_kv_cache, *args, **kw):
         return self.run(q, paged_kv_cache, *args, **dict(kw, return_lse=True))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        k_scale=None,
+        v_scale=None,
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        sm_scale: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+    ):
+        """FlashInfer's deprecated ``forward`` (see the ragged wrapper's), with ``k_scale`` /
+        ``v_scale`` as in ``run``."""
+        return self._forward(q, (paged_kv_cache,), causal, pos_encoding_mode, None, k_scale, v_scale, window_left,
+                             logits_soft_cap, sm_scale, rope_scale, rope_theta, False)  # fmt: skip
+
+    def forward_return_lse(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        k_scale=None,
+        v_scale=None,
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        sm_scale: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+    ):
+        """``forward`` returning (out, lse)."""
+        return self._forward(q, (paged_kv_cache,), causal, pos_encoding_mode, None, k_scale, v_scale, window_left,
+                             logits_soft_cap, sm_scale, rope_scale, rope_theta, True)  # fmt: skip
 
     def end_forward(self) -> None:
         pass

@@ -42,15 +42,17 @@ from ..families.merge import merge_partials_spec
 from ..families.prefill import FIXED_SPLIT_TILE, keys_pretransformed, page_box_for
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import KernelNotAvailable, kernel
-from ..sched import Limits, Planner, WorkspaceLayout
+from ..sched import Planner, WorkspaceLayout
 from ..sched.cost import choose_cta_tile_q
+from ..sched.workspace import MIN_CTA_TILE_Q
 from ..variants import base as vbase
 from ..variants.binding import VariantBinding
 from ..variants.builtins import CustomMask, mask_kv_bounds
-from . import common
+from . import common, compat, guards
 from .masks import device_mask, packed_mask
 from .options import check_options, resolve_variant
 from .plans import PrefillInputs, PrefillPlanState
+from .prefill_engine import PrefillEngineAPI
 
 
 def _rows_per_cta(head_dim: int) -> int:
@@ -67,15 +69,38 @@ def _round_rows(n: int) -> int:
     return max(1024, 1 << max(int(n) - 1, 0).bit_length())
 
 
+def prefill_workspace_bytes(device_index, arch, batch, total_q, hq, hk, d, have) -> int:
+    """The float workspace bytes a prefill plan of these sizes uses in a workspace of ``have``
+    bytes (the partial-output room shrunk to fit, as plan() does), for ``workspace_size``."""
+    backend = backend_for("prefill", arch)
+    common.check_heads(hq, hk, d, backend.head_dims)
+    num_ctas = sm_count_of_index(device_index) * backend.ctas_for(d)
+    lim = compat.partial_rows_that_fit(
+        have,
+        num_ctas,
+        max_batch=max(batch, 1),
+        max_total_q_tokens=max(total_q, 1),
+        num_qo_heads=hq,
+        num_kv_heads=hk,
+        head_dim=d,
+        rows=_rows_per_cta(d) * num_ctas,
+        min_rows=num_ctas * MIN_CTA_TILE_Q,
+    )
+    return WorkspaceLayout(lim, num_ctas).total_bytes
+
+
 def _variant_kw(v) -> dict:
     return variant_params(v) if v is not None else {}
 
 
-class BatchPrefillBase(common.WrapperBase):
+class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
     """What the ragged and paged wrappers share: planning, limits, the launch."""
 
     _PAGED = False
     grows_workspace = False  # a wrapper that grows its workspace when a plan needs more
+    # shrink the partial-output room to what fits the workspace (``partial_rows_that_fit``);
+    # False: the full room or an error (the cascade's levels: each slice is sized for split KV)
+    fit_partials = True
 
     def __init__(
         self,
@@ -154,6 +179,14 @@ class BatchPrefillBase(common.WrapperBase):
         common.check_plan_scalars(window_left, logits_soft_cap, fixed_split_size, split_unit)
         return q_dtype, int(head_dim_qk), arch
 
+    def _arch_for_plan(self) -> str:
+        arch = arch_of_index(self._dev)
+        try:
+            backend_for("prefill", arch)
+        except NoBackend as e:
+            raise NoBackend(f"batch prefill cannot run on cuda:{self._dev} ({arch}): {e}") from None
+        return arch
+
     def _plan_common(
         self,
         qo_h,
@@ -202,14 +235,10 @@ class BatchPrefillBase(common.WrapperBase):
         )
         if vbase.Hooks(var).has_output:
             disable_split_kv = True  # an output transform must see whole rows, not partial states
-        if causal and batch:
-            short = np.flatnonzero(kv_lens < qo_len)
-            if short.size:
-                i = int(short[0])
-                raise ValueError(
-                    f"causal=True needs kv_len >= qo_len for every request (as FlashInfer); request {i} "
-                    f"has qo_len {int(qo_len[i])}, kv_len {int(kv_lens[i])}"
-                )
+        # causal with qo_len > kv_len (bottom-right aligned, as FlashInfer): the leading query rows
+        # of such a request see no key; the planner still gives them a work item (build_tiles: a
+        # tile of kv extent 0, or rows of a tile whose causal limit is below key 0), and the
+        # kernel writes o = 0, lse = -inf for a row without keys
         total_q = int(qo_h[-1])
         group = hq // hk
         soft_cap = float(logits_soft_cap) if logits_soft_cap and cap_flag else 0.0
@@ -222,7 +251,7 @@ class BatchPrefillBase(common.WrapperBase):
             window=window_left >= 0,
             hq=hq,
             hk=hk,
-            sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d),
+            sm_scale=guards.launch_sm_scale(sm_scale, d),
             soft_cap_value=soft_cap,
             window_left=window_left,
             variant=vbase.encode(var),
@@ -252,6 +281,7 @@ class BatchPrefillBase(common.WrapperBase):
                         f"fixed or use another wrapper."
                     )
                 tile = self._fixed["tile_q"]  # the captured kernel's tile
+            common.check_capture_rows(self, total_q, "query tokens")
             if total_q > self._max_rows:
                 raise ValueError(
                     f"use_cuda_graph=True: qo_indptr[-1] = {total_q} exceeds the {self._max_rows} query "
@@ -289,8 +319,8 @@ class BatchPrefillBase(common.WrapperBase):
             num_kv_heads=hk,
             cta_tile_q=tile,
             kv_split_size=split_tokens,
-            workspace=self._workspace,
         )
+        common.upload_plan(planner, self._plan_buf)
         if self._use_cuda_graph and self._fixed is None:
             self._fixed = dict(launch, tile_q=tile)
         return PrefillPlanState(
@@ -319,6 +349,15 @@ class BatchPrefillBase(common.WrapperBase):
             pass_grid=pass_grid,
             gather=gather,
             kv_lens=kv_lens,
+            options=dict(
+                pos_encoding_mode=pos_encoding_mode,
+                rope_scale=rope_scale,
+                rope_theta=rope_theta,
+                custom_mask=mask_v,
+                variant=variant,
+            ),
+            sm_scale_arg=sm_scale,
+            logits_soft_cap=float(logits_soft_cap or 0.0),
         )
 
     def _kernels(self, arch, backend, num_sms, launch, tile, d, var, page_size, gather):
@@ -430,19 +469,21 @@ class BatchPrefillBase(common.WrapperBase):
     def _choose_limits(self, batch, total_q, hq, hk, d, num_ctas):
         """The planner limits for this plan and the bytes the workspace must grow to (0: it
         fits); no side effects (a kernel that fails to load leaves the previous plan intact)."""
-        rows = _rows_per_cta(d) * num_ctas
+        have = self._workspace.numel()
 
         def limits(max_batch, max_q):
-            return Limits(
+            return compat.partial_rows_that_fit(
+                1 << 62 if self.grows_workspace or not self.fit_partials else have,
+                num_ctas,
                 max_batch=max(max_batch, 1),
                 max_total_q_tokens=max(max_q, 1),
                 num_qo_heads=hq,
                 num_kv_heads=hk,
                 head_dim=d,
-                max_partial_rows=rows,
+                rows=_rows_per_cta(d) * num_ctas,
+                min_rows=num_ctas * MIN_CTA_TILE_Q,
             )
 
-        have = self._workspace.numel()
         if self._use_cuda_graph:  # fixed by the buffers and the first plan: offsets never move
             cands = [limits(self._batch_capacity(batch), self._max_rows)]
         else:
@@ -476,7 +517,8 @@ class BatchPrefillBase(common.WrapperBase):
             self._planner = Planner(lim, num_sms, per_sm, **cost)
             self._views = None
         if self._views is None:  # section offsets are fixed per planner: views made once
-            self._views = self._planner.layout.views(self._workspace)
+            self._plan_buf = common.plan_buffer(self._planner.layout, self._workspace)
+            self._views = common.plan_views(self._planner.layout, self._workspace, self._plan_buf)
         return self._planner
 
     def _batch_capacity(self, batch) -> int:
@@ -512,7 +554,7 @@ class BatchPrefillBase(common.WrapperBase):
         return common.to_device(t, buf, name, self._device)
 
     # -- run ------------------------------------------------------------------------------
-    def _check_run(self, q, out, lse, fp8_scales, args, **unsupported):
+    def _check_run(self, q, out, lse, args, **unsupported):
         st = self._require_plan()
         common.check_run_capture(self._use_cuda_graph, "*_buf index")
         if args and st.variant is None:
@@ -521,9 +563,10 @@ class BatchPrefillBase(common.WrapperBase):
                 f"plan(variant=...), and this plan has no variant (custom jit_args kernels are not "
                 f"supported)"
             )
-        common.reject_unsupported(fp8_scales=fp8_scales, extra=tuple(unsupported.items()))
+        common.reject_unsupported(extra=tuple(unsupported.items()))
         common.check_q(q, st.total_q, st.hq, st.head_dim, st.dtype, self._device, self._use_cuda_graph,
                        " (qo_indptr[-1])")  # fmt: skip
+        common.note_capture_rows(self, q)
         return common.out_and_lse(q, out, lse, st.hq)
 
     def _check_kv(self, k, v, what):
@@ -531,13 +574,16 @@ class BatchPrefillBase(common.WrapperBase):
         if k.dtype != dt or v.dtype != dt or k.device != dev or v.device != dev:
             raise ValueError(f"{what} must be {dt} on {dev}, got {k.dtype} / {v.dtype} on {k.device} / {v.device}")
 
-    def _launch(self, q, k4, v4, kv_indptr, kv_indices, out, lse, args=(), sinks=None):
+    def _launch(self, q, k4, v4, kv_indptr, kv_indices, out, lse, args=(), sinks=None, ov=None, q_scale=None,
+                k_scale=None, v_fac=None):  # fmt: skip
         """K/V are 4-D views; a cache without any token (so no request has kv) gets o = 0,
         lse = -inf without a kernel (TMA descriptors cannot describe an empty tensor; with
         sinks: lse = the sink)."""
         st = self._state
+        ov = ov or {}
+        sm = compat.folded_sm_scale(ov.get("sm_scale", st.sm_scale), q_scale, k_scale)
         sinks = common.check_sinks(sinks, st.hq, self._device)
-        module, vvals = st.binding.select(args, sinks)
+        module, vvals = ov.get("binding", st.binding).select(args, sinks)
         if q.shape[0] == 0:
             return
         if (st.gathered[0] if st.gathered is not None else k4).numel() == 0:
@@ -597,11 +643,41 @@ class BatchPrefillBase(common.WrapperBase):
             vw["partial_o"],
             vw["partial_lse"],
             st.group,
-            st.sm_scale,
-            st.soft_cap,
-            st.window_left,
+            sm,
+            ov.get("soft_cap", st.soft_cap),
+            ov.get("window_left", st.window_left),
             st.num_ctas,
             *vvals,
         )
         if self._use_cuda_graph or st.plan.has_split:
             st.merge(vw["partial_o"], vw["partial_lse"], vw["merge_tasks"], vw["meta"], out, lse, st.group, st.num_ctas)
+        if v_fac is not None:
+            out.mul_(v_fac)
+
+    def _select_run(self, sm_scale, logits_soft_cap, window_left) -> dict:
+        """A forward()'s launch: the plan's kernel with these scalars where it serves them (same
+        soft-cap / window on-off state), else the kernel with those flags (``compat.run_module``:
+        loaded once, outside any CUDA-graph capture)."""
+        st = self._require_plan()
+        cap, window = float(logits_soft_cap or 0.0), int(window_left)
+        if st.soft_cap == 0.0 and st.logits_soft_cap > 0.0 and cap != st.logits_soft_cap:
+            raise ValueError(
+                "this plan's soft-cap is part of its traced variant (with another logits / bias hook): "
+                "pass logits_soft_cap to plan()"
+            )
+        traced_cap = st.soft_cap == 0.0 and st.logits_soft_cap > 0.0
+        flags = dict(st.spec_kw, soft_cap=st.spec_kw["soft_cap"] if traced_cap else cap > 0, window=window >= 0)
+        ov = dict(sm_scale=float(sm_scale), soft_cap=cap if flags["soft_cap"] else 0.0, window_left=window)
+        if flags == st.spec_kw:
+            if ov["sm_scale"] != st.sm_scale and st.variant is not None:
+                info = dict(st.binding.info, sm_scale=ov["sm_scale"])
+                ov["binding"] = VariantBinding(st.variant, info, st.attn, st.binding._load)
+            return ov
+        family, arch, vkw = st.family, st.arch, _variant_kw(st.variant)
+        key = (family, arch, tuple(sorted((k, str(v)) for k, v in dict(flags, **vkw).items())))
+        module = compat.run_module(lambda: kernel(family, arch, **flags, **vkw), key)
+        info = dict(st.binding.info, sm_scale=ov["sm_scale"])
+        ov["binding"] = VariantBinding(
+            st.variant, info, module, lambda v: kernel(family, arch, **flags, **_variant_kw(v))
+        )
+        return ov
