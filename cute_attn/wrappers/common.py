@@ -7,12 +7,14 @@ not supported *yet* ``NotImplementedError`` (:func:`reject_unsupported`)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import numpy as np
 import torch
 
 from ..abi import dtypes
+from . import guards
 
 KV_LAYOUTS = ("NHD", "HND")
 NO_SPLIT = 1 << 30  # disable_split_kv: a kv_split_size longer than any request
@@ -142,8 +144,7 @@ def check_plan_scalars(window_left, logits_soft_cap, fixed_split_size, split_uni
     """window_left, logits_soft_cap and fixed_split_size (``split_unit``: pages or kv tokens)."""
     if window_left is None or window_left < -1:
         raise ValueError(f"window_left must be >= -1, got {window_left}")
-    if logits_soft_cap is not None and logits_soft_cap < 0:
-        raise ValueError(f"logits_soft_cap must be >= 0 (0 or None: off), got {logits_soft_cap}")
+    guards.check_soft_cap(logits_soft_cap)
     if fixed_split_size is not None and (not isinstance(fixed_split_size, (int, np.integer)) or fixed_split_size < 1):
         raise ValueError(f"fixed_split_size must be a positive int ({split_unit}), got {fixed_split_size!r}")
 
@@ -173,7 +174,44 @@ def to_device(t, buf, name: str, device) -> torch.Tensor:
             raise ValueError(f"{name} has {t.numel()} entries, its CUDA-graph buffer only {buf.numel()}")
         buf[: t.numel()].copy_(t.reshape(-1), non_blocking=True)
         return buf
-    return t.to(device=device, dtype=torch.int32, non_blocking=True).reshape(-1)
+    # a strided view (e.g. a column of a bigger table) is copied: the kernels read it with stride 1
+    return t.to(device=device, dtype=torch.int32, non_blocking=True).reshape(-1).contiguous()
+
+
+def guarded_plan(plan):
+    """A plan() that raises leaves no plan: it may have written part of the new one into the
+    workspace or the CUDA-graph buffers already, and run() must not launch the old kernel on
+    that.  run() then raises, naming the failure."""
+
+    @functools.wraps(plan)
+    def wrapper(self, *args, **kwargs):
+        try:
+            out = plan(self, *args, **kwargs)
+        except BaseException as e:
+            self._state = None
+            self._plan_error = f"{type(e).__name__}: {str(e)[:200]}"
+            raise
+        self._plan_error = None
+        return out
+
+    return wrapper
+
+
+def note_capture_rows(wrapper, q) -> None:
+    """Remember how many q rows a captured run() baked in (CUDA-graph mode): a later plan() with
+    more rows than that would have its replay write past the captured output."""
+    if torch.cuda.is_current_stream_capturing():
+        rows = int(q.shape[0])
+        wrapper._captured_rows = rows if wrapper._captured_rows is None else min(rows, wrapper._captured_rows)
+
+
+def check_capture_rows(wrapper, rows: int, what: str) -> None:
+    if wrapper._captured_rows is not None and rows > wrapper._captured_rows:
+        raise ValueError(
+            f"use_cuda_graph=True: this plan has {rows} {what}, but a run() captured with q of "
+            f"{wrapper._captured_rows} rows would write past its output on replay; capture with q sized "
+            f"for the largest plan"
+        )
 
 
 _ARANGE: dict = {}
@@ -272,6 +310,41 @@ def check_sinks(sinks, hq: int, device) -> Optional[torch.Tensor]:
     return sinks.float()
 
 
+# ---- the plan's own buffer ----------------------------------------------------------------------
+# The engines give one float workspace to several wrappers (vLLM: the prefill and decode wrappers
+# of a mixed step, planned before either runs; SGLang: the ragged and paged prefill of one
+# extend step): a plan's work lists must not live in it.  As FlashInfer's int workspace, each
+# wrapper keeps them in its own device buffer (the layout's int sections, small); the shared
+# workspace holds the fp32 partial outputs, scratch that only a run() uses, at the layout's
+# offsets (its int sections there stay unused).
+_INT_SECTIONS = ("meta", "work_indptr", "merge_tasks", "work_items")
+
+
+def plan_buffer(layout, workspace) -> torch.Tensor:
+    """A wrapper's own buffer for a layout's int sections, on the workspace's device."""
+    return workspace.new_zeros(layout.int_bytes)
+
+
+def plan_views(layout, workspace, plan_buf) -> dict:
+    """The layout's section views: the int ones in ``plan_buf``, the fp32 ones in ``workspace``."""
+    v = layout.views(workspace)
+    for name in _INT_SECTIONS:
+        o, n = layout.sections[name]
+        v[name] = plan_buf[o : o + n].view(torch.int32).view(v[name].shape)
+    return v
+
+
+def upload_plan(planner, plan_buf) -> None:
+    """One non-blocking copy of the planner's last staged plan into ``plan_buf`` (as
+    ``Planner.upload`` does into a workspace), recording the event that guards its staging buffer."""
+    i, nbytes = planner._staged
+    plan_buf[:nbytes].copy_(planner._staging[i][:nbytes], non_blocking=True)
+    if plan_buf.is_cuda:
+        ev = torch.cuda.Event()
+        ev.record()
+        planner._events[i] = ev
+
+
 class WrapperBase:
     """The constructor state every batch wrapper holds: the workspace (flat uint8), the KV
     layout, CUDA-graph mode, the device, and the planner (kept while the limits hold)."""
@@ -285,7 +358,10 @@ class WrapperBase:
         self._dev = device_index(self._device)
         self._planner = None  # sched.Planner of the current limits
         self._views = None  # the planner's workspace sections (fixed offsets per planner)
+        self._plan_buf = None  # the plan's int sections (plan_buffer), made with the views
         self._state = None  # the current plan (a frozen plans.*PlanState), None before plan()
+        self._plan_error = None  # why the last plan() raised (run() then refuses to launch)
+        self._captured_rows = None  # CUDA-graph mode: q rows of the smallest captured run()
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -308,7 +384,8 @@ class WrapperBase:
 
     def _require_plan(self):
         if self._state is None:
-            raise RuntimeError("run() before plan()")
+            why = getattr(self, "_plan_error", None)
+            raise RuntimeError("run() before plan()" + (f": the last plan() failed ({why})" if why else ""))
         return self._state
 
     # what tests and scripts inspect of the current plan
