@@ -39,6 +39,7 @@ import torch
 from ..sched.inputs import as_index_array
 from ..variants import base as vbase
 from .common import as_dtype, check_kv_layout, device_index, workspace_bytes, workspace_view
+from .compiled import compilable_run
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .merge import merge_pair_module, merge_state, merge_state_in_place, merge_states  # noqa: F401  (flashinfer.cascade's names)
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
@@ -292,6 +293,7 @@ class MultiLevelCascadeAttentionWrapper:
 
     begin_forward = plan
 
+    @compilable_run
     def run(
         self,
         q: torch.Tensor,

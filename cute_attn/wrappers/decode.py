@@ -33,6 +33,7 @@ from ..variants import base as vbase
 from ..variants.binding import VariantBinding
 from ..variants.builtins import CustomMask, mask_kv_bounds
 from . import common, compat, guards
+from .compiled import compilable_run
 from .decode_engine import DecodeEngineAPI, fast_decode_plan  # noqa: F401
 from .masks import device_mask, packed_mask
 from .options import check_options, decode_variant
@@ -522,6 +523,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         )
 
     # ---- run ---------------------------------------------------------------------------------
+    @compilable_run
     def run(
         self,
         q: torch.Tensor,

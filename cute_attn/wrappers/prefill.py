@@ -21,6 +21,7 @@ import torch
 
 from ..sched.inputs import as_index_array, check_indptr, kv_lens_from_paged, kv_lens_from_ragged
 from . import common, compat, guards
+from .compiled import compilable_run
 from .plans import PrefillInputs
 from .prefill_base import BatchPrefillBase
 from .prefill_engine import recorded_plan
@@ -203,6 +204,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
 
     begin_forward = plan
 
+    @compilable_run
     def run(
         self,
         q: torch.Tensor,
@@ -559,6 +561,7 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
 
     begin_forward = plan
 
+    @compilable_run
     def run(
         self,
         q: torch.Tensor,

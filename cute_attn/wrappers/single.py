@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import common
+from . import common, compiled
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithRaggedKVCacheWrapper
 
@@ -48,6 +48,11 @@ def single_decode_with_kv_cache(
     [kv_heads, kv_len, head_dim] (HND).  The KV is read in place, as kv_len pages of one token
     (page size 1 is a first-class path of the kernel), so a long request is still split across
     all SMs by the planner."""
+    if torch.compiler.is_compiling():  # one custom op for torch.compile (wrappers/compiled.py)
+        return compiled.compiled_single_decode(
+            q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
+            logits_soft_cap, sm_scale, rope_scale, rope_theta, return_lse, variant, sinks,
+        )  # fmt: skip
     k, v = common.single_kv_nhd(q, k, v, kv_layout, 2, "[heads, dim]")
     kv_len, hk = k.shape[0], k.shape[1]
     if kv_len == 0:
@@ -117,6 +122,12 @@ def single_prefill_with_kv_cache(
     ``[qo_len, kv_len]`` bool (or flat), ``packed_custom_mask`` its bits (little bit order),
     ``sinks`` per-head sink logits, ``variant`` (with its missing runtime arguments as
     ``variant_args``)."""
+    if torch.compiler.is_compiling():  # one custom op for torch.compile (wrappers/compiled.py)
+        return compiled.compiled_single_prefill(
+            q, k, v, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal, kv_layout,
+            pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
+            backend, return_lse, kv_cache_sf, k_scale, v_scale, sinks, variant, *variant_args,
+        )  # fmt: skip
     common.reject_unsupported(
         q_dtype=q.dtype,
         kv_dtype=k.dtype,

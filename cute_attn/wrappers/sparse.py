@@ -27,6 +27,7 @@ from ..sched.inputs import as_index_array, check_indptr
 from ..variants import base as vbase
 from ..variants.builtins import ALiBi, Causal, RoPE, SlidingWindow
 from .common import reject_unsupported
+from .compiled import compilable_run
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 __all__ = ["BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper", "convert_bsr_mask_layout"]
@@ -210,6 +211,7 @@ class BlockSparseAttentionWrapper:
 
     begin_forward = plan
 
+    @compilable_run
     def run(
         self,
         q: torch.Tensor,
@@ -357,6 +359,7 @@ class VariableBlockSparseAttentionWrapper:
         )
         self._shape = (hq, hk, M, N, head_dim)
 
+    @compilable_run
     def run(
         self,
         q: torch.Tensor,
