@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from .abi.archs import HOPPER
-from .abi.dtypes import ATTENTION
+from .abi.dtypes import ATTENTION, name_of
 from .families import decode, kv_pass, merge, prefill
 from .families.decode import decode_spec
 from .families.prefill import PAGE_BOX, page_box_for, prefill_spec
@@ -53,8 +53,6 @@ class ModelAttention:
         return self.num_qo_heads // self.num_kv_heads
 
 
-_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "f16", "half": "f16"}
-
 BUILTIN = {
     "llama-3": ModelAttention("llama-3", 32, 8, 128),
     "llama-3-70b": ModelAttention("llama-3-70b", 64, 8, 128),
@@ -75,7 +73,8 @@ def from_config(cfg: dict, name: str = "model") -> ModelAttention:
     hq = int(cfg["num_attention_heads"])
     hk = int(cfg.get("num_key_value_heads") or hq)
     d = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // hq)
-    dt = _DTYPE_NAMES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", ""))
+    text = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+    dt = name_of("float16" if text == "half" else text, ATTENTION)
     if dt is None:
         raise ValueError(f"{name}: torch_dtype {cfg.get('torch_dtype')!r} has no attention kernels (fp16/bf16)")
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) is not False else None

@@ -162,7 +162,10 @@ def fuzz_prefill(rng, gen):
     qo_ind = torch.tensor(_cumsum(qo), dtype=torch.int32)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     split = rng.choice([None, None, None, "fixed", "off"])
-    skw = {"fixed_split_size": 4} if split == "fixed" else {"disable_split_kv": True} if split == "off" else {}
+    # batch-invariant split sizes as engines use them (vLLM: 2048 / 4096 kv tokens): a split of a
+    # handful of tokens needs more partial slots than any workspace holds (a clear ValueError)
+    size = rng.choice([512, 1024, 2048]) // (1 if not paged else 16)
+    skw = {"fixed_split_size": size} if split == "fixed" else {"disable_split_kv": True} if split == "off" else {}
     if paged:
         ps = rng.choice([1, 5, 16, 32])
         layout, single = rng.choice(["NHD", "HND"]), rng.random() < 0.3
@@ -291,7 +294,7 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=math.inf, help="stop after this many seconds")
     a = ap.parse_args()
     seeds = [a.only_seed] if a.only_seed is not None else [a.seed * 1_000_003 + i for i in range(a.batches)]
-    counts, failed, t0 = {}, [], time.time()
+    counts, failed, refused, t0 = {}, [], [], time.time()
     for i, s in enumerate(seeds):
         if time.time() - t0 > a.time_limit:
             print(f"time limit: stopped after {i} batches")
@@ -299,13 +302,23 @@ def main() -> int:
         try:
             name = one(s)
             counts[name] = counts.get(name, 0) + 1
+        except ValueError as e:
+            if "partial slots" not in str(e):
+                failed.append(s)
+                print(f"FAIL seed {s}: ValueError: {str(e)[:300]}")
+            else:  # a batch-invariant split finer than the workspace's partial slots: refused clearly
+                refused.append(s)
         except Exception as e:
             failed.append(s)
             print(f"FAIL seed {s}: {type(e).__name__}: {str(e)[:300]}")
             if a.only_seed is not None:
                 traceback.print_exc()
-    ran = sum(counts.values()) + len(failed)
-    print(f"fuzz: {ran} batches ({counts}), {len(failed)} failed {failed[:20]} in {time.time() - t0:.0f} s")
+    ran = sum(counts.values()) + len(failed) + len(refused)
+    print(
+        f"fuzz: {ran} batches ({counts} correct), {len(refused)} refused with a clear error (a fixed split "
+        f"finer than the workspace's partial slots) {refused[:10]}, {len(failed)} failed {failed[:20]} in "
+        f"{time.time() - t0:.0f} s"
+    )
     return 1 if failed else 0
 
 
