@@ -2,9 +2,9 @@
 
 compile  build specializations for one or more arches into the module cache (no GPU needed;
          needs nvidia-cutlass-dsl): a preset, single specs, or a model's kernel set
-         (``--model NAME_OR_CONFIG``, cute_attn/models.py).  ``--jobs`` worker processes in
-         all (default: the available cores), each a share of one arch's specs (the DSL takes
-         its target arch from the environment when it is imported).
+         (``--model NAME_OR_CONFIG``, cute_attn/models.py).  ``--jobs`` workers at a time
+         (default: the available cores), each compiling a chunk of one arch's specs (the DSL
+         takes its target arch from the environment when it is imported).
 info     versions, cache location and contents, CUDA runtime and GPU (if any).
 bench    side-by-side benchmarks on a GPU machine (see cute_attn/bench/).
 """
@@ -16,7 +16,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -71,50 +73,50 @@ def _cmd_compile(args) -> int:
                 print(f"{arch} {s.cli()}")
         return 0
     n_jobs = args.jobs or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    total_specs = sum(len(v) for v in per_arch.values()) or 1
-    jobs = []  # (arch, specs) per worker: round-robin shares of each arch's specs
+    # A worker process compiles for one arch (the DSL takes it from the environment at import).
+    # Each arch's specs are dealt into chunks of a few dozen, and n_jobs workers take the chunks
+    # as they free up: an arch with fewer specs does not leave a core idle while the other
+    # finishes (a worker's start, the DSL import, costs a few seconds).
+    total = sum(len(v) for v in per_arch.values())
+    chunk = max(4, -(-total // (3 * n_jobs)))
+    chunks = []
     for arch, specs in per_arch.items():
         texts = [s.cli() for s in specs]
-        n = max(1, min(round(n_jobs * len(texts) / total_specs) or 1, len(texts)))
-        jobs += [(arch, texts[i::n]) for i in range(n) if texts[i::n]]
-    total = sum(len(v) for _, v in jobs)
-    procs = []
-    for arch, specs in jobs:
-        cmd = [
-            sys.executable,
-            "-m",
-            "cute_attn",
-            "_compile_worker",
-            "--arch",
-            arch,
-            *sum([["--spec", s] for s in specs], []),
-        ]
+        k = max(1, -(-len(texts) // chunk))
+        chunks += [(arch, texts[i::k]) for i in range(k) if texts[i::k]]
+    rows, failed_workers, lock, t0 = [], [], threading.Lock(), time.perf_counter()
+
+    def run_chunk(job):
+        arch, specs = job
+        cmd = [sys.executable, "-m", "cute_attn", "_compile_worker", "--arch", arch]
+        cmd += sum([["--spec", s] for s in specs], [])
         if args.out:
             cmd += ["--out", args.out]
         if args.force:
             cmd.append("--force")
-        env = dict(os.environ, CUTE_DSL_ARCH=arch)
-        procs.append((arch, subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)))
-    rows, done, t0 = [], 0, time.perf_counter()
-    for _arch, p in procs:  # workers run concurrently; read them one after the other
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, CUTE_DSL_ARCH=arch))
         for line in p.stdout:
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            done += 1
-            rows.append(rec)
-            bar = "#" * (30 * done // total)
-            print(f"\r[{bar:<30}] {done}/{total} {rec['spec'][:70]:<70}", end="", file=sys.stderr, flush=True)
-        p.wait()
+            with lock:
+                rows.append(rec)
+                bar = "#" * (30 * len(rows) // max(total, 1))
+                print(f"\r[{bar:<30}] {len(rows)}/{total} {rec['spec'][:70]:<70}", end="", file=sys.stderr, flush=True)
+        if p.wait():
+            failed_workers.append(arch)
+
+    with ThreadPoolExecutor(max_workers=n_jobs) as pool:
+        list(pool.map(run_chunk, chunks))
     print(file=sys.stderr)
     _print_table(rows)
-    failed = [r for r in rows if not r["ok"]] or [a for a, p in procs if p.returncode]
+    failed = [r for r in rows if not r["ok"]] or failed_workers
     print(
         f"{len(rows) - len([r for r in rows if not r['ok']])}/{total} specializations ready in "
         f"{time.perf_counter() - t0:.1f} s; cache: {args.out or _cache_root()}"
     )
-    return 1 if failed else 0
+    return 1 if failed or len(rows) < total else 0
 
 
 def _print_table(rows) -> None:
