@@ -26,6 +26,7 @@ import torch
 from ..sched.inputs import as_index_array, check_indptr
 from ..variants import base as vbase
 from ..variants.builtins import ALiBi, Causal, RoPE, SlidingWindow
+from . import common
 from .common import reject_unsupported
 from .compiled import compilable_run
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
@@ -217,15 +218,38 @@ class BlockSparseAttentionWrapper:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        *args,
+        scale_q=None,
+        scale_k=None,
+        scale_v=None,
         out: Optional[torch.Tensor] = None,
         lse: Optional[torch.Tensor] = None,
         return_lse: bool = False,
         enable_pdl=None,
+        *,
         sinks=None,
+        variant_args: tuple = (),
     ):
         """q ``[M, num_qo_heads, head_dim]``, k / v ``[N, num_kv_heads, head_dim]`` (any strides
-        the paged kernels take: the head dim contiguous, 16-byte aligned)."""
+        the paged kernels take: the head dim contiguous, 16-byte aligned).  FlashInfer's
+        positional order; ``scale_q/k/v`` are its fp8 per-head scales (not supported yet);
+        ``variant_args``: the runtime arguments of plan()'s ``variant`` not given to it."""
+        common.reject_unsupported(fp8_scales=(scale_q, scale_k, scale_v))
+        pages = self._pages(k, v)
+        args = tuple(variant_args)
+        return self._prefill.run(q, pages, *args, out=out, lse=lse, return_lse=return_lse, sinks=sinks)
+
+    def forward(self, q, k, v, scale_q=None, scale_k=None, scale_v=None, pos_encoding_mode="NONE",
+                use_fp16_qk_reduction=False, logits_soft_cap=None, sm_scale=None, rope_scale=None,
+                rope_theta=None):  # fmt: skip
+        """FlashInfer's deprecated ``forward``: the run-time soft-cap / softmax scale take effect
+        (as the paged prefill's ``forward``); RoPE / ALiBi stay refused (keys arrive by block)."""
+        common.reject_unsupported(fp8_scales=(scale_q, scale_k, scale_v))
+        if pos_encoding_mode != "NONE":
+            raise ValueError(f"pos_encoding_mode={pos_encoding_mode!r}: block-sparse attention takes no positions")
+        return self._prefill.forward(q, self._pages(k, v), causal=False, use_fp16_qk_reduction=use_fp16_qk_reduction,
+                                     logits_soft_cap=logits_soft_cap, sm_scale=sm_scale)  # fmt: skip
+
+    def _pages(self, k, v):
         if self._shape is None:
             raise RuntimeError("run() before plan()")
         M, N, C, hk, d = self._shape
@@ -236,10 +260,7 @@ class BlockSparseAttentionWrapper:
                     f"{tuple(getattr(t, 'shape', ()))}"
                 )
         # pages of C tokens: splitting the token dim is a view whatever the strides
-        pages = (k.unflatten(0, (N // C, C)), v.unflatten(0, (N // C, C)))
-        return self._prefill.run(q, pages, *args, out=out, lse=lse, return_lse=return_lse, sinks=sinks)
-
-    forward = run
+        return k.unflatten(0, (N // C, C)), v.unflatten(0, (N // C, C))
 
     def run_return_lse(self, q, k, v, *args, **kw):
         return self.run(q, k, v, *args, **dict(kw, return_lse=True))
@@ -365,14 +386,18 @@ class VariableBlockSparseAttentionWrapper:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        *args,
         out: Optional[torch.Tensor] = None,
         lse: Optional[torch.Tensor] = None,
         return_lse: bool = False,
         enable_pdl=None,
+        *,
+        variant_args: tuple = (),
     ):
+        """FlashInfer's positional order; ``variant_args``: the runtime arguments of plan()'s
+        ``variant`` not given to it."""
         if self._shape is None:
             raise RuntimeError("run() before plan()")
+        args = tuple(variant_args)
         hq, hk, M, N, d = self._shape
         g = hq // hk
         if not isinstance(q, torch.Tensor) or tuple(q.shape) != (hq, M, d):
@@ -403,7 +428,18 @@ class VariableBlockSparseAttentionWrapper:
             s = lse
         return (o, s) if return_lse else o
 
-    forward = run
+    def forward(self, q, k, v, pos_encoding_mode="NONE", use_fp16_qk_reduction=False, logits_soft_cap=None,
+                sm_scale=None, rope_scale=None, rope_theta=None):  # fmt: skip
+        """FlashInfer's deprecated ``forward``: the plan's soft-cap and softmax scale are the ones
+        used (a different value is an error: pass it to plan())."""
+        if pos_encoding_mode != "NONE":
+            raise ValueError(f"pos_encoding_mode={pos_encoding_mode!r}: block-sparse attention takes no positions")
+        st = self._prefill._require_plan()
+        if sm_scale is not None and float(sm_scale) != st.sm_scale:
+            raise ValueError(f"forward(sm_scale={sm_scale}) differs from plan()'s {st.sm_scale}; pass it to plan()")
+        if logits_soft_cap is not None and float(logits_soft_cap or 0.0) != self._prefill._logits_soft_cap:
+            raise ValueError(f"forward(logits_soft_cap={logits_soft_cap}) differs from plan(); pass it to plan()")
+        return self.run(q, k, v)
 
     def end_forward(self) -> None:
         pass
