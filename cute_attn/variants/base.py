@@ -330,6 +330,7 @@ def abi_args(v: Optional[Variant]) -> list:
     """The kernel arguments a variant adds (after the family's own): tensors of all components,
     then scalars, named ``v<i>_<name>``."""
     from ..abi.args import ScalarArg, TensorArg
+    from ..abi.dtypes import elt_bytes
 
     tensors, scalars = [], []
     for i, c in enumerate(components(v)):
@@ -338,8 +339,8 @@ def abi_args(v: Optional[Variant]) -> list:
                 raise ValueError(f"{type(c).__name__}: bad runtime parameter name {p.name!r}")
             name = f"v{i}_{p.name}"
             if isinstance(p, TensorParam):
-                size = {"f32": 4, "i32": 4, "f16": 2, "bf16": 2, "u8": 1}[p.dtype]
-                tensors.append(TensorArg(name, p.dtype, (None,) * p.ndim, (None,) * (p.ndim - 1) + (1,), 1, size))
+                align = elt_bytes(p.dtype)
+                tensors.append(TensorArg(name, p.dtype, (None,) * p.ndim, (None,) * (p.ndim - 1) + (1,), 1, align))
             else:
                 scalars.append(ScalarArg(name, p.dtype))
     return tensors + scalars
