@@ -478,3 +478,25 @@ def test_gpu_single_functions(mode):
         assert not torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
         assert len(CS._PINNED) == 2  # both keyed wrappers ran under capture
     CS.clear_single_cache()
+
+
+@pytest.mark.parametrize("fn_name", ["single_prefill_with_kv_cache", "single_decode_with_kv_cache"])
+def test_cpu_public_single_functions_compile_and_apply_scales(cemu, monkeypatch, fn_name):
+    """The public single functions themselves under torch.compile(fullgraph=True) (they hand
+    over to the op while dynamo traces), and the float k_scale / v_scale applied as FlashInfer
+    does: k_scale into the softmax scale, v_scale on the output -- eager and compiled alike."""
+    import cute_attn.wrappers.single as S
+
+    g = _gen(21)
+    q = torch.randn(*((17, 8, 64) if "prefill" in fn_name else (8, 64)), generator=g).to(BF16)
+    k, v = (torch.randn(60, 2, 64, generator=g).to(BF16) for _ in range(2))
+    scales = dict(k_scale=0.5, v_scale=2.0)
+    plain = _single_eager(monkeypatch, fn_name, q, k, v, sm_scale=0.5 / 8.0, return_lse=True)
+    want = _single_eager(monkeypatch, fn_name, q, k, v, return_lse=True, **scales)
+    torch.testing.assert_close(want[0].float(), plain[0].float() * 2.0, rtol=0, atol=0)
+    torch.testing.assert_close(want[1], plain[1], rtol=0, atol=0)  # the LSE is not scaled
+    f = torch.compile(lambda q, k, v: getattr(S, fn_name)(q, k, v, return_lse=True, **scales), backend="eager",
+                      fullgraph=True)  # fmt: skip
+    got = f(q, k, v)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    torch.testing.assert_close(got[0].as_subclass(torch.Tensor), want[0].as_subclass(torch.Tensor), rtol=0, atol=0)

@@ -116,6 +116,17 @@ def folded_sm_scale(sm_scale: float, q_scale=None, k_scale=None) -> float:
     return sm_scale * (1.0 if q is None else q) * (1.0 if k is None else k)
 
 
+def single_scales(sm_scale, head_dim: int, q_scale=None, k_scale=None, v_scale=None):
+    """The single-request functions' scales as FlashInfer applies them for fp16 / bf16 KV:
+    (softmax scale with q_scale and k_scale folded in, or None when no scale is given and the
+    default applies; the factor for the output, or None)."""
+    if q_scale is None and k_scale is None:
+        sm = sm_scale
+    else:
+        sm = folded_sm_scale(1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale), q_scale, k_scale)
+    return sm, v_scale_factor(v_scale)
+
+
 def v_scale_factor(v_scale) -> Optional[float]:
     """The factor run() multiplies the output by after the kernel: None for no multiply (no
     ``v_scale``, or the Python float 1.0, as FlashInfer skips it; the LSE is never scaled)."""

@@ -335,15 +335,19 @@ def compiled_single_decode(
     variant=None,
     sinks: Optional[torch.Tensor] = None,
 ):
-    """``single_decode_with_kv_cache`` (same signature): the op ``cute_attn::single_decode`` while
-    compiling, else the eager function.  ``use_tensor_cores`` / ``q_scale`` / ``k_scale`` /
-    ``v_scale`` are ignored, as by the eager function."""
+    """``single_decode_with_kv_cache`` under dynamo (its caller, same signature): the op
+    ``cute_attn::single_decode``, the scales applied around it as the eager function does."""
+    from . import compat
+
+    sm_scale, v_fac = compat.single_scales(sm_scale, q.shape[-1], q_scale, k_scale, v_scale)
     extra_tensors: list = []
     extra = _encode({"variant": _flat(variant, extra_tensors)})
     out, lse = torch.ops.cute_attn.single_decode(
         q, k, v, sinks, kv_layout, pos_encoding_mode, int(window_left), _none_or_float(logits_soft_cap),
         _none_or_float(sm_scale), _none_or_float(rope_scale), _none_or_float(rope_theta), extra_tensors, extra,
     )  # fmt: skip
+    if v_fac is not None:
+        out = out * v_fac
     return (out, lse) if return_lse else out
 
 
@@ -375,18 +379,19 @@ def compiled_single_prefill(
     variant=None,
     *variant_args,
 ):
-    """``single_prefill_with_kv_cache`` (same signature): the op ``cute_attn::single_prefill``
-    while compiling, else the eager function.  The fp8 scales, ``o_dtype`` other than q's and
-    ``kv_cache_sf`` are refused at trace time, as by the eager function."""
-    from . import common
+    """``single_prefill_with_kv_cache`` under dynamo (its caller, same signature): the op
+    ``cute_attn::single_prefill``, the scales applied around it as the eager function does; the
+    fp8 scales, ``o_dtype`` other than q's and ``kv_cache_sf`` are refused at trace time, as there."""
+    from . import common, compat
 
     _check_eager_only(
         q_dtype=q.dtype,
         kv_dtype=k.dtype,
         o_dtype=common.as_dtype(o_dtype, "o_dtype"),
-        fp8_scales=(scale_q, scale_k, scale_v, k_scale, v_scale),
+        fp8_scales=(scale_q, scale_k, scale_v),
         extra=(("kv_cache_sf", kv_cache_sf),),
     )
+    sm_scale, v_fac = compat.single_scales(sm_scale, q.shape[-1], None, k_scale, v_scale)
     extra_tensors: list = []
     extra = _encode(
         {"variant": _flat(variant, extra_tensors), "variant_args": _flat(tuple(variant_args), extra_tensors)}
@@ -396,4 +401,6 @@ def compiled_single_prefill(
         _none_or_float(sm_scale), int(window_left), _none_or_float(logits_soft_cap), _none_or_float(rope_scale),
         _none_or_float(rope_theta), extra_tensors, extra,
     )  # fmt: skip
+    if v_fac is not None:
+        out = out * v_fac
     return (out, lse) if return_lse else out

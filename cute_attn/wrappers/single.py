@@ -11,7 +11,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import common, compiled
+from . import common, compat
+from .compiled_single import compiled_single_decode, compiled_single_prefill
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithRaggedKVCacheWrapper
 
@@ -48,12 +49,13 @@ def single_decode_with_kv_cache(
     [kv_heads, kv_len, head_dim] (HND).  The KV is read in place, as kv_len pages of one token
     (page size 1 is a first-class path of the kernel), so a long request is still split across
     all SMs by the planner."""
-    if torch.compiler.is_compiling():  # one custom op for torch.compile (wrappers/compiled.py)
-        return compiled.compiled_single_decode(
+    if torch.compiler.is_compiling():  # one custom op for torch.compile (compiled_single.py)
+        return compiled_single_decode(
             q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
             logits_soft_cap, sm_scale, rope_scale, rope_theta, return_lse, variant, sinks,
         )  # fmt: skip
     k, v = common.single_kv_nhd(q, k, v, kv_layout, 2, "[heads, dim]")
+    sm_scale, v_fac = compat.single_scales(sm_scale, q.shape[-1], q_scale, k_scale, v_scale)
     kv_len, hk = k.shape[0], k.shape[1]
     if kv_len == 0:
         o = torch.zeros_like(q)
@@ -83,6 +85,8 @@ def single_decode_with_kv_cache(
         variant=variant,
     )
     out, lse = w.run(q.unsqueeze(0), (k.unsqueeze(1), v.unsqueeze(1)), return_lse=True, sinks=sinks)
+    if v_fac is not None:
+        out.mul_(v_fac)
     return (out[0], lse[0]) if return_lse else out[0]
 
 
@@ -122,8 +126,8 @@ def single_prefill_with_kv_cache(
     ``[qo_len, kv_len]`` bool (or flat), ``packed_custom_mask`` its bits (little bit order),
     ``sinks`` per-head sink logits, ``variant`` (with its missing runtime arguments as
     ``variant_args``)."""
-    if torch.compiler.is_compiling():  # one custom op for torch.compile (wrappers/compiled.py)
-        return compiled.compiled_single_prefill(
+    if torch.compiler.is_compiling():  # one custom op for torch.compile (compiled_single.py)
+        return compiled_single_prefill(
             q, k, v, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal, kv_layout,
             pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
             backend, return_lse, kv_cache_sf, k_scale, v_scale, sinks, variant, *variant_args,
@@ -132,10 +136,11 @@ def single_prefill_with_kv_cache(
         q_dtype=q.dtype,
         kv_dtype=k.dtype,
         o_dtype=common.as_dtype(o_dtype, "o_dtype"),
-        fp8_scales=(scale_q, scale_k, scale_v, k_scale, v_scale),
+        fp8_scales=(scale_q, scale_k, scale_v),
         extra=(("kv_cache_sf", kv_cache_sf),),
     )
     k, v = common.single_kv_nhd(q, k, v, kv_layout, 3, "[qo_len, heads, dim]")
+    sm_scale, v_fac = compat.single_scales(sm_scale, q.shape[-1], None, k_scale, v_scale)
     if not q.is_cuda:
         raise ValueError(f"q must be a CUDA tensor, got one on {q.device}")
     qo_len, kv_len, hk = q.shape[0], k.shape[0], k.shape[1]
@@ -163,6 +168,8 @@ def single_prefill_with_kv_cache(
         variant=variant,
     )
     out, lse = w.run(q, k, v, *variant_args, return_lse=True, sinks=sinks)
+    if v_fac is not None:
+        out.mul_(v_fac)
     return (out, lse) if return_lse else out
 
 
