@@ -631,14 +631,16 @@ class Planner:
 
     def upload(self, workspace) -> None:
         """Enqueue one non-blocking host->device copy of the last staged plan into
-        ``workspace`` (any dtype; its bytes are used). Never reads anything back."""
+        ``workspace`` (any dtype; its bytes are used): the whole workspace, or a buffer of just
+        the layout's int sections (``layout.int_bytes``: where a wrapper keeps its plan apart
+        from the fp32 scratch). Never reads anything back."""
         if self._staged is None:
             raise RuntimeError("upload() before any plan()")
         import torch
 
         dst = workspace.view(torch.uint8).reshape(-1) if workspace.dtype != torch.uint8 else workspace.reshape(-1)
-        if dst.numel() < self.layout.total_bytes:
-            raise ValueError(f"workspace has {dst.numel()} bytes, the layout needs {self.layout.total_bytes}")
+        if dst.numel() < self.layout.int_bytes:
+            raise ValueError(f"workspace has {dst.numel()} bytes, the plan's sections need {self.layout.int_bytes}")
         i, nbytes = self._staged
         dst[:nbytes].copy_(self._staging[i][:nbytes], non_blocking=True)
         if dst.is_cuda:

@@ -22,7 +22,7 @@ Variants that do not merge by ⊕ — an output transform, a ``finalize`` of the
 is applied once, at the last level, so the sink enters each row's denominator once.
 
 The user's ``float_workspace_buffer`` is cut into ``num_levels`` equal slices, one per level
-(each level's plan lives in its slice, as in the batch wrappers); an error names the size a
+(each level's split-KV scratch lives in its slice; its records in its own buffer); an error names the size a
 level needs when its slice is too small.  A prefill level needs about 34 MiB at head_dim 128 on
 132 SMs (partial-output room for split KV), so FlashInfer's usual 128 MiB serves up to three
 levels; give 40 MiB per level beyond that (FlashInfer's levels share one buffer: here each

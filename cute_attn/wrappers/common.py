@@ -197,14 +197,6 @@ def guarded_plan(plan):
     return wrapper
 
 
-def note_capture_rows(wrapper, q) -> None:
-    """Remember how many q rows a captured run() baked in (CUDA-graph mode): a later plan() with
-    more rows than that would have its replay write past the captured output."""
-    if torch.cuda.is_current_stream_capturing():
-        rows = int(q.shape[0])
-        wrapper._captured_rows = rows if wrapper._captured_rows is None else min(rows, wrapper._captured_rows)
-
-
 def check_capture_rows(wrapper, rows: int, what: str) -> None:
     if wrapper._captured_rows is not None and rows > wrapper._captured_rows:
         raise ValueError(
@@ -228,14 +220,20 @@ def arange(n: int, device) -> torch.Tensor:
 
 
 # ---- run arguments ----------------------------------------------------------------------------
-def check_run_capture(use_cuda_graph: bool, buffers: str) -> None:
-    """A captured run() needs a wrapper whose buffers stay put between plans."""
-    if torch.cuda.is_current_stream_capturing() and not use_cuda_graph:
+def check_run_capture(wrapper, q, buffers: str) -> None:
+    """A captured run() needs a wrapper whose buffers stay put between plans; and it bakes in its
+    q rows, which a later plan() must not exceed (``check_capture_rows``).  One capture query
+    per run()."""
+    if not torch.cuda.is_current_stream_capturing():
+        return
+    if not wrapper._use_cuda_graph:
         raise RuntimeError(
             "run() is being captured into a CUDA graph but the wrapper was created with "
             "use_cuda_graph=False; its buffers may move between plans. Create it with "
             f"use_cuda_graph=True and fixed {buffers} tensors."
         )
+    rows = int(q.shape[0])
+    wrapper._captured_rows = rows if wrapper._captured_rows is None else min(rows, wrapper._captured_rows)
 
 
 def kv_views(paged_kv_cache, kv_layout: str):
@@ -334,17 +332,6 @@ def plan_views(layout, workspace, plan_buf) -> dict:
     return v
 
 
-def upload_plan(planner, plan_buf) -> None:
-    """One non-blocking copy of the planner's last staged plan into ``plan_buf`` (as
-    ``Planner.upload`` does into a workspace), recording the event that guards its staging buffer."""
-    i, nbytes = planner._staged
-    plan_buf[:nbytes].copy_(planner._staging[i][:nbytes], non_blocking=True)
-    if plan_buf.is_cuda:
-        ev = torch.cuda.Event()
-        ev.record()
-        planner._events[i] = ev
-
-
 class WrapperBase:
     """The constructor state every batch wrapper holds: the workspace (flat uint8), the KV
     layout, CUDA-graph mode, the device, and the planner (kept while the limits hold)."""
@@ -378,7 +365,7 @@ class WrapperBase:
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
         """Use another workspace from the next ``plan()`` on (FlashInfer's method; the int
-        workspace is not used: the plan lives in the float one)."""
+        workspace is not used: the plan's records live in a buffer of the wrapper's own)."""
         self._workspace = workspace_bytes(float_workspace_buffer, self._device)
         self._views = self._state = None
 

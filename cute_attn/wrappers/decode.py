@@ -121,7 +121,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
         """Use another workspace from the next ``plan()`` on (FlashInfer's method; the int
-        workspace is not used: the plan lives in the float one)."""
+        workspace is not used: the plan's records live in a buffer of the wrapper's own)."""
         super().reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
         self._graph_hpi = self._graph_fixed = None  # graphs captured on the old workspace are void
         self._captured_rows = None
@@ -402,7 +402,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             kv_split_size=split_tokens,
             heads_per_item=hpi,
         )
-        common.upload_plan(self._planner, self._plan_buf)
+        self._planner.upload(self._plan_buf)
         return plan
 
     def _heads_per_item(self, want, kv_lens, hq, hk, num_ctas, invariant, packable, variant, tile) -> int:
@@ -570,7 +570,6 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         base = st.sm_scale if sm_scale is None else guards.launch_sm_scale(sm_scale, st.head_dim)
         sm = compat.folded_sm_scale(base, q_scale, k_scale)
         v_fac = compat.v_scale_factor(v_scale)
-        common.check_run_capture(self._use_cuda_graph, "paged_kv_*_buffer")
         k, v = common.kv_views(paged_kv_cache, self._kv_layout)
         b, hq, hk, d = st.batch, st.hq, st.hk, st.head_dim
         # CUDA-graph mode: q may hold more rows than this plan's batch (captured at the largest
@@ -586,7 +585,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         if st.max_page >= k.shape[0]:
             raise ValueError(f"kv indices reference page {st.max_page}, the cache has {k.shape[0]} pages")
         guards.check_device_page_ids(st.kv_indices, self._used_pages, k.shape[0], "kv indices")
-        common.note_capture_rows(self, q)
+        common.check_run_capture(self, q, "paged_kv_*_buffer")
         out, lse = common.out_and_lse(q, out, lse, hq)
         sinks = common.check_sinks(sinks, hq, q.device)
         if b:

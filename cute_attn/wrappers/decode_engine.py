@@ -62,7 +62,7 @@ class DecodeEngineAPI:
 
     @property
     def _int_workspace_buffer(self) -> torch.Tensor:
-        """FlashInfer's int workspace: unused (the plan lives in the float workspace)."""
+        """FlashInfer's int workspace: unused (the plan's records live in a buffer of the wrapper's own)."""
         if self._int_ws is None:
             self._int_ws = torch.empty(0, dtype=torch.uint8, device=self._device)
         return self._int_ws

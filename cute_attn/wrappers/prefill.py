@@ -398,7 +398,8 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
     ) -> Tuple[int, int]:
         """FlashInfer's ``workspace_size``: (float workspace bytes, int workspace bytes) plan()
         with these sizes uses in this wrapper's workspace (without the KV pass's optional
-        copies); no side effects.  The int bytes are 0 (the plan lives in the float workspace)."""
+        copies); no side effects.  The int bytes are 0 (the plan's records live in a buffer of
+        the wrapper's own)."""
         from .prefill_base import prefill_workspace_bytes
 
         common.reject_unsupported(head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo)
@@ -591,19 +592,20 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         caches is a page-size-1 cache."""
         compat.check_kv_cache_sf(kv_cache_sf)
         compat.check_lse_format(lse_base, lse_layout)
+        # the scales first (a tensor one under capture is refused with its own message), once
         q_scale, k_scale = compat.scale_value(q_scale, "q_scale"), compat.scale_value(k_scale, "k_scale")
-        v_scale = compat.v_scale_factor(v_scale)
+        v_fac = compat.v_scale_factor(v_scale)
         out, lse = self._check_run(
             q, out, lse, args, skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor
         )
         if window_left is not None and window_left != self._state.window_left:
             raise ValueError("run(window_left=...) differs from plan(); pass it to plan()")
-        return self._run_paged(q, paged_kv_cache, args, out, lse, sinks, None, q_scale, k_scale, v_scale, return_lse)
+        return self._run_paged(q, paged_kv_cache, args, out, lse, sinks, None, q_scale, k_scale, v_fac, return_lse)
 
-    def _run_paged(self, q, paged_kv_cache, args, out, lse, sinks, ov, q_scale, k_scale, v_scale, return_lse):
+    def _run_paged(self, q, paged_kv_cache, args, out, lse, sinks, ov, q_scale, k_scale, v_fac, return_lse):
+        """``q_scale`` / ``k_scale``: floats or None; ``v_fac``: ``compat.v_scale_factor``'s."""
         st = self._state
         inp = st.inputs
-        v_fac = compat.v_scale_factor(v_scale)
         k, v = common.kv_views(compat.expand_3d(paged_kv_cache, self._kv_layout), self._kv_layout)
         self._check_kv(k, v, "paged_kv_cache")
         if k.shape[1:] != (inp.page_size, st.hk, st.head_dim):
@@ -620,8 +622,10 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         return (out, lse) if return_lse else out
 
     def _run_kv(self, q, kv, ov, q_scale, k_scale, v_scale, return_lse):
+        q_scale, k_scale = compat.scale_value(q_scale, "q_scale"), compat.scale_value(k_scale, "k_scale")
+        v_fac = compat.v_scale_factor(v_scale)
         out, lse = self._check_run(q, None, None, ())
-        return self._run_paged(q, kv[0], (), out, lse, None, ov, q_scale, k_scale, v_scale, return_lse)
+        return self._run_paged(q, kv[0], (), out, lse, None, ov, q_scale, k_scale, v_fac, return_lse)
 
     def run_return_lse(self, q, paged_kv_cache, *args, **kw):
         return self.run(q, paged_kv_cache, *args, **dict(kw, return_lse=True))

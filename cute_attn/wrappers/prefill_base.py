@@ -320,7 +320,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             cta_tile_q=tile,
             kv_split_size=split_tokens,
         )
-        common.upload_plan(planner, self._plan_buf)
+        planner.upload(self._plan_buf)
         if self._use_cuda_graph and self._fixed is None:
             self._fixed = dict(launch, tile_q=tile)
         return PrefillPlanState(
@@ -556,7 +556,6 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
     # -- run ------------------------------------------------------------------------------
     def _check_run(self, q, out, lse, args, **unsupported):
         st = self._require_plan()
-        common.check_run_capture(self._use_cuda_graph, "*_buf index")
         if args and st.variant is None:
             raise TypeError(
                 f"run() got {len(args)} extra positional argument(s): those are the runtime arguments of "
@@ -566,7 +565,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         common.reject_unsupported(extra=tuple(unsupported.items()))
         common.check_q(q, st.total_q, st.hq, st.head_dim, st.dtype, self._device, self._use_cuda_graph,
                        " (qo_indptr[-1])")  # fmt: skip
-        common.note_capture_rows(self, q)
+        common.check_run_capture(self, q, "*_buf index")
         return common.out_and_lse(q, out, lse, st.hq)
 
     def _check_kv(self, k, v, what):

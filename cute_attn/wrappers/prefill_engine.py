@@ -57,7 +57,7 @@ class PrefillEngineAPI:
 
     @property
     def _int_workspace_buffer(self) -> torch.Tensor:
-        """FlashInfer's int workspace: unused (the plan lives in the float workspace)."""
+        """FlashInfer's int workspace: unused (the plan's records live in a buffer of the wrapper's own)."""
         return torch.empty(0, dtype=torch.uint8, device=self._device)
 
     @property
