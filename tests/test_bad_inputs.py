@@ -335,11 +335,11 @@ def _dec_graph(env, batch_cap=4, pages_cap=64):
     return BatchDecodeWithPagedKVCacheWrapper(env.ws(), use_cuda_graph=True, **bufs)
 
 
-def dec_graph_replan(**second):
+def dec_graph_replan(first=None, **second):
     def build(env):
         x = _dec_inputs(env)
         w = _dec_graph(env)
-        w.plan(**_dec_args(x))
+        w.plan(**_dec_args(x, **(first or {})))
         w.plan(**_dec_args(x, **second))
         return w
 
@@ -691,6 +691,19 @@ case(
     dec_graph_replan(logits_soft_cap=30.0),
     raises(ValueError, "soft_cap|variant"),
 )
+case(
+    "graph_replan_changes_soft_cap_value",
+    DEC,
+    dec_graph_replan(dict(logits_soft_cap=30.0), logits_soft_cap=50.0),
+    raises(ValueError, "logits_soft_cap"),
+)
+case(
+    "graph_replan_changes_window_value",
+    DEC,
+    dec_graph_replan(dict(window_left=8), window_left=16),
+    raises(ValueError, "window_left"),
+)
+case("graph_replan_same_values_accepted", DEC, dec_graph_replan(dict(window_left=8), window_left=8), ok(_planned))
 case("plan_during_capture", DEC, _dec_capture_plan, raises(RuntimeError, "must not be captured"))
 case("run_captured_without_graph_mode", DEC, _dec_capture_run, raises(RuntimeError, "use_cuda_graph=False"))
 case("fp8_q", DEC, dec_plan(q_data_type=FP8), raises(NotImplementedError, "fp8"))

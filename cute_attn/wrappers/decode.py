@@ -298,10 +298,11 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         decode = load(var)
         ms = merge_partials_spec(arch, dt, head_dim, tile)
         merge = kernel(ms.family, arch, **ms.pdict)
+        sm = guards.launch_sm_scale(sm_scale, head_dim)
         self._check_graph_fixed(
-            dict(sm_scale=guards.launch_sm_scale(sm_scale, head_dim), variant=variant_params(var)),
-            batch,
-        )
+            batch, var, sm_scale=sm, logits_soft_cap=float(logits_soft_cap or 0.0), window_left=int(window_left),
+            rope=(rope_scale, rope_theta),
+        )  # fmt: skip
         plan = self._schedule(kv_lens, batch, hq, hk, head_dim, int(page_size), split_tokens, hpi, backend, arch)
         kv_indptr = common.to_device(indptr, self._indptr_buf, "indptr", self._device)
         kv_indices = common.to_device(indices_t, self._indices_buf, "indices", self._device)
@@ -309,7 +310,6 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             common.to_device(last_page_len, self._last_buf, "last_page_len", self._device)  # as FlashInfer
         if self._use_cuda_graph and self._graph_hpi is None:
             self._graph_hpi = hpi  # once the plan is in place (a plan that failed fixes nothing)
-        sm = guards.launch_sm_scale(sm_scale, head_dim)
         info = dict(num_qo_heads=hq, num_kv_heads=hk, head_dim=head_dim, sm_scale=sm, device=self._device)
         options = dict(
             pos_encoding_mode=pos_encoding_mode,
@@ -354,13 +354,15 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         if self._cached is None:
             self._cached = compat.CachedModule(self)
 
-    def _check_graph_fixed(self, fixed: dict, batch: int) -> None:
-        """CUDA-graph mode: a captured run() bakes the softmax scale and the variant's runtime
-        values (soft-cap, window) of the plan it was captured with; a re-plan that changes them
-        would be ignored by the replay, so it is an error (as in the prefill wrappers)."""
+    def _check_graph_fixed(self, batch: int, variant, **fixed) -> None:
+        """CUDA-graph mode: a captured run() bakes the kernel (the variant) and the launch values
+        of the plan it was captured with -- the softmax scale and the options' runtime values
+        (soft-cap, window, RoPE; the variant's spec does not hold them); a re-plan that changes
+        them would be ignored by the replay, so it is an error (as in the prefill wrappers)."""
         if not self._use_cuda_graph:
             return
         common.check_capture_rows(self, batch, "requests")
+        fixed["variant"] = variant_params(variant)
         if self._graph_fixed is None:
             self._graph_fixed = fixed
             return
