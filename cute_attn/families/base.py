@@ -15,6 +15,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Sequence
 
+from ..abi import dtypes
 from ..abi.args import Arg, TensorArg
 from ..variants import base as vbase
 
@@ -59,9 +60,12 @@ def family_names() -> list:
 
 
 # ---- argument shapes several families share ----------------------------------------------
-def cache_arg(name: str, p: dict) -> TensorArg:
-    """K or V: ``[pages or 1, tokens, kv_heads, head_dim]``, any strides, head_dim contiguous."""
-    return TensorArg(name, p["dtype"], (None, None, None, p["head_dim"]), (None, None, None, 1), 8, 16)
+def cache_arg(name: str, p: dict, dtype: str | None = None) -> TensorArg:
+    """K or V: ``[pages or 1, tokens, kv_heads, head_dim]``, any strides, head_dim contiguous;
+    of ``dtype`` (default the spec's ``dtype``; an fp8 cache names its own), strides whole
+    16-byte vectors."""
+    dt = dtype or p["dtype"]
+    return TensorArg(name, dt, (None, None, None, p["head_dim"]), (None, None, None, 1), dtypes.vec_elems(dt), 16)
 
 
 def i32_arg(name: str) -> TensorArg:
