@@ -577,8 +577,9 @@ def fast_decode_plan(
     if data_type is not None:
         q_data_type = data_type if q_data_type is None else q_data_type
         kv_data_type = data_type if kv_data_type is None else kv_data_type
-    planned = self.dtype if self._q_len == 1 else self._mt.dtype
-    for name, dt in (("q_data_type", q_data_type), ("kv_data_type", kv_data_type)):
+    planned_q = self.dtype if self._q_len == 1 else self._mt.dtype
+    planned_kv = self._state.kv_dtype if self._q_len == 1 else planned_q
+    for name, dt, planned in (("q_data_type", q_data_type, planned_q), ("kv_data_type", kv_data_type, planned_kv)):
         if dt is not None and common.as_dtype(dt, name) != planned:
             raise ValueError(f"fast_decode_plan: {name} {dt} differs from the first plan()'s {planned}; call plan()")
     if self._q_len == 1:

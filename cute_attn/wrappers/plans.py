@@ -36,6 +36,7 @@ class DecodePlanState:
     sm_scale_arg: Optional[float] = None  # plan()'s sm_scale as given (FlashInfer's _sm_scale)
     logits_soft_cap: float = 0.0  # as planned (0.0: off)
     kv_lens: Any = None  # host kv lengths of the plan
+    kv_dtype: Any = None  # the cache's torch dtype (the q dtype, or fp8)
 
 
 @dataclass(frozen=True)
