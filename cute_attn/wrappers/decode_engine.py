@@ -181,7 +181,10 @@ class DecodeEngineAPI:
     def _cached_q_data_type(self):
         return self.dtype
 
-    _cached_kv_data_type = _cached_q_data_type
+    @property
+    def _cached_kv_data_type(self):
+        return self.dtype if self._state is None or self._q_len > 1 else self._state.kv_dtype
+
     _cached_o_data_type = _cached_q_data_type
 
     @property
@@ -525,7 +528,7 @@ class DecodeEngineAPI:
         if variant_params(var) == variant_params(st.variant):
             return var, st.decode
         dt = common.dtype_name(st.dtype)
-        sp = decode_spec(st.arch, dt, st.head_dim, var, st.hpi)
+        sp = decode_spec(st.arch, dt, st.head_dim, var, st.hpi, common.kv_dtype_name(st.kv_dtype, st.dtype))
         key = (st.family, st.arch, tuple(sorted((k, str(v)) for k, v in sp.pdict.items())))
         return var, compat.run_module(lambda: o["load"](var), key)
 
