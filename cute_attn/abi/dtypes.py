@@ -28,7 +28,7 @@ BY_NAME = {d.name: d for d in _ALL}
 
 ATTENTION = ("f16", "bf16")  # q / k / v / o of the attention kernels
 MERGE_VALUES = ("f16", "bf16", "f32")  # v of the ⊕ merge ops
-FP8 = ("e4m3", "e5m2")  # fp8 KV: named here, served by no kernel yet
+FP8 = ("e4m3", "e5m2")  # fp8 KV caches (with f16 / bf16 queries)
 
 
 def dtype(name: str) -> DType:

@@ -6,7 +6,7 @@ import sys
 
 from .common import Results
 
-GROUPS = ("copy", "merge", "launch", "decode", "prefill", "variants", "cascade", "sparse", "merge_sweep")
+GROUPS = ("copy", "merge", "launch", "decode", "fp8", "prefill", "variants", "cascade", "sparse", "merge_sweep")
 
 
 def run_benchmarks(only=None, json_path=None, quick=False) -> int:
@@ -33,6 +33,10 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         merge.sweep_merge(res)
     if "decode" in groups:
         decode.bench_decode(res, quick)
+    if "fp8" in groups:
+        from . import fp8
+
+        fp8.bench_fp8(res, quick)
     if "prefill" in groups:
         prefill.bench_prefill(res, quick)
     if "variants" in groups:

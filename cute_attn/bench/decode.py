@@ -23,7 +23,7 @@ from .common import do_bench, flex_bench
 HQ, HK, D = 32, 8, 128
 
 
-def _paged(kv_lens, page_size, gen, hk=None, d=None):
+def paged_cache(kv_lens, page_size, gen, hk=None, d=None):
     hk, d = hk or HK, d or D
     pages = [(n + page_size - 1) // page_size for n in kv_lens]
     total = sum(pages)
@@ -120,7 +120,7 @@ def _fi_decode(fi, ws, q, cache, indptr, indices, last, hq, hk, d, ps, ours_run)
 
 
 def _decode_case(res, lib_ours, fi, ws, ws_fi, gen, name, kv_lens, ps, hq, hk, d, quick):
-    cache, indptr, indices, last = _paged(kv_lens, ps, gen, hk, d)
+    cache, indptr, indices, last = paged_cache(kv_lens, ps, gen, hk, d)
     b = len(kv_lens)
     q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
     # as a serving engine runs decode: a CUDA-graph-enabled wrapper, run() captured once and

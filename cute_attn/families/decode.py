@@ -1,8 +1,10 @@
-"""The paged decode family (``kernels/decode.py``: ``mma.sync`` + ``cp.async``, both arches):
+"""The paged decode family (``kernels/decode.py``, ``decode_fp8.py`` for an fp8 cache: ``mma.sync`` + ``cp.async``, both arches):
 its ABI, the instructions its binary must hold, and the specializations that ship.
 
-Spec parameters: ``dtype``, ``head_dim``, ``stages`` (the KV pipeline depth, fixed by the
-head dim), ``heads_per_item`` (head packing: kv heads per work item; absent for one) and the
+Spec parameters: ``dtype`` (query and output), ``kv_dtype`` (an fp8 cache, ``e4m3`` /
+``e5m2``; absent for a cache of ``dtype``: ``kernels/decode_fp8.py``), ``head_dim``, ``stages``
+(the KV pipeline depth, fixed by the head dim: an fp8 stage holds twice the tokens in the same
+bytes), ``heads_per_item`` (head packing: kv heads per work item; absent for one) and the
 variant (``variant`` / ``variant_fp``)."""
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ def decode_abi_fixed(p):
     row = lambda name: TensorArg(name, dt, (None, None, d), (None, None, 1), 8, 16)
     return [
         row("mQ"),
-        cache_arg("mK", p),
-        cache_arg("mV", p),
+        cache_arg("mK", p, p.get("kv_dtype")),
+        cache_arg("mV", p, p.get("kv_dtype")),
         i32_arg("mKvIndptr"),
         i32_arg("mKvIndices"),
         row("mO"),
@@ -55,7 +57,7 @@ def decode_abi(p):
 PAGED_DECODE = register(
     KernelFamily(
         name="paged_decode",
-        builder="cute_attn.kernels.decode:build_paged_decode",
+        builder="cute_attn.kernels.decode_entry:build_paged_decode",
         abi=decode_abi,
         expect={
             a: {
@@ -78,27 +80,42 @@ def packing_params(heads_per_item: int) -> dict:
     return {"heads_per_item": heads_per_item} if heads_per_item != 1 else {}
 
 
-def decode_spec(arch: str, dtype: str, head_dim: int, variant=None, heads_per_item: int = 1) -> Spec:
-    """The ``paged_decode`` specialization for a dtype (``"f16"``/``"bf16"``), head dim, variant
-    and head packing (kv heads per work item; > 1 only for a variant with ``Hooks.packs_heads``)."""
+def kv_params(dtype: str, kv_dtype: str | None) -> dict:
+    """The spec parameter of the cache dtype: absent for a cache of the query dtype."""
+    if kv_dtype is None or kv_dtype == dtype:
+        return {}
+    if kv_dtype not in dtypes.FP8:
+        raise ValueError(f"paged_decode: a {kv_dtype} cache with {dtype} queries (only fp8 caches may differ)")
+    return {"kv_dtype": kv_dtype}
+
+
+def decode_spec(
+    arch: str, dtype: str, head_dim: int, variant=None, heads_per_item: int = 1, kv_dtype: str | None = None
+) -> Spec:
+    """The ``paged_decode`` specialization for a query dtype (``"f16"``/``"bf16"``), head dim,
+    variant, head packing (kv heads per work item; > 1 only for a variant with
+    ``Hooks.packs_heads``) and cache dtype (``kv_dtype``: None or ``dtype``, or fp8)."""
     return Spec.make(
         "paged_decode",
         arch,
         dtype=dtype,
         head_dim=head_dim,
         stages=STAGES[head_dim],
+        **kv_params(dtype, kv_dtype),
         **packing_params(heads_per_item),
         **variant_params(variant),
     )
 
 
-def shipped_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=HEAD_DIMS) -> list:
+def shipped_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=HEAD_DIMS, kv_names=(None,) + dtypes.FP8) -> list:
     """What ``run()`` may need for FlashInfer's default options: plain, soft-cap, sliding window
-    and both, with one, two and four kv heads per item, and the merge of the decode tile."""
+    and both, with one, two and four kv heads per item, for a cache of the query dtype and the
+    two fp8 ones, and the merge of the decode tile."""
     out = []
     for dt in dtype_names:
         for d in head_dims:
-            out += [decode_spec(arch, dt, d, v) for v in SHIPPED_VARIANTS]
-            out += [decode_spec(arch, dt, d, v, h) for h in PACKED_HEADS for v in SHIPPED_VARIANTS]
+            for kv in kv_names:
+                out += [decode_spec(arch, dt, d, v, kv_dtype=kv) for v in SHIPPED_VARIANTS]
+                out += [decode_spec(arch, dt, d, v, h, kv) for h in PACKED_HEADS for v in SHIPPED_VARIANTS]
             out.append(Spec.make("merge_partials", arch, dtype=dt, head_dim=d, tile_q=TILE_Q))
     return out

@@ -55,7 +55,7 @@ from cutlass.cute.nvgpu import warp
 
 from ..variants.base import Ctx, Hooks
 from ..variants.dsl import LOG2E
-from ..variants.trace import make_entry, transform_fragment
+from ..variants.trace import transform_fragment
 from .bitmask import bit_set, row_words
 from .copy import cp_async_16
 from .fragments import mma_acc_as_a, mma_mn_view, quad_max, quad_sum
@@ -63,7 +63,7 @@ from .pages import in_cache
 from .work import ItemInfo, TraceCtx, item_row_values, row_ctx, tok_head
 
 TILE_Q = 16  # packed query rows per work item (one m16 MMA tile)
-BLOCK_N = 64  # KV tokens per pipeline stage: 4 warps x 16 keys
+BLOCK_N = 64  # KV tokens per pipeline stage of a 16-bit cache: 4 warps x 16 keys
 NUM_WARPS = 4
 THREADS = 32 * NUM_WARPS
 
@@ -78,13 +78,15 @@ class DecodeConfig:
     stages: int
     variant: Any = None
     heads_per_item: int = 1
+    kv_dtype: Any = None  # the cache's DSL type where it differs from ``dtype`` (fp8)
 
     @classmethod
     def from_spec(cls, p: dict) -> DecodeConfig:
         from ..abi.dtypes import to_dsl
         from ..families.base import spec_variant
 
-        return cls(to_dsl(p["dtype"]), p["head_dim"], p["stages"], spec_variant(p), p.get("heads_per_item", 1))
+        kv = to_dsl(p["kv_dtype"]) if "kv_dtype" in p else None
+        return cls(to_dsl(p["dtype"]), p["head_dim"], p["stages"], spec_variant(p), p.get("heads_per_item", 1), kv)
 
 
 class Outputs(NamedTuple):
@@ -147,17 +149,30 @@ class LoadCursor:
 
 
 class PagedDecode:
+    """The kernel of a 16-bit cache; ``decode_fp8.PagedDecodeFp8`` overrides how K, V and Q
+    reach the MMA fragments (and the geometry attributes set here) for an fp8 cache."""
+
+    # The shared-memory geometry of a KV stage, as 16-bit elements: ``kv_width`` per row,
+    # ``block_n`` rows (tokens), ``keys_per_warp`` of them per warp.  An fp8 cache stores its
+    # rows as D / 2 16-bit pairs and twice the tokens, so a stage holds the same bytes.
+    kv_bytes = 2
+    block_n = BLOCK_N
+
     def __init__(self, cfg: DecodeConfig):
         dtype, head_dim, stages, heads_per_item = cfg.dtype, cfg.head_dim, cfg.stages, cfg.heads_per_item
         self.cfg = cfg
         self.dtype = dtype
+        self.mma_dtype = dtype  # the MMA's A / B type
         self.head_dim = head_dim
         self.stages = stages
         self.hooks = Hooks(cfg.variant)
-        self.chunks = head_dim // 8  # 16-byte chunks per row
-        self.rows_per_thread = BLOCK_N * self.chunks // THREADS  # KV rows each thread gathers per block
+        self.kv_width = head_dim * self.kv_bytes // 2
+        self.keys_per_warp = self.block_n // NUM_WARPS
+        self.q_chunks = head_dim // 8  # 16-byte chunks per Q row
+        self.chunks = self.kv_width // 8  # 16-byte chunks per KV row
+        self.rows_per_thread = self.block_n * self.chunks // THREADS  # KV rows each thread gathers per block
         self.row_step = THREADS // self.chunks  # a thread's gathered rows are row_step apart
-        assert NUM_WARPS * 16 == BLOCK_N and stages >= 2
+        assert self.keys_per_warp % 16 == 0 and stages >= 2
         # Head packing (``heads_per_item`` = H kv heads per item, module doc): a block holds
         # BLOCK_N // H tokens of each of the H heads, head-major; warp w reads head w // (4 // H).
         # A thread's rows then repeat the same tokens for each head: one page lookup serves H rows.
@@ -166,12 +181,15 @@ class PagedDecode:
             "head packing needs a softmax variant without query/key transforms (Hooks.packs_heads)"
         )
         self.hpi = heads_per_item
-        self.tpb = BLOCK_N // heads_per_item  # tokens of each head per block
+        self.tpb = self.block_n // heads_per_item  # tokens of each head per block
         self.warps_per_head = NUM_WARPS // heads_per_item
         self.n_lookups = self.tpb // self.row_step  # distinct tokens among a thread's rows of a block
-        # the epilogue gives each warp an fp32 [TILE_Q, D] buffer in the 16 K and 16 V rows it
-        # reads (``_o_buf``: 2 KB pieces of 512 // D fp32 rows, D // 64 halves, K then V)
-        assert head_dim % 64 == 0 and (512 // head_dim) * (head_dim // 64) * 2 == TILE_Q, (
+        # the epilogue gives each warp an fp32 [TILE_Q, D] buffer in the K and V rows it reads
+        # (``_o_buf``: pieces of rows_per_piece fp32 rows per atom column, K then V)
+        piece = self.keys_per_warp * self._atom_w(self.kv_width) * 2
+        assert head_dim % 64 == 0 and piece % (head_dim * 4) == 0, head_dim
+        self.o_rows_per_piece = piece // (head_dim * 4)
+        assert self.o_rows_per_piece * (self.kv_width // self._atom_w(self.kv_width)) * 2 == TILE_Q, (
             f"the epilogue's buffers (_o_buf) do not tile head_dim {head_dim}"
         )
 
@@ -200,23 +218,24 @@ class PagedDecode:
         """The host function behind the generated entry (``variants.trace.make_entry``): the
         family's arguments, then the variant's tensors and scalars as tuples."""
         D = self.head_dim
-        swz = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
-        sQ_layout = cute.tile_to_shape(swz, (TILE_Q, D, self.stages), (0, 1, 2))  # one Q tile per stage
-        sKV_layout = cute.tile_to_shape(swz, (BLOCK_N, D, self.stages), (0, 1, 2))
-        self._check_smem_off(sQ_layout, TILE_Q)
-        self._check_smem_off(sKV_layout, BLOCK_N)
+        sQ_layout = cute.tile_to_shape(self._swizzle_atom(D), (TILE_Q, D, self.stages), (0, 1, 2))  # a Q tile per stage
+        sKV_layout = cute.tile_to_shape(
+            self._swizzle_atom(self.kv_width), (self.block_n, self.kv_width, self.stages), (0, 1, 2)
+        )
+        self._check_smem_off(sQ_layout, TILE_Q, D)
+        self._check_smem_off(sKV_layout, self.block_n, self.kv_width)
 
         @cute.struct
         class Smem:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             # K stages then V stages; the epilogue's fp32 O buffers live in the stage of the
             # item's last block (``_o_buf``), so two CTAs fit an SM at head_dim <= 128
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, 2 * cute.cosize(sKV_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, 2 * cute.cosize(sKV_layout)], 1024]
             sM: cute.struct.MemRange[Float32, NUM_WARPS * TILE_Q]
             sL: cute.struct.MemRange[Float32, NUM_WARPS * TILE_Q]
 
         tiled_mma = cute.make_tiled_mma(
-            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1), permutation_mnk=(16, 16, 16)
+            warp.MmaF16BF16Op(self.mma_dtype, Float32, (16, 8, 16)), (1, 1, 1), permutation_mnk=(16, 16, 16)
         )
         scale_log2 = sm_scale * LOG2E
         self.kernel(
@@ -286,17 +305,18 @@ class PagedDecode:
         sL = st.sL.get_tensor(cute.make_layout((TILE_Q, NUM_WARPS), stride=(1, TILE_Q)))
 
         thr_mma = tiled_mma.get_slice(lane)
-        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.mma_dtype)
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.mma_dtype)
         s2r_q = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(lane)
         s2r_k = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(lane)
         s2r_v = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(lane)
 
         # Row/column coordinates of this thread's accumulator elements (MMA C layout).
-        tScS = mma_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_Q, 16))))
+        KW = self.keys_per_warp
+        tScS = mma_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_Q, KW))))
         tOcO = mma_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_Q, D))))
         n_rows_thr = cute.size(tScS, mode=[0])
-        tS0 = mma_mn_view(tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((TILE_Q, 16))))
+        tS0 = mma_mn_view(tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((TILE_Q, KW))))
         col_off = tuple(tS0[0, c][1] - tS0[0, 0][1] for c in range(cute.size(tS0, mode=[1])))
         tc = TraceCtx(vargs=self.hooks.bind(var_tensors, var_scalars), sm_scale=sm_scale, col_off=col_off)
 
@@ -343,32 +363,31 @@ class PagedDecode:
                     u = (info.row_start + tScS[r, 0][0]) % group  # index among the token's packed rows
                     own = u // (group // self.hpi) == wid // self.warps_per_head
                     row_lim[r] = cutlass.select_(own, blk_end, blk_start)
-            tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ_i))
+            tSrQ = self._q_fragment(thr_mma, sQ_i)
 
             for nb in cutlass.range(n_blocks):
                 cute.arch.cp_async_wait_group(self.stages - 2)
                 cute.arch.sync_threads()
                 if nb == 0:
-                    cute.copy(s2r_q, s2r_q.partition_S(sQ_i), s2r_q.retile(tSrQ))
+                    self._load_q(s2r_q, sQ_i, tSrQ, lane, sQ, q_cnt % self.stages)
                     if const_expr(self.hooks.has_transform_q):
                         self._transform_q(tSrQ, thr_mma, info, tc)
                 cur = self._cursor_issue(ld, tc, (g + nb + self.stages - 1) % self.stages, cur)
 
                 stage = (g + nb) % self.stages
-                key0 = blk_start + nb * self.tpb + (wid % self.warps_per_head) * 16
-                sK_w = cute.local_tile(sK[None, None, stage], (16, D), (wid, 0))
-                sV_w = cute.local_tile(sV[None, None, stage], (16, D), (wid, 0))
-                # S = Q K_wᵀ  (16 rows x 16 keys)
-                tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_w))
-                cute.copy(s2r_k, s2r_k.partition_S(sK_w), s2r_k.retile(tSrK))
+                key0 = blk_start + nb * self.tpb + (wid % self.warps_per_head) * KW
+                sK_w = cute.local_tile(sK[None, None, stage], (KW, self.kv_width), (wid, 0))
+                sV_w = cute.local_tile(sV[None, None, stage], (KW, self.kv_width), (wid, 0))
+                # S = Q K_wᵀ  (16 rows x KW keys)
+                tSrK = self._load_k(thr_mma, s2r_k, sK_w)
                 if const_expr(self.hooks.has_transform_k):
                     self._transform_k(tSrK, thr_mma, info, tc, key0)
-                acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, 16)), Float32)
+                acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, KW)), Float32)
                 acc_S.fill(0.0)
                 for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
                     cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
 
-                # logits, mask, online softmax over this warp's 16 keys
+                # logits, mask, online softmax over this warp's KW keys
                 acc_S_mn = mma_mn_view(acc_S)
                 acc_O_mn = mma_mn_view(acc_O)
                 for r in cutlass.range_constexpr(n_rows_thr):
@@ -398,12 +417,10 @@ class PagedDecode:
                             acc_O_mn[r, c] = acc_O_mn[r, c] * corr
 
                 # O += P V_w
-                rP = cute.make_fragment_like(acc_S, self.dtype)
-                rP.store(acc_S.load().to(self.dtype))
+                rP = cute.make_fragment_like(acc_S, self.mma_dtype)
+                rP.store(acc_S.load().to(self.mma_dtype))
                 tOrP = mma_acc_as_a(rP)
-                sVt_w = cute.composition(sV_w, cute.make_layout((D, 16), stride=(16, 1)))
-                tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_w))
-                cute.copy(s2r_v, s2r_v.partition_S(sVt_w), s2r_v.retile(tOrV))
+                tOrV = self._load_v(thr_mma, s2r_v, sV_w)
                 for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
                     cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
 
@@ -442,9 +459,36 @@ class PagedDecode:
                     sL[j, wid] = row_l[r]
                 if j < info.num_rows:  # rows past the tile's end are never stored
                     for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                        sO[j, tOcO[0, c][1]] = acc_O_mn[r, c]
+                        sO[j, self._o_col(tOcO[0, c][1])] = acc_O_mn[r, c]
             cute.arch.sync_threads()
             self._store(Outputs(mO, mLse, mPartO, mPartLse), kv_ptr, o_stage, (sM, sL), tidx, info, tc)
+
+    # ---- shared memory -> MMA fragments (``decode_fp8`` overrides these four) ----------------
+    def _q_fragment(self, thr_mma, sQ_i):
+        return thr_mma.make_fragment_A(thr_mma.partition_A(sQ_i))
+
+    def _load_q(self, s2r_q, sQ_i, tSrQ, lane, sQ, buf):
+        """The item's Q tile (``sQ_i`` = Q buffer ``buf`` of ``sQ``) -> the A fragment."""
+        cute.copy(s2r_q, s2r_q.partition_S(sQ_i), s2r_q.retile(tSrQ))
+
+    def _load_k(self, thr_mma, s2r_k, sK_w):
+        """The B fragment of S = Q K_wᵀ from the warp's [KW, D] K rows (ldmatrix)."""
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_w))
+        cute.copy(s2r_k, s2r_k.partition_S(sK_w), s2r_k.retile(tSrK))
+        return tSrK
+
+    def _load_v(self, thr_mma, s2r_v, sV_w):
+        """The B fragment of O += P V_w: the warp's [KW, D] V rows seen as [D, KW] (n = head
+        dim, k = key), read by the transposing ldmatrix."""
+        D, KW = self.head_dim, self.keys_per_warp
+        sVt_w = cute.composition(sV_w, cute.make_layout((D, KW), stride=(KW, 1)))
+        tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_w))
+        cute.copy(s2r_v, s2r_v.partition_S(sVt_w), s2r_v.retile(tOrV))
+        return tOrV
+
+    def _o_col(self, c: int) -> int:
+        """The head-dim column of accumulator column ``c`` (the identity here)."""
+        return c
 
     # ---- loads and buffers ------------------------------------------------------------------
     def _kv_blocks(self, info: ItemInfo, tc: TraceCtx):
@@ -494,41 +538,43 @@ class PagedDecode:
         """cp.async item ``item``'s Q tile into Q buffer ``buf``; rows past num_rows re-read row 0
         and are never written out."""
         info = ItemInfo(ld.mWork, item, ld.group)
-        for i in cutlass.range_constexpr((TILE_Q * self.chunks + THREADS - 1) // THREADS):
+        for i in cutlass.range_constexpr((TILE_Q * self.q_chunks + THREADS - 1) // THREADS):
             idx = ld.tidx + i * THREADS
-            if idx < TILE_Q * self.chunks:
-                j = idx // self.chunks
-                c = idx % self.chunks
+            if idx < TILE_Q * self.q_chunks:
+                j = idx // self.q_chunks
+                c = idx % self.q_chunks
                 tok, head = tok_head(info, info.row_start + (j if j < info.num_rows else 0))
                 cp_async_16(
-                    ld.sQ.iterator.toint() + self._smem_off(j, c, buf, TILE_Q) * 2,
+                    ld.sQ.iterator.toint() + self._smem_off(j, c, buf, TILE_Q, self.head_dim) * 2,
                     ld.mQ[tok, head, None].iterator.toint() + c * 16,
                 )
 
-    def _check_smem_off(self, layout, rows: int):
+    def _check_smem_off(self, layout, rows: int, width: int):
         """Trace time: ``_smem_off`` agrees with the layout's own offsets (crd2idx applies this
         swizzle to element offsets, which is right here: it is declared on elements)."""
         for r in range(rows):
-            for c in range(self.chunks):
+            for c in range(width // 8):
                 for s in range(2):
                     want = cute.crd2idx((r, c * 8, s), layout)
-                    if want != self._smem_off(r, c, s, rows):
-                        raise AssertionError(
-                            f"_smem_off({r}, {c}, {s}) = {self._smem_off(r, c, s, rows)}, layout {want}"
-                        )
+                    got = self._smem_off(r, c, s, rows, width)
+                    if want != got:
+                        raise AssertionError(f"_smem_off({r}, {c}, {s}) = {got}, layout {want}")
 
     def _o_buf(self, kv_ptr, stage, wid):
         """Warp ``wid``'s fp32 [TILE_Q, D] epilogue buffer in stage ``stage``: the K and V rows
-        [16 wid, 16 wid + 16) that only this warp reads, 2 KB per 64-column half of K then of V
-        (16 rows x 128 B; 16 x D x 2 x 2 B = 16 x D x 4 B, so the buffer fills them exactly).
-        Row j is in piece j // rpp (rpp = fp32 rows per 2 KB piece).  No padding fits there, so
-        the accumulator stores see 4-way bank conflicts; a swizzle would avoid them but makes
-        ptxas keep every element's swizzled column in registers (it spilled).  Once per item."""
-        D = self.head_dim
-        tile = BLOCK_N * D  # elements of one stage's K (or V) tile; V stages follow the K stages
-        halves, rpp = D // 64, 512 // D
-        ptr = cute.recast_ptr(kv_ptr + stage * tile + wid * 16 * 64, dtype=Float32)
-        layout = cute.make_layout(((rpp, halves, 2), D), stride=((D, 64 * 64 // 2, self.stages * tile // 2), 1))
+        [KW wid, KW wid + KW) that only this warp reads, one contiguous piece per atom column
+        (16-bit: 16 rows x 128 B = 2 KB per 64-column half; fp8: 32 rows of D bytes) of K then
+        of V: KW x D x kv_bytes x 2 = 16 x D x 4 B, so the buffer fills them exactly.  Row j is
+        in piece j // rpp (rpp = fp32 rows per piece).  No padding fits there, so the
+        accumulator stores see 4-way bank conflicts; a swizzle would avoid them but makes ptxas
+        keep every element's swizzled column in registers (it spilled).  Once per item."""
+        D, aw = self.head_dim, self._atom_w(self.kv_width)
+        tile = self.block_n * self.kv_width  # elements of a stage's K (or V) tile; V stages follow K's
+        halves, rpp = self.kv_width // aw, self.o_rows_per_piece
+        ptr = cute.recast_ptr(kv_ptr + stage * tile + wid * self.keys_per_warp * aw, dtype=Float32)
+        layout = cute.make_layout(
+            ((rpp, halves, 2), D), stride=((D, self.block_n * aw // 2, self.stages * tile // 2), 1)
+        )
         return cute.make_tensor(cute.make_ptr(Float32, ptr.toint(), cute.AddressSpace.smem, assumed_align=16), layout)
 
     # ---- variant hook helpers: plain Python, called while the kernel is traced --------------
@@ -646,15 +692,30 @@ class PagedDecode:
             # heads, token t = i % n_lookups of this thread's
             r = tidx // self.chunks + i * self.row_step
             t, h = i % self.n_lookups, kv_head * self.hpi + i // self.n_lookups
-            d = self._smem_off(r, c, stage, BLOCK_N) * 2
+            d = self._smem_off(r, c, stage, self.block_n, self.kv_width) * 2
             cp_async_16(k_base + d, ld.mK[pages[t], slots[t], h, None].iterator.toint() + c * 16)
             cp_async_16(v_base + d, ld.mV[pages[t], slots[t], h, None].iterator.toint() + c * 16)
 
-    def _smem_off(self, r, c, s, rows: int):
-        """Element offset of row r, 16-byte chunk c, slice s of a (rows, D, n) tile in this
-        kernel's shared layout (8 x 64 atoms under the 128-byte swizzle, which on 2-byte elements
-        XORs the chunk index within the atom with the row index mod 8; see ``_check_smem_off``)."""
-        return s * (rows * self.head_dim) + (c // 8) * (rows * 64) + r * 64 + ((c % 8) ^ (r % 8)) * 8
+    @staticmethod
+    def _atom_w(width: int) -> int:
+        """16-bit elements per row of the swizzle atom of a tile ``width`` elements wide: 64
+        (128 B rows), or 32 for the 64 B rows of an fp8 cache at head dim 64."""
+        return 64 if width % 64 == 0 else 32
+
+    def _swizzle_atom(self, width: int):
+        """The 8-row atom of a shared tile: 128 B rows under the 128-byte swizzle (XOR of the
+        16-byte chunk with the row mod 8), 64 B rows under the 64-byte one (chunk XOR (row / 2)
+        mod 4); either way ldmatrix's 8 rows of one chunk hit 8 different bank groups."""
+        aw = self._atom_w(width)
+        bits = 3 if aw == 64 else 2
+        return cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, aw), stride=(aw, 1)))
+
+    def _smem_off(self, r, c, s, rows: int, width: int):
+        """Element offset of row r, 16-byte chunk c, slice s of a (rows, width, n) tile in this
+        kernel's shared layout (``_swizzle_atom``; see ``_check_smem_off``)."""
+        if self._atom_w(width) == 64:
+            return s * (rows * width) + (c // 8) * (rows * 64) + r * 64 + ((c % 8) ^ (r % 8)) * 8
+        return s * (rows * width) + (c // 4) * (rows * 32) + r * 32 + ((c % 4) ^ ((r // 2) % 4)) * 8
 
     @cute.jit
     def _store(self, outs: Outputs, kv_ptr: cute.Pointer, o_stage: Int32, stats, tidx: Int32, info, tc):
@@ -713,14 +774,3 @@ class PagedDecode:
                     cute.autovec_copy(out, cute.local_tile(mPartO[slot_row, None], (4,), (c4,)))
                     if c4 == 0:
                         mPartLse[slot_row] = lse
-
-
-def build_paged_decode(spec):
-    """The jit entry for a ``paged_decode`` spec: its variant is re-created from the spec's
-    ``variant`` text and must still have the spec's fingerprint (else the class changed since
-    the spec was made and the module would be cached under the wrong key)."""
-    from ..families.decode import decode_abi_fixed
-    from ..variants.base import abi_args
-
-    cfg = DecodeConfig.from_spec(spec.pdict)
-    return make_entry(PagedDecode(cfg), decode_abi_fixed(spec.pdict), abi_args(cfg.variant))

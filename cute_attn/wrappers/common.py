@@ -130,6 +130,24 @@ def plan_dtype(q_data_type, kv_data_type, o_data_type, head_dim_qk=None, head_di
     return q_dtype
 
 
+def plan_kv_dtype(q_data_type, kv_data_type, o_data_type, **unsupported):
+    """plan()'s dtypes for a wrapper whose kernels also read an fp8 cache: (q dtype, kv dtype),
+    q float16 / bfloat16, kv the q dtype or float8_e4m3fn / float8_e5m2 (fp8 queries: the fp8
+    attention kernels do not exist yet)."""
+    q_dtype = as_dtype(q_data_type, "q_data_type")
+    kv_dtype = as_dtype(kv_data_type, "kv_data_type") or q_dtype
+    if q_dtype in FP8:
+        raise NotImplementedError(f"fp8 queries ({q_dtype}; fp8 attention) are not supported yet")
+    rest = None if kv_dtype in FP8 else kv_dtype
+    q_dtype = plan_dtype(q_dtype, rest, o_data_type, **unsupported)
+    return q_dtype, kv_dtype
+
+
+def kv_dtype_name(kv_dtype, q_dtype) -> str | None:
+    """The spec's ``kv_dtype`` of a plan: None for a cache of the query dtype, else the fp8 name."""
+    return None if kv_dtype == q_dtype else dtypes.name_of(kv_dtype, dtypes.FP8)
+
+
 def check_heads(num_qo_heads, num_kv_heads, head_dim, supported) -> None:
     if head_dim not in supported:
         raise ValueError(f"head_dim {head_dim} is not supported; supported: {supported}")

@@ -247,7 +247,8 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             )  # fmt: skip
         check_options(pos_encoding_mode, variant)
         common.check_heads(num_qo_heads, num_kv_heads, head_dim, SUPPORTED_HEAD_DIMS)
-        q_dtype = common.plan_dtype(q_data_type, kv_data_type, o_data_type)
+        q_dtype, kv_dtype = common.plan_kv_dtype(q_data_type, kv_data_type, o_data_type)
+        kv_name = common.kv_dtype_name(kv_dtype, q_dtype)
         if block_tables is not None or seq_lens is not None:
             raise NotImplementedError(
                 "block_tables / seq_lens (the trtllm-gen backend's inputs) are not supported; "
@@ -278,6 +279,11 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             variant=variant,
         )
         hooks = vbase.Hooks(var)
+        if kv_name is not None and (hooks.has_transform_q or hooks.has_transform_k):
+            raise NotImplementedError(
+                f"an fp8 KV cache ({kv_dtype}) with in-kernel RoPE (pos_encoding_mode / a query or key "
+                "transform) is not supported; apply RoPE before writing the cache"
+            )
         if hooks.has_output:
             disable_split_kv = True  # an output transform must see the whole row (not a partial state)
         arch = arch_of_index(self._dev)
@@ -291,7 +297,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         dt = common.dtype_name(q_dtype)
 
         def load(v):
-            sp = decode_spec(arch, dt, head_dim, v, hpi)
+            sp = decode_spec(arch, dt, head_dim, v, hpi, kv_name)
             return kernel(backend.family, arch, **sp.pdict)
 
         # modules first: a missing one fails before the workspace is overwritten
@@ -328,6 +334,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             head_dim=head_dim,
             page_size=int(page_size),
             dtype=q_dtype,
+            kv_dtype=kv_dtype,
             sm_scale=sm,
             window_left=int(window_left),
             num_ctas=self._planner.num_ctas,
@@ -577,8 +584,10 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         # CUDA-graph mode: q may hold more rows than this plan's batch (captured at the largest
         # batch, as the prefill wrappers allow); rows past the batch are neither read nor written
         common.check_q(q, b, hq, d, st.dtype, self._device, self._use_cuda_graph)
-        if k.dtype != q.dtype or k.device != q.device:
-            raise ValueError(f"paged_kv_cache must be {q.dtype} on {q.device}, got {k.dtype} on {k.device}")
+        if k.dtype != st.kv_dtype or k.device != q.device:
+            raise ValueError(
+                f"paged_kv_cache must be {st.kv_dtype} (as planned) on {q.device}, got {k.dtype} on {k.device}"
+            )
         if k.shape[1] != st.page_size or k.shape[2] != hk or k.shape[3] != d:
             raise ValueError(
                 f"paged_kv_cache ({self._kv_layout}) has page_size/kv_heads/head_dim "

@@ -1,0 +1,97 @@
+"""fp8 -> fp16 conversions on 32-bit registers, for kernels that read an fp8 cache and multiply
+in fp16 on the tensor cores.
+
+Every e4m3 and e5m2 value is exactly an fp16 value (fp16 has more exponent range and mantissa
+than either), so the MMA on converted values is exact in its inputs; ``cvt.rn.f16x2.e4m3x2``
+(sm_89+, one SASS instruction) converts two at a time.  The helpers take 4 bytes as one Int32
+(what a 32-bit ``ldmatrix`` / shared load gives) and return two Int32 of f16x2 pairs.  No side
+effects are declared, so ptxas schedules them freely with the surrounding code.
+"""
+
+from __future__ import annotations
+
+from cutlass import Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+_CVT = {"e4m3": "cvt.rn.f16x2.e4m3x2", "e5m2": "cvt.rn.f16x2.e5m2x2"}
+
+
+def fp8_kind(dsl_type) -> str:
+    """``"e4m3"`` or ``"e5m2"`` of a DSL fp8 type."""
+    name = dsl_type.__name__
+    if "E4M3" in name:
+        return "e4m3"
+    if "E5M2" in name:
+        return "e5m2"
+    raise ValueError(f"not an fp8 type: {name}")
+
+
+def _two_out(asm: str, args, loc, ip):
+    ty = llvm.StructType.get_literal([T.i32(), T.i32()])
+    res = llvm.inline_asm(
+        ty,
+        [Int32(a).ir_value(loc=loc, ip=ip) for a in args],
+        asm,
+        "=r,=r" + ",r" * len(args),
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    lo = llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)
+    hi = llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)
+    return Int32(lo), Int32(hi)
+
+
+@dsl_user_op
+def fp8x4_to_f16x4(x, kind: str, *, loc=None, ip=None):
+    """Bytes (b0, b1, b2, b3) of ``x`` -> (f16x2 (b0, b1), f16x2 (b2, b3)), low half first."""
+    cvt = _CVT[kind]
+    asm = f"{{ .reg .b16 l, h; mov.b32 {{l, h}}, $2; {cvt} $0, l; {cvt} $1, h; }}"
+    return _two_out(asm, [x], loc, ip)
+
+
+@dsl_user_op
+def fp8x4_to_f16x4_interleaved(x, kind: str, *, loc=None, ip=None):
+    """Bytes (b0, b1, b2, b3) of ``x`` -> (f16x2 (b0, b2), f16x2 (b1, b3)): the transposing
+    ldmatrix of an fp8 tile seen as 16-bit pairs gives a thread (row 2j: b0 b1, row 2j+1:
+    b2 b3), and the MMA wants each column's two rows in one register."""
+    cvt = _CVT[kind]
+    asm = (
+        f"{{ .reg .b32 t; .reg .b16 l, h; prmt.b32 t, $2, 0, 0x3120; mov.b32 {{l, h}}, t; {cvt} $0, l; {cvt} $1, h; }}"
+    )
+    return _two_out(asm, [x], loc, ip)
+
+
+@dsl_user_op
+def bf16x2_to_f16x2(x, *, loc=None, ip=None) -> Int32:
+    """A bf16 pair -> the fp16 pair nearest to it (through fp32; fp16 overflows past 65504)."""
+    res = llvm.inline_asm(
+        T.i32(),
+        [Int32(x).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b32 lo, hi; .reg .f32 flo, fhi; shl.b32 lo, $1, 16; and.b32 hi, $1, 0xffff0000; "
+        "mov.b32 flo, lo; mov.b32 fhi, hi; cvt.rn.f16x2.f32 $0, fhi, flo; }",
+        "=r,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(res)
+
+
+@dsl_user_op
+def ld_shared_v2(addr, *, loc=None, ip=None):
+    """8 bytes at shared byte address ``addr`` (8-byte aligned) as two Int32."""
+    ty = llvm.StructType.get_literal([T.i32(), T.i32()])
+    res = llvm.inline_asm(
+        ty,
+        [Int32(addr).ir_value(loc=loc, ip=ip)],
+        "ld.shared.v2.b32 {$0, $1}, [$2];",
+        "=r,=r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    lo = llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)
+    hi = llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)
+    return Int32(lo), Int32(hi)
