@@ -20,7 +20,7 @@ from triton.testing import do_bench
 import cute_attn.bench.decode as bench_decode
 from cute_attn import BatchDecodeWithPagedKVCacheWrapper
 from cute_attn.bench.common import cudnn_time
-from cute_attn.bench.decode import _dense, _paged, decode_cases
+from cute_attn.bench.decode import _dense, decode_cases, paged_cache
 
 
 def cases():
@@ -51,12 +51,12 @@ def main():
     a = ap.parse_args()
     settings = [None] if a.heads == "auto" else [int(h) for h in a.heads.split(",")]
     HQ, HK, D = (int(x) for x in a.shape.split(","))
-    bench_decode.HQ, bench_decode.HK, bench_decode.D = HQ, HK, D  # what _paged / _dense build
+    bench_decode.HQ, bench_decode.HK, bench_decode.D = HQ, HK, D  # what paged_cache / _dense build
     gen = torch.Generator().manual_seed(0)
     for name, lens, ps in cases():
         if a.only and a.only not in name:
             continue
-        cache, indptr, indices, last = _paged(lens, ps, gen)
+        cache, indptr, indices, last = paged_cache(lens, ps, gen)
         q = torch.randn(len(lens), HQ, D, device="cuda", dtype=torch.bfloat16)
         kw = (
             {"pos_encoding_mode": "ROPE_LLAMA"}

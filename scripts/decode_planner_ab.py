@@ -13,7 +13,7 @@ import torch
 from triton.testing import do_bench
 
 import cute_attn.wrappers.decode as Dm
-from cute_attn.bench.decode import HK, HQ, D, _paged
+from cute_attn.bench.decode import HK, HQ, D, paged_cache
 
 Orig = Dm.Planner
 SETTINGS = [("a8/m256", 8, 256), ("a4/m64", 4, 64), ("a4/m128", 4, 128), ("a2/m64", 2, 64)]
@@ -38,7 +38,7 @@ def main(out_path):
     ]
     res = []
     for name, lens in cases:
-        cache, indptr, indices, last = _paged(lens, 16, gen)
+        cache, indptr, indices, last = paged_cache(lens, 16, gen)
         b = len(lens)
         q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
         kv_bytes = sum(lens) * HK * D * 2 * 2

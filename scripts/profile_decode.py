@@ -9,7 +9,7 @@ import argparse
 import torch
 
 from cute_attn import BatchDecodeWithPagedKVCacheWrapper
-from cute_attn.bench.decode import HK, HQ, D, _paged
+from cute_attn.bench.decode import HK, HQ, D, paged_cache
 
 
 def main():
@@ -21,7 +21,7 @@ def main():
     ap.add_argument("--ctas-per-sm", type=int, default=None)
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
-    cache, indptr, indices, last = _paged([a.kv] * a.batch, a.page, gen)
+    cache, indptr, indices, last = paged_cache([a.kv] * a.batch, a.page, gen)
     q = torch.randn(a.batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     w = BatchDecodeWithPagedKVCacheWrapper(
         torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), ctas_per_sm=a.ctas_per_sm
