@@ -3,7 +3,7 @@ block-sparse wrapper, each checked against the fp64 reference (``cute_attn.testi
 
     PYTHONPATH=. CUTE_ATTN_CACHE_DIR=build/aot python scripts/fuzz.py --batches 2000 [--seed S]
 
-Random lengths (0 and 1 included), page sizes, layouts, cache forms, GQA ratios, head dims,
+Random lengths (0 and 1 included), page sizes, layouts, cache forms (fp8 decode caches too), GQA ratios, head dims,
 dtypes, soft-cap / window / sinks where the compiled presets hold their kernels (the `all`
 preset: no DSL on a GPU machine), and CUDA-graph replays after a re-plan.  Every batch has its
 own seed; a failure prints it (``--only-seed S`` replays one batch) and the run ends with the
@@ -104,6 +104,12 @@ def fuzz_decode(rng, gen):
     ps = rng.choice([1, 3, 16, 64])
     layout, single = rng.choice(["NHD", "HND"]), rng.random() < 0.3
     cache, indptr, indices, last = _paged(rng, gen, kv, ps, hk, d, dtype, layout, single)
+    ref_cache = cache
+    if rng.random() < 0.25:  # an fp8 cache; the reference reads its exact dequantization
+        kv_dt = rng.choice([torch.float8_e4m3fn, torch.float8_e5m2])
+        cache = cache.to(kv_dt) if single else tuple(t.to(kv_dt) for t in cache)
+        ref_cache = cache.float() if single else tuple(t.float() for t in cache)
+        opts["kv_data_type"] = kv_dt
     q = torch.randn(b, hq, d, generator=gen).to(DEV, dtype)
     graph = rng.random() < 0.2
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
@@ -140,7 +146,7 @@ def fuzz_decode(rng, gen):
         out, lse = w.run(q, cache, return_lse=True)
     torch.cuda.synchronize()
     ref_o, ref_l = paged_reference(
-        q, cache, None, indptr, indices, last, kv_layout=layout, dtype=torch.float64,
+        q, ref_cache, None, indptr, indices, last, kv_layout=layout, dtype=torch.float64,
         logits_soft_cap=opts.get("logits_soft_cap"), window_left=opts.get("window_left", -1),
     )  # fmt: skip
     _check(out, lse, ref_o, ref_l, dtype, f"decode b={b} ps={ps} {layout} d={d} {hq}/{hk} {opts} graph={graph}")

@@ -45,6 +45,8 @@ def case_merge():
 def case_decode(kv_lens, ps, heads_per_item=None, **plan_kw):
     hq, hk, d = 16, 4, 128
     cache, indptr, indices, last = paged(kv_lens, ps, hk, d)
+    if "kv_data_type" in plan_kw:
+        cache = tuple(t.to(plan_kw["kv_data_type"]) for t in cache)
     w = cute_attn.BatchDecodeWithPagedKVCacheWrapper(ws())
     w.plan(indptr, indices, last, hq, hk, d, ps, q_data_type=BF, heads_per_item=heads_per_item, **plan_kw)
     w.run(rnd(len(kv_lens), hq, d), cache)
@@ -111,6 +113,8 @@ CASES = {
     "decode_packed4": lambda: case_decode([64] * 8, 16, 4),
     "decode_page1_split": lambda: case_decode([5000, 7], 1, 1),
     "decode_softcap_window": lambda: case_decode([200, 9], 16, 1, logits_soft_cap=30.0, window_left=50),
+    "decode_fp8_split": lambda: case_decode([5000, 7, 130], 16, 1, kv_data_type=torch.float8_e4m3fn),
+    "decode_fp8_packed4_page1": lambda: case_decode([64] * 8, 1, 4, kv_data_type=torch.float8_e5m2),
     "prefill_ragged": lambda: case_prefill(0, False),
     "prefill_ragged_causal": lambda: case_prefill(0, True),
     "prefill_page16_boxes": lambda: case_prefill(16, True, kv_pass=False),
