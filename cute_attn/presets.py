@@ -68,6 +68,7 @@ PRESETS: Dict[str, Callable[[str], List[Spec]]] = {
     "all": _all,
     "decode": _backend("decode"),
     "prefill": _backend("prefill+kv_pass"),
+    "mla": _backend("mla_decode"),
     "variants": _variants,
     "smoke": lambda arch: merge.shipped_specs(arch, ("bf16",), (128,)),
     # tuning sweep for `python -m cute_attn bench --only merge_sweep`

@@ -134,6 +134,7 @@ def test_host_edits_change_no_key(tmp_path, base_keys, rel):
         ("kernels/decode.py", {"paged_decode"}),
         ("kernels/prefill_sm90_softmax.py", {"batch_prefill_sm90"}),
         ("kernels/kv_pass.py", {"kv_pass"}),
+        ("kernels/mla_decode.py", {"mla_decode"}),
         ("kernels/merge.py", {"merge_states", "merge_pair", "merge_partials"}),
         ("families/merge.py", {"merge_states", "merge_pair", "merge_partials"}),
         ("families/decode.py", {"paged_decode", "batch_prefill_sm90"}),

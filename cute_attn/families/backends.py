@@ -14,12 +14,12 @@ import numpy as np
 
 from ..abi import dtypes
 from ..abi.archs import ARCHS
-from . import decode, kv_pass, merge, prefill
+from . import decode, kv_pass, merge, mla, prefill
 
 
 @dataclass(frozen=True)
 class Backend:
-    op: str  # "merge", "decode", "prefill", "kv_pass"
+    op: str  # "merge", "decode", "prefill", "kv_pass", "mla_decode"
     name: str
     family: str
     archs: tuple
@@ -77,6 +77,20 @@ BACKENDS = (
         dtypes.ATTENTION,
         ctas_per_sm={d: kv_pass.CTAS_PER_SM for d in prefill.HEAD_DIMS},
         shipped=kv_pass.shipped_specs,
+    ),  # fmt: skip
+    # absorbed MLA (one 576-wide latent kv head for every query head): the decode kernel's cost
+    # parameters -- it is the same kind of kernel (a memory-bound cp.async stream per item)
+    Backend(
+        "mla_decode",
+        "mla_mma_sync",
+        "mla_decode",
+        ARCHS,
+        (mla.HEAD_DIM_CKV,),
+        dtypes.ATTENTION,
+        tiles=mla.TILES,
+        ctas_per_sm={mla.HEAD_DIM_CKV: mla.CTAS_PER_SM},
+        planner={"alpha": 8, "balance_tol": 0.01},
+        shipped=mla.shipped_specs,
     ),  # fmt: skip
 )
 

@@ -1,0 +1,105 @@
+"""The paged MLA family (``kernels/mla_decode.py``: absorbed multi-head latent attention on
+``mma.sync`` + ``cp.async``, both arches): its ABI, the instructions its binary must hold,
+and the specializations that ship.
+
+Spec parameters: ``dtype`` (queries, caches and output: ``f16`` / ``bf16``), ``head_dim_ckv``
+(512) and ``head_dim_kpe`` (64) -- the only widths the kernel is built for, named in the spec
+so a key says what it serves --, ``tile_q`` (packed query rows per work item: 16, or 32 with
+two warp groups for plans whose requests have more rows than one tile) and ``stages`` (the
+KV pipeline depth that fits shared memory).  Causal masking and the softmax scale are launch
+scalars: one module serves both."""
+
+from __future__ import annotations
+
+from ..abi import dtypes
+from ..abi.archs import ARCHS
+from ..abi.args import ScalarArg, TensorArg
+from ..abi.records import WORK_FIELDS
+from .base import KernelFamily, i32_arg, register
+from .spec import Spec
+
+HEAD_DIM_CKV = 512  # the latent width (DeepSeek-V2/V3's kv_lora_rank): V and the output
+HEAD_DIM_KPE = 64  # the RoPE width of the key (qk_rope_head_dim)
+TILES = (16, 32)  # packed query rows per work item: one or two warp groups of 16 rows
+STAGES = {16: 4, 32: 4}  # 36 KB stages: 4 x 36 + Q staging (18 / 36 KB) + scores (8 / 16 KB)
+CTAS_PER_SM = 1  # what shared memory allows (170 / 196 KB)
+MAX_HEADS = 128  # DeepSeek-V3's 128 query heads (16 / 32 / 64 at tensor-parallel 8 / 4 / 2)
+
+
+def mla_abi(p):
+    """q_nope / q_pe ``[tokens, heads, 512 | 64]`` and the caches ``[pages, page_size, 512 |
+    64]``, any strides with the last dim contiguous (SGLang passes views of one 576-wide
+    buffer: q ``[..., :512]`` / ``[..., 512:]``), whole 16-byte vectors."""
+    dt = p["dtype"]
+    ckv, kpe = p["head_dim_ckv"], p["head_dim_kpe"]
+    vec = dtypes.vec_elems(dt)
+    rows = lambda name, d: TensorArg(name, dt, (None, None, d), (None, None, 1), vec, 16)  # noqa: E731
+    return [
+        rows("mQn", ckv),
+        rows("mQp", kpe),
+        rows("mCkv", ckv),
+        rows("mKpe", kpe),
+        i32_arg("mKvIndptr"),
+        i32_arg("mKvIndices"),
+        rows("mO", ckv),
+        TensorArg("mLse", "f32", (None, None), (None, None), 1, 4),
+        TensorArg("mWork", "i32", (None, WORK_FIELDS), (WORK_FIELDS, 1), 1, 4),
+        i32_arg("mWorkIndptr"),
+        TensorArg("mPartO", "f32", (None, ckv), (ckv, 1), 1, 16),
+        TensorArg("mPartLse", "f32", (None,), (1,), 1, 4),
+        ScalarArg("group", "i32"),
+        ScalarArg("causal", "i32"),
+        ScalarArg("sm_scale", "f32"),
+        ScalarArg("num_ctas", "i32"),
+    ]
+
+
+MLA_DECODE = register(
+    KernelFamily(
+        name="mla_decode",
+        builder="cute_attn.kernels.mla_decode:build_mla_decode",
+        abi=mla_abi,
+        expect={
+            a: {
+                "mma.sync m16n8k16 (PTX)": r"ptx:mma\.sync\.aligned\.m16n8k16",
+                "cp.async (PTX)": r"ptx:cp\.async\.c[ag]\.shared",
+                "ldmatrix (PTX)": r"ptx:ldmatrix\.sync\.aligned",
+                "HMMA.16816 (SASS)": r"sass:HMMA\.16816",
+                "LDGSTS (SASS)": r"sass:LDGSTS",
+                # lets the merge kernel (a programmatic dependent launch) start early
+                "griddepcontrol.launch_dependents (PTX)": r"ptx:griddepcontrol\.launch_dependents",
+            }
+            for a in ARCHS
+        },
+    )
+)
+
+
+def mla_spec(arch: str, dtype: str, tile_q: int = TILES[0]) -> Spec:
+    """The ``mla_decode`` specialization for a dtype (``"f16"`` / ``"bf16"``) and tile."""
+    if tile_q not in TILES:
+        raise ValueError(f"mla_decode: tile_q {tile_q} is not one of {TILES}")
+    return Spec.make(
+        "mla_decode",
+        arch,
+        dtype=dtype,
+        head_dim_ckv=HEAD_DIM_CKV,
+        head_dim_kpe=HEAD_DIM_KPE,
+        tile_q=tile_q,
+        stages=STAGES[tile_q],
+    )
+
+
+def mla_merge_spec(arch: str, dtype: str, tile_q: int) -> Spec:
+    """The split-KV partials' merge at the latent width (``merge_partials``; spelled out here so
+    this module need not import the merge family's, whose edits would then change MLA keys)."""
+    return Spec.make("merge_partials", arch, dtype=dtype, head_dim=HEAD_DIM_CKV, tile_q=tile_q)
+
+
+def shipped_specs(arch: str, dtype_names=dtypes.ATTENTION, tiles=TILES) -> list:
+    """Both tiles for fp16 and bf16, and the merge of each tile."""
+    out = []
+    for dt in dtype_names:
+        for t in tiles:
+            out += [mla_spec(arch, dt, t), mla_merge_spec(arch, dt, t)]
+    return out

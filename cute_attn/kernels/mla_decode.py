@@ -1,0 +1,555 @@
+"""Paged MLA attention in the absorbed form (CuTe DSL), executing the scheduler's work items.
+
+Multi-head latent attention (DeepSeek-V2/V3) after matrix absorption has one latent KV head
+shared by every query head: per token a compressed row ``ckv`` (512 wide) and a RoPE row
+``kpe`` (64 wide).  For query head h of a token::
+
+    s_j = (q_nope[h] . ckv_j + q_pe[h] . kpe_j) * sm_scale      (K = [ckv | kpe], 576 wide)
+    o   = softmax(s) . ckv                                       (V = ckv, 512 wide)
+
+so every key is read once for *all* heads: a work item is a tile of packed query rows (heads x
+query tokens of one request, the planner's GQA packing with group = heads and one kv head;
+contract: ``cute_attn/sched/__init__.py``), and the [ckv | kpe] row in shared memory serves as
+K of the scores and as V of the output (FlashMLA's idea, written here on ``mma.sync``).
+
+Geometry (``TILE_Q = 16 x row_groups`` rows; one group = 4 warps = 16 rows):
+- **Loads**: one stream of ``cp.async`` 16-byte copies over the CTA's items, ``stages`` blocks of
+  ``BLOCK_N`` = 32 tokens in flight (the load cursor runs ``stages - 1`` blocks ahead and moves
+  to the next item as soon as one is exhausted, so the ring never drains at item boundaries).
+  8 threads copy one token's row: chunks t, t+8, .. of ckv and chunk t of kpe, one page lookup
+  per token (``kernels/pages.py`` clamps it into the cache).  A stage is [32, 576] 16-bit
+  values under the 128-byte swizzle: 36 KB.
+- **Q** of an item is read once (16-byte loads into a swizzled staging tile, one barrier) and
+  kept in registers: warp w of a group holds the 9 k16 steps ``w, w + 4, .., w + 32`` of the
+  576-wide rows (the last one is a q_pe step), 36 registers.
+- **S = Q Kᵀ split over the contraction**: warp w computes the 16 x 32 scores over its 9
+  steps (36 MMAs), writes the partial sums to shared memory (8 KB per group), one barrier, and
+  every warp adds the four partials in the same fixed order: each warp then holds the whole
+  score tile, bitwise the same in all four, and runs the online softmax on it redundantly (16
+  values per thread).  So no max exchange and no P round trip through shared memory: P goes
+  from the accumulator to the A operand in registers.
+- **O += P V split over the output columns**: warp w owns columns [128 w, 128 w + 128) of the
+  512 (a 16 x 128 fp32 accumulator: 64 registers per thread), V from the same stage by the
+  transposing ``ldmatrix``.  Every warp has the same row statistics, so the epilogue needs no
+  ⊕ between warps: each normalizes and stores its own columns (bf16 / fp16 rows + LSE, or an
+  fp32 partial slot for the merge kernel).
+Two barriers per block (the stage's arrival and the partial scores), none in the epilogue.
+
+Why the contraction split: holding all of a 16 x 576 Q tile as A fragments takes 144 registers
+per thread; split four ways it is 36, and the partial-score exchange (8 KB written, 32 KB read
+per block and group) costs less shared bandwidth than re-reading Q from shared memory each
+block (4 x 18 KB).  Bytes per SM: 36 KB per block and ~2 blocks per microsecond at 4.8 TB/s
+over 132 SMs; one group's 68 MMAs per warp take well under that (memory-bound at 16 rows).
+
+Causal masking (runtime ``causal``) is bottom-right aligned: packed row r of an item is query
+token ``r // group`` at position ``kv_len - qo_len + r // group`` and sees keys up to it.
+Scores are kept in base 2 (scaled by ``sm_scale * log2 e``), so the LSE is base 2 as FlashInfer
+returns it.  No Hopper-only instruction: the same code compiles for sm_100a.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warp
+
+from ..variants.dsl import LOG2E
+from .copy import cp_async_16
+from .fragments import mma_acc_as_a, mma_mn_view, quad_max, quad_sum
+from .pages import in_cache
+from .work import ItemInfo, tok_head
+
+D_CKV = 512  # latent (compressed KV) width: the output width
+D_KPE = 64  # RoPE part of the key
+D_QK = D_CKV + D_KPE  # score contraction width
+BLOCK_N = 32  # tokens per pipeline stage
+ROWS = 16  # packed query rows per warp group (one m16 MMA tile)
+GROUP_WARPS = 4
+K_STEPS = D_QK // 16  # k16 steps of the score contraction: 36
+STEPS_PER_WARP = K_STEPS // GROUP_WARPS  # 9
+O_COLS = D_CKV // GROUP_WARPS  # output columns per warp: 128
+ROW_CHUNKS = D_QK // 8  # 16-byte chunks per [ckv | kpe] row: 72 (64 + 8)
+THREADS_PER_ROW = 8  # threads that copy one row (8 ckv chunks + 1 kpe chunk each)
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """What an ``mla_decode`` specialization fixes: the value dtype (DSL type), the warp groups
+    per CTA (16 rows each) and the pipeline depth."""
+
+    dtype: Any
+    row_groups: int
+    stages: int
+
+    @classmethod
+    def from_spec(cls, p: dict) -> MlaConfig:
+        from ..abi.dtypes import to_dsl
+
+        assert p["head_dim_ckv"] == D_CKV and p["head_dim_kpe"] == D_KPE, p
+        assert p["tile_q"] % ROWS == 0, p
+        return cls(to_dsl(p["dtype"]), p["tile_q"] // ROWS, p["stages"])
+
+
+class Cursor:
+    """The load cursor: the item it is in, its next block ``nb`` of ``n``, the item's token range
+    [start, end) and its page-table offset ``base``.  Carried through the kernel's loops as six
+    Int32 values in this order (``__extract_mlir_values__``)."""
+
+    FIELDS = ("item", "nb", "n", "start", "end", "base")
+
+    def __init__(self, item, nb, n, start, end, base):
+        self.item, self.nb, self.n, self.start, self.end, self.base = item, nb, n, start, end, base
+
+    def next_block(self):
+        return Cursor(self.item, self.nb + 1, self.n, self.start, self.end, self.base)
+
+    def astuple(self):
+        return tuple(getattr(self, f) for f in self.FIELDS)
+
+    def __extract_mlir_values__(self):
+        return [v for f in self.FIELDS for v in cutlass.extract_mlir_values(getattr(self, f))]
+
+    def __new_from_mlir_values__(self, values):
+        return Cursor(*[cutlass.new_from_mlir_values(getattr(self, f), [v]) for f, v in zip(self.FIELDS, values)])
+
+
+@dataclass(frozen=True)
+class LoadStream:
+    """What the load cursor reads and writes, fixed for the CTA (made before the item loop and
+    only read in it): the caches and page table, the stage ring's base address, the page lookups
+    of the cursor's next block (``rows``), this thread, the page-size divisor and the work list."""
+
+    mCkv: Any
+    mKpe: Any
+    mWork: Any
+    mKvIndptr: Any
+    mKvIndices: Any
+    kv_base: Any
+    rows: Any
+    tidx: Any
+    page_size: Any
+    group: Any
+    item_end: Any
+
+
+def smem_off(r, j, t, s, rows: int):
+    """Element offset of row r, 16-byte chunk 8 j + t (j < 9: chunk column j of the swizzle
+    atom; t < 8), slice s of a (rows, 576, n) tile: 128-byte rows, chunk XOR (row mod 8)."""
+    return s * (rows * D_QK) + j * (rows * 64) + r * 64 + (t ^ (r % 8)) * 8
+
+
+def swizzle_atom():
+    """The 8 x 64 atom of the shared tiles: ldmatrix's 8 rows of one chunk hit 8 bank groups."""
+    return cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+
+
+class MlaDecode:
+    def __init__(self, cfg: MlaConfig):
+        assert cfg.row_groups in (1, 2) and cfg.stages >= 2, cfg
+        self.cfg = cfg
+        self.dtype = cfg.dtype
+        self.groups = cfg.row_groups
+        self.tile_q = ROWS * cfg.row_groups
+        self.stages = cfg.stages
+        self.threads = 32 * GROUP_WARPS * cfg.row_groups
+        self.row_step = self.threads // THREADS_PER_ROW  # a thread's copied rows are row_step apart
+        self.n_lookups = BLOCK_N // self.row_step  # tokens each thread copies per block
+        assert self.n_lookups * self.row_step == BLOCK_N
+        assert self.tile_q * THREADS_PER_ROW == self.threads  # Q staging: one row per 8 threads
+
+    # ---- host side ----------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQn: cute.Tensor,
+        mQp: cute.Tensor,
+        mCkv: cute.Tensor,
+        mKpe: cute.Tensor,
+        mKvIndptr: cute.Tensor,
+        mKvIndices: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mWork: cute.Tensor,
+        mWorkIndptr: cute.Tensor,
+        mPartO: cute.Tensor,
+        mPartLse: cute.Tensor,
+        group: Int32,
+        causal: Int32,
+        sm_scale: Float32,
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        kv_layout = cute.tile_to_shape(swizzle_atom(), (BLOCK_N, D_QK, self.stages), (0, 1, 2))
+        q_layout = cute.tile_to_shape(swizzle_atom(), (self.tile_q, D_QK), (0, 1))
+        self._check_smem_off(kv_layout, BLOCK_N, 2)
+        self._check_smem_off(q_layout, self.tile_q, 1)
+
+        @cute.struct
+        class Smem:
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            # the partial scores: per group, warp, 4-value vector and lane (16-byte accesses of
+            # 8 consecutive lanes are 128 contiguous bytes: no bank conflict)
+            sS: cute.struct.Align[cute.struct.MemRange[Float32, self.groups * GROUP_WARPS * ROWS * BLOCK_N], 16]
+
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1), permutation_mnk=(16, 16, 16)
+        )
+        self.kernel(
+            mQn,
+            mQp,
+            mCkv,
+            mKpe,
+            mKvIndptr,
+            mKvIndices,
+            mO,
+            mLse,
+            mWork,
+            mWorkIndptr,
+            mPartO,
+            mPartLse,
+            group,
+            causal,
+            sm_scale * LOG2E,
+            kv_layout,
+            q_layout,
+            tiled_mma,
+            Smem,
+        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    def _check_smem_off(self, layout, rows: int, slices: int):
+        """Trace time: ``smem_off`` agrees with the layout's own offsets."""
+        for r in range(rows):
+            for c in range(ROW_CHUNKS):
+                for s in range(slices):
+                    crd = (r, c * 8, s) if slices > 1 else (r, c * 8)
+                    want = cute.crd2idx(crd, layout)
+                    got = smem_off(r, c // 8, c % 8, s, rows)
+                    if want != got:
+                        raise AssertionError(f"smem_off({r}, {c}, {s}) = {got}, layout {want}")
+
+    # ---- device side --------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQn: cute.Tensor,
+        mQp: cute.Tensor,
+        mCkv: cute.Tensor,
+        mKpe: cute.Tensor,
+        mKvIndptr: cute.Tensor,
+        mKvIndices: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mWork: cute.Tensor,
+        mWorkIndptr: cute.Tensor,
+        mPartO: cute.Tensor,
+        mPartLse: cute.Tensor,
+        group: Int32,
+        causal: Int32,
+        scale_log2: Float32,
+        kv_layout: cute.ComposedLayout,
+        q_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+        Smem: cutlass.Constexpr,
+    ):
+        # the merge kernel (a programmatic dependent launch) may start now; it waits for this
+        # grid before it reads a partial
+        cute.arch.griddepcontrol_launch_dependents()
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        wid = tidx // 32
+        lane = tidx % 32
+        grp = wid // GROUP_WARPS  # this warp's 16 rows of the tile
+        wg = wid % GROUP_WARPS  # its k steps of S and its 128 columns of O
+
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(Smem)
+        sKV = st.sKV.get_tensor(kv_layout)
+        sQ = st.sQ.get_tensor(q_layout)
+        # sS[e, lane, warp, group]: accumulator value e of a lane's 16-value score fragment
+        sS = st.sS.get_tensor(
+            cute.make_layout(
+                ((4, 4), 32, GROUP_WARPS, self.groups),
+                stride=((1, 128), 4, 512, 512 * GROUP_WARPS),
+            )
+        )
+
+        thr_mma = tiled_mma.get_slice(lane)
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+        s2r_q = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(lane)
+        s2r_k = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(lane)
+        s2r_v = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(lane)
+
+        tScS = mma_mn_view(thr_mma.partition_C(cute.make_identity_tensor((ROWS, BLOCK_N))))
+        tOcO = mma_mn_view(thr_mma.partition_C(cute.make_identity_tensor((ROWS, O_COLS))))
+        n_rows_thr = cute.size(tScS, mode=[0])
+        n_cols_s = cute.size(tScS, mode=[1])
+
+        page_size = cute.FastDivmodDivisorV2(mCkv.shape[1])
+        rows = cute.make_rmem_tensor((self.n_lookups,), Int32)  # the pages of the cursor's next block
+        item_begin, item_end = mWorkIndptr[cta], mWorkIndptr[cta + 1]
+        ld = LoadStream(
+            mCkv, mKpe, mWork, mKvIndptr, mKvIndices, sKV.iterator.toint(), rows, tidx, page_size, group, item_end
+        )
+        # The loads run as one stream over this CTA's items, stages - 1 blocks ahead of the
+        # compute, into a ring that does not restart at item boundaries (block t of the stream
+        # goes to stage t % stages); one cp.async group per block and one block issued per
+        # computed block, so the wait for block t is always "all but the stages - 2 newest".
+        z = Int32(0)
+        cur = self._cursor_next(ld, Cursor(item_begin - 1, z, z, z, z, z))
+        for s in cutlass.range_constexpr(self.stages - 1):
+            cur = self._cursor_issue(ld, s, cur)
+        g = Int32(0)  # blocks computed so far: the stream position of this item's block 0
+        for item in cutlass.range(item_begin, item_end, unroll=1):
+            info = ItemInfo(mWork, item, group)
+            n_blocks = (info.kv_end - info.kv_start + BLOCK_N - 1) // BLOCK_N
+            acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, O_COLS)), Float32)
+            acc_O.fill(0.0)
+            row_m = cute.make_rmem_tensor((n_rows_thr,), Float32)
+            row_l = cute.make_rmem_tensor((n_rows_thr,), Float32)
+            row_m.fill(-Float32.inf)
+            row_l.fill(0.0)
+            # the last key + 1 each accumulator row may see: the item's end, or before that its
+            # query position + 1 when causal (bottom-right aligned)
+            row_lim = cute.make_rmem_tensor((n_rows_thr,), Int32)
+            for r in cutlass.range_constexpr(n_rows_thr):
+                j = grp * ROWS + tScS[r, 0][0]
+                q_pos = info.qpos_base + (info.row_start + j) // group
+                lim = info.kv_end
+                if causal != 0:
+                    lim = cutlass.min(lim, q_pos + 1)
+                row_lim[r] = lim
+            sQ_g = cute.local_tile(sQ, (ROWS, D_QK), (grp, 0))
+            tSrQ = [
+                thr_mma.make_fragment_A(thr_mma.partition_A(cute.local_tile(sQ_g, (ROWS, 16), (0, 0))))
+                for _ in range(STEPS_PER_WARP)
+            ]
+            if n_blocks > 0:
+                # Q: 16-byte loads into the staging tile, one barrier, then this warp's 9 k steps
+                # into registers.  The next item writes the tile only after this item's blocks,
+                # each behind a barrier, so every warp has read it by then.
+                self._stage_q(mQn, mQp, sQ, info, tidx)
+                cute.arch.sync_threads()
+                for i in cutlass.range_constexpr(STEPS_PER_WARP):
+                    sQ_k = cute.local_tile(sQ_g, (ROWS, 16), (0, wg + GROUP_WARPS * i))
+                    cute.copy(s2r_q, s2r_q.partition_S(sQ_k), s2r_q.retile(tSrQ[i]))
+
+            for nb in cutlass.range(n_blocks):
+                cute.arch.cp_async_wait_group(self.stages - 2)
+                cute.arch.sync_threads()
+                cur = self._cursor_issue(ld, (g + nb + self.stages - 1) % self.stages, cur)
+                sK = sKV[None, None, (g + nb) % self.stages]
+                key0 = info.kv_start + nb * BLOCK_N
+
+                # S partial = Q Kᵀ over this warp's k steps (16 rows x 32 keys)
+                acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, BLOCK_N)), Float32)
+                acc_S.fill(0.0)
+                for i in cutlass.range_constexpr(STEPS_PER_WARP):
+                    sK_k = cute.local_tile(sK, (BLOCK_N, 16), (0, wg + GROUP_WARPS * i))
+                    tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_k))
+                    cute.copy(s2r_k, s2r_k.partition_S(sK_k), s2r_k.retile(tSrK))
+                    cute.gemm(tiled_mma, acc_S, tSrQ[i][None, None, 0], tSrK[None, None, 0], acc_S)
+                self._exchange_scores(acc_S, sS, lane, wg, grp)
+
+                # logits (base 2), mask, online softmax: the same values in every warp of the group
+                acc_S_mn = mma_mn_view(acc_S)
+                acc_O_mn = mma_mn_view(acc_O)
+                for r in cutlass.range_constexpr(n_rows_thr):
+                    m_blk = -Float32.inf
+                    for c in cutlass.range_constexpr(n_cols_s):
+                        v = acc_S_mn[r, c] * scale_log2
+                        v = v if key0 + tScS[0, c][1] < row_lim[r] else -Float32.inf
+                        acc_S_mn[r, c] = v
+                        m_blk = cute.arch.fmax(m_blk, v)
+                    m_blk = quad_max(m_blk)
+                    m_new = cute.arch.fmax(row_m[r], m_blk)
+                    m_use = m_new if m_new != -Float32.inf else Float32(0.0)
+                    corr = cute.math.exp2(row_m[r] - m_use, fastmath=True)
+                    l_blk = Float32(0.0)
+                    for c in cutlass.range_constexpr(n_cols_s):
+                        p = cute.math.exp2(acc_S_mn[r, c] - m_use, fastmath=True)
+                        acc_S_mn[r, c] = p
+                        l_blk = l_blk + p
+                    row_l[r] = row_l[r] * corr + l_blk  # per-thread partial sum, quad-reduced at the end
+                    row_m[r] = m_new
+                    for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                        acc_O_mn[r, c] = acc_O_mn[r, c] * corr
+
+                # O += P V over this warp's 128 columns, 16 keys at a time
+                rP = cute.make_fragment_like(acc_S, self.dtype)
+                rP.store(acc_S.load().to(self.dtype))
+                tOrP = mma_acc_as_a(rP)
+                for k in cutlass.range_constexpr(BLOCK_N // 16):
+                    sV_k = cute.local_tile(sK, (16, O_COLS), (k, wg))
+                    sVt = cute.composition(sV_k, cute.make_layout((O_COLS, 16), stride=(16, 1)))
+                    tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+                    cute.copy(s2r_v, s2r_v.partition_S(sVt), s2r_v.retile(tOrV))
+                    cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, 0], acc_O)
+
+            g = g + n_blocks
+            self._store(mO, mLse, mPartO, mPartLse, acc_O, row_m, row_l, (tScS, tOcO), info, lane, wg, grp)
+
+    # ---- the score exchange ------------------------------------------------------------------
+    @cute.jit
+    def _exchange_scores(self, acc_S: cute.Tensor, sS: cute.Tensor, lane: Int32, wg: Int32, grp: Int32):
+        """Replace this warp's partial scores by the group's total: write them (4 x 16 bytes per
+        lane), one barrier, add the four warps' partials in warp order (so every warp gets the
+        same bits).  The next block writes sS only after its own first barrier, which every warp
+        reaches after these reads."""
+        n = cute.size(acc_S)
+        for v in cutlass.range_constexpr(n // 4):
+            frag = cute.make_rmem_tensor((4,), Float32)
+            for e in cutlass.range_constexpr(4):
+                frag[e] = acc_S[4 * v + e]
+            cute.autovec_copy(frag, cute.local_tile(sS[None, lane, wg, grp], (4,), (v,)))
+        cute.arch.sync_threads()
+        for w in cutlass.range_constexpr(GROUP_WARPS):
+            for v in cutlass.range_constexpr(n // 4):
+                frag = cute.make_rmem_tensor((4,), Float32)
+                cute.autovec_copy(cute.local_tile(sS[None, lane, w, grp], (4,), (v,)), frag)
+                for e in cutlass.range_constexpr(4):
+                    if const_expr(w == 0):
+                        acc_S[4 * v + e] = frag[e]
+                    else:
+                        acc_S[4 * v + e] = acc_S[4 * v + e] + frag[e]
+
+    # ---- loads ------------------------------------------------------------------------------
+    @cute.jit
+    def _stage_q(self, mQn: cute.Tensor, mQp: cute.Tensor, sQ: cute.Tensor, info: ItemInfo, tidx: Int32):
+        """The item's Q tile into the staging tile: row tidx / 8 of the tile, its 16-byte chunks
+        t, t + 8, .. of q_nope and chunk t of q_pe (t = tidx mod 8); all loads first, then the
+        stores.  Rows past num_rows re-read row 0 and are never written out."""
+        r = tidx // THREADS_PER_ROW
+        t = tidx % THREADS_PER_ROW
+        j = r if r < info.num_rows else 0
+        tok, head = tok_head(info, info.row_start + j)
+        frags = []
+        for c in cutlass.range_constexpr(D_QK // 64):
+            frag = cute.make_rmem_tensor((8,), self.dtype)
+            if const_expr(c < D_CKV // 64):
+                cute.autovec_copy(cute.local_tile(mQn[tok, head, None], (8,), (t + 8 * c,)), frag)
+            else:
+                cute.autovec_copy(cute.local_tile(mQp[tok, head, None], (8,), (t,)), frag)
+            frags.append(frag)
+        base = sQ.iterator.toint()
+        for c in cutlass.range_constexpr(D_QK // 64):
+            off = smem_off(r, c, t, 0, self.tile_q)
+            dst = cute.make_ptr(self.dtype, base + off * 2, cute.AddressSpace.smem, assumed_align=16)
+            cute.autovec_copy(frags[c], cute.make_tensor(dst, cute.make_layout((8,))))
+
+    @cute.jit
+    def _cursor_next(self, ld: LoadStream, cur: Cursor):
+        """The cursor past an exhausted item moves on to the next item that has blocks (or to the
+        end of the list), then looks up the pages of its next block (the lookups stay one block
+        ahead of the copies).  The while loop runs on the fields unpacked into locals."""
+        c_item, c_nb, c_n, c_start, c_end, c_base = cur.astuple()
+        while (c_nb >= c_n) & (c_item + 1 < ld.item_end):
+            c_item = c_item + 1
+            info = ItemInfo(ld.mWork, c_item, ld.group)
+            c_start, c_end = info.kv_start, info.kv_end
+            c_base = ld.mKvIndptr[info.req]
+            c_n = (c_end - c_start + BLOCK_N - 1) // BLOCK_N
+            c_nb = Int32(0)
+        if c_nb < c_n:
+            self._lookup(ld, c_base, c_start + c_nb * BLOCK_N, c_end)
+        return Cursor(c_item, c_nb, c_n, c_start, c_end, c_base)
+
+    @cute.jit
+    def _cursor_issue(self, ld: LoadStream, stage: Int32, cur: Cursor):
+        """Issue the cursor's next block into ``stage``, advance the cursor, and commit one
+        cp.async group (empty once the CTA's items are all issued, so the count the compute
+        waits on stays exact)."""
+        if cur.nb < cur.n:
+            self._issue_kv(ld, cur.start + cur.nb * BLOCK_N, cur.end, stage)
+            cur = self._cursor_next(ld, cur.next_block())
+        cute.arch.cp_async_commit_group()
+        return cur
+
+    def _row_pos(self, tidx, t, blk_start, kv_end):
+        """Token of this thread's t-th row of the block starting at blk_start, clamped to the
+        last valid token (rows past the end re-read it: finite data, masked later)."""
+        p = blk_start + tidx // THREADS_PER_ROW + t * self.row_step
+        return cutlass.select_(p < kv_end, p, kv_end - 1)
+
+    @cute.jit
+    def _lookup(self, ld: LoadStream, page_base: Int32, blk_start: Int32, kv_end: Int32):
+        """The page id of each row this thread copies in the block at blk_start (token p is in
+        page kv_indices[page_base + p // page_size]).  Only the loads: their values are first
+        used by the next iteration's copies, so nothing here waits for them."""
+        for t in cutlass.range_constexpr(self.n_lookups):
+            page, _ = divmod(self._row_pos(ld.tidx, t, blk_start, kv_end), ld.page_size)
+            ld.rows[t] = ld.mKvIndices[page_base + page]
+
+    @cute.jit
+    def _issue_kv(self, ld: LoadStream, blk_start: Int32, kv_end: Int32, stage: Int32):
+        """cp.async this thread's chunks of the block's rows into a stage: per row, ckv chunks
+        t, t + 8, .., t + 56 and kpe chunk t (t = tidx mod 8): 8 threads read a row's 1152 bytes
+        as 9 fully used 128-byte lines."""
+        tidx = ld.tidx
+        t = tidx % THREADS_PER_ROW
+        num_pages = ld.mCkv.shape[0]
+        for i in cutlass.range_constexpr(self.n_lookups):
+            _, slot = divmod(self._row_pos(tidx, i, blk_start, kv_end), ld.page_size)
+            page = in_cache(ld.rows[i], num_pages)
+            r = tidx // THREADS_PER_ROW + i * self.row_step
+            ckv = ld.mCkv[page, slot, None].iterator.toint()
+            kpe = ld.mKpe[page, slot, None].iterator.toint()
+            for c in cutlass.range_constexpr(D_QK // 64):
+                d = smem_off(r, c, t, stage, BLOCK_N) * 2
+                if const_expr(c < D_CKV // 64):
+                    cp_async_16(ld.kv_base + d, ckv + (t + 8 * c) * 16)
+                else:
+                    cp_async_16(ld.kv_base + d, kpe + t * 16)
+
+    # ---- epilogue ------------------------------------------------------------------------------
+    @cute.jit
+    def _store(self, mO, mLse, mPartO, mPartLse, acc_O, row_m, row_l, coords, info: ItemInfo, lane, wg, grp):
+        """Each warp normalizes and stores its 128 columns of the group's rows (two adjacent
+        columns per store); warp 0 of the group writes the LSE.  Final rows go to o / lse (value
+        dtype), split ones to partial slot ``dest`` (fp32).  A row that saw no key: o = 0,
+        lse = -inf."""
+        tScS, tOcO = coords
+        acc_O_mn = mma_mn_view(acc_O)
+        n_cols = cute.size(acc_O_mn, mode=[1])
+        for r in cutlass.range_constexpr(cute.size(row_l)):
+            l_all = quad_sum(row_l[r])
+            j = grp * ROWS + tScS[r, 0][0]  # the row within the tile
+            if j < info.num_rows:
+                inv_l = Float32(0.0)
+                lse = -Float32.inf
+                if l_all > Float32(0.0):
+                    inv_l = cute.arch.rcp_approx(l_all)
+                    lse = row_m[r] + cute.math.log2(l_all, fastmath=True)
+                if info.dest < 0:
+                    tok, head = tok_head(info, info.row_start + j)
+                    row = mO[tok, head, None]
+                    for c in cutlass.range_constexpr(n_cols // 2):
+                        col = wg * O_COLS + tOcO[0, 2 * c][1]
+                        out = cute.make_rmem_tensor((2,), mO.element_type)
+                        out[0] = (acc_O_mn[r, 2 * c] * inv_l).to(mO.element_type)
+                        out[1] = (acc_O_mn[r, 2 * c + 1] * inv_l).to(mO.element_type)
+                        cute.autovec_copy(out, cute.local_tile(row, (2,), (col // 2,)))
+                    if (wg == 0) & (lane % 4 == 0):
+                        mLse[tok, head] = lse
+                else:
+                    slot_row = info.dest * self.tile_q + j
+                    row = mPartO[slot_row, None]
+                    for c in cutlass.range_constexpr(n_cols // 2):
+                        col = wg * O_COLS + tOcO[0, 2 * c][1]
+                        out = cute.make_rmem_tensor((2,), Float32)
+                        out[0] = acc_O_mn[r, 2 * c] * inv_l
+                        out[1] = acc_O_mn[r, 2 * c + 1] * inv_l
+                        cute.autovec_copy(out, cute.local_tile(row, (2,), (col // 2,)))
+                    if (wg == 0) & (lane % 4 == 0):
+                        mPartLse[slot_row] = lse
+
+
+def build_mla_decode(spec):
+    """The jit entry of an ``mla_decode`` spec."""
+    return MlaDecode(MlaConfig.from_spec(spec.pdict))
