@@ -17,6 +17,7 @@ from .decode import (  # noqa: E402,F401
     single_decode_with_kv_cache,
 )
 from .merge import merge_state, merge_state_in_place, merge_states  # noqa: E402,F401
+from .mla import BatchMLAPagedAttentionWrapper  # noqa: E402,F401
 from .prefill import (  # noqa: E402,F401
     BatchPrefillWithPagedKVCacheWrapper,
     BatchPrefillWithRaggedKVCacheWrapper,
@@ -40,6 +41,7 @@ __all__ = [
     "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
     "BlockSparseAttentionWrapper",
     "VariableBlockSparseAttentionWrapper",
+    "BatchMLAPagedAttentionWrapper",
     "merge_state",
     "merge_state_in_place",
     "merge_states",
