@@ -59,7 +59,7 @@ def run(name: str) -> None:
     sinks = torch.randn(hq, device="cuda") if m.sinks else None
     i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
     ws = lambda mb=256: torch.zeros(mb << 20, dtype=torch.uint8, device="cuda")  # noqa: E731
-    ps, pages = 16, 2048
+    ps, pages = 16, 8192
     cache = tuple(torch.randn(pages, ps, hk, d, device="cuda", dtype=bf) for _ in range(2))
     calls = checks = 0
     for window in windows:
