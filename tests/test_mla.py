@@ -493,3 +493,15 @@ def test_module_exports():
     assert "BatchMLAPagedAttentionWrapper" in cute_attn.__all__
     assert cute_attn.BatchMLAPagedAttentionWrapper is mla.BatchMLAPagedAttentionWrapper
     assert np.isclose(SM, 1 / math.sqrt(192))
+
+
+def test_shared_memory_budget():
+    """Each spec's stages fit one CTA per SM: the ring (stages x 32 tokens x 576 x 2 B), the Q
+    staging tile and the partial scores (8 KB per 16-row group) within 227 KB."""
+    from cute_attn.families.mla import STAGES, TILES
+
+    for t in TILES:
+        ring = STAGES[t] * 32 * (CKV + KPE) * 2
+        total = ring + t * (CKV + KPE) * 2 + (t // 16) * 16 * 32 * 4 * 4
+        assert total + 2048 <= 232448, (t, total)  # 2 KB: alignment padding of the sections
+        assert (STAGES[t] - 1) * 32 * (CKV + KPE) * 2 >= 64 << 10  # >= 64 KB of loads in flight per SM
