@@ -62,9 +62,9 @@ def _cmd_compile(args) -> int:
         if args.spec:
             per_arch[arch] = [Spec.parse(s, arch) for s in args.spec]
         elif args.model:
-            from .models import model_specs, resolve_model
+            from .models import model_specs, resolve_model, with_kv_cache_dtype
 
-            per_arch[arch] = model_specs(resolve_model(args.model), arch)
+            per_arch[arch] = model_specs(with_kv_cache_dtype(resolve_model(args.model), args.kv_cache_dtype), arch)
         else:
             per_arch[arch] = preset_specs(args.preset, arch)
     if args.list:
@@ -191,6 +191,10 @@ def main(argv=None) -> int:
     c.add_argument("--out", help="cache directory (default $CUTE_ATTN_CACHE_DIR or ~/.cache/cute_attn)")
     c.add_argument("--force", action="store_true", help="rebuild even if cached")
     c.add_argument("--model", help="a model's kernel set: a built-in name or a config.json (cute_attn/models.py)")
+    c.add_argument(
+        "--kv-cache-dtype",
+        help="with --model: the KV cache's dtype, vLLM's names (auto, fp8, fp8_e4m3, fp8_e5m2); default: the config's",
+    )
     c.add_argument("--list", action="store_true", help="print the specializations, one per line, and stop")
     c.add_argument("--jobs", "-j", type=int, default=0, help="worker processes in all (default: available cores)")
     w = sub.add_parser("_compile_worker")

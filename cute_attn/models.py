@@ -14,6 +14,13 @@ What a serving step of such a model calls, and so what is compiled per arch:
   partials' merges of the prefill tiles;
 * the ⊕ merges the cascade uses (``merge_pair``, masked or not, and ``merge_states``).
 
+An fp8 KV cache (``kv_dtype``: from a config's ``kv_cache_dtype`` -- vLLM's names ``fp8`` /
+``fp8_e4m3`` / ``fp8_e5m2`` -- or a compressed-tensors ``quantization_config.kv_cache_scheme``
+of 8-bit floats, or ``compile --model NAME --kv-cache-dtype fp8``) swaps the cache-reading
+kernels: the fp8 decode kernels, and for prefill the KV pass that dequantizes the cache
+(paged and ragged) ahead of the ragged 16-bit kernels (the paged ones never read an fp8
+cache).
+
 RoPE is the engine's (applied before attention), so no RoPE kernels are compiled; a model with
 a head dim no kernel serves is an error naming it.
 """
@@ -21,7 +28,7 @@ a head dim no kernel serves is an error naming it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -47,6 +54,7 @@ class ModelAttention:
     global_layers: bool = True  # layers without a window exist too
     logits_soft_cap: Optional[float] = None
     sinks: bool = False
+    kv_dtype: Optional[str] = None  # an fp8 KV cache: "e4m3" / "e5m2" (None: the model's dtype)
 
     @property
     def group(self) -> int:
@@ -65,6 +73,45 @@ BUILTIN = {
     "phi-4": ModelAttention("phi-4", 40, 10, 128),
 }
 ALIASES = {"llama-3.1": "llama-3", "llama-3.2": "llama-3", "llama-3.3": "llama-3-70b", "phi-3-medium": "phi-3"}
+
+
+# vLLM's --kv-cache-dtype names (and the dtypes' own) -> the spec name of an fp8 cache
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "fp8": "e4m3",
+    "fp8_e4m3": "e4m3",
+    "float8_e4m3fn": "e4m3",
+    "e4m3": "e4m3",
+    "fp8_e5m2": "e5m2",
+    "float8_e5m2": "e5m2",
+    "e5m2": "e5m2",
+}
+
+
+def kv_cache_dtype(text, name: str = "model") -> Optional[str]:
+    """The spec name of a ``kv_cache_dtype`` setting (None: the model's own dtype)."""
+    if text is None:
+        return None
+    key = str(text).replace("torch.", "").lower()
+    if key in ("bfloat16", "float16", "half", "bf16", "fp16"):
+        return None
+    if key not in KV_CACHE_DTYPES:
+        raise ValueError(f"{name}: kv_cache_dtype {text!r}; known: {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[key]
+
+
+def _config_kv_dtype(cfg: dict, name: str) -> Optional[str]:
+    if cfg.get("kv_cache_dtype") is not None:
+        return kv_cache_dtype(cfg["kv_cache_dtype"], name)
+    scheme = (cfg.get("quantization_config") or {}).get("kv_cache_scheme") or {}
+    if scheme.get("num_bits") == 8 and scheme.get("type", "float") == "float":
+        return "e4m3"  # compressed-tensors' fp8 KV cache (vLLM serves it as fp8_e4m3)
+    return None
+
+
+def with_kv_cache_dtype(m: ModelAttention, text) -> ModelAttention:
+    """``m`` with its KV cache in ``text`` (``kv_cache_dtype``'s names; None keeps it)."""
+    return m if text is None else replace(m, kv_dtype=kv_cache_dtype(text, m.name))
 
 
 def from_config(cfg: dict, name: str = "model") -> ModelAttention:
@@ -91,7 +138,8 @@ def from_config(cfg: dict, name: str = "model") -> ModelAttention:
         window = None
     cap = cfg.get("attn_logit_softcapping")
     sinks = cfg.get("model_type") == "gpt_oss" or bool(cfg.get("attention_sinks"))
-    return ModelAttention(name, hq, hk, d, dt, int(window) if window else None, global_layers, cap, sinks)
+    kv = _config_kv_dtype(cfg, name)
+    return ModelAttention(name, hq, hk, d, dt, int(window) if window else None, global_layers, cap, sinks, kv)
 
 
 def resolve_model(text: str) -> ModelAttention:
@@ -135,13 +183,13 @@ def _decode_variant(window: bool, soft_cap: bool):
 def model_specs(m: ModelAttention, arch: str) -> list:
     """The specializations a serving step of ``m`` may load on ``arch`` (see the module doc)."""
     _check(m)
-    dt, d = m.dtype, m.head_dim
+    dt, d, kv = m.dtype, m.head_dim, m.kv_dtype
     heads = [1] + [h for h in decode.PACKED_HEADS if m.num_kv_heads % h == 0 and h * m.group <= decode.TILE_Q]
     specs = []
     for window, cap in _layer_kinds(m):
         base = _decode_variant(window, cap)
         for v in [base] + ([AttentionSink() if base is None else base + AttentionSink()] if m.sinks else []):
-            specs += [decode_spec(arch, dt, d, v, h) for h in heads]
+            specs += [decode_spec(arch, dt, d, v, h, kv) for h in heads]
     specs.append(merge.merge_partials_spec(arch, dt, d, decode.TILE_Q))
     specs += [merge.merge_pair_spec(arch, dt, d, masked) for masked in (False, True)]
     specs.append(merge.merge_states_spec(arch, dt, d))
@@ -156,13 +204,20 @@ def model_specs(m: ModelAttention, arch: str) -> list:
                 )
                 for tile in prefill.TILES:
                     specs.append(prefill_spec(arch, dt, d, tile, False, c, cap_flag, win, v))
-                    specs += [prefill_spec(arch, dt, d, tile, True, c, cap_flag, win, v, pb) for pb in boxes]
+                    if kv is None:  # an fp8 cache: always the KV pass, then the ragged kernel
+                        specs += [prefill_spec(arch, dt, d, tile, True, c, cap_flag, win, v, pb) for pb in boxes]
         # speculative decoding: a tree mask over the paged cache (short queries: the small tile)
         c, cap_flag, win, v = resolve_variant(
             custom_mask=True, window_left=1 if window else -1, logits_soft_cap=50.0 if cap else None
         )
         for tile in prefill.TILES:
-            specs += [prefill_spec(arch, dt, d, tile, True, c, cap_flag, win, v, pb) for pb in boxes]
-    specs.append(kv_pass.kv_pass_spec(arch, dt, d, True, None))
+            if kv is None:
+                specs += [prefill_spec(arch, dt, d, tile, True, c, cap_flag, win, v, pb) for pb in boxes]
+            else:
+                specs.append(prefill_spec(arch, dt, d, tile, False, c, cap_flag, win, v))
+    if kv is None:
+        specs.append(kv_pass.kv_pass_spec(arch, dt, d, True, None))
+    else:  # the dequantizing passes of a paged and a ragged fp8 cache
+        specs += [kv_pass.kv_pass_spec(arch, dt, d, paged, None, kv) for paged in (True, False)]
     specs += [merge.merge_partials_spec(arch, dt, d, t) for t in prefill.TILES]
     return list(dict.fromkeys(specs))

@@ -29,16 +29,17 @@ def _variants(arch: str) -> List[Spec]:
     """Everything tests/test_variants_gpu.py, tests/test_prefill_variants_gpu.py and the
     ``variants`` bench run: the decode variant specs and the decode bench's plain rows (both
     arches, with the merge), and on sm_90a the prefill variant specs (tile 128; the plain specs
-    of the same shapes included), the prefill bench's plain / soft-cap / window rows and the
-    prefill merge for tile 128."""
-    from .testing.matrices import variant_decode_specs, variant_prefill_specs
+    of the same shapes included), the prefill bench's plain / soft-cap / window rows, the
+    prefill merge for tile 128 and the RoPE passes over an fp8 cache of
+    tests/test_fp8_prefill.py."""
+    from .testing.matrices import fp8_prefill_test_specs, variant_decode_specs, variant_prefill_specs
 
     specs = (
         variant_decode_specs(arch)
         + decode.shipped_specs(arch, dtype_names=("bf16",), head_dims=(128,))
         + [merge.merge_partials_spec(arch, "f16", 64, decode.TILE_Q)]
     )
-    specs += variant_prefill_specs(arch) + prefill.merge_specs(arch, tiles=(128,))
+    specs += variant_prefill_specs(arch) + prefill.merge_specs(arch, tiles=(128,)) + fp8_prefill_test_specs(arch)
     specs += prefill.prefill_specs(
         arch,
         dtype_names=("bf16",),

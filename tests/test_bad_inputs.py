@@ -1028,7 +1028,6 @@ for op, plan_b, run_b, values_b in ((RAG, rag_plan, rag_run, rag_values), (PAG, 
         raises(ValueError, "custom_mask has 140 entries"),
     )
     case("window_left_-2", op, plan_b(window_left=-2), raises(ValueError, "window_left must be >= -1"))
-    case("fp8_kv", op, plan_b(kv_data_type=FP8), raises(NotImplementedError, "fp8"))
     case("sinks_wrong_shape", op, run_b(sinks=torch.zeros(PHQ - 1)), raises(ValueError, "sinks must be"))
 
 case(
@@ -1084,6 +1083,107 @@ case(
     PAG,
     _pag_run_after_failed_plan_graph,
     raises((RuntimeError, ValueError), "plan|buffer"),
+)
+
+
+# --------------------------------------------------------------------------- prefill, fp8 KV cache
+# (tests/test_fp8_prefill.py has the wiring and the GPU grid; here: what must fail before any launch)
+
+E5M2 = torch.float8_e5m2
+
+
+def _fp8_planned(kv_name):
+    def checker(w, env):
+        specs = {f: p for f, _, p in env.specs}
+        assert specs["kv_pass"].get("kv_dtype") == kv_name, specs["kv_pass"]
+        assert not specs["batch_prefill_sm90"]["paged"]  # the pass's contiguous output, 16-bit
+        assert w._state.kv_dtype == {"e4m3": FP8, "e5m2": E5M2}[kv_name]
+
+    return checker
+
+
+def _as(dtype, kind):
+    """X: the case's 16-bit K / V (ragged) or cache (paged) as ``dtype``."""
+    if kind == RAG:
+        return dict(k=X(lambda x, env: x.k.to(dtype)), v=X(lambda x, env: x.v.to(dtype)))
+    return dict(cache=X(lambda x, env: tuple(t.to(dtype) for t in x.cache)))
+
+
+def _fp8_values(op):
+    """GPU: an e4m3 cache with scales against the reference on its dequantization."""
+
+    def build(env):
+        x = (_rag_inputs if op == RAG else _pag_inputs)(env)
+        if op == RAG:
+            w = BatchPrefillWithRaggedKVCacheWrapper(env.ws())
+            w.plan(**_rag_args(x, kv_data_type=FP8, causal=True))
+            kv_args, ref_kv = (x.k.to(FP8), x.v.to(FP8)), (x.k.to(FP8).float(), x.v.to(FP8).float())
+        else:
+            w = BatchPrefillWithPagedKVCacheWrapper(env.ws())
+            w.plan(**_pag_args(x, kv_data_type=FP8, causal=True))
+            kv_args = (tuple(t.to(FP8) for t in x.cache),)
+            ref_kv = tuple(t.to(FP8).float() for t in x.cache)
+        out = torch.full_like(x.q, NAN)
+        lse = torch.full((x.q.shape[0], PHQ), NAN, device=env.dev)
+        w.run(x.q, *kv_args, out=out, lse=lse, k_scale=0.5, v_scale=2.0)
+        sm = 0.5 / PD**0.5
+        if op == RAG:
+            ref_o, ref_lse = ragged_reference(x.q, *ref_kv, x.qo, x.kv, causal=True, sm_scale=sm)
+        else:
+            ref_o, ref_lse = paged_reference(x.q, ref_kv, x.qo, x.indptr, x.indices, x.last, causal=True, sm_scale=sm)
+        return out, lse, 2.0 * ref_o, ref_lse, x.dtype
+
+    return build
+
+
+_BAD_SCALES = (
+    ("nan", NAN),
+    ("inf", INF),
+    ("negative", -1.0),
+    ("zero", 0.0),
+    ("zero_tensor", torch.tensor(0.0)),
+    ("two_elements", X(lambda x, env: torch.ones(2, device=env.dev))),
+    ("other_device", X(lambda x, env: torch.ones(1, device=env.other))),
+)
+
+for op, plan_b, run_b in ((RAG, rag_plan, rag_run), (PAG, pag_plan, pag_run)):
+    fp8 = dict(kv_data_type=FP8)
+    case("fp8_kv_e4m3_accepted", op, plan_b(kv_data_type=FP8), ok(_fp8_planned("e4m3")))
+    case("fp8_kv_e5m2_accepted", op, plan_b(kv_data_type="float8_e5m2"), ok(_fp8_planned("e5m2")))
+    case(
+        "fp8_q_fp8_kv",
+        op,
+        plan_b(q_data_type=FP8, kv_data_type=FP8),
+        raises(NotImplementedError, "fp8 attention"),
+    )
+    case("fp8_q_bf16_kv", op, plan_b(q_data_type=FP8, kv_data_type=BF), raises(NotImplementedError, "fp8 queries"))
+    case(
+        "fp8_kv_fnuz",
+        op,
+        plan_b(kv_data_type=torch.float8_e4m3fnuz),
+        raises(NotImplementedError, "float8_e4m3fn and float8_e5m2"),
+    )
+    case("kv_f16_q_bf16", op, plan_b(kv_data_type=F16), raises(ValueError, "q/kv dtypes must be"))
+    case("fp8_plan_bf16_cache", op, run_b(plan=fp8), raises(ValueError, "must be torch.float8_e4m3fn"))
+    case("fp8_plan_e5m2_cache", op, run_b(plan=fp8, **_as(E5M2, op)), raises(ValueError, "must be torch.float8_e4m3fn"))
+    case("bf16_plan_fp8_cache", op, run_b(**_as(FP8, op)), raises(ValueError, "must be torch.bfloat16"))
+    case(
+        "fp8_scales_accepted",
+        op,
+        run_b(plan=fp8, to_launch=True, k_scale=0.5, v_scale=torch.tensor([2.0]), **_as(FP8, op)),
+        ok(_launched("kv_pass")),  # the pass first: it dequantizes the cache for the kernel
+    )
+    for which in ("k_scale", "v_scale"):
+        for bad_name, bad in _BAD_SCALES:
+            build = run_b(plan=fp8, **{which: bad}, **_as(FP8, op))
+            case(f"fp8_{which}_{bad_name}", op, build, raises(ValueError, which))
+    case("fp8_values_with_scales", op, _fp8_values(op), ok(_values), gpu=True)
+
+case(
+    "fp8_kv_pass_false",
+    PAG,
+    pag_plan(kv_data_type=FP8, kv_pass=False),
+    raises(ValueError, "kv_pass=False with an fp8 KV cache"),
 )
 
 

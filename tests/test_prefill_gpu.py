@@ -788,6 +788,7 @@ def _emulate_prefill(
 
     tile = p["tile_q"]
     assert work_indptr.numel() == num_ctas + 1
+    assert k4.dtype == v4.dtype == q.dtype == out.dtype, (q.dtype, k4.dtype, out.dtype)  # fp8: the KV pass's output
     part_o.fill_(float("nan"))  # stale partials must never be read
     part_lse.fill_(float("nan"))
     ip = work_indptr.tolist()
@@ -863,8 +864,10 @@ def _emulate_kv_pass(
     p, k, v, k_out, v_out, qo_indptr, kv_indptr, page_indptr, page_indices, batch, sm_scale, num_ctas, *vargs
 ):
     """kernels/kv_pass.py: ``paged``: request b's tokens gathered from its pages into rows
-    ``kv_indptr[b]..`` of the outputs (K and V); a variant: its keys through ``transform_k``
-    (RoPE: key j of a request at position j), rounded to the input dtype; other rows left alone."""
+    ``kv_indptr[b]..`` of the outputs (K and V); ``kv_dtype`` (fp8): K and V converted to the
+    output dtype (exact); a variant: its keys through ``transform_k`` (RoPE: key j of a request
+    at position j), rounded to the output dtype; other rows left alone."""
+    from cute_attn.abi.dtypes import to_torch
     from cute_attn.families.base import spec_variant as _spec_variant
     from cute_attn.testing.reference import rope_reference
     from cute_attn.variants import RoPE, abi_args, components
@@ -872,6 +875,9 @@ def _emulate_kv_pass(
     v_ = _spec_variant(p)
     val = dict(zip([a.name for a in abi_args(v_)], vargs))
     assert num_ctas > 0 and batch <= kv_indptr.numel() - 1
+    # the packer checks no dtypes: the emulation does (a cache the kernel would misread)
+    assert k.dtype == v.dtype == to_torch(p.get("kv_dtype", p["dtype"])), (k.dtype, p)
+    assert k_out.dtype == v_out.dtype == to_torch(p["dtype"]), (k_out.dtype, p)
     ps = k.shape[1]
     for r in range(batch):
         a, b = int(kv_indptr[r]), int(kv_indptr[r + 1])
@@ -882,6 +888,8 @@ def _emulate_kv_pass(
             v_out[0, a:b] = vv
         else:
             kk = k[0, a:b]
+            if "kv_dtype" in p:
+                v_out[0, a:b] = v[0, a:b].to(v_out.dtype)
         kk = kk.float()
         for i, comp in enumerate(components(v_)):
             if isinstance(comp, RoPE):
@@ -1243,8 +1251,8 @@ def test_cpu_validation_errors(emu):
         plan(custom_mask=torch.ones(63, dtype=torch.bool))
     with pytest.raises(ValueError, match="pos_encoding_mode"):
         plan(pos_encoding_mode="ROPE")
-    with pytest.raises(NotImplementedError, match="fp8"):
-        plan(kv_data_type=torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="fp8 attention"):  # fp8 KV: tests/test_fp8_prefill.py
+        plan(q_data_type=torch.float8_e4m3fn, kv_data_type=torch.float8_e4m3fn)
     with pytest.raises(NotImplementedError, match="o_data_type"):
         plan(o_data_type=torch.float32)
     with pytest.raises(ValueError, match="float16/bfloat16"):

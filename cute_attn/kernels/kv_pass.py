@@ -1,5 +1,5 @@
 """The KV pass: one memory-bound sweep over a batch's keys (and values) before the prefill
-kernel, so that the kernel reads plain contiguous K/V by TMA.  Two jobs, one mechanism:
+kernel, so that the kernel reads plain contiguous K/V by TMA.  Three jobs, one mechanism:
 
 * ``transform_k`` (RoPE): a key transform depends only on the key (its position, head,
   request), yet inside the attention kernel every query tile that reads a K block would
@@ -12,20 +12,31 @@ kernel, so that the kernel reads plain contiguous K/V by TMA.  Two jobs, one mec
   multiples of 16, page 1 above all) is otherwise gathered inside the kernel by 16-byte
   ``cp.async``, for every query tile that reads a block, at 15-20 % of the TMA kernel's time
   (BENCHMARKS.md); this pass reads the cache once and writes it once.
+* ``kv_dtype`` (an fp8 cache, e4m3 / e5m2): K and V are read as fp8 and written in the query
+  dtype, so the unchanged 16-bit wgmma kernel runs on them.  Prefill at long lengths is
+  compute-bound and this is one sweep (1 byte read, 2 written per element), cheaper than an
+  fp8 path inside the kernel's pipeline.  Every e4m3 / e5m2 value is exactly an fp16 and a
+  bf16 value, so the conversion is exact: ``cvt.rn.f16x2.e4m3x2`` (or ``.e5m2x2``; sm_89+),
+  then fp16 -> fp32 -> bf16 for a bf16 output (PTX has no fp8 -> bf16x2 before ISA 9.2).
+  ``k_scale`` / ``v_scale`` are not applied here: the wrapper folds ``k_scale`` into the
+  softmax scale and multiplies the output by ``v_scale`` (FlashInfer's semantics).
 
-Both at once for a paged cache with a key transform.  A ragged batch without a key transform
-has nothing to do here (the builder refuses it).  The wrapper decides when the pass pays
-(``families.backends.kv_pass_pays``): its cost is 2 x the bytes moved, the kernel's saving a share of
-its own time, which grows with the queries per key.
+Any combination at once; a ragged 16-bit batch without a key transform has nothing to do here
+(the builder refuses it).  The wrapper decides when the gather pays
+(``families.backends.kv_pass_pays``): its cost is 2 x the bytes moved, the kernel's saving a
+share of its own time, which grows with the queries per key; an fp8 cache always takes it.
 
-Work split: a thread takes chunks ``c`` and ``c + D/16`` of rows (token, kv head): the 8
-pairs of dims (d, d + D/2) a RoPE-style transform combines, 2 x 16 bytes per row of K (and
-of V); ``c`` is fixed per thread.  Rows are numbered token-major and walked by a grid-stride
-loop, two per iteration, so each thread's tokens only increase and the request of a token is
-found by a cursor over ``kv_indptr`` (tokens) that only moves forward.  The loop bound
-(``kv_indptr[batch]``) is read on the device: a captured graph replays any plan whose indptr
-lies in the same buffer (unused tail entries repeat the last offset: empty requests).  Plain
-SIMT loads and stores, so nothing here is Hopper-specific.
+Work split: a thread takes chunks ``c`` and ``c + half`` of 16 bytes of input of rows (token,
+kv head) -- 8 elements of a 16-bit cache, 16 of an fp8 one (``half`` = D / 16 or D / 32
+threads per row) -- so its loads are 16 bytes wide whatever the cache dtype, and each chunk
+pair holds the pairs of dims (d, d + D/2) a RoPE-style transform combines; ``c`` is fixed per
+thread.  A converted chunk is stored as 16-byte pieces (two for fp8).  Rows are numbered
+token-major and walked by a grid-stride loop, two per iteration, so each thread's tokens only
+increase and the request of a token is found by a cursor over ``kv_indptr`` (tokens) that
+only moves forward.  The loop bound (``kv_indptr[batch]``) is read on the device: a captured
+graph replays any plan whose indptr lies in the same buffer (unused tail entries repeat the
+last offset: empty requests).  Plain SIMT loads and stores, so nothing here is
+Hopper-specific.
 """
 
 from __future__ import annotations
@@ -35,14 +46,34 @@ from typing import Any, NamedTuple
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry, transform_pairs
+from .fp8 import fp8_kind, fp8x4_to_f16x4
 from .pages import in_cache
 from .work import TraceCtx
 
 THREADS = 256
+
+
+@dsl_user_op
+def f16x2_to_bf16x2(x, *, loc=None, ip=None) -> Int32:
+    """An fp16 pair -> the bf16 pair of the same values (through fp32; exact for the values of
+    an fp8 cache, which bf16 holds exactly)."""
+    res = llvm.inline_asm(
+        T.i32(),
+        [Int32(x).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b16 l, h; .reg .f32 fl, fh; mov.b32 {l, h}, $1; cvt.f32.f16 fl, l; cvt.f32.f16 fh, h; "
+        "cvt.rn.bf16x2.f32 $0, fh, fl; }",
+        "=r,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(res)
 
 
 class KeyRow(NamedTuple):
@@ -57,14 +88,22 @@ class KeyRow(NamedTuple):
 
 
 class KvPass:
-    def __init__(self, dtype, head_dim: int, paged: bool, variant):
+    def __init__(self, dtype, head_dim: int, paged: bool, variant, kv_dtype=None):
+        """``dtype``: the outputs'; ``kv_dtype``: an fp8 cache's DSL type (None: ``dtype``)."""
         self.hooks = Hooks(variant)
         self.transform = self.hooks.has_transform_k
-        if not (paged or self.transform):
+        self.convert = kv_dtype is not None
+        if not (paged or self.transform or self.convert):
             raise ValueError(f"kv_pass: a ragged batch and variant {variant!r} without transform_k: nothing to do")
         self.dtype, self.head_dim, self.paged = dtype, head_dim, paged
-        self.half = head_dim // 16  # threads per row: each takes 16-byte chunks c and c + half
+        self.in_dtype = kv_dtype if self.convert else dtype
+        self.kind = fp8_kind(kv_dtype) if self.convert else None
+        self.vec = 128 // self.in_dtype.width  # input elements per 16-byte load: 8, or 16 of fp8
+        self.pieces = self.vec // 8  # 16-byte output pieces per chunk
+        self.half = head_dim // (2 * self.vec)  # threads per row: each takes chunks c and c + half
         self.rows_per_cta = THREADS // self.half
+        # K, and V (the gather and the dequantization; a ragged key transform alone reads only K)
+        self.n_tensors = 2 if (paged or self.convert) else 1
 
     @cute.jit
     def host(
@@ -85,7 +124,8 @@ class KvPass:
         stream: cuda.CUstream,
     ):
         """``mK`` / ``mV``: the cache, ``[pages, page_size, kv_heads, head_dim]`` (paged) or
-        ``[1, tokens, kv_heads, head_dim]`` (ragged; ``mV`` / ``mVout`` / ``mPage*`` unused);
+        ``[1, tokens, kv_heads, head_dim]`` (ragged; ``mPage*`` unused, and ``mV`` / ``mVout``
+        too unless the cache is fp8), of ``kv_dtype``;
         ``mKout`` / ``mVout``: ``[1, tokens, kv_heads, head_dim]``; ``mKvIndptr``: tokens per
         request (prefix sums); ``num_ctas``: the grid (the wrapper passes 8 per SM, of which
         3-4 are resident at 64-80 registers: each thread has 2 rows x 32 bytes of K -- and of
@@ -138,13 +178,13 @@ class KvPass:
         req = Int32(0)
         kv_start, kv_end = mKvIndptr[0], mKvIndptr[1]
         page_base = mPageIndptr[0] if self.paged else Int32(0)
-        n_tensors = 2 if self.paged else 1
+        n_tensors, vec, pieces = self.n_tensors, self.vec, self.pieces
         # two rows per iteration, both loaded before either is used (more bytes in flight)
         first = kv_start * heads.divisor + cta * self.rows_per_cta + tidx // half
         for r0 in cutlass.range(first, end, 2 * stride, unroll=1):
             rows = [r0, r0 + stride]
-            lo = [[cute.make_rmem_tensor((8,), self.dtype) for _ in range(n_tensors)] for _ in rows]
-            hi = [[cute.make_rmem_tensor((8,), self.dtype) for _ in range(n_tensors)] for _ in rows]
+            lo = [[cute.make_rmem_tensor((vec,), self.in_dtype) for _ in range(n_tensors)] for _ in rows]
+            hi = [[cute.make_rmem_tensor((vec,), self.in_dtype) for _ in range(n_tensors)] for _ in rows]
             token, head, pos, reqs, lens = [], [], [], [], []
             for i in cutlass.range_constexpr(2):
                 t, h = divmod(cutlass.min(rows[i], end - 1), heads)  # a past-the-end row re-reads the last
@@ -164,10 +204,13 @@ class KvPass:
                     page = in_cache(mPageIndices[page_base + page_idx], mK.shape[0])
                     srcs = [mK[page, slot, h, None], mV[page, slot, h, None]]
                 else:
-                    srcs = [mK[0, t, h, None]]
+                    srcs = [mK[0, t, h, None], mV[0, t, h, None]][:n_tensors]
                 for j in cutlass.range_constexpr(n_tensors):
-                    cute.autovec_copy(cute.local_tile(srcs[j], (8,), (c,)), lo[i][j])
-                    cute.autovec_copy(cute.local_tile(srcs[j], (8,), (c + half,)), hi[i][j])
+                    cute.autovec_copy(cute.local_tile(srcs[j], (vec,), (c,)), lo[i][j])
+                    cute.autovec_copy(cute.local_tile(srcs[j], (vec,), (c + half,)), hi[i][j])
+            # each chunk as 16-byte pieces of the output dtype (an fp8 chunk: converted, two)
+            lo = [[self._pieces(x) for x in row] for row in lo]
+            hi = [[self._pieces(x) for x in row] for row in hi]
             if const_expr(self.transform):
                 for i in cutlass.range_constexpr(2):
                     key = KeyRow(reqs[i], head[i], pos[i], mQoIndptr[reqs[i] + 1] - mQoIndptr[reqs[i]], lens[i])
@@ -177,11 +220,32 @@ class KvPass:
                 if rows[i] < end:
                     for j in cutlass.range_constexpr(n_tensors):
                         dst = outs[j][0, token[i], head[i], None]
-                        cute.autovec_copy(lo[i][j], cute.local_tile(dst, (8,), (c,)))
-                        cute.autovec_copy(hi[i][j], cute.local_tile(dst, (8,), (c + half,)))
+                        for p in cutlass.range_constexpr(pieces):
+                            cute.autovec_copy(lo[i][j][p], cute.local_tile(dst, (8,), (c * pieces + p,)))
+                            cute.autovec_copy(hi[i][j][p], cute.local_tile(dst, (8,), ((c + half) * pieces + p,)))
 
-    def _transform_row(self, key: KeyRow, tc: TraceCtx, lo, hi, c):
-        """transform_k on one row's chunk pair (a helper: the Ctx stays out of the kernel's loop)."""
+    def _pieces(self, chunk) -> list:
+        """A loaded chunk as 8-element register tensors of the output dtype: itself (a 16-bit
+        cache), or its 16 fp8 values converted, 4 bytes at a time (2 x f16x2 each), into two."""
+        if not self.convert:
+            return [chunk]
+        words = cute.recast_tensor(chunk, Int32)  # word w: elements 4w .. 4w+3, 4w in its low byte
+        out = []
+        for p in range(self.pieces):
+            piece = cute.make_rmem_tensor((8,), self.dtype)
+            pairs = cute.recast_tensor(piece, Int32)  # pair m: elements 2m (low half), 2m + 1
+            for q in range(2):
+                a, b = fp8x4_to_f16x4(words[2 * p + q], self.kind)
+                if self.dtype is BFloat16:
+                    a, b = f16x2_to_bf16x2(a), f16x2_to_bf16x2(b)
+                pairs[2 * q] = a
+                pairs[2 * q + 1] = b
+            out.append(piece)
+        return out
+
+    def _transform_row(self, key: KeyRow, tc: TraceCtx, lo: list, hi: list, c):
+        """transform_k on one row's chunk pair, piece by piece (a helper: the Ctx stays out of
+        the kernel's loop); piece p of chunk c holds dims ``c * vec + 8 p ..``."""
         ctx = Ctx(
             batch=key.req,
             kv_head=key.head,
@@ -191,11 +255,12 @@ class KvPass:
             head_dim=self.head_dim,
             sm_scale=tc.sm_scale,
         )
-        transform_pairs(self.hooks, tc.vargs, ctx, lo, hi, c * 8, self.dtype, query=False)
+        for p in range(self.pieces):
+            transform_pairs(self.hooks, tc.vargs, ctx, lo[p], hi[p], c * self.vec + 8 * p, self.dtype, query=False)
 
 
 def build_kv_pass(spec):
-    """The jit entry of a ``kv_pass`` spec (dtype, head_dim, paged, variant, variant_fp)."""
+    """The jit entry of a ``kv_pass`` spec (dtype, kv_dtype, head_dim, paged, variant, variant_fp)."""
     from ..abi.dtypes import to_dsl
     from ..families.base import spec_variant
     from ..families.kv_pass import kv_pass_abi_fixed
@@ -203,6 +268,9 @@ def build_kv_pass(spec):
 
     p = spec.pdict
     variant = spec_variant(p)
+    kv = to_dsl(p["kv_dtype"]) if "kv_dtype" in p else None
     return make_entry(
-        KvPass(to_dsl(p["dtype"]), p["head_dim"], bool(p["paged"]), variant), kv_pass_abi_fixed(p), abi_args(variant)
+        KvPass(to_dsl(p["dtype"]), p["head_dim"], bool(p["paged"]), variant, kv),
+        kv_pass_abi_fixed(p),
+        abi_args(variant),
     )

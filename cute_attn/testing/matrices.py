@@ -97,3 +97,13 @@ def variant_prefill_specs(arch: str):
                     seen.add(spec)
                     out.append(spec)
     return out
+
+
+def fp8_prefill_test_specs(arch: str):
+    """What tests/test_fp8_prefill.py loads beyond the shipped specs (the fp8 KV passes and the
+    ragged kernels ship): the RoPE passes over an fp8 cache, paged and ragged, bf16 / d128 (the
+    kernel, pre-rotated keys, is the variant tests')."""
+    if arch != PREFILL_ARCH:
+        return []
+    _, _, _, rope = resolve_variant(pos_encoding_mode="ROPE_LLAMA")
+    return [kv_pass_spec(arch, "bf16", 128, paged, rope, kv) for paged in (True, False) for kv in ("e4m3", "e5m2")]

@@ -76,6 +76,9 @@ class MultiLevelCascadeAttentionWrapper:
     (last level only).  cute_attn's own: ``variant=`` (⊕-mergeable variants only, see the
     module doc), ``kv_pass=`` (per level, as the paged prefill wrapper's) and ``decode_kernel``
     (``None``: the decode kernel for levels of one query per request; ``False``: never).
+    ``kv_data_type`` ``torch.float8_e4m3fn`` / ``float8_e5m2`` (fp16 / bf16 queries): an fp8
+    cache, every level -- its prefill levels through the KV pass that dequantizes the pages
+    (``kv_pass=False`` is then an error), its decode levels on the fp8 decode kernel.
 
     ``run(q, paged_kv_cache)`` returns the output ``[total_q, num_qo_heads, head_dim]``;
     ``return_lse=True`` also returns the merged LSE (base 2), ``out=`` / ``lse=`` are written
@@ -303,15 +306,21 @@ class MultiLevelCascadeAttentionWrapper:
         lse: Optional[torch.Tensor] = None,
         return_lse: bool = False,
         sinks: Optional[torch.Tensor] = None,
+        k_scale=None,
+        v_scale=None,
     ):
         """The last level writes ``out`` / ``lse``; every other level's state is ⊕-merged into
-        them in place.  ``*args``: the plan's variant's runtime arguments (every level)."""
+        them in place.  ``*args``: the plan's variant's runtime arguments (every level).
+        ``k_scale`` / ``v_scale`` (cute_attn's own, for an fp8 cache: ``plan(kv_data_type=
+        torch.float8_e4m3fn / float8_e5m2)``): as the batch wrappers', given to every level (the
+        ⊕ merge is linear in the outputs, so scaling each level's output scales the result)."""
         if self._total_q is None:
             raise RuntimeError("run() before plan()")
+        scales = {n: x for n, x in (("k_scale", k_scale), ("v_scale", v_scale)) if x is not None}
         last = self._wrapper(self._num_levels - 1)
-        out, lse = last.run(q, paged_kv_cache, *args, out=out, lse=lse, return_lse=True, sinks=sinks)
+        out, lse = last.run(q, paged_kv_cache, *args, out=out, lse=lse, return_lse=True, sinks=sinks, **scales)
         for i in range(self._num_levels - 1):
-            o_i, s_i = self._wrapper(i).run(q, paged_kv_cache, *args, return_lse=True)
+            o_i, s_i = self._wrapper(i).run(q, paged_kv_cache, *args, return_lse=True, **scales)
             merge_state_in_place(out, lse, o_i, s_i)
         return (out, lse) if return_lse else out
 

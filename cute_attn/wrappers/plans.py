@@ -80,7 +80,7 @@ class PrefillPlanState:
     pass_module: Any  # the KV pass module or None
     pass_variant: Any  # the KV pass's variant: the key transform, if the pass applies it
     pass_grid: int  # the KV pass's CTAs
-    gather: Optional[tuple]  # (byte offset, bytes per tensor) of the gathered K / V, or None
+    gather: Any  # kv_gather.Gather: where the KV pass writes contiguous K / V, or None
     kv_lens: np.ndarray
     inputs: Optional[PrefillInputs] = None
     binding: Any = None  # VariantBinding of the prefill module
@@ -89,6 +89,7 @@ class PrefillPlanState:
     options: Any = None  # plan()'s variant options (forward() rebuilds the kernel choice from them)
     sm_scale_arg: Optional[float] = None  # plan()'s sm_scale as given
     logits_soft_cap: float = 0.0  # as planned (0.0: off)
+    kv_dtype: Any = None  # the cache's torch dtype (the q dtype, or fp8: the KV pass dequantizes it)
 
     @property
     def page_size(self) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..sched.inputs import as_index_array, check_indptr, kv_lens_from_paged, kv_lens_from_ragged
-from . import common, compat, guards
+from . import common, compat, guards, kv_gather
 from .compiled import compilable_run
 from .plans import PrefillInputs
 from .prefill_base import BatchPrefillBase
@@ -128,9 +128,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
         order: FlashInfer's ``segment_packbits``) -- a custom mask replaces ``causal``, as in
         FlashInfer; ``variant`` (any ``cute_attn.variants.Variant``,
         applied after the built-ins; its runtime arguments not given to its constructor
-        follow the KV in ``run()``)."""
+        follow the KV in ``run()``).
+
+        ``kv_data_type`` ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` with fp16 / bf16
+        queries: an fp8 K / V, dequantized to the query dtype by the KV pass before the kernel
+        (``wrappers/kv_gather.py``: into the workspace when it has room, else a buffer of the
+        wrapper's own); the output is in the query dtype; run() applies its scales."""
         fixed_split_size = compat.split_size(fixed_split_size)
-        q_dtype, d, arch = self._check_common(
+        q_dtype, kv_dtype, d, arch = self._check_common(
             num_qo_heads,
             num_kv_heads,
             head_dim_qk,
@@ -184,6 +189,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
             custom_mask=custom_mask,
             packed_custom_mask=packed_custom_mask,
             variant=variant,
+            kv_dtype=kv_dtype,
         )
         if self._use_cuda_graph:
             # the buffers' unused tail repeats the last offset (empty requests): the key-transform
@@ -228,13 +234,22 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
         in declaration order.  ``sinks``: per-head sink logits ``[num_qo_heads]`` (natural
         units; the returned LSE includes them).  ``q_scale`` / ``k_scale`` / ``v_scale`` /
         ``o_scale`` are accepted and ignored for fp16 / bf16 K / V, as FlashInfer 0.7.2's fa2 /
-        fa3 ragged path does (it applies them only with NVFP4 ``kv_cache_sf``)."""
+        fa3 ragged path does (it applies them only with NVFP4 ``kv_cache_sf``).  With an fp8
+        K / V (``plan(kv_data_type=float8_*)``) ``q_scale`` / ``k_scale`` multiply the softmax
+        scale and ``v_scale`` the output, as the paged wrapper's (``o_scale`` stays ignored: the
+        output is 16-bit)."""
         compat.check_kv_cache_sf(kv_cache_sf)
         compat.check_lse_format(lse_base, lse_layout)
+        st = self._require_plan()
+        q_s = k_s = v_fac = None
+        if st.kv_dtype != st.dtype:  # fp8 K / V: the scales apply (the scales first, once)
+            kv_gather.check_scales(self._device, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+            q_s, k_s = compat.scale_value(q_scale, "q_scale"), compat.scale_value(k_scale, "k_scale")
+            v_fac = compat.v_scale_factor(v_scale)
         out, lse = self._check_run(q, out, lse, args)
-        return self._run_ragged(q, k, v, args, out, lse, sinks, None, return_lse)
+        return self._run_ragged(q, k, v, args, out, lse, sinks, None, return_lse, q_s, k_s, v_fac)
 
-    def _run_ragged(self, q, k, v, args, out, lse, sinks, ov, return_lse):
+    def _run_ragged(self, q, k, v, args, out, lse, sinks, ov, return_lse, q_scale=None, k_scale=None, v_fac=None):
         st = self._state
         n, hk, d = st.inputs.kv_total, st.hk, st.head_dim
         if k.dim() != 3 or k.shape != v.shape:
@@ -251,7 +266,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
             # exactly the planned tokens: a KV block that runs past the last request's end then
             # reads TMA's zero fill, never what lies beyond in the caller's tensor (0 * NaN = NaN)
             k, v = k[:n], v[:n]
-        self._launch(q, k.unsqueeze(0), v.unsqueeze(0), st.kv_indptr, st.kv_indices, out, lse, args, sinks, ov)
+        self._launch(q, k.unsqueeze(0), v.unsqueeze(0), st.kv_indptr, st.kv_indices, out, lse, args, sinks, ov,
+                     q_scale, k_scale, v_fac)  # fmt: skip
         return (out, lse) if return_lse else out
 
     def _run_kv(self, q, kv, ov, q_scale, k_scale, v_scale, return_lse):
@@ -397,9 +413,10 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         uniform_q_len=None,
     ) -> Tuple[int, int]:
         """FlashInfer's ``workspace_size``: (float workspace bytes, int workspace bytes) plan()
-        with these sizes uses in this wrapper's workspace (without the KV pass's optional
-        copies); no side effects.  The int bytes are 0 (the plan's records live in a buffer of
-        the wrapper's own)."""
+        with these sizes uses in this wrapper's workspace (without the KV pass's copies, which
+        an fp8 cache's plan puts in a buffer of its own where they do not fit); no side
+        effects.  The int bytes are 0 (the plan's records live in a buffer of the wrapper's
+        own)."""
         from .prefill_base import prefill_workspace_bytes
 
         common.reject_unsupported(head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo)
@@ -466,9 +483,15 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         key; it needs workspace room for both copies past the plan; never in CUDA-graph mode,
         nor with ``fixed_split_size``, whose output must not depend on the rest of the batch);
         ``True``: always (an error if the workspace is too small or in CUDA-graph mode);
-        ``False``: never (the kernel gathers each block itself)."""
+        ``False``: never (the kernel gathers each block itself).
+
+        ``kv_data_type`` ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` with fp16 / bf16
+        queries: an fp8 cache, always read by the KV pass, which dequantizes it to the query
+        dtype (``wrappers/kv_gather.py``: in the workspace when it has room, else in a buffer of
+        the wrapper's own; CUDA-graph mode included, where the first plan fixes the region);
+        ``kv_pass=False`` is then an error.  The output is in the query dtype."""
         fixed_split_size = compat.split_size(fixed_split_size)
-        q_dtype, d, arch = self._check_common(
+        q_dtype, kv_dtype, d, arch = self._check_common(
             num_qo_heads,
             num_kv_heads,
             head_dim_qk,
@@ -537,18 +560,13 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
             packed_custom_mask=packed_custom_mask,
             variant=variant,
             kv_pass=kv_pass,
+            kv_dtype=kv_dtype,
         )
         if self._use_cuda_graph:
             self._to_device(qo_indptr, self._qo_indptr_buf, "qo_indptr")  # FlashInfer's buffers (unused here)
             self._to_device(paged_kv_last_page_len, self._last_buf, "paged_kv_last_page_len")
-        gathered = {}
-        if st.gather is not None:  # the KV pass: token offsets of the gathered K / V, q offsets
-            tok = np.concatenate([[0], np.cumsum(st.kv_lens)]).astype(np.int32)
-            gathered = dict(
-                kv_tok_indptr=self._to_device(tok, None, "kv token indptr"),
-                qo_indptr=self._to_device(qo_h.astype(np.int32), None, "qo_indptr"),
-                no_indices=common.arange(1, self._device),
-            )
+        # the KV pass: token offsets of the gathered K / V, q offsets
+        gathered = {} if st.gather is None else kv_gather.paged_gather_inputs(self, st.kv_lens, qo_h)
         inputs = PrefillInputs(
             kv_indptr=self._to_device(paged_kv_indptr, self._indptr_buf, "paged_kv_indptr"),
             kv_indices=self._to_device(indices_t, self._indices_buf, "paged_kv_indices"),
@@ -587,12 +605,14 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         """``*args``: the runtime arguments of plan()'s ``variant`` not given to its constructor,
         in declaration order.  ``sinks``: per-head sink logits ``[num_qo_heads]`` (natural
         units; the returned LSE includes them).  ``q_scale`` / ``k_scale`` multiply the softmax
-        scale, ``v_scale`` the output after the kernel (FlashInfer's semantics for fp16 / bf16
-        KV; the LSE is not scaled).  A ``(k, v)`` tuple of 3-D ``[tokens, kv_heads, head_dim]``
+        scale, ``v_scale`` the output after the kernel (FlashInfer's semantics, for fp16 / bf16
+        and fp8 caches; the LSE is not scaled; a tensor scale on the CPU or this device).  A
+        ``(k, v)`` tuple of 3-D ``[tokens, kv_heads, head_dim]``
         caches is a page-size-1 cache."""
         compat.check_kv_cache_sf(kv_cache_sf)
         compat.check_lse_format(lse_base, lse_layout)
         # the scales first (a tensor one under capture is refused with its own message), once
+        kv_gather.check_scales(self._device, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
         q_scale, k_scale = compat.scale_value(q_scale, "q_scale"), compat.scale_value(k_scale, "k_scale")
         v_fac = compat.v_scale_factor(v_scale)
         out, lse = self._check_run(

@@ -48,7 +48,7 @@ from ..sched.workspace import MIN_CTA_TILE_Q
 from ..variants import base as vbase
 from ..variants.binding import VariantBinding
 from ..variants.builtins import CustomMask, mask_kv_bounds
-from . import common, compat, guards
+from . import common, compat, guards, kv_gather
 from .masks import device_mask, packed_mask
 from .options import check_options, resolve_variant
 from .plans import PrefillInputs, PrefillPlanState
@@ -166,9 +166,13 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         variant=None,
         **unsupported,
     ):
-        """Argument checks shared by both plans; returns (q dtype, head_dim, arch)."""
+        """Argument checks shared by both plans; returns (q dtype, kv dtype, head_dim, arch): the
+        cache is of the query dtype or fp8 (``kv_gather``: the KV pass dequantizes it)."""
         common.check_plan_not_captured()
-        q_dtype = common.plan_dtype(q_data_type, kv_data_type, o_data_type, head_dim_qk, head_dim_vo, **unsupported)
+        q_dtype, kv_dtype = common.plan_kv_dtype(
+            q_data_type, kv_data_type, o_data_type, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, **unsupported
+        )
+        kv_gather.kv_name(kv_dtype, q_dtype)  # the fp8 formats served
         check_options(pos_encoding_mode, variant)
         arch = arch_of_index(self._dev)
         try:
@@ -177,7 +181,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             raise NoBackend(f"batch prefill cannot run on cuda:{self._dev} ({arch}): {e}") from None
         common.check_heads(num_qo_heads, num_kv_heads, head_dim_qk, backend.head_dims)
         common.check_plan_scalars(window_left, logits_soft_cap, fixed_split_size, split_unit)
-        return q_dtype, int(head_dim_qk), arch
+        return q_dtype, kv_dtype, int(head_dim_qk), arch
 
     def _arch_for_plan(self) -> str:
         arch = arch_of_index(self._dev)
@@ -211,11 +215,13 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         packed_custom_mask=None,
         variant=None,
         kv_pass=None,
+        kv_dtype=None,
     ) -> PrefillPlanState:
         """Validate lengths, (re)make the planner, plan + upload, pick the kernels. Returns the
         plan's state without its device inputs (``_commit`` adds them once their copies are
         queued).  ``kv_pass`` (paged): gather the cache by the KV pass first (True), never
-        (False) or when it pays (None)."""
+        (False) or when it pays (None); an fp8 ``kv_dtype`` always runs the pass (paged or
+        ragged: it dequantizes the cache for the 16-bit kernel)."""
         hq, hk, d = int(num_qo_heads), int(num_kv_heads), head_dim
         backend = backend_for("prefill", arch)
         qo_len = np.diff(qo_h)
@@ -255,8 +261,9 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             soft_cap_value=soft_cap,
             window_left=window_left,
             variant=vbase.encode(var),
-            page_box=page_box_for(self._PAGED, int(page_size)),
-        )  # the KV pass may change it
+            page_box=page_box_for(self._PAGED, int(page_size)),  # the KV pass may change it
+            kv_dtype=kv_gather.kv_name(kv_dtype or q_dtype, q_dtype),
+        )
 
         batch_invariant = split_tokens is not None  # fixed_split_size: nothing may depend on the batch
         if batch_invariant:
@@ -288,19 +295,25 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
                     f"tokens of the first plan (which fixes the workspace layout, as in FlashInfer)"
                 )
         lim, grow = self._choose_limits(batch, total_q, hq, hk, d, num_ctas)
-        gather = None  # (offset, bytes per tensor) of the gathered K / V in the workspace
-        if self._PAGED:
+        gather = None  # kv_gather.Gather: where the KV pass writes contiguous K / V
+        if self._PAGED or launch["kv_dtype"] is not None:
             # batch-invariant plans take the pass only when asked: the model weighs the whole batch
             want = False if kv_pass is None and batch_invariant else kv_pass
-            gather = self._gather_region(
-                want, lim, num_ctas, int(page_size), var, qo_len, kv_lens, causal, window_left, hq, hk, d, q_dtype
+            transform = var is not None and vbase.Hooks(var).has_transform_k
+            boxes = bool(page_box_for(True, int(page_size)))  # else the kernel's cp.async gather
+            pays = lambda: kv_pass_pays(  # noqa: E731
+                qo_len, kv_lens, hq, hk, d, bool(causal), transform, q_dtype.itemsize, window_left, boxes
+            )
+            fp8 = launch["kv_dtype"] is not None
+            gather = kv_gather.gather_region(
+                self, want, fp8, lim, num_ctas, int(kv_lens.sum()), hk * d * q_dtype.itemsize, pays
             )
         # modules first (loaded here, outside any capture): a missing one must fail before the
         # new plan overwrites the workspace that the previous plan's state still describes
         try:
             k = self._kernels(arch, backend, num_sms, launch, tile, d, var, page_size, gather)
         except KernelNotAvailable:
-            if gather is None or kv_pass:
+            if gather is None or kv_pass or launch["kv_dtype"] is not None:
                 raise
             # the pass was the model's choice, not the caller's: a cache built without its
             # kernels (an older `compile --preset`) still serves the plan by the in-kernel gather
@@ -349,6 +362,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             pass_grid=pass_grid,
             gather=gather,
             kv_lens=kv_lens,
+            kv_dtype=kv_dtype or q_dtype,
             options=dict(
                 pos_encoding_mode=pos_encoding_mode,
                 rope_scale=rope_scale,
@@ -380,7 +394,8 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         if keys_pretransformed(paged, var):
             spec_kw["keys_transformed"] = True
         pass_var = var if keys_pretransformed(paged, var) else None  # the pass's variant: K's transform
-        pass_spec = kv_pass_spec(arch, launch["dtype"], d, gather is not None, pass_var)
+        gathers = self._PAGED and gather is not None  # the pass reads the page table
+        pass_spec = kv_pass_spec(arch, launch["dtype"], d, gathers, pass_var, launch["kv_dtype"])
         pass_module, pass_grid = None, 0
         if pass_spec is not None:
             kv_backend = backend_for("kv_pass", arch)
@@ -388,40 +403,6 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             pass_grid = num_sms * kv_backend.ctas_for(d)
         attn = kernel(backend.family, arch, **spec_kw, **_variant_kw(var))
         return spec_kw, pass_var, pass_module, pass_grid, attn
-
-    def _gather_region(
-        self, want, lim, num_ctas, page_size, var, qo_len, kv_lens, causal, window_left, hq, hk, d, q_dtype
-    ):
-        """Whether this paged plan gathers the cache by the KV pass (``kv_pass_pays`` when
-        ``want`` is None) and where: (byte offset, bytes per tensor) of K / V in the workspace,
-        past the plan's sections; None for the in-kernel gather.  Not in CUDA-graph mode: a
-        captured run() bakes the path, and a later plan's lengths may not pay or fit."""
-        if want is False:
-            return None
-        elt = q_dtype.itemsize
-        transform = var is not None and vbase.Hooks(var).has_transform_k
-        if want is None:
-            boxes = bool(page_box_for(True, page_size))  # else the kernel's cp.async gather
-            if self._use_cuda_graph or not kv_pass_pays(
-                qo_len, kv_lens, hq, hk, d, bool(causal), transform, elt, window_left, boxes
-            ):
-                return None
-        elif self._use_cuda_graph:
-            raise ValueError(
-                "kv_pass=True is not available with use_cuda_graph=True (a captured run() bakes the "
-                "path; the in-kernel gather serves every plan)"
-            )
-        per = -(-int(kv_lens.sum()) * hk * d * elt // 256) * 256
-        start = -(-WorkspaceLayout(lim, num_ctas).total_bytes // 256) * 256
-        have = self._workspace.numel()
-        if start + 2 * per > have:
-            if want:
-                raise ValueError(
-                    f"kv_pass=True: float_workspace_buffer has {have} bytes; the plan and the gathered "
-                    f"K / V need {start + 2 * per}"
-                )
-            return None
-        return start, per
 
     def _custom_mask(self, custom_mask, packed, qo_len, kv_lens) -> CustomMask:
         """The plan's ``CustomMask`` (``masks``: FlashInfer's layout).  With ``use_cuda_graph``
@@ -541,13 +522,8 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         binding = VariantBinding(st.variant, info, st.attn, lambda v: kernel(family, arch, **spec_kw, **_variant_kw(v)))
         # the KV pass: the plan's key transform, if any (run()'s sinks do not touch keys)
         pass_binding = None if st.pass_module is None else VariantBinding(st.pass_variant, info, st.pass_module, None)
-        gathered = None
-        if st.gather is not None:  # the pass's output: contiguous K / V in the workspace
-            off, per = st.gather
-            n, hk, d = int(st.kv_lens.sum()), st.hk, st.head_dim
-            gathered = tuple(
-                self._workspace[o : o + per].view(st.dtype)[: n * hk * d].view(1, n, hk, d) for o in (off, off + per)
-            )
+        # the pass's output: contiguous K / V (the workspace, or the wrapper's own buffer)
+        gathered = None if st.gather is None else st.gather.views(st.dtype, st.hk, st.head_dim)
         self._state = replace(st, inputs=inputs, binding=binding, pass_binding=pass_binding, gathered=gathered)
 
     def _to_device(self, t, buf, name):
@@ -569,9 +545,12 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         return common.out_and_lse(q, out, lse, st.hq)
 
     def _check_kv(self, k, v, what):
-        dt, dev = self._state.dtype, self._device
+        dt, dev = self._state.kv_dtype, self._device
         if k.dtype != dt or v.dtype != dt or k.device != dev or v.device != dev:
-            raise ValueError(f"{what} must be {dt} on {dev}, got {k.dtype} / {v.dtype} on {k.device} / {v.device}")
+            planned = " (plan()'s kv_data_type)" if dt != self._state.dtype else ""
+            raise ValueError(
+                f"{what} must be {dt}{planned} on {dev}, got {k.dtype} / {v.dtype} on {k.device} / {v.device}"
+            )
 
     def _launch(self, q, k4, v4, kv_indptr, kv_indices, out, lse, args=(), sinks=None, ov=None, q_scale=None,
                 k_scale=None, v_fac=None):  # fmt: skip
@@ -591,43 +570,8 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             if sinks is not None:
                 lse.copy_((sinks.float() * (1.0 / math.log(2.0)))[None, :].expand_as(lse))
             return
-        inp = st.inputs
-        if st.pass_binding is not None:  # the KV pass: gather the paged cache, and / or transform K
-            pass_module, pass_vals = st.pass_binding.select(args if st.pass_binding.variant is not None else ())
-            if st.gathered is not None:  # paged -> contiguous K and V (ragged from here on)
-                k_g, v_g = st.gathered
-                pass_module(
-                    k4,
-                    v4,
-                    k_g,
-                    v_g,
-                    inp.qo_indptr,
-                    inp.kv_tok_indptr,
-                    kv_indptr,
-                    kv_indices,
-                    st.batch,
-                    st.sm_scale,
-                    st.pass_grid,
-                    *pass_vals,
-                )
-                k4, v4, kv_indptr, kv_indices = k_g, v_g, inp.kv_tok_indptr, inp.no_indices
-            else:  # ragged K through the variant's transform_k, once per key (V and pages unused)
-                k_t = torch.empty((1, k4.shape[1], st.hk, st.head_dim), dtype=k4.dtype, device=k4.device)
-                pass_module(
-                    k4,
-                    k4,
-                    k_t,
-                    k_t,
-                    inp.qo_indptr,
-                    kv_indptr,
-                    kv_indptr,
-                    kv_indptr,
-                    kv_indptr.numel() - 1,
-                    st.sm_scale,
-                    st.pass_grid,
-                    *pass_vals,
-                )
-                k4 = k_t
+        if st.pass_binding is not None:  # the KV pass: gather / dequantize the cache, and / or transform K
+            k4, v4, kv_indptr, kv_indices = kv_gather.run_pass(st, self._PAGED, k4, v4, kv_indptr, kv_indices, args)
         vw = self._views
         module(
             q,

@@ -5,12 +5,15 @@ decode step (page 16, with the model's window / soft-cap, ``run(sinks=)`` where 
 a ragged causal prefill of long and short requests, a paged causal prefill at page 16 and 1, a
 two-level cascade over a shared prefix, a speculative-decoding tree mask -- are made on the CPU
 with every kernel load recorded (no launch does anything), and each requested specialization
-must be in ``model_specs(model, "sm_90a")``.
+must be in ``model_specs(model, "sm_90a")``.  Once with the model's 16-bit cache and once with an
+fp8 one (``kv_cache_dtype="fp8"``: the fp8 decode kernels, the KV pass that dequantizes the
+cache, the ragged prefill kernels).
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -84,9 +87,12 @@ def _i32(x):
     return torch.tensor(x, dtype=torch.int32)
 
 
+@pytest.mark.parametrize("kv_cache", [None, "fp8"])
 @pytest.mark.parametrize("name", sorted(BUILTIN))
-def test_serving_step_loads_only_listed_kernels(loads, name):
-    m = BUILTIN[name]
+def test_serving_step_loads_only_listed_kernels(loads, name, kv_cache):
+    m = BUILTIN[name] if kv_cache is None else replace(BUILTIN[name], kv_dtype="e4m3")
+    kv_dt = torch.bfloat16 if kv_cache is None else torch.float8_e4m3fn
+    dt = dict(q_data_type=torch.bfloat16, kv_data_type=kv_dt)
     hq, hk, d = m.num_qo_heads, m.num_kv_heads, m.head_dim
     windows = ([-1] if m.global_layers or m.sliding_window is None else []) + (
         [m.sliding_window - 1] if m.sliding_window else []
@@ -94,7 +100,7 @@ def test_serving_step_loads_only_listed_kernels(loads, name):
     cap = m.logits_soft_cap
     sinks = _fake_cuda(torch.zeros(hq)) if m.sinks else None
     ps, pages = 16, 64
-    cache = (_t(pages, ps, hk, d), _t(pages, ps, hk, d))
+    cache = (_t(pages, ps, hk, d, dtype=kv_dt), _t(pages, ps, hk, d, dtype=kv_dt))
     for window in windows:
         # decode: 64 and 256 requests (head packing differs), page 16
         for b in (64, 256):
@@ -104,37 +110,35 @@ def test_serving_step_loads_only_listed_kernels(loads, name):
             indices = _i32([i % pages for i in range(int(indptr[-1]))])
             last = _i32([n - (p - 1) * ps for n, p in zip(lens, npg)])
             w = BatchDecodeWithPagedKVCacheWrapper(_ws())
-            w.plan(indptr, indices, last, hq, hk, d, ps, window_left=window, logits_soft_cap=cap,
-                   q_data_type=torch.bfloat16)  # fmt: skip
+            w.plan(indptr, indices, last, hq, hk, d, ps, window_left=window, logits_soft_cap=cap, **dt)
             w.run(_t(b, hq, d), cache, sinks=sinks)
         # ragged causal prefill: long requests (tile 128) and short ones (tile 64)
         for qo in ([600, 300], [3, 5, 2]):
             ind = _i32([0] + torch.tensor(qo).cumsum(0).tolist())
             r = BatchPrefillWithRaggedKVCacheWrapper(_ws())
-            r.plan(ind, ind, hq, hk, d, causal=True, window_left=window, logits_soft_cap=cap,
-                   q_data_type=torch.bfloat16)  # fmt: skip
+            r.plan(ind, ind, hq, hk, d, causal=True, window_left=window, logits_soft_cap=cap, **dt)
             n = int(ind[-1])
-            r.run(_t(n, hq, d), _t(n, hk, d), _t(n, hk, d), sinks=sinks)
+            r.run(_t(n, hq, d), _t(n, hk, d, dtype=kv_dt), _t(n, hk, d, dtype=kv_dt), sinks=sinks)
         # paged causal prefill (chunked: 40 new tokens on 200 cached) at page 16 and 1
         for page in (16, 1):
             kv = 240
             npg = (kv + page - 1) // page
-            pc = (_t(npg, page, hk, d), _t(npg, page, hk, d))
+            pc = (_t(npg, page, hk, d, dtype=kv_dt), _t(npg, page, hk, d, dtype=kv_dt))
             p = BatchPrefillWithPagedKVCacheWrapper(_ws())
             p.plan(_i32([0, 40]), _i32([0, npg]), _i32(list(range(npg))), _i32([kv - (npg - 1) * page]), hq, hk, d,
-                   page, causal=True, window_left=window, logits_soft_cap=cap, q_data_type=torch.bfloat16)  # fmt: skip
+                   page, causal=True, window_left=window, logits_soft_cap=cap, **dt)  # fmt: skip
             p.run(_t(40, hq, d), pc, sinks=sinks)
         # speculative decoding: a tree of 4 tokens per request over a paged cache
         spec = BatchPrefillWithPagedKVCacheWrapper(_ws())
         spec.plan(_i32([0, 4, 8]), _i32([0, 4, 8]), _i32(list(range(8))), _i32([16, 16]), hq, hk, d, ps,
                   custom_mask=torch.ones(2 * 4 * 64, dtype=torch.bool), window_left=window, logits_soft_cap=cap,
-                  q_data_type=torch.bfloat16)  # fmt: skip
+                  **dt)  # fmt: skip
         spec.run(_t(8, hq, d), cache)
         # cascade: 8 requests sharing a 64-token prefix, 16 own tokens each
         c = MultiLevelCascadeAttentionWrapper(2, _ws(512))
         c.plan([_i32([0, 8]), _i32(list(range(9)))], [_i32([0, 4]), _i32(list(range(9)))],
                [_i32([0, 1, 2, 3]), _i32(list(range(4, 12)))], [_i32([16]), _i32([16] * 8)], hq, hk, d, ps,
-               window_left=window, logits_soft_cap=cap, q_data_type=torch.bfloat16)  # fmt: skip
+               window_left=window, logits_soft_cap=cap, **dt)  # fmt: skip
         c.run(_t(8, hq, d), cache)
     listed = set(model_specs(m, "sm_90a"))
     missing = [s.describe() for s in dict.fromkeys(loads) if s not in listed]

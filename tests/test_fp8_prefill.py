@@ -1,0 +1,727 @@
+"""Batch prefill over an fp8 KV cache (float8_e4m3fn / float8_e5m2, fp16 / bf16 queries): the KV
+pass (``kernels/kv_pass.py``) dequantizes the paged or ragged cache into contiguous 16-bit K / V,
+then the unchanged 16-bit prefill kernel runs (``wrappers/kv_gather.py``).
+
+The reference is the fp32 one (``cute_attn.testing``) on the *dequantized* K / V (fp8 -> fp32,
+and fp8 -> fp16 / bf16 in the pass, are exact), so the tests measure the kernels, not the
+quantization; ``k_scale`` multiplies the logits (the reference's ``sm_scale``), ``v_scale`` the
+output (FlashInfer's / vLLM's semantics).  The cache is built in fp32 with NaN in every slot no
+request owns (spare pages, last-page slack, rows past the ragged KV) and converted to fp8 (NaN
+stays NaN); outputs and LSE are pre-filled with NaN.  Tolerances: those of the 16-bit prefill
+tests (tests/test_prefill_gpu.py ``check``): output relative L2 error bf16 2e-2, fp16 4e-3 (the
+kernel rounds P to the query dtype); LSE (base 2) absolute 2e-3 where finite, -inf exactly where
+the reference has it, o = 0 there.
+
+GPU tests (marked ``gpu``; specs of the ``all`` preset): page sizes 1 / 16 / 64, NHD / HND,
+tuple and single-tensor caches, head dims 64 / 128 / 256, e4m3 / e5m2, fp16 / bf16 queries, GQA
+groups 1-8, causal and not, soft-cap and window, lengths 0 / 1 / odd / 8192 / a split-KV skew,
+scales (floats and 1-element tensors), RoPE through the pass, a workspace too small for the
+dequantized K / V, determinism, CUDA-graph capture + replay under new plans, the cascade.
+
+CPU tests (run in CI): spec parameters and ABI; both wrappers against the emulated kernels of
+tests/test_prefill_gpu.py (the pass and the kernel run on the exact tensors ``run()`` passes, after
+the real argument packer): which kernels run, where the pass writes, CUDA-graph mode's fixed
+region, the scales, RoPE, the cascade; every GPU case's specs are in the ``all`` preset; and a
+``compile``-marked check of the pass's PTX / SASS (conversions present, no local memory).
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_prefill_gpu import _cpu_ws, _cumsum, _Emulated, _fake_cuda, _gen, _ws, check, emu, make_paged, make_ragged  # noqa: F401
+
+from cute_attn.testing import ragged_reference
+
+gpu = pytest.mark.gpu
+DEV = "cuda"
+BF, F16 = torch.bfloat16, torch.float16
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _scale(x) -> float:
+    return 1.0 if x is None else float(x)
+
+
+class Fp8Case:
+    """A planned wrapper and what run() and the reference need."""
+
+    def __init__(self, w, q, kv_args, ref_kv, qo, kv_tok, dtype, ref_kw):
+        self.w, self.q, self.kv_args, self.ref_kv = w, q, kv_args, ref_kv
+        self.qo, self.kv_tok, self.dtype, self.ref_kw = qo, kv_tok, dtype, ref_kw
+
+    def run(self, k_scale=None, v_scale=None, check_values=True):
+        q, hq = self.q, self.q.shape[1]
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((q.shape[0], hq), float("nan"), device=q.device)
+        self.w.run(q, *self.kv_args, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
+        if check_values:
+            kw = dict(self.ref_kw)
+            kw["sm_scale"] = _scale(k_scale) * kw.pop("sm_scale", 1.0 / math.sqrt(q.shape[2]))
+            ref_o, ref_lse = ragged_reference(q, *self.ref_kv, self.qo, self.kv_tok, **kw)
+            check(out, lse, ref_o * _scale(v_scale), ref_lse, self.dtype)
+        return out, lse
+
+
+def plan_case(
+    kind,
+    qo_lens,
+    kv_lens,
+    hq,
+    hk,
+    d,
+    *,
+    page_size=16,
+    q_dtype=BF,
+    kv="e4m3",
+    layout="NHD",
+    single_tensor=False,
+    causal=False,
+    soft_cap=None,
+    window_left=-1,
+    device=None,
+    workspace=None,
+    seed=None,
+    **plan_kw,
+) -> Fp8Case:
+    """Fresh random inputs (fp32, NaN where no request owns a slot, then fp8), a wrapper planned
+    for them (``kind``: "paged" / "ragged")."""
+    from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
+
+    device = device or DEV
+    gen = _gen(seed)
+    f8 = FP8[kv]
+    ws = workspace if workspace is not None else _ws(device)
+    qo = torch.tensor(_cumsum(qo_lens), dtype=torch.int32)
+    opts = dict(causal=causal, q_data_type=q_dtype, kv_data_type=f8, logits_soft_cap=soft_cap, window_left=window_left)
+    if kind == "paged":
+        cache, indptr, indices, last, (k, v), kv_tok = make_paged(
+            kv_lens, page_size, hk, d, torch.float32, layout, single_tensor, gen, "cpu"
+        )
+        cache = cache.to(f8).to(device) if single_tensor else tuple(t.to(f8).to(device) for t in cache)
+        q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(q_dtype).to(device)
+        w = BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout=layout)
+        w.plan(qo, indptr, indices, last, hq, hk, d, page_size, **opts, **plan_kw)
+        kv_args = (cache,)
+    else:
+        q, k8, v8, _, kv_tok, (k, v) = make_ragged(
+            qo_lens, kv_lens, hq, hk, d, torch.float32, layout, gen, "cpu", tail=5
+        )
+        q = q.to(q_dtype).to(device)
+        w = BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout=layout)
+        w.plan(qo, kv_tok, hq, hk, d, **opts, **plan_kw)
+        kv_args = (k8.to(f8).to(device), v8.to(f8).to(device))
+    ref_kv = tuple(t.to(f8).float().to(device) for t in (k, v))  # the dequantized K / V
+    ref_kw = dict(causal=causal, logits_soft_cap=soft_cap, window_left=window_left)
+    if plan_kw.get("sm_scale") is not None:
+        ref_kw["sm_scale"] = plan_kw["sm_scale"]
+    return Fp8Case(w, q, kv_args, ref_kv, qo, kv_tok, q_dtype, ref_kw)
+
+
+def run_case(*args, k_scale=None, v_scale=None, **kw) -> Fp8Case:
+    c = plan_case(*args, **kw)
+    c.run(k_scale, v_scale)
+    return c
+
+
+# =========================================================================== GPU tests
+# The cases as data: test_cpu_gpu_cases_use_preset_specs plans each of them on the CPU.
+
+LENS = ([1, 17, 128, 300, 5, 77], [1, 117, 128, 333, 2005, 77])  # kv = qo and kv > qo (append)
+APPEND = ([250, 3, 700, 1, 64, 511, 9, 333, 100], [900, 3, 1500, 1200, 64, 511, 1400, 333, 2100])
+EDGES = {
+    "empty_requests": ([0, 5, 0, 300, 7, 2], [10, 0, 0, 500, 7, 0]),  # qo 0, kv 0, both 0
+    "single_tokens": ([1, 1, 1], [1, 2, 1]),
+    "odd": ([1, 3, 129, 77, 255], [1, 999, 129, 301, 1023]),
+    "long_8k": ([8192], [8192]),
+    "split_kv_skew": ([1, 4000, 3], [30000, 4000, 60000]),
+    "no_keys": ([4, 9], [0, 0]),  # no kernel: o = 0, lse = -inf
+}
+SOFTCAP_WINDOW = [(30.0, -1), (None, 100), (50.0, 7), (None, 0)]
+GPU_CASES = (
+    [
+        (f"pages-ps{ps}-{lay}-{'single' if st else 'tuple'}-c{int(c)}", ("paged",) + APPEND + (32, 8, 128),
+         dict(page_size=ps, layout=lay, single_tensor=st, causal=c))
+        for ps in (1, 16, 64) for lay in ("NHD", "HND") for st in (False, True) for c in (False, True)
+    ]
+    + [
+        (f"dims-{kind}-d{d}-{kv}-{qd}-h{hq}x{hk}", (kind,) + LENS + (hq, hk, d),
+         dict(kv=kv, q_dtype=dict(bf16=BF, f16=F16)[qd], causal=kind == "paged", layout="HND" if hq == 16 else "NHD"))
+        for kind in ("paged", "ragged") for d in (64, 128, 256) for kv in ("e4m3", "e5m2") for qd in ("bf16", "f16")
+        for hq, hk in ((8, 8), (32, 8), (16, 2))
+    ]
+    + [
+        (f"group-{kind}-g{g}", (kind,) + LENS + (2 * g, 2, 128), dict(causal=True))
+        for kind in ("paged", "ragged") for g in (1, 2, 3, 4, 5, 8)
+    ]
+    + [
+        (f"softcap-window-{kind}-{cap}-{win}-c{int(c)}", (kind, [100, 333, 1, 1000, 64], [100, 900, 50, 1000, 2000],
+         32, 8, 128), dict(soft_cap=cap, window_left=win, causal=c, kv="e5m2" if c else "e4m3"))
+        for kind in ("paged", "ragged") for cap, win in SOFTCAP_WINDOW for c in (False, True)
+    ]
+    + [
+        (f"lengths-{kind}-{name}", (kind,) + lens + (32, 8, 128),
+         dict(causal=True, page_size=1 if kind == "paged" else 16))
+        for kind in ("paged", "ragged") for name, lens in EDGES.items()
+    ]
+)  # fmt: skip
+GPU_IDS = [c[0] for c in GPU_CASES]
+
+
+@gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=GPU_IDS)
+def test_fp8_prefill(case):
+    _, args, kw = case
+    c = run_case(*args, **kw)
+    assert c.w._gathered is not None and not c.w._spec_kw["paged"]  # always the pass, then the ragged kernel
+    if "soft_cap" in kw:
+        assert c.w._tile == 128  # the soft-cap / window kernels are compiled for 128-row tiles
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+@pytest.mark.parametrize("k_scale,v_scale", [(0.5, 2.0), (3.0, None), (None, 0.25), ("t", "t")])
+def test_fp8_scales(kind, k_scale, v_scale):
+    """Float scales and 1-element tensors (vLLM's layer._k_scale); a CPU tensor too."""
+    if k_scale == "t":
+        k_scale, v_scale = torch.tensor([0.7], device=DEV), torch.tensor(1.3)
+    c = plan_case(kind, *LENS, 32, 8, 128, causal=True)
+    c.run(k_scale, v_scale)
+    c.run(k_scale, v_scale)  # the scales are not sticky
+    c.run()
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_fp8_deterministic(kind):
+    c = plan_case(kind, [3000, 17, 1], [20000, 17, 900], 32, 8, 128, causal=True)
+    out, lse = c.run()
+    out2, lse2 = c.run(check_values=False)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_fp8_small_workspace_own_buffer(kind):
+    """A 48 MiB workspace holds the plan but not 2 x 40000 tokens x 8 heads x 128 x 2 bytes: the
+    pass writes into a buffer of the wrapper's own."""
+    c = run_case(kind, [2000, 30], [40000, 30], 32, 8, 128, causal=True, workspace=_ws(DEV, 48))
+    assert c.w._gathered[0].data_ptr() != c.w._workspace.data_ptr() + c.w._state.gather.offset
+    assert not c.w._state.gather.in_workspace
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+@pytest.mark.parametrize("kv", ["e4m3", "e5m2"])
+def test_fp8_rope(kind, kv):
+    """RoPE (pos_encoding_mode ROPE_LLAMA): the pass dequantizes K and rotates it in fp32,
+    rounded to bf16 (the reference rounds the rotated q / k the same way)."""
+    from cute_attn.testing.reference import variant_reference
+
+    c = plan_case(kind, [1, 17, 300, 5, 0, 77, 130], [1, 117, 300, 2005, 9, 77, 400], 32, 8, 128, kv=kv,
+                  causal=True, pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5)  # fmt: skip
+    assert c.w._spec_kw.get("keys_transformed")
+    out, lse = c.run(check_values=False)
+    ref_o, ref_lse = variant_reference(c.q, *c.ref_kv, c.qo, c.kv_tok, causal=True, rope=(2.0, 5e5), rope_round_to=BF)
+    check(out, lse, ref_o, ref_lse, BF)
+
+
+def _graph_paged(hq, hk, d, ps, max_b, max_pages, ws_mb=128):
+    from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
+
+    bufs = dict(
+        qo_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device=DEV),
+        paged_kv_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device=DEV),
+        paged_kv_indices_buf=torch.zeros(max_pages, dtype=torch.int32, device=DEV),
+        paged_kv_last_page_len_buf=torch.zeros(max_b, dtype=torch.int32, device=DEV),
+    )
+    return BatchPrefillWithPagedKVCacheWrapper(_ws(DEV, ws_mb), kv_layout="HND", use_cuda_graph=True, **bufs)
+
+
+@gpu
+@pytest.mark.parametrize("ws_mb", [512, 40])  # room past the plan for the pass, or a buffer of its own
+def test_fp8_cuda_graph_paged_replay_with_new_plans(ws_mb):
+    """Capture run() once (scales as floats), re-plan with other lengths and pages, replay: the
+    pass (its bound read on the device, its token offsets padded to the batch capacity) and
+    the kernel follow the new plan."""
+    hq, hk, d, ps, max_b, t_max, max_pages = 32, 8, 128, 16, 4, 2048, 4096
+    gen = _gen()
+    w = _graph_paged(hq, hk, d, ps, max_b, max_pages, ws_mb)
+    kc = torch.randn(max_pages, hk, ps, d, generator=gen).to(torch.float8_e4m3fn).cuda()
+    vc = torch.randn(max_pages, hk, ps, d, generator=gen).to(torch.float8_e4m3fn).cuda()
+    q = torch.randn(t_max, hq, d, generator=gen).to(BF).cuda()
+    out = torch.empty_like(q)
+    lse = torch.empty(t_max, hq, device=DEV)
+
+    def plan(qo, kv):
+        pages = [(n + ps - 1) // ps for n in kv]
+        indices = torch.randperm(max_pages, generator=gen)[: sum(pages)].to(torch.int32)
+        last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv, pages)], dtype=torch.int32)
+        qo_t, indptr = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(pages), dtype=torch.int32)
+        w.plan(qo_t, indptr, indices, last, hq, hk, d, ps, q_data_type=BF, kv_data_type=torch.float8_e4m3fn,
+               causal=True)  # fmt: skip
+        return qo_t, indptr, indices, last
+
+    plan([1024, 1024, 0, 0], [1024, 30000, 5, 16])  # the first plan fixes the pass's region
+    w.run(q, (kc, vc), out=out, lse=lse, k_scale=0.5, v_scale=2.0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(q, (kc, vc), out=out, lse=lse, k_scale=0.5, v_scale=2.0)
+    from cute_attn.testing import paged_reference
+
+    deq = (kc.float(), vc.float())
+    for qo, kv in (([1, 2047, 0, 0], [9000, 2047, 1, 1]), ([500, 500, 500, 500], [500, 20000, 700, 900]),
+                   ([3, 1, 4], [3, 1, 4])):  # fmt: skip
+        qo_t, indptr, indices, last = plan(qo, kv)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        n = int(qo_t[-1])
+        ref_o, ref_lse = paged_reference(q[:n], deq, qo_t, indptr, indices, last, kv_layout="HND", causal=True,
+                                         sm_scale=0.5 / math.sqrt(d))  # fmt: skip
+        check(out, lse, 2.0 * ref_o, ref_lse, BF, rows=n)
+    if ws_mb == 40:  # the first plan's 31045 kv tokens, rounded up to a power of two
+        assert not w._state.gather.in_workspace and w._state.gather.tokens == 32768
+        with pytest.raises(ValueError, match="kv tokens exceed"):
+            plan([1, 1, 1, 1], [40000, 1, 1, 1])
+    else:
+        assert w._state.gather.in_workspace
+
+
+@gpu
+def test_fp8_cuda_graph_ragged_replay_with_new_plans():
+    from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
+
+    hq, hk, d, t_max, kv_max = 16, 4, 128, 4096, 40000
+    gen = _gen()
+    w = BatchPrefillWithRaggedKVCacheWrapper(
+        _ws(DEV), use_cuda_graph=True, qo_indptr_buf=torch.zeros(5, dtype=torch.int32, device=DEV),
+        kv_indptr_buf=torch.zeros(5, dtype=torch.int32, device=DEV),
+    )  # fmt: skip
+    q = torch.randn(t_max, hq, d, generator=gen).to(BF).cuda()
+    k = torch.randn(kv_max, hk, d, generator=gen).to(torch.float8_e5m2).cuda()
+    v = torch.randn(kv_max, hk, d, generator=gen).to(torch.float8_e5m2).cuda()
+    out, lse = torch.empty_like(q), torch.empty(t_max, hq, device=DEV)
+
+    def plan(qo, kv):
+        qo_t, kv_t = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(kv), dtype=torch.int32)
+        w.plan(qo_t, kv_t, hq, hk, d, causal=True, q_data_type=BF, kv_data_type=torch.float8_e5m2)
+        return qo_t, kv_t
+
+    plan([2000, 24, 1000, 1072], [2000, 1024, 1007, 4072])
+    w.run(q, k, v, out=out, lse=lse, v_scale=0.5)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(q, k, v, out=out, lse=lse, v_scale=0.5)
+    for qo, kv in (([1, 1, 1, 4093], [1, 1, 1, 30000]), ([5, 77, 300, 1], [5, 77, 300, 1]), ([2000, 24], [2000, 24])):
+        qo_t, kv_t = plan(qo, kv)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        n = int(qo_t[-1])
+        ref_o, ref_lse = ragged_reference(q[:n], k.float(), v.float(), qo_t, kv_t, causal=True)
+        check(out, lse, 0.5 * ref_o, ref_lse, BF, rows=n)
+
+
+@gpu
+@pytest.mark.parametrize("decode_kernel", [None, False])
+def test_fp8_cascade(decode_kernel):
+    """A shared prefix + each request's own tokens, one query per request, fp8 cache: the prefix
+    level through the KV pass, the own level on the fp8 decode kernel (or the prefill one)."""
+    from test_cascade import _two_level, make_cascade, plan_args
+
+    from cute_attn import MultiLevelCascadeAttentionWrapper
+
+    batch, hq, hk, d, ps = 6, 32, 8, 128, 16
+    groups, segs = _two_level(batch, 900, [5, 300, 17, 1, 64, 99])
+    q, cache, levels, (k_cat, v_cat, cat_tok) = make_cascade(
+        groups, segs, [1] * batch, ps, hq, hk, d, torch.float32, "NHD", _gen(), "cpu"
+    )
+    q, cache = q.to(BF).cuda(), tuple(t.to(torch.float8_e4m3fn).cuda() for t in cache)
+    w = MultiLevelCascadeAttentionWrapper(2, torch.empty(256 << 20, dtype=torch.uint8, device=DEV))
+    w.plan(*plan_args(levels), hq, hk, d, ps, q_data_type=BF, kv_data_type=torch.float8_e4m3fn,
+           decode_kernel=decode_kernel)  # fmt: skip
+    out, lse = w.run(q, cache, return_lse=True, k_scale=0.5, v_scale=2.0)
+    deq = [t.to(torch.float8_e4m3fn).float().cuda() for t in (k_cat, v_cat)]
+    ref_o, ref_lse = ragged_reference(q, *deq, torch.arange(batch + 1), cat_tok, sm_scale=0.5 / math.sqrt(d))
+    check(out, lse, 2.0 * ref_o, ref_lse, BF)
+
+
+# =========================================================================== CPU tests
+
+
+def test_cpu_fp8_specs_and_abi():
+    from cute_attn.families.base import get_family
+    from cute_attn.families.kv_pass import kv_pass_spec, shipped_specs
+    from cute_attn.presets import preset_specs
+
+    sp = kv_pass_spec("sm_90a", "bf16", 128, True, None, "e4m3")
+    assert sp.pdict == dict(dtype="bf16", head_dim=128, paged=True, kv_dtype="e4m3")
+    # a cache of the output dtype: no kv_dtype parameter (the 16-bit specs' parameters unchanged)
+    assert kv_pass_spec("sm_90a", "bf16", 128, True, None, "bf16").pdict == dict(dtype="bf16", head_dim=128, paged=True)
+    assert kv_pass_spec("sm_90a", "f16", 64, False, None) is None  # ragged 16-bit: nothing to do
+    assert kv_pass_spec("sm_90a", "f16", 64, False, None, "e5m2").pdict["paged"] is False
+    with pytest.raises(ValueError, match="only an fp8 cache"):
+        kv_pass_spec("sm_90a", "bf16", 128, True, None, "f16")
+    abi = {a.name: a for a in get_family("kv_pass").abi(sp.pdict)}
+    assert abi["mK"].dtype == abi["mV"].dtype == "e4m3" and abi["mKout"].dtype == abi["mVout"].dtype == "bf16"
+    assert abi["mK"].stride_divisibility == 16 and abi["mKout"].stride_divisibility == 8  # whole 16-byte vectors
+    fp8 = [s for s in shipped_specs("sm_90a") if "kv_dtype" in s.pdict]
+    assert len(fp8) == 2 * 3 * 2 * 2  # output dtype x head dim x fp8 kind x paged / ragged
+    assert set(fp8) <= set(preset_specs("default", "sm_90a")) and not shipped_specs("sm_100a")
+
+
+def _calls(emu):
+    return [f for f, _ in emu.calls]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("single_tensor", [False, True])
+@pytest.mark.parametrize("kv,q_dtype", [("e4m3", BF), ("e5m2", F16)])
+def test_cpu_fp8_paged_wiring(emu, page_size, layout, single_tensor, kv, q_dtype):
+    """Short queries (the 16-bit plan would not take the pass): an fp8 cache always goes through
+    it, into the workspace past the plan, then the ragged kernel."""
+    c = run_case("paged", [3, 50, 0, 1], [40, 900, 7, 1], 8, 2, 64, page_size=page_size, layout=layout,
+                 single_tensor=single_tensor, kv=kv, q_dtype=q_dtype, causal=True, device="cpu",
+                 workspace=_cpu_ws(), seed=3)  # fmt: skip
+    assert _calls(emu)[:2] == ["kv_pass", "batch_prefill_sm90"]
+    assert emu.calls[0][1] == dict(dtype=dict([(BF, "bf16"), (F16, "f16")])[q_dtype], head_dim=64, paged=True,
+                                   kv_dtype=kv)  # fmt: skip
+    assert not emu.calls[1][1]["paged"] and "page_box" not in emu.calls[1][1]
+    g = c.w._state.gather
+    assert g.in_workspace and g.offset >= c.w._planner.layout.total_bytes and g.offset % 256 == 0
+    assert c.w._gathered[0].dtype == q_dtype and c.w._gathered[0].shape == (1, 948, 2, 64)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv,q_dtype", [("e4m3", F16), ("e5m2", BF)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_fp8_ragged_wiring(emu, layout, kv, q_dtype, causal):
+    c = run_case("ragged", [1, 17, 40, 0, 9], [1, 40, 90, 9, 9], 8, 2, 64, layout=layout, kv=kv, q_dtype=q_dtype,
+                 causal=causal, device="cpu", workspace=_cpu_ws(), seed=4, window_left=20)  # fmt: skip
+    assert _calls(emu)[:2] == ["kv_pass", "batch_prefill_sm90"]
+    assert emu.calls[0][1]["kv_dtype"] == kv and not emu.calls[0][1]["paged"]
+    assert c.w._gathered[0].shape == (1, 149, 2, 64)
+
+
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_cpu_fp8_scales(emu, kind):
+    """k_scale (and q_scale) fold into the kernel's softmax scale, v_scale multiplies the output;
+    a float, a 0-d or 1-element tensor."""
+    c = plan_case(kind, [5, 30], [20, 30], 8, 2, 64, device="cpu", workspace=_cpu_ws(), seed=5)
+    for ks, vs in ((0.5, 2.0), (torch.tensor(0.25), torch.tensor([3.0])), (None, 0.5), (2.0, None)):
+        emu.calls.clear()
+        c.run(ks, vs)
+    out, _ = c.run(0.5, None)
+    out4, _ = c.run(0.5, 4.0)
+    assert torch.equal(out4, out * 4)  # v_scale: one multiply of the output (exact by a power of 2)
+
+
+def test_cpu_fp8_own_buffer_and_growth(emu):
+    """A workspace with room for the plan but not for the dequantized K / V: a buffer of the
+    wrapper's own, grown by a larger plan (the previous plan's views keep the old one alive),
+    reused by a smaller one; a plan whose K / V fit goes back to the workspace."""
+    c = plan_case("paged", [3, 50], [40, 900], 8, 2, 64, device="cpu", workspace=_cpu_ws(), seed=6)
+    small = _fake_cuda(torch.empty(c.w._planner.layout.total_bytes + 4096, dtype=torch.uint8))
+    row = 2 * 64 * 2  # bytes of one token's K: kv heads x head_dim x bf16
+    sizes = []
+    for kv, fits in (([40, 900], False), ([40, 1900], False), ([40, 100], False), ([3, 4], True)):
+        c = run_case("paged", [3, 4], kv, 8, 2, 64, device="cpu", workspace=small, seed=6)
+        g = c.w._state.gather
+        assert g.in_workspace == fits and g.tokens == sum(kv)
+        if not fits:
+            assert g.buf is c.w._gather_buf and g.buf.numel() >= 2 * sum(kv) * row
+        sizes.append(None if fits else g.buf.numel())
+    assert sizes[1] > sizes[0]
+
+
+def test_cpu_fp8_one_wrapper_replans(emu):
+    """One wrapper, plans that need more and less room: the own buffer grows once and is reused."""
+    from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
+
+    c = plan_case("paged", [3, 50], [40, 900], 8, 2, 64, device="cpu", workspace=_cpu_ws(), seed=6)
+    w = BatchPrefillWithPagedKVCacheWrapper(_fake_cuda(torch.empty(c.w._planner.layout.total_bytes + 4096,
+                                                                   dtype=torch.uint8)))  # fmt: skip
+    bufs = []
+    for kv in (900, 1900, 100):
+        pages = torch.arange(kv // 4, dtype=torch.int32)  # page size 4
+        w.plan(torch.tensor([0, 5]), torch.tensor([0, kv // 4]), pages, torch.tensor([4]), 8, 2, 64, 4,
+               q_data_type=BF, kv_data_type=torch.float8_e4m3fn)  # fmt: skip
+        assert not w._state.gather.in_workspace and w._state.gather.tokens == kv
+        bufs.append(w._gather_buf)
+    assert bufs[0] is not bufs[1] and bufs[1] is bufs[2] and bufs[1].numel() >= 2 * 1900 * 256
+
+
+def test_cpu_fp8_kv_pass_false_and_missing_kernels(emu, monkeypatch):
+    import cute_attn.wrappers.prefill_base as P
+    from cute_attn.runtime.loader import KernelNotAvailable
+
+    with pytest.raises(ValueError, match="kv_pass=False with an fp8 KV cache"):
+        plan_case("paged", [3], [40], 8, 2, 64, device="cpu", workspace=_cpu_ws(), kv_pass=False)
+    plan_case("paged", [3], [40], 8, 2, 64, device="cpu", workspace=_cpu_ws(), kv_pass=True)
+    load = P.kernel
+
+    def no_pass(family, arch, **params):
+        if family == "kv_pass":
+            raise KernelNotAvailable("kv_pass is not in this cache")
+        return load(family, arch, **params)
+
+    monkeypatch.setattr(P, "kernel", no_pass)
+    for kind in ("paged", "ragged"):  # no fallback: the kernel cannot read an fp8 cache itself
+        with pytest.raises(KernelNotAvailable):
+            plan_case(kind, [400, 5], [400, 20], 32, 4, 64, page_size=1, device="cpu", workspace=_cpu_ws())
+
+
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_cpu_fp8_cuda_graph_mode(emu, kind):
+    """The first fp8 plan fixes the pass's region (zeroed, all the workspace's room past the
+    plan) and, paged, its token-offset buffer (padded to the capacity); later plans reuse both
+    and the pass walks the whole capacity; more kv tokens than the region holds is an error."""
+    from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
+
+    hq, hk, d, cap = 8, 2, 64, 4
+    bufs = [_fake_cuda(torch.zeros(n, dtype=torch.int32)) for n in (cap + 1, cap + 1, 600, cap)]
+    if kind == "paged":
+        w = BatchPrefillWithPagedKVCacheWrapper(_cpu_ws(), use_cuda_graph=True, qo_indptr_buf=bufs[0],
+                                                paged_kv_indptr_buf=bufs[1], paged_kv_indices_buf=bufs[2],
+                                                paged_kv_last_page_len_buf=bufs[3])  # fmt: skip
+        cache = tuple(torch.randn(600, 1, hk, d).to(torch.float8_e4m3fn) for _ in range(2))
+    else:
+        w = BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws(), use_cuda_graph=True, qo_indptr_buf=bufs[0],
+                                                 kv_indptr_buf=bufs[1])  # fmt: skip
+        cache = tuple(torch.randn(600, hk, d).to(torch.float8_e4m3fn) for _ in range(2))
+    q = torch.randn(300, hq, d).to(BF)
+    deq = tuple(t.float() for t in cache)
+    views = None
+    for qo, kv in (([100, 100, 100], [200, 150, 100]), ([1, 5, 0, 9], [1, 5, 500, 9]), ([50], [50])):
+        qo_t, kv_t = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(kv), dtype=torch.int32)
+        if kind == "paged":  # page size 1: page ids = token ids
+            w.plan(qo_t, kv_t, torch.arange(int(kv_t[-1]), dtype=torch.int32), torch.ones(len(qo), dtype=torch.int32),
+                   hq, hk, d, 1, causal=True, q_data_type=BF, kv_data_type=torch.float8_e4m3fn)  # fmt: skip
+        else:
+            w.plan(qo_t, kv_t, hq, hk, d, causal=True, q_data_type=BF, kv_data_type=torch.float8_e4m3fn)
+        g = w._state.gather
+        if views is None:
+            views = [t.data_ptr() for t in w._gathered]
+            assert g.in_workspace and g.tokens > 600 and (w._gathered[0] == 0).all()
+        assert [t.data_ptr() for t in w._gathered] == views and w._gathered[0].shape[1] == g.tokens
+        emu.calls.clear()
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((300, hq), float("nan"))
+        w.run(q, *((cache,) if kind == "paged" else cache), out=out, lse=lse)
+        assert _calls(emu) == ["kv_pass", "batch_prefill_sm90", "merge_partials"]
+        n = int(qo_t[-1])
+        k_ref = deq[0].reshape(600, hk, d)[: int(kv_t[-1])]
+        v_ref = deq[1].reshape(600, hk, d)[: int(kv_t[-1])]
+        ref_o, ref_lse = ragged_reference(q[:n], k_ref, v_ref, qo_t, kv_t, causal=True)
+        check(out, lse, ref_o, ref_lse, BF, rows=n)
+        if kind == "paged":
+            tok = w._state.inputs.kv_tok_indptr
+            assert tok is w._kv_tok_buf and tok.numel() == cap + 1 and (tok[len(qo) :] == kv_t[-1]).all()
+    small = _fake_cuda(torch.empty(w._planner.layout.total_bytes + 8192, dtype=torch.uint8))
+    w.reset_workspace_buffer(small)  # a new workspace: the next plan fixes the region anew (an own buffer)
+    qo_t, kv_t = torch.tensor([0, 5]), torch.tensor([0, 300])
+    if kind == "ragged":
+        w.plan(qo_t, kv_t, hq, hk, d, causal=True, q_data_type=BF, kv_data_type=torch.float8_e4m3fn)
+        assert not w._state.gather.in_workspace and w._state.gather.tokens == 512  # rounded up
+        with pytest.raises(ValueError, match="kv tokens exceed the 512"):
+            w.plan(qo_t, torch.tensor([0, 513]), hq, hk, d, causal=True, q_data_type=BF,
+                   kv_data_type=torch.float8_e4m3fn)  # fmt: skip
+    with pytest.raises(ValueError, match="changed"):  # the cache dtype is baked too
+        if kind == "ragged":
+            w.plan(qo_t, kv_t, hq, hk, d, causal=True, q_data_type=BF, kv_data_type=torch.float8_e5m2)
+        else:
+            w.plan(qo_t, kv_t, torch.arange(300, dtype=torch.int32), torch.ones(1, dtype=torch.int32), hq, hk, d, 1,
+                   causal=True, q_data_type=BF, kv_data_type=torch.float8_e5m2)  # fmt: skip
+
+
+@pytest.fixture
+def emu_variants(monkeypatch, emu):
+    """``emu`` with the variant emulation of tests/test_prefill_variants_gpu.py for the kernel."""
+    from test_prefill_variants_gpu import _emulate_variant_prefill
+
+    import cute_attn.wrappers.prefill_base as P
+
+    monkeypatch.setattr(
+        P, "kernel", lambda family, arch, **params: _Emulated(family, params, emu.calls, _emulate_variant_prefill)
+    )
+    return emu
+
+
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_cpu_fp8_rope(emu_variants, kind):
+    from cute_attn.testing.reference import variant_reference
+
+    c = plan_case(kind, [1, 17, 40, 0, 9], [1, 40, 90, 9, 9], 8, 2, 64, page_size=1, kv="e5m2", causal=True,
+                  device="cpu", workspace=_cpu_ws(), seed=7, pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0,
+                  rope_theta=5e5)  # fmt: skip
+    out, lse = c.run(check_values=False)
+    (fam, pp), (fam2, kp) = emu_variants.calls[:2]
+    assert fam == "kv_pass" and pp["variant"] == "RoPE" and pp["kv_dtype"] == "e5m2"
+    assert fam2 == "batch_prefill_sm90" and kp["keys_transformed"] and not kp["paged"]
+    ref_o, ref_lse = variant_reference(c.q, *c.ref_kv, c.qo, c.kv_tok, causal=True, rope=(2.0, 5e5), rope_round_to=BF)
+    check(out, lse, ref_o, ref_lse, BF)
+
+
+def test_cpu_fp8_cascade(monkeypatch, emu):
+    """The cascade's prefill levels plan the fp8 cache through the KV pass; its decode levels get
+    kv_data_type (the fp8 decode kernel); run()'s k_scale / v_scale reach every level."""
+    from test_cascade import _RefDecode, _two_level, make_cascade, plan_args
+
+    import cute_attn.wrappers.cascade as C
+    from cute_attn import MultiLevelCascadeAttentionWrapper
+    from cute_attn.testing import merge_state_reference
+
+    def merge_in_place(v, s, v_o, s_o, mask=None):
+        o, l_ = merge_state_reference(*(t.as_subclass(torch.Tensor) for t in (v, s, v_o, s_o)))
+        v.copy_(o.to(v.dtype))
+        s.copy_(l_)
+
+    runs = []
+
+    class _Fp8RefDecode(_RefDecode):
+        def run(self, q, cache, *args, k_scale=None, v_scale=None, **kw):
+            runs.append((k_scale, v_scale))
+            return super().run(q, tuple(t.float() for t in cache), *args, **kw)
+
+    monkeypatch.setattr(C, "merge_state_in_place", merge_in_place)
+    monkeypatch.setattr(C, "BatchDecodeWithPagedKVCacheWrapper", _Fp8RefDecode)
+    monkeypatch.setattr(C, "merge_pair_module", lambda *a: None)
+    batch, hq, hk, d = 4, 8, 2, 64
+    groups, segs = _two_level(batch, 300, [9, 30, 2, 64])
+    for decode_kernel, qo in ((False, [1, 3, 2, 5]), (None, [1] * batch)):
+        emu.calls.clear()
+        q, cache, levels, (k_cat, v_cat, cat_tok) = make_cascade(
+            groups, segs, qo, 16, hq, hk, d, torch.float32, "NHD", _gen(8), "cpu"
+        )
+        q, cache = q.to(BF), tuple(t.to(torch.float8_e4m3fn) for t in cache)
+        w = MultiLevelCascadeAttentionWrapper(2, _cpu_ws(96))
+        w.plan(*plan_args(levels), hq, hk, d, 16, causal=True, q_data_type=BF, kv_data_type=torch.float8_e4m3fn,
+               decode_kernel=decode_kernel)  # fmt: skip
+        out, lse = w.run(q, cache, return_lse=True, v_scale=2.0)
+        passes = [p for f, p in emu.calls if f == "kv_pass"]
+        assert passes and all(p["kv_dtype"] == "e4m3" and p["paged"] for p in passes)
+        if decode_kernel is None:
+            assert w._kind == ["prefill", "decode"] and runs[-1] == (None, 2.0)
+            assert w._decode[1].plans[-1]["kv_data_type"] == torch.float8_e4m3fn
+            continue
+        deq = [t.to(torch.float8_e4m3fn).float() for t in (k_cat, v_cat)]
+        ref_o, ref_lse = ragged_reference(q, *deq, torch.tensor(_cumsum(qo)), cat_tok, causal=True)
+        check(out, lse, 2.0 * ref_o, ref_lse, BF)
+
+
+def test_cpu_fp8_errors(emu):
+    """fp8 queries (fp8 attention is not built), fnuz fp8 caches, a 16-bit q / kv mismatch."""
+    for kind in ("paged", "ragged"):
+        with pytest.raises(NotImplementedError, match="fp8 attention"):
+            plan_case(kind, [3], [40], 8, 2, 64, q_dtype=torch.float8_e4m3fn, device="cpu", workspace=_cpu_ws())
+    from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
+
+    w = BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws())
+    ind = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="float8_e4m3fn and float8_e5m2"):
+        w.plan(ind, ind, 8, 2, 64, q_data_type=BF, kv_data_type=torch.float8_e4m3fnuz)
+    with pytest.raises(ValueError, match="float16/bfloat16 and equal"):
+        w.plan(ind, ind, 8, 2, 64, q_data_type=BF, kv_data_type=F16)
+
+
+def test_models_kv_cache_dtype():
+    """compile --model: a config's kv_cache_dtype (vLLM's names) or a compressed-tensors fp8 KV
+    scheme picks the fp8 kernel set: fp8 decode, the dequantizing passes, no paged prefill."""
+    from cute_attn.models import BUILTIN, from_config, model_specs, with_kv_cache_dtype
+
+    cfg = dict(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, torch_dtype="bfloat16")
+    assert from_config(cfg).kv_dtype is None
+    assert from_config(dict(cfg, kv_cache_dtype="fp8")).kv_dtype == "e4m3"
+    assert from_config(dict(cfg, kv_cache_dtype="fp8_e5m2")).kv_dtype == "e5m2"
+    assert from_config(dict(cfg, kv_cache_dtype="auto")).kv_dtype is None
+    scheme = dict(quantization_config=dict(kv_cache_scheme=dict(num_bits=8, type="float")))
+    assert from_config(dict(cfg, **scheme)).kv_dtype == "e4m3"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        from_config(dict(cfg, kv_cache_dtype="int4"))
+    m = with_kv_cache_dtype(BUILTIN["llama-3"], "fp8")
+    assert with_kv_cache_dtype(BUILTIN["llama-3"], None) is BUILTIN["llama-3"]
+    specs = model_specs(m, "sm_90a")
+    passes = [s.pdict for s in specs if s.family == "kv_pass"]
+    assert sorted(p["paged"] for p in passes) == [False, True] and all(p["kv_dtype"] == "e4m3" for p in passes)
+    assert all(s.pdict.get("kv_dtype") == "e4m3" for s in specs if s.family == "paged_decode")
+    assert not any(s.pdict["paged"] for s in specs if s.family == "batch_prefill_sm90")
+    assert all("kv_dtype" in s.pdict for s in model_specs(m, "sm_100a") if s.family == "paged_decode")
+
+
+def test_cpu_gpu_cases_use_preset_specs(monkeypatch, emu):
+    """Every GPU case above plans (on 132 emulated SMs, as the H200) with only specs of the
+    ``all`` preset: what the GPU machine's cache holds."""
+    import cute_attn.wrappers.prefill_base as P
+    from cute_attn.families.spec import Spec
+    from cute_attn.presets import preset_specs
+
+    have = set(preset_specs("all", "sm_90a"))
+    missing = []
+
+    class _Stub:
+        def __call__(self, *a):
+            raise AssertionError("no launch here")
+
+    def lookup(family, arch, **params):
+        s = Spec.make(family, arch, **params)
+        if s not in have:
+            missing.append(s.describe())
+        return _Stub()
+
+    monkeypatch.setattr(P, "kernel", lookup)
+    monkeypatch.setattr(P, "sm_count_of_index", lambda i: 132)
+    extra = [
+        ("rope", ("paged", [1, 17, 300, 5, 0, 77, 130], [1, 117, 300, 2005, 9, 77, 400], 32, 8, 128),
+         dict(kv=kv, causal=True, pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5))
+        for kv in ("e4m3", "e5m2")
+    ] + [("scales", ("ragged",) + LENS + (32, 8, 128), dict(causal=True)),
+         ("determinism", ("paged", [3000, 17, 1], [20000, 17, 900], 32, 8, 128), dict(causal=True))]  # fmt: skip
+    for name, args, kw in GPU_CASES + extra:
+        for kind in ("paged", "ragged") if name in ("rope", "scales", "determinism") else (args[0],):
+            plan_case(kind, *args[1:], **kw, device="cpu", workspace=_cpu_ws(256), seed=1)
+    assert not missing, sorted(set(missing))
+
+
+@pytest.mark.compile
+def test_fp8_kv_pass_compiles_without_spills(tmp_path):
+    """The dequantizing passes compile for sm_90a: 16-byte loads and stores, the fp8 -> fp16
+    conversion (and fp16 -> bf16 through fp32 for bf16), no local memory."""
+    from cute_attn.families.kv_pass import kv_pass_spec
+    from cute_attn.runtime.cache import lookup
+    from cute_attn.variants import RoPE
+
+    specs = [
+        kv_pass_spec("sm_90a", "bf16", 128, True, None, "e4m3"),
+        kv_pass_spec("sm_90a", "f16", 64, False, None, "e5m2"),
+        kv_pass_spec("sm_90a", "bf16", 256, False, None, "e5m2"),
+        kv_pass_spec("sm_90a", "f16", 128, True, RoPE(), "e4m3"),
+    ]
+    cmd = [sys.executable, "-m", "cute_attn", "compile", "--arch", "sm_90a", "--out", str(tmp_path), "-j", "2"]
+    proc = subprocess.run(cmd + sum([["--spec", s.cli()] for s in specs], []), capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for s in specs:
+        found = lookup(s, tmp_path)
+        assert found.meta is not None, found.problem
+        assert all(v is True for v in found.meta["instructions"].values()), found.meta["instructions"]
+        assert found.meta["resources"].get("local", 0) == 0, f"{s.describe()} spills: {found.meta['resources']}"
+        ptx = (found.path / "kernel.ptx").read_text()
+        kind = s.pdict["kv_dtype"]
+        assert f"cvt.rn.f16x2.{kind}x2" in ptx
+        assert ("cvt.rn.bf16x2.f32" in ptx) == (s.pdict["dtype"] == "bf16")
+        sass = found.path / "kernel.sass"
+        if sass.exists():
+            text = sass.read_text()
+            assert f"F2FP.F16.{kind.upper()}.UNPACK_B" in text
+            assert "LDG.E.64" not in text  # the cache is read 16 bytes per load
