@@ -6,7 +6,7 @@ import sys
 
 from .common import Results
 
-GROUPS = ("copy", "merge", "launch", "decode", "fp8", "prefill", "variants", "cascade", "sparse", "merge_sweep")
+GROUPS = ("copy", "merge", "launch", "decode", "fp8", "prefill", "variants", "cascade", "sparse", "mla", "merge_sweep")
 
 
 def run_benchmarks(only=None, json_path=None, quick=False) -> int:
@@ -51,6 +51,10 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         from . import sparse
 
         sparse.bench_sparse(res, quick)
+    if "mla" in groups:
+        from . import mla
+
+        mla.bench_mla(res, quick)
     if "launch" in groups:
         launch.bench_launch(res, quick)
     if json_path:
