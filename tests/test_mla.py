@@ -132,7 +132,7 @@ def test_reference_matches_a_naive_loop(causal):
 def test_specs_backend_and_abi():
     from cute_attn.families.backends import backend_for
     from cute_attn.families.base import get_family
-    from cute_attn.families.mla import TILES, mla_spec, shipped_specs
+    from cute_attn.families.mla import STAGES, TILES, mla_spec, shipped_specs
     from cute_attn.presets import preset_specs
 
     for arch in ("sm_90a", "sm_100a"):
@@ -143,7 +143,7 @@ def test_specs_backend_and_abi():
         for dt in ("f16", "bf16"):
             for t in TILES:
                 s = mla_spec(arch, dt, t)
-                assert s.pdict == dict(dtype=dt, head_dim_ckv=CKV, head_dim_kpe=KPE, tile_q=t, stages=4)
+                assert s.pdict == dict(dtype=dt, head_dim_ckv=CKV, head_dim_kpe=KPE, tile_q=t, stages=STAGES[t])
                 assert s in specs
                 assert any(m.family == "merge_partials" and m.pdict == dict(dtype=dt, head_dim=CKV, tile_q=t)
                            for m in specs)  # fmt: skip
