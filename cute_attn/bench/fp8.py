@@ -80,5 +80,8 @@ def bench_fp8_decode(res, quick: bool) -> None:
 
 
 def bench_fp8(res, quick: bool) -> None:
-    """The fp8 group: decode (prefill joins when its fp8 path exists)."""
+    """The fp8 group: decode, then prefill (``bench/fp8_prefill.py``: the KV pass's fp8 path)."""
+    from .fp8_prefill import bench_fp8_prefill
+
     bench_fp8_decode(res, quick)
+    bench_fp8_prefill(res, quick)

@@ -1,0 +1,92 @@
+"""fp8-KV batch prefill vs the 16-bit cache of the same batch (issue 23's bar: within 1.05x the
+bf16 time), ours and FlashInfer's where it runs.
+
+The s8192 prefill cases (``bench/prefill.py``: batch 2 x 16 heads, head dim 128, bf16 queries,
+causal and not) with K / V in ``float8_e4m3fn``: ragged (the KV pass dequantizes K / V, then the
+16-bit kernel) and paged at page 16 (the pass gathers and dequantizes), beside the bf16 ragged
+and paged runs; all timed in turns (``interleaved``: the H200's clocks drift).  Records under
+the bf16 case name plus ``/fp8kv``: ``us``, ``TFLOP/s`` (the attention's FLOPs, as the prefill
+bench) and ``vs_bf16`` = fp8 time / bf16 time of the same layout; ``.../page16/fp8kv`` likewise
+against the bf16 page-16 run.  Our fp8 output is checked against our bf16 run on the dequantized
+K / V before anything is recorded.  FlashInfer's fp8 prefill (its ``fa2`` paged wrapper, fp8 KV
+with bf16 queries; JIT with ``CUTE_ATTN_BENCH_FI_JIT=1``) beside it, its output checked against
+ours, ``ratio`` = its time / ours.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import peers
+from .common import interleaved
+from .prefill import DT, B, H, S, _flops, _indptr, _paged_cache, _tflops
+
+FP8 = torch.float8_e4m3fn
+D = 128
+PAGE = 16
+
+
+def _paged(lib, ws, paged, q, causal, kv_dtype, ctor_kw=None):
+    cache, qo, kvi, idx, last = paged
+    w = lib.mod.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="NHD", **(ctor_kw or lib.prefill_kw))
+    kw = {} if kv_dtype is None else {"kv_data_type": kv_dtype}
+    w.plan(qo, kvi, idx, last, q.shape[1], cache[0].shape[2], D, PAGE, causal=causal, q_data_type=q.dtype, **kw)
+    out = torch.empty_like(q)
+    call = peers.Call(lambda: w.run(q, cache, out=out), out)
+    call()
+    return call
+
+
+def bench_fp8_prefill(res, quick: bool) -> None:
+    lib, fi = peers.ours(), peers.flashinfer()
+    gen = torch.Generator().manual_seed(0)
+    lens = [S] * B
+    print(f"{'fp8 e4m3 KV prefill (bf16 q, 2 x 16 heads, d128, s8192)':<56} {'bf16 us':>8} {'fp8 us':>8} "
+          f"{'x bf16':>7} {'TFLOP/s':>8} {'fi fp8':>8} {'fi/ours':>8}")  # fmt: skip
+    for causal in (True, False):
+        name = f"prefill/hd{D}/{'causal' if causal else 'noncausal'}/s{S}"
+        q = torch.randn(B * S, H, D, generator=gen).to(DT).cuda()
+        k8 = torch.randn(B * S, H, D, generator=gen).to(FP8).cuda()
+        v8 = torch.randn(B * S, H, D, generator=gen).to(FP8).cuda()
+        k16, v16 = k8.to(DT), v8.to(DT)  # exactly the fp8 values: the two runs attend the same K / V
+        ind = _indptr(lens)
+        runs = {}
+        for tag, k, v, kw in (("bf16", k16, v16, {}), ("fp8", k8, v8, {"kv_data_type": FP8})):
+            ws = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+            runs[f"ragged_{tag}"] = peers.ragged_prefill(lib, ws, ind, q, k, v, causal, D, **kw)
+        paged16 = _paged_cache(lens, k16, v16, D, PAGE, gen)
+        cache16 = paged16[0]
+        paged8 = ((cache16[0].to(FP8), cache16[1].to(FP8)),) + paged16[1:]
+        for tag, paged, kvd in (("bf16", paged16, None), ("fp8", paged8, FP8)):
+            runs[f"page16_{tag}"] = _paged(lib, torch.empty(512 << 20, dtype=torch.uint8, device="cuda"), paged, q,
+                                           causal, kvd)  # fmt: skip
+        ref = runs["ragged_bf16"].out
+        bad = [t for t in ("ragged_fp8", "page16_fp8") if not peers.check_output(f"ours {t}", runs[t].out, ref)[1]]
+        if bad:
+            print(f"  {name}: our fp8 output differs from the bf16 run on the same values ({bad}); not recorded")
+            continue
+        if fi is not None:
+            ws = fi.workspace(512)
+            run, why = peers.fi_call(_paged, fi, ws, paged8, q, causal, FP8, fi.prefill_page1_kw)
+            if run is None:
+                peers.say("flashinfer", why, f"{name} fp8")
+            elif peers.check_output("flashinfer fp8 prefill", run.out, runs["page16_fp8"].out)[1]:
+                runs["fi_fp8"] = run
+        t = interleaved(dict(runs), calls=5 if quick else 15)
+        flops = _flops(lens, H, D, causal)
+        for layout, case in (("ragged", f"{name}/fp8kv"), ("page16", f"{name}/page16/fp8kv")):
+            res.add(case, "cute_attn", "us", t[f"{layout}_fp8"])
+            res.add(case, "cute_attn", "TFLOP/s", _tflops(flops, t[f"{layout}_fp8"]))
+            res.add(case, "cute_attn", "vs_bf16", t[f"{layout}_fp8"] / t[f"{layout}_bf16"])
+            res.add(case + "/bf16_same_run", "cute_attn", "us", t[f"{layout}_bf16"])
+        cols = ["n/a", "n/a"]
+        if "fi_fp8" in t:
+            res.add(f"{name}/page16/fp8kv", "flashinfer", "us", t["fi_fp8"])
+            res.add(f"{name}/page16/fp8kv", "flashinfer", "ratio", t["fi_fp8"] / t["page16_fp8"])
+            cols = [f"{t['fi_fp8']:8.1f}", f"{t['fi_fp8'] / t['page16_fp8']:7.2f}x"]
+        for layout in ("ragged", "page16"):
+            a, b = t[f"{layout}_bf16"], t[f"{layout}_fp8"]
+            c = cols if layout == "page16" else ["", ""]
+            print(f"{name + ' ' + layout:<56} {a:8.1f} {b:8.1f} {b / a:7.3f} {_tflops(flops, b):8.1f} "
+                  f"{c[0]:>8} {c[1]:>8}")  # fmt: skip
+        del runs, paged8, paged16, k8, v8, k16, v16
