@@ -1,5 +1,6 @@
-"""The paged decode family (``kernels/decode.py``, ``decode_fp8.py`` for an fp8 cache: ``mma.sync`` + ``cp.async``, both arches):
-its ABI, the instructions its binary must hold, and the specializations that ship.
+"""The paged decode family (``kernels/decode.py``, ``decode_fp8.py`` for an fp8 cache:
+``mma.sync`` + ``cp.async``, both arches): its ABI, the instructions its binary must hold, and
+the specializations that ship.
 
 Spec parameters: ``dtype`` (query and output), ``kv_dtype`` (an fp8 cache, ``e4m3`` /
 ``e5m2``; absent for a cache of ``dtype``: ``kernels/decode_fp8.py``), ``head_dim``, ``stages``
