@@ -186,7 +186,7 @@ def run_cuda_graph(env, m, via):
     after H2D copies of indptr / last_page_len) or, in the later variant, FlashInfer's
     ``fast_decode_plan`` by keyword (build() copied last_page_len to the GPU)."""
     bs, max_pages = 4, 64
-    pool = PagedPool(env, m, PS, 200)
+    pool = PagedPool(env, m, PS, 400)  # never freed: 4 plans of up to 4 x 19 pages each
     persist_indptr = env.buf(torch.zeros(9, dtype=torch.int32))
     persist_indices = env.buf(torch.zeros(max_pages * 8, dtype=torch.int32))
     persist_last = env.buf(torch.zeros(8, dtype=torch.int32))
