@@ -707,7 +707,22 @@ case("graph_replan_same_values_accepted", DEC, dec_graph_replan(dict(window_left
 case("plan_during_capture", DEC, _dec_capture_plan, raises(RuntimeError, "must not be captured"))
 case("run_captured_without_graph_mode", DEC, _dec_capture_run, raises(RuntimeError, "use_cuda_graph=False"))
 case("fp8_q", DEC, dec_plan(q_data_type=FP8), raises(NotImplementedError, "fp8"))
-case("fp8_kv", DEC, dec_plan(kv_data_type=FP8), raises(NotImplementedError, "fp8"))
+
+
+def _dec_fp8_planned(kv_name):
+    def checker(w, env):
+        specs = {f: p for f, _, p in env.specs}
+        assert specs["paged_decode"].get("kv_dtype") == kv_name, specs["paged_decode"]
+        assert w._state.kv_dtype == {"e4m3": FP8, "e5m2": E5M2}[kv_name]
+
+    return checker
+
+
+case("fp8_kv_accepted", DEC, dec_plan(kv_data_type=FP8), ok(_dec_fp8_planned("e4m3")))
+case("fp8_kv_e5m2_accepted", DEC, dec_plan(kv_data_type="float8_e5m2"), ok(_dec_fp8_planned("e5m2")))
+case(
+    "fp8_kv_rope", DEC, dec_plan(kv_data_type=FP8, pos_encoding_mode="ROPE_LLAMA"), raises(NotImplementedError, "RoPE")
+)
 case("kv_dtype_ne_q_dtype", DEC, dec_plan(kv_data_type=F16), raises(ValueError, "q/kv dtypes must be"))
 case("q_dtype_float32", DEC, dec_plan(q_data_type=torch.float32), raises(ValueError, "q/kv dtypes must be"))
 case("q_dtype_bad_name", DEC, dec_plan(q_data_type="float17"), raises(ValueError, "q_data_type 'float17'"))

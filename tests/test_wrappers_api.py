@@ -142,8 +142,11 @@ def test_window_right_and_unsupported(demu):
     w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=BF16, window_right=0)
     with pytest.raises(NotImplementedError, match="window_right"):
         w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=BF16, window_right=4)
-    with pytest.raises(NotImplementedError, match="fp8"):
-        w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=BF16, kv_data_type=torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="fp8 queries"):
+        w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="RoPE"):  # fp8 caches take no in-kernel RoPE
+        w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=BF16, kv_data_type=torch.float8_e4m3fn,
+               pos_encoding_mode="ROPE_LLAMA")  # fmt: skip
     with pytest.raises(NotImplementedError, match="block_tables"):
         w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=BF16, block_tables=torch.zeros(1, 1))
     w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=BF16)
