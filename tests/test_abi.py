@@ -28,7 +28,8 @@ from cute_attn.runtime.loader import get_module, tensor_fields
 
 stub = ctypes.CDLL(sys.argv[1])
 stub.stub_param.restype = ctypes.POINTER(ctypes.c_ubyte * 512)
-TORCH = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "u8": torch.uint8}
+TORCH = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "u8": torch.uint8,
+         "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # fp8 caches (decode, the KV pass)
 rng = random.Random(int(sys.argv[2]))
 checked = 0
 for spec in preset_specs("default", "sm_90a"):

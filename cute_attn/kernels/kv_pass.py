@@ -129,7 +129,9 @@ class KvPass:
         ``mKout`` / ``mVout``: ``[1, tokens, kv_heads, head_dim]``; ``mKvIndptr``: tokens per
         request (prefix sums); ``num_ctas``: the grid (the wrapper passes 8 per SM, of which
         3-4 are resident at 64-80 registers: each thread has 2 rows x 32 bytes of K -- and of
-        V -- in flight, which covers the HBM latency)."""
+        V -- in flight, which covers the HBM latency; an fp8 cache's pass takes 74-80 registers
+        into fp16 (3 resident), 97-125 into bf16 (2 resident, still 64 KB of loads in flight
+        per SM), and 141-150 with RoPE (1 resident, 32 KB: the one to measure first))."""
         self.kernel(
             mK,
             mV,
