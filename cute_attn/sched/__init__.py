@@ -97,6 +97,9 @@ within the largest item of the mean (tested). Deterministic: same input, same by
 Batch-invariant mode (``kv_split_size=S``): every tile is cut at multiples of S and
 nothing else, with a tile size that does not depend on the batch, so a request's items
 and merge order are the same whatever else is batched with it.
+Batches of one query tile per request (decode; ``plan(None, kv_lens)`` for one query token
+each) take a vectorized path with the same candidates and rules but no per-CTA Python loop
+(``fast``): the per-step re-plan of a serving engine. The records are those above.
 """
 
 from .check import verify_plan

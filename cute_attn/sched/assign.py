@@ -75,6 +75,7 @@ HEAD_ROUNDS = 6
 
 _ARANGE = np.arange(0)
 _ZEROS = np.zeros(0, np.int64)
+_ONES = np.ones(0, np.int64)
 
 
 def ids(n: int) -> np.ndarray:
@@ -93,6 +94,15 @@ def zeros(n: int) -> np.ndarray:
         _ZEROS = np.zeros(max(n, 2 * _ZEROS.shape[0], 1024), np.int64)
         _ZEROS.flags.writeable = False
     return _ZEROS[:n]
+
+
+def ones(n: int) -> np.ndarray:
+    """ones(n), int64, read-only (a view of a cached array)."""
+    global _ONES
+    if _ONES.shape[0] < n:
+        _ONES = np.ones(max(n, 2 * _ONES.shape[0], 1024), np.int64)
+        _ONES.flags.writeable = False
+    return _ONES[:n]
 
 
 _ids = ids
@@ -155,14 +165,14 @@ def lpt_assign(costs: np.ndarray, num_ctas: int) -> tuple[np.ndarray, np.ndarray
         if rounds == 1:  # loads are non-increasing in the CTA index: ascending = reversed
             order = ids[::-1]
         else:
-            order = np.argsort(loads, kind="stable")
+            order = loads.argsort(kind="stable")  # (methods: no numpy dispatch wrapper)
         # Deal the next items largest-to-least-loaded, but only as far as that is exactly
         # what one-at-a-time LPT would do: the j-th least-loaded CTA may take the j-th item
         # while its load <= the least load + that item (else LPT would stack an item on a
         # lighter CTA first). That prefix is found with one binary search.
         mm = min(n - k, c)
         ls = loads[order[:mm]]
-        m = max(1, int(np.searchsorted(ls - costs[k : k + mm], ls[0], side="right")))
+        m = max(1, int((ls - costs[k : k + mm]).searchsorted(ls[0], side="right")))
         order = order[:m]
         cta[k : k + m] = order
         loads[order] += costs[k : k + m]

@@ -83,8 +83,10 @@ def kv_lens_from_paged(
     num_pages = check_indptr("kv_indptr", indptr)
     last = as_index_array("last_page_len", last_page_len, num_pages.shape[0])
     has = num_pages > 0
-    bad = has & ((last < 1) | (last > page_size))
-    if bad.any():
+    # 1 <= last <= page_size <=> last - 1, read as unsigned, < page_size (one compare)
+    bad = (last - 1).view(np.uint64) >= page_size
+    if bad.any() and (bad & has).any():
+        bad &= has
         i = int(np.argmax(bad))
         raise ValueError(
             f"last_page_len[{i}] = {int(last[i])} is outside [1, page_size={page_size}] "
@@ -102,4 +104,4 @@ def kv_lens_from_paged(
             if bad.any():
                 i = int(np.argmax(bad))
                 raise ValueError(f"kv_indices[{i}] = {int(u[i])} is outside [0, num_pages_total={hi})")
-    return np.where(has, (num_pages - 1) * page_size + last, 0)
+    return np.where(has, num_pages * page_size + (last - page_size), 0)

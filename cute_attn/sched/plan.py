@@ -8,8 +8,9 @@ from typing import Optional
 import numpy as np
 
 from . import workspace as ws
-from .assign import Snake, ids, lpt_assign, refine_pairs, wrap_fill
+from .assign import Snake, ids, lpt_assign, ones, refine_pairs, wrap_fill
 from .cost import build_tiles, choose_cta_tile_q, chunk_counts, cut_schedule, min_chunk_len
+from .fast import OneTilePath
 from .inputs import as_index_array, check_lengths, indptr_lengths, kv_lens_from_paged, kv_lens_from_ragged
 from .workspace import Limits, WorkspaceLayout
 
@@ -92,7 +93,8 @@ class Planner:
     runs only where whole items fall short). ``num_staging``: staging
     buffers used in turn, so that a plan never overwrites bytes an earlier upload may still
     be reading (with CUDA, an event per buffer; a wait happens only if the CPU is that many
-    plans ahead of the copies).
+    plans ahead of the copies). ``fast_path``: batches of one query tile per request
+    (decode) go to the vectorized path of ``fast`` (False: always the general one below).
 
     Per plan (``_plan_balanced``): whole items by the snake if that is within
     ``balance_tol``, else by LPT (+ pairwise refinement where CTAs hold few items) if that
@@ -118,6 +120,7 @@ class Planner:
         balance_tol: float = 0.05,
         num_staging: int = 2,
         pin_memory: Optional[bool] = None,
+        fast_path: bool = True,
     ):
         for name, v in (("num_sms", num_sms), ("ctas_per_sm", ctas_per_sm)):
             if not isinstance(v, int) or v < 1:
@@ -133,6 +136,7 @@ class Planner:
         self.alpha, self.beta = alpha, beta
         self.min_kv_chunk = min_kv_chunk
         self.balance_tol = balance_tol
+        self.fast_path = fast_path
         if pin_memory is None:
             import torch
 
@@ -144,6 +148,7 @@ class Planner:
         self._staged = None  # (buffer index, bytes to copy) of the last plan
         self._tmpl = self._template(limits.max_batch)
         self._snake = Snake(self.num_ctas)
+        self._fast = OneTilePath(self.num_ctas)
 
     @staticmethod
     def _template(rows: int) -> np.ndarray:
@@ -204,6 +209,9 @@ class Planner:
         """Plan one batch, stage it in the host buffer and, given a device ``workspace``
         tensor (>= ``layout.total_bytes`` bytes), enqueue its upload (one non-blocking copy).
 
+        ``qo_indptr`` None: one query token per request (decode: ``arange(len(kv_lens) + 1)``,
+        which then is neither built by the caller nor checked).
+
         ``kv_split_size``: batch-invariant mode -- every tile is cut at multiples of this
         many kv tokens whatever else is in the batch, and the tile size must not depend on
         the batch either: ``cta_tile_q`` if given, else the rule applied to
@@ -235,9 +243,15 @@ class Planner:
             raise ValueError(f"heads_per_item must be a positive divisor of num_kv_heads ({hk}), got {h!r}")
         hk, group = hk // h, group * h
 
-        qo_indptr = as_index_array("qo_indptr", qo_indptr)
-        qo_len, qmin = indptr_lengths("qo_indptr", qo_indptr)
-        b = qo_len.shape[0]
+        kv_len = None
+        if qo_indptr is None:  # one query token per request: arange(batch + 1), nothing to check
+            kv_len = as_index_array("kv_lens", kv_lens)
+            b = kv_len.shape[0]
+            qo_indptr, qo_len, qmin = ids(b + 1), ones(b), (1 if b else None)
+        else:
+            qo_indptr = as_index_array("qo_indptr", qo_indptr)
+            qo_len, qmin = indptr_lengths("qo_indptr", qo_indptr)
+            b = qo_len.shape[0]
         if b > lim.max_batch:
             raise ValueError(f"batch size {b} (len(qo_indptr) - 1) exceeds max_batch ({lim.max_batch})")
         total_q = int(qo_indptr[-1])
@@ -249,7 +263,8 @@ class Planner:
         qmax = None if qmin is None else 1 if (qmin == 1 and total_q == b) else int(qo_len.max())
         if lim.max_qo_len is not None and qmax is not None and qmax > lim.max_qo_len:
             check_lengths("qo_len (qo_indptr diff)", qo_len, lim.max_qo_len, "max_qo_len")
-        kv_len = as_index_array("kv_lens", kv_lens, b)
+        if kv_len is None:
+            kv_len = as_index_array("kv_lens", kv_lens, b)
         check_lengths("kv_lens", kv_len, lim.max_kv_len, "max_kv_len")
 
         if kv_split_size is not None:
@@ -276,7 +291,9 @@ class Planner:
 
         req, row0, rows, ext, one_each = build_tiles(qo_len, kv_len, group, tile, causal, qmin, qmax)
         rec_args = (req, row0, rows, ext, one_each, qo_indptr, qo_len, kv_len, tile, group, causal)
-        if kv_split_size is None:
+        if self.fast_path and kv_split_size is None and one_each and self.beta > 0 and b:  # decode-like (``fast``)
+            p = self._fast.plan(self, ext, hk, self.alpha * tile // h, int(page_size), rec_args)
+        elif kv_split_size is None:
             p = self._plan_balanced(ext, hk, tile, int(page_size), self.alpha * tile // h, rec_args)
         else:
             p = self._plan_invariant(ext, hk, tile, int(kv_split_size), self.alpha * tile // h, rec_args)
@@ -527,7 +544,6 @@ class Planner:
     def _unsplit(self, items, indptr, loads, order, hk, nt, rec_args):
         """Nothing split: one item per (tile, head), all direct. ``items``: ids of the
         cost-ordered items (item i = tile order[i // hk], head i % hk), CTA-major."""
-        tile, group, causal = rec_args[8:]
         rec = self._tile_records(nt, *rec_args[:8])
         if hk & (hk - 1) == 0:
             sh = hk.bit_length() - 1
@@ -536,13 +552,18 @@ class Planner:
             t, h = np.divmod(items, hk)
         w = rec.take(order.take(t) if order is not None else t, axis=0)
         w[:, ws.W_KV_HEAD] = h
+        return self._finish_unsplit(w, indptr, loads, rec_args)
+
+    def _finish_unsplit(self, w, indptr, loads, rec_args) -> Plan:
+        """The Plan of unsplit records ``w`` (CTA-major) and their ``work_indptr``."""
+        tile, group, causal = rec_args[8:]
         nc = self.num_ctas
         meta = np.array(
             (w.shape[0], 0, tile, nc, 0, group, 0, 0, 0, int(causal), 0, 0, 0, 0, 0, 0), np.int32
         )  # field order: META_* in workspace.py
         return Plan(
             work_items=w,
-            work_indptr=indptr.astype(np.int32),
+            work_indptr=indptr.astype(np.int32, copy=False),
             merge_tasks=_NO_MERGE,
             meta=meta,
             cta_cost=loads,
@@ -558,7 +579,6 @@ class Planner:
         in the (tile, head) pair's merge order; ``nch_pair[tile * hk + head]``: chunks of
         each pair. Partial slots go to split pairs in pair order, chunks in merge order
         inside (a merge task's slots are contiguous)."""
-        tile, group, causal = rec_args[8:]
         nc = self.num_ctas
         rec = self._tile_records(nt, *rec_args[:8])
         pid = t * hk + h
@@ -586,12 +606,19 @@ class Planner:
         merge[:, ws.M_SLOT_START] = slot0[sp]
         merge[:, ws.M_NUM_SLOTS] = nch_pair[sp]
         merge[:, ws.M_RESERVED] = 0
+        return self._finish_split(w, indptr, merge, loads, int(nsl.sum()), kv_chunk, min_chunk, rec_args)
+
+    def _finish_split(self, w, indptr, merge, loads, slots, kv_chunk, min_chunk, rec_args) -> Plan:
+        """The Plan of records ``w`` (CTA-major, some split), their ``work_indptr`` and merge
+        tasks, using ``slots`` partial slots."""
+        tile, group, causal = rec_args[8:]
+        nc = self.num_ctas
         meta = np.zeros(ws.META_FIELDS, np.int32)
         meta[ws.META_NUM_WORK_ITEMS] = w.shape[0]
         meta[ws.META_NUM_MERGE_TASKS] = merge.shape[0]
         meta[ws.META_CTA_TILE_Q] = tile
         meta[ws.META_NUM_CTAS] = nc
-        meta[ws.META_NUM_PARTIAL_SLOTS] = int(nsl.sum())
+        meta[ws.META_NUM_PARTIAL_SLOTS] = slots
         meta[ws.META_GROUP_SIZE] = group
         meta[ws.META_KV_CHUNK] = kv_chunk
         meta[ws.META_CAUSAL] = int(causal)

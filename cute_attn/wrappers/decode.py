@@ -113,6 +113,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         self._graph_fixed = None  # CUDA-graph mode: the first plan's scale and variant (_check_graph_fixed)
         self._used_pages = 0  # indptr[-1] of the current plan: the page ids the kernel reads
         self._mask_bufs = None  # CUDA-graph mode: the custom mask's tensors, sized by the first plan
+        self._sched_key = None  # what the planner's limits were made from (_schedule)
 
     @property
     def _hpi(self) -> int:
@@ -387,8 +388,12 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         per_sm = self._ctas_per_sm or backend.ctas_for(head_dim)
         num_sms = sm_count_of_index(self._dev)
         num_ctas = num_sms * per_sm
-        limits = self._limits(batch, hq, hk, head_dim, num_ctas, tile)
-        if self._planner is None or self._planner.limits != limits or self._planner.num_ctas != num_ctas:
+        # the limits follow from these alone: made (and compared) only when one changes, not
+        # on every step's re-plan
+        key = (self._max_batch(batch), hq, hk, head_dim, num_ctas, tile, self._workspace.numel())
+        same = key == self._sched_key and self._planner is not None
+        limits = self._planner.limits if same else self._limits(batch, hq, hk, head_dim, num_ctas, tile)
+        if not same and (self._planner is None or self._planner.limits != limits or self._planner.num_ctas != num_ctas):
             # the backend's cost parameters (alpha, balance_tol: families/backends.py says why)
             planner = Planner(limits, num_sms, per_sm, **backend.planner)
             need = planner.layout.total_bytes
@@ -398,11 +403,12 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
                     f"(batch {batch}, {hq} qo heads, head_dim {head_dim})"
                 )
             self._planner, self._views = planner, None
+        self._sched_key = key
         if self._views is None:  # section offsets are fixed per planner: views made once
             self._plan_buf = common.plan_buffer(self._planner.layout, self._workspace)
             self._views = common.plan_views(self._planner.layout, self._workspace, self._plan_buf)
         plan = self._planner.plan(
-            np.arange(batch + 1),
+            None,  # one query token per request
             kv_lens,
             page_size=int(page_size),
             num_qo_heads=hq,
@@ -506,14 +512,17 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             return common.NO_SPLIT  # longer than any request: nothing is cut
         return None if fixed_split_size is None else int(fixed_split_size) * int(page_size)
 
-    def _limits(self, batch, hq, hk, d, num_ctas, tile) -> Limits:
-        max_batch = batch
+    def _max_batch(self, batch) -> int:
+        """The planner's max_batch for a plan of ``batch`` requests."""
         if self._use_cuda_graph:  # fixed by the buffers, so the workspace offsets never move
             max_batch = self._indptr_buf.numel() - 1
             if batch > max_batch:
                 raise ValueError(f"batch {batch} exceeds paged_kv_indptr_buffer capacity {max_batch}")
-        elif self._planner is not None:
-            max_batch = max(batch, self._planner.limits.max_batch)
+            return max_batch
+        return batch if self._planner is None else max(batch, self._planner.limits.max_batch)
+
+    def _limits(self, batch, hq, hk, d, num_ctas, tile) -> Limits:
+        max_batch = self._max_batch(batch)
         # Partial slots: one tile's rows each, 8 per CTA is ample for split-KV decode (the
         # default sizing is for 128-row prefill tiles and would need 4x the workspace).
         # A workspace too small for that gets fewer (compat.partial_rows_that_fit: FlashInfer's

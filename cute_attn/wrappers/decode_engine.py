@@ -27,6 +27,16 @@ from . import common, compat, guards
 from .options import decode_variant
 
 
+def _replaced(st, **changes):
+    """``dataclasses.replace`` of a plan state without its per-field ``__init__`` (a re-plan
+    swaps a dozen of the state's fields every engine step; the state has no ``__post_init__``
+    to run): a new record, the old one untouched."""
+    new = object.__new__(type(st))
+    new.__dict__.update(st.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
 class DecodeEngineAPI:
     """FlashInfer's decode-wrapper surface the engines use (see the module doc)."""
 
@@ -291,7 +301,7 @@ class DecodeEngineAPI:
             self._last_dev = last_page_len
         if binding.info.get("batch") != batch:
             binding = VariantBinding(var, dict(binding.info, batch=batch), st.decode, st.options["load"])
-        self._state = replace(
+        self._state = _replaced(
             st,
             plan=plan,
             batch=batch,
