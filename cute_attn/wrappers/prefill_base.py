@@ -249,6 +249,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         group = hq // hk
         soft_cap = float(logits_soft_cap) if logits_soft_cap and cap_flag else 0.0
         window_left = int(window_left)
+        kv_name = kv_gather.kv_name(kv_dtype or q_dtype, q_dtype)  # an fp8 cache's spec name, else None
         launch = dict(
             dtype=common.dtype_name(q_dtype),
             head_dim=d,
@@ -261,8 +262,10 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             soft_cap_value=soft_cap,
             window_left=window_left,
             variant=vbase.encode(var),
-            page_box=page_box_for(self._PAGED, int(page_size)),  # the KV pass may change it
-            kv_dtype=kv_gather.kv_name(kv_dtype or q_dtype, q_dtype),
+            kv_dtype=kv_name,
+            # the KV pass may change it; an fp8 cache always takes the pass, so the kernel never
+            # reads its pages (CUDA-graph mode compares this with the first plan's, after the pass)
+            page_box=page_box_for(self._PAGED and kv_name is None, int(page_size)),
         )
 
         batch_invariant = split_tokens is not None  # fixed_split_size: nothing may depend on the batch
