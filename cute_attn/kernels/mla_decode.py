@@ -20,8 +20,8 @@ Geometry (``TILE_Q = 16 x row_groups`` rows; one group = 4 warps = 16 rows):
   per token (``kernels/pages.py`` clamps it into the cache).  A stage is [32, 576] 16-bit
   values under the 128-byte swizzle: 36 KB.
 - **Q** of an item is read once (16-byte loads into a swizzled staging tile, one barrier) and
-  kept in registers: warp w of a group holds the 9 k16 steps ``w, w + 4, .., w + 32`` of the
-  576-wide rows (the last one is a q_pe step), 36 registers.
+  kept in registers: warp w of a group holds 9 k16 steps of the 576-wide rows, the 8 of ckv
+  columns [128 w, 128 w + 128) and q_pe step w (columns 512 + 16 w ..), 36 registers.
 - **S = Q Kᵀ split over the contraction**: warp w computes the 16 x 32 scores over its 9
   steps (36 MMAs), writes the partial sums to shared memory (8 KB per group), one barrier, and
   every warp adds the four partials in the same fixed order: each warp then holds the whole
@@ -40,6 +40,14 @@ per thread; split four ways it is 36, and the partial-score exchange (8 KB writt
 per block and group) costs less shared bandwidth than re-reading Q from shared memory each
 block (4 x 18 KB).  Bytes per SM: 36 KB per block and ~2 blocks per microsecond at 4.8 TB/s
 over 132 SMs; one group's 68 MMAs per warp take well under that (memory-bound at 16 rows).
+
+Shared-memory views: every runtime offset of a tile view is a whole number of 8 x 64 swizzle
+atoms; steps inside an atom are constant indices of a partitioned view (the kpe step of warp w
+by a branch on w).  ``local_tile`` at a runtime offset *inside* an atom (the first version's
+steps ``w + 4 i``) is lowered by the DSL 4.8.1 with the offset added twice -- inside the XOR and
+to the address -- and read the wrong rows (relative error ~1 on the H200).  tests/
+test_mla_smem_probe.py checks every ldmatrix address of the warps' views from the PTX, and
+tests/test_mla_ptx_emulated.py runs the whole compiled kernel on the CPU (tests/ptx_interp.py).
 
 Causal masking (runtime ``causal``) is bottom-right aligned: packed row r of an item is query
 token ``r // group`` at position ``kv_len - qo_len + r // group`` and sees keys up to it.
@@ -70,8 +78,6 @@ D_QK = D_CKV + D_KPE  # score contraction width
 BLOCK_N = 32  # tokens per pipeline stage
 ROWS = 16  # packed query rows per warp group (one m16 MMA tile)
 GROUP_WARPS = 4
-K_STEPS = D_QK // 16  # k16 steps of the score contraction: 36
-STEPS_PER_WARP = K_STEPS // GROUP_WARPS  # 9
 O_COLS = D_CKV // GROUP_WARPS  # output columns per warp: 128
 ROW_CHUNKS = D_QK // 8  # 16-byte chunks per [ckv | kpe] row: 72 (64 + 8)
 THREADS_PER_ROW = 8  # threads that copy one row (8 ckv chunks + 1 kpe chunk each)
@@ -184,22 +190,10 @@ class MlaDecode:
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
-        kv_layout = cute.tile_to_shape(swizzle_atom(), (BLOCK_N, D_QK, self.stages), (0, 1, 2))
-        q_layout = cute.tile_to_shape(swizzle_atom(), (self.tile_q, D_QK), (0, 1))
+        kv_layout, q_layout, Smem = self.smem_layouts()
         self._check_smem_off(kv_layout, BLOCK_N, 2)
         self._check_smem_off(q_layout, self.tile_q, 1)
-
-        @cute.struct
-        class Smem:
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
-            # the partial scores: per group, warp, 4-value vector and lane (16-byte accesses of
-            # 8 consecutive lanes are 128 contiguous bytes: no bank conflict)
-            sS: cute.struct.Align[cute.struct.MemRange[Float32, self.groups * GROUP_WARPS * ROWS * BLOCK_N], 16]
-
-        tiled_mma = cute.make_tiled_mma(
-            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1), permutation_mnk=(16, 16, 16)
-        )
+        tiled_mma = self.make_mma()
         self.kernel(
             mQn,
             mQp,
@@ -221,6 +215,36 @@ class MlaDecode:
             tiled_mma,
             Smem,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    def smem_layouts(self):
+        """(stage ring layout, Q staging layout, the shared-memory struct): trace-time values."""
+        kv_layout = cute.tile_to_shape(swizzle_atom(), (BLOCK_N, D_QK, self.stages), (0, 1, 2))
+        q_layout = cute.tile_to_shape(swizzle_atom(), (self.tile_q, D_QK), (0, 1))
+
+        fields = {
+            "sKV": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024],
+            "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024],
+            # the partial scores: per group, warp, 4-value vector and lane (16-byte accesses of
+            # 8 consecutive lanes are 128 contiguous bytes: no bank conflict)
+            "sS": cute.struct.Align[cute.struct.MemRange[Float32, self.groups * GROUP_WARPS * ROWS * BLOCK_N], 16],
+        }
+        # built from evaluated annotations: this module's are strings (``from __future__``)
+        return kv_layout, q_layout, cute.struct(type("Smem", (), {"__annotations__": fields}))
+
+    def make_mma(self):
+        """m16n8k16 with fp32 accumulators, 16 x 16 x 16 per warp (two n8 atoms: one ldmatrix.x4)."""
+        return cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1), permutation_mnk=(16, 16, 16)
+        )
+
+    def warp_copies(self, tiled_mma, lane):
+        """This lane's ldmatrix copies: Q as the A operand, K as B of S, V (transposed) as B of O."""
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+        s2r_q = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(lane)
+        s2r_k = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(lane)
+        s2r_v = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(lane)
+        return s2r_q, s2r_k, s2r_v
 
     def _check_smem_off(self, layout, rows: int, slices: int):
         """Trace time: ``smem_off`` agrees with the layout's own offsets."""
@@ -280,11 +304,7 @@ class MlaDecode:
         )
 
         thr_mma = tiled_mma.get_slice(lane)
-        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
-        s2r_q = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(lane)
-        s2r_k = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(lane)
-        s2r_v = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(lane)
+        s2r_q, s2r_k, s2r_v = self.warp_copies(tiled_mma, lane)
 
         tScS = mma_mn_view(thr_mma.partition_C(cute.make_identity_tensor((ROWS, BLOCK_N))))
         tOcO = mma_mn_view(thr_mma.partition_C(cute.make_identity_tensor((ROWS, O_COLS))))
@@ -325,20 +345,18 @@ class MlaDecode:
                 if causal != 0:
                     lim = cutlass.min(lim, q_pos + 1)
                 row_lim[r] = lim
-            sQ_g = cute.local_tile(sQ, (ROWS, D_QK), (grp, 0))
-            tSrQ = [
-                thr_mma.make_fragment_A(thr_mma.partition_A(cute.local_tile(sQ_g, (ROWS, 16), (0, 0))))
-                for _ in range(STEPS_PER_WARP)
-            ]
+            # this warp's Q: ckv columns [128 wg, 128 wg + 128) (8 k16 steps) and kpe step wg
+            sQ_c, sQ_p = self._q_tiles(sQ, grp, wg)
+            tSrQ_c = thr_mma.make_fragment_A(thr_mma.partition_A(sQ_c))
+            tSrQ_p = thr_mma.make_fragment_A(thr_mma.partition_A(cute.local_tile(sQ_p, (ROWS, 16), (0, 0))))
             if n_blocks > 0:
-                # Q: 16-byte loads into the staging tile, one barrier, then this warp's 9 k steps
-                # into registers.  The next item writes the tile only after this item's blocks,
-                # each behind a barrier, so every warp has read it by then.
+                # Q: 16-byte loads into the staging tile, one barrier, then this warp's steps into
+                # registers.  The next item writes the tile only after this item's blocks, each
+                # behind a barrier, so every warp has read it by then.
                 self._stage_q(mQn, mQp, sQ, info, tidx)
                 cute.arch.sync_threads()
-                for i in cutlass.range_constexpr(STEPS_PER_WARP):
-                    sQ_k = cute.local_tile(sQ_g, (ROWS, 16), (0, wg + GROUP_WARPS * i))
-                    cute.copy(s2r_q, s2r_q.partition_S(sQ_k), s2r_q.retile(tSrQ[i]))
+                cute.copy(s2r_q, s2r_q.partition_S(sQ_c), s2r_q.retile(tSrQ_c))
+                self._load_pe_step(s2r_q, s2r_q.partition_S(sQ_p), s2r_q.retile(tSrQ_p), wg)
 
             for nb in cutlass.range(n_blocks):
                 cute.arch.cp_async_wait_group(self.stages - 2)
@@ -350,11 +368,16 @@ class MlaDecode:
                 # S partial = Q Kᵀ over this warp's k steps (16 rows x 32 keys)
                 acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, BLOCK_N)), Float32)
                 acc_S.fill(0.0)
-                for i in cutlass.range_constexpr(STEPS_PER_WARP):
-                    sK_k = cute.local_tile(sK, (BLOCK_N, 16), (0, wg + GROUP_WARPS * i))
-                    tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_k))
-                    cute.copy(s2r_k, s2r_k.partition_S(sK_k), s2r_k.retile(tSrK))
-                    cute.gemm(tiled_mma, acc_S, tSrQ[i][None, None, 0], tSrK[None, None, 0], acc_S)
+                sK_c, sK_p = self._k_tiles(sK, wg)
+                tSsK = s2r_k.partition_S(sK_c)
+                tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_c))
+                tSrK_v = s2r_k.retile(tSrK)
+                for i in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
+                    cute.copy(s2r_k, tSsK[None, None, i], tSrK_v[None, None, i])
+                    cute.gemm(tiled_mma, acc_S, tSrQ_c[None, None, i], tSrK[None, None, i], acc_S)
+                tSrKp = thr_mma.make_fragment_B(thr_mma.partition_B(cute.local_tile(sK_p, (BLOCK_N, 16), (0, 0))))
+                self._load_pe_step(s2r_k, s2r_k.partition_S(sK_p), s2r_k.retile(tSrKp), wg)
+                cute.gemm(tiled_mma, acc_S, tSrQ_p[None, None, 0], tSrKp[None, None, 0], acc_S)
                 self._exchange_scores(acc_S, sS, lane, wg, grp)
 
                 # logits (base 2), mask, online softmax: the same values in every warp of the group
@@ -386,14 +409,45 @@ class MlaDecode:
                 rP.store(acc_S.load().to(self.dtype))
                 tOrP = mma_acc_as_a(rP)
                 for k in cutlass.range_constexpr(BLOCK_N // 16):
-                    sV_k = cute.local_tile(sK, (16, O_COLS), (k, wg))
-                    sVt = cute.composition(sV_k, cute.make_layout((O_COLS, 16), stride=(16, 1)))
+                    sVt = self._v_tile(sK, k, wg)
                     tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
                     cute.copy(s2r_v, s2r_v.partition_S(sVt), s2r_v.retile(tOrV))
                     cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, 0], acc_O)
 
             g = g + n_blocks
             self._store(mO, mLse, mPartO, mPartLse, acc_O, row_m, row_l, (tScS, tOcO), info, lane, wg, grp)
+
+    # ---- the shared tiles each warp reads -----------------------------------------------------
+    # Every runtime offset is a whole number of 8 x 64 swizzle atoms (rows 8 k, columns 64 k);
+    # offsets inside an atom are constants of a partitioned view (``_load_pe_step``).  The DSL
+    # (4.8.1) lowers ``local_tile`` at a runtime column offset inside an atom wrongly: the offset
+    # is applied both inside the swizzle and to the address (tests/test_mla_smem_probe.py).
+    def _q_tiles(self, sQ, grp, wg):
+        """Warp (grp, wg)'s Q: the group's 16 rows, ckv columns [128 wg, 128 wg + 128) and the kpe part."""
+        sQ_g = cute.local_tile(sQ, (ROWS, D_QK), (grp, 0))
+        return cute.local_tile(sQ_g, (ROWS, O_COLS), (0, wg)), cute.local_tile(sQ_g, (ROWS, D_KPE), (0, D_CKV // D_KPE))
+
+    def _k_tiles(self, sK, wg):
+        """A stage's keys as warp wg reads them for S: ckv columns [128 wg, +128) and the kpe part."""
+        return cute.local_tile(sK, (BLOCK_N, O_COLS), (0, wg)), cute.local_tile(
+            sK, (BLOCK_N, D_KPE), (0, D_CKV // D_KPE)
+        )
+
+    def _v_tile(self, sK, k, wg):
+        """Keys [16 k, 16 k + 16) x ckv columns [128 wg, +128) of a stage seen as V^T [128, 16] (n = output
+        column, k = key), read by the transposing ldmatrix."""
+        sV_k = cute.local_tile(sK, (16, O_COLS), (k, wg))
+        return cute.composition(sV_k, cute.make_layout((O_COLS, 16), stride=(16, 1)))
+
+    @cute.jit
+    def _load_pe_step(self, s2r, src: cute.Tensor, dst: cute.Tensor, wg: Int32):
+        """k16 step ``wg`` of a partitioned 64-wide kpe tile (``src``: the copy's source view,
+        (CPY, .., 4)) into the one-step fragment view ``dst``.  The step is picked by a branch
+        on the warp, each branch with a constant index: a runtime offset inside a 64-wide
+        swizzle atom is never formed (see the module doc)."""
+        for kk in cutlass.range_constexpr(D_KPE // 16):
+            if wg == kk:
+                cute.copy(s2r, src[None, None, kk], dst[None, None, 0])
 
     # ---- the score exchange ------------------------------------------------------------------
     @cute.jit
