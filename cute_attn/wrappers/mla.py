@@ -54,6 +54,11 @@ from .mla_inputs import (
 )
 
 D_QK = HEAD_DIM_CKV + HEAD_DIM_KPE
+# The merge of split items runs on this many CTAs per CTA of the attention grid: at 512 columns
+# a merge unit is one row (128 threads x 4 fp32), so on the attention grid's CTAs a CTA would fold
+# its ~15 units one load latency after another (a tail of tens of microseconds after a split
+# decode); its 128-thread CTAs are small, several share an SM and the rows go in parallel.
+MERGE_CTAS_PER_CTA = 4
 
 
 @dataclass(frozen=True)
@@ -500,7 +505,14 @@ class BatchMLAPagedAttentionWrapper:
             )
             if self._use_cuda_graph or st.plan.has_split:
                 st.merge(
-                    vw["partial_o"], vw["partial_lse"], vw["merge_tasks"], vw["meta"], out, lse, st.group, st.num_ctas
+                    vw["partial_o"],
+                    vw["partial_lse"],
+                    vw["merge_tasks"],
+                    vw["meta"],
+                    out,
+                    lse,
+                    st.group,
+                    MERGE_CTAS_PER_CTA * st.num_ctas,
                 )
         if return_lse_base_on_e or st.lse_mode == "basee":
             lse.mul_(LN2)
