@@ -4,7 +4,8 @@ in fp16 on the tensor cores.
 Every e4m3 and e5m2 value is exactly an fp16 value (fp16 has more exponent range and mantissa
 than either), so the MMA on converted values is exact in its inputs; ``cvt.rn.f16x2.e4m3x2``
 (sm_89+, one SASS instruction) converts two at a time.  The helpers take 4 bytes as one Int32
-(what a 32-bit ``ldmatrix`` / shared load gives) and return two Int32 of f16x2 pairs.  No side
+(what a 32-bit ``ldmatrix`` / shared load gives) and return two Int32 of f16x2 pairs; the pair
+conversions between fp16 and bf16 go through fp32.  No side
 effects are declared, so ptxas schedules them freely with the surrounding code.
 """
 
@@ -63,20 +64,38 @@ def fp8x4_to_f16x4_interleaved(x, kind: str, *, loc=None, ip=None):
     return _two_out(asm, [x], loc, ip)
 
 
-@dsl_user_op
-def bf16x2_to_f16x2(x, *, loc=None, ip=None) -> Int32:
-    """A bf16 pair -> the fp16 pair nearest to it (through fp32; fp16 overflows past 65504)."""
+def _one_out(asm: str, x, loc, ip) -> Int32:
     res = llvm.inline_asm(
         T.i32(),
         [Int32(x).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 lo, hi; .reg .f32 flo, fhi; shl.b32 lo, $1, 16; and.b32 hi, $1, 0xffff0000; "
-        "mov.b32 flo, lo; mov.b32 fhi, hi; cvt.rn.f16x2.f32 $0, fhi, flo; }",
+        asm,
         "=r,r",
         has_side_effects=False,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     return Int32(res)
+
+
+@dsl_user_op
+def bf16x2_to_f16x2(x, *, loc=None, ip=None) -> Int32:
+    """A bf16 pair -> the fp16 pair nearest to it (through fp32; fp16 overflows past 65504)."""
+    asm = (
+        "{ .reg .b32 lo, hi; .reg .f32 flo, fhi; shl.b32 lo, $1, 16; and.b32 hi, $1, 0xffff0000; "
+        "mov.b32 flo, lo; mov.b32 fhi, hi; cvt.rn.f16x2.f32 $0, fhi, flo; }"
+    )
+    return _one_out(asm, x, loc, ip)
+
+
+@dsl_user_op
+def f16x2_to_bf16x2(x, *, loc=None, ip=None) -> Int32:
+    """An fp16 pair -> the bf16 pair of the same values (through fp32; exact for the values of
+    an fp8 cache, which bf16 holds exactly)."""
+    asm = (
+        "{ .reg .b16 l, h; .reg .f32 fl, fh; mov.b32 {l, h}, $1; cvt.f32.f16 fl, l; cvt.f32.f16 fh, h; "
+        "cvt.rn.bf16x2.f32 $0, fh, fl; }"
+    )
+    return _one_out(asm, x, loc, ip)
 
 
 @dsl_user_op

@@ -47,33 +47,14 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..variants.base import Ctx, Hooks
 from ..variants.trace import make_entry, transform_pairs
-from .fp8 import fp8_kind, fp8x4_to_f16x4
+from .fp8 import f16x2_to_bf16x2, fp8_kind, fp8x4_to_f16x4
 from .pages import in_cache
 from .work import TraceCtx
 
 THREADS = 256
-
-
-@dsl_user_op
-def f16x2_to_bf16x2(x, *, loc=None, ip=None) -> Int32:
-    """An fp16 pair -> the bf16 pair of the same values (through fp32; exact for the values of
-    an fp8 cache, which bf16 holds exactly)."""
-    res = llvm.inline_asm(
-        T.i32(),
-        [Int32(x).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b16 l, h; .reg .f32 fl, fh; mov.b32 {l, h}, $1; cvt.f32.f16 fl, l; cvt.f32.f16 fh, h; "
-        "cvt.rn.bf16x2.f32 $0, fh, fl; }",
-        "=r,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Int32(res)
 
 
 class KeyRow(NamedTuple):
