@@ -350,6 +350,29 @@ def plan_views(layout, workspace, plan_buf) -> dict:
     return v
 
 
+def install_planner(w, limits, num_sms: int, per_sm: int, cost: dict, plan_desc: Optional[str] = None):
+    """Make ``w``'s planner the one of ``limits`` and ``num_sms x per_sm`` CTAs (kept while both
+    hold; ``cost``: the backend's planner parameters) and its section views (made once per
+    planner).  ``plan_desc`` (what the plan is, for the error): check that the workspace holds a
+    new planner's layout.  ``w``: a wrapper with ``_planner`` / ``_views`` / ``_plan_buf`` /
+    ``_workspace``."""
+    from ..sched import Planner
+
+    num_ctas = num_sms * per_sm
+    if w._planner is None or w._planner.limits != limits or w._planner.num_ctas != num_ctas:
+        planner = Planner(limits, num_sms, per_sm, **cost)
+        need = planner.layout.total_bytes
+        if plan_desc is not None and w._workspace.numel() < need:
+            raise ValueError(
+                f"float_workspace_buffer has {w._workspace.numel()} bytes; this plan needs {need} ({plan_desc})"
+            )
+        w._planner, w._views = planner, None
+    if w._views is None:
+        w._plan_buf = plan_buffer(w._planner.layout, w._workspace)
+        w._views = plan_views(w._planner.layout, w._workspace, w._plan_buf)
+    return w._planner
+
+
 class WrapperBase:
     """The constructor state every batch wrapper holds: the workspace (flat uint8), the KV
     layout, CUDA-graph mode, the device, and the planner (kept while the limits hold)."""

@@ -27,7 +27,7 @@ from ..families.decode import PACKED_HEADS, SHIPPED_VARIANTS, decode_spec
 from ..families.merge import merge_partials_spec
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import kernel
-from ..sched import Limits, Planner, kv_lens_from_paged
+from ..sched import Limits, kv_lens_from_paged
 from ..sched.inputs import as_index_array, check_indptr
 from ..variants import base as vbase
 from ..variants.binding import VariantBinding
@@ -392,21 +392,12 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         # on every step's re-plan
         key = (self._max_batch(batch), hq, hk, head_dim, num_ctas, tile, self._workspace.numel())
         same = key == self._sched_key and self._planner is not None
-        limits = self._planner.limits if same else self._limits(batch, hq, hk, head_dim, num_ctas, tile)
-        if not same and (self._planner is None or self._planner.limits != limits or self._planner.num_ctas != num_ctas):
+        if not same or self._views is None:
+            limits = self._limits(batch, hq, hk, head_dim, num_ctas, tile)
             # the backend's cost parameters (alpha, balance_tol: families/backends.py says why)
-            planner = Planner(limits, num_sms, per_sm, **backend.planner)
-            need = planner.layout.total_bytes
-            if self._workspace.numel() < need:
-                raise ValueError(
-                    f"float_workspace_buffer has {self._workspace.numel()} bytes; this plan needs {need} "
-                    f"(batch {batch}, {hq} qo heads, head_dim {head_dim})"
-                )
-            self._planner, self._views = planner, None
+            desc = f"batch {batch}, {hq} qo heads, head_dim {head_dim}"
+            common.install_planner(self, limits, num_sms, per_sm, backend.planner, desc)
         self._sched_key = key
-        if self._views is None:  # section offsets are fixed per planner: views made once
-            self._plan_buf = common.plan_buffer(self._planner.layout, self._workspace)
-            self._views = common.plan_views(self._planner.layout, self._workspace, self._plan_buf)
         plan = self._planner.plan(
             None,  # one query token per request
             kv_lens,

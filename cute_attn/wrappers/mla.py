@@ -35,7 +35,7 @@ from ..families.backends import backend_for
 from ..families.mla import HEAD_DIM_CKV, HEAD_DIM_KPE, TILES, mla_merge_spec, mla_spec
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import kernel
-from ..sched import Limits, Planner
+from ..sched import Limits
 from . import common, compat, guards
 from .mla_inputs import (
     LN2,
@@ -370,18 +370,8 @@ class BatchMLAPagedAttentionWrapper:
         num_sms = sm_count_of_index(self._dev)
         num_ctas = num_sms * per_sm
         limits = self._limits(b, heads, num_ctas, tile)
-        if self._planner is None or self._planner.limits != limits or self._planner.num_ctas != num_ctas:
-            planner = Planner(limits, num_sms, per_sm, **backend.planner)
-            need = planner.layout.total_bytes
-            if self._workspace.numel() < need:
-                raise ValueError(
-                    f"float_workspace_buffer has {self._workspace.numel()} bytes; this plan needs {need} "
-                    f"(batch {b.batch}, {b.total_q} query tokens, {heads} heads)"
-                )
-            self._planner, self._views = planner, None
-        if self._views is None:
-            self._plan_buf = common.plan_buffer(self._planner.layout, self._workspace)
-            self._views = common.plan_views(self._planner.layout, self._workspace, self._plan_buf)
+        desc = f"batch {b.batch}, {b.total_q} query tokens, {heads} heads"
+        common.install_planner(self, limits, num_sms, per_sm, backend.planner, desc)
         plan = self._planner.plan(
             b.qo_indptr,
             b.kv_lens,

@@ -496,14 +496,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         if grow:
             self._workspace = torch.empty(grow, dtype=torch.uint8, device=self._device)
             self._views = None
-        num_ctas = num_sms * per_sm
-        if self._planner is None or self._planner.limits != lim or self._planner.num_ctas != num_ctas:
-            self._planner = Planner(lim, num_sms, per_sm, **cost)
-            self._views = None
-        if self._views is None:  # section offsets are fixed per planner: views made once
-            self._plan_buf = common.plan_buffer(self._planner.layout, self._workspace)
-            self._views = common.plan_views(self._planner.layout, self._workspace, self._plan_buf)
-        return self._planner
+        return common.install_planner(self, lim, num_sms, per_sm, cost)
 
     def _batch_capacity(self, batch) -> int:
         cap = self._qo_indptr_buf.numel() - 1
