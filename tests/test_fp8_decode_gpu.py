@@ -12,6 +12,8 @@ their dtype; LSE (base 2) absolute 2e-3 where finite, -inf exactly where the ref
 
 import math
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +22,11 @@ from cute_attn import BatchDecodeWithPagedKVCacheWrapper
 from cute_attn.decode import fast_decode_plan
 from cute_attn.testing import paged_reference
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_decode_gpu import TOL, check  # noqa: E402  (the 16-bit decode tests' output check and tolerances)
+
 pytestmark = pytest.mark.gpu
 
-TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
@@ -53,17 +57,6 @@ def make_cache(kv_lens, page_size, hk, d, kv_dtype, layout="NHD", single=False, 
     deq = (k8.float(), v8.float())
     last_t = torch.tensor([max(x, 1) if p else 0 for x, p in zip(last, pages_per)], dtype=torch.int32)
     return cache, deq, torch.tensor(indptr, dtype=torch.int32), indices, last_t
-
-
-def check(out, lse, ref_o, ref_lse, dtype):
-    assert not torch.isnan(out).any(), "NaN in output (unwritten row or a wrong page read)"
-    err = ((out.float() - ref_o).norm() / ref_o.norm().clamp_min(1e-6)).item()
-    assert err < TOL[dtype], f"relative error {err:.3e} >= {TOL[dtype]}"
-    fin = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), fin)
-    if fin.any():
-        assert (lse[fin] - ref_lse[fin]).abs().max().item() < 2e-3
-    assert (out[~fin] == 0).all()
 
 
 def run_case(kv_lens, page_size, hq, hk, d, q_dtype, kv="e4m3", layout="NHD", single=False, soft_cap=None,
