@@ -41,6 +41,7 @@ import numpy as np
 from . import workspace as ws
 from .assign import Snake, ids, lpt_assign
 from .cost import chunk_counts, min_chunk_len, pieces
+from .reuse import length_order
 
 _INF = np.iinfo(np.int64).max // 4
 SNAP_SLACK = 0.5  # a wrap boundary moves to an item edge, rather than cutting, within this x tol x target
@@ -93,14 +94,9 @@ class OneTilePath:
         chunk doubles until its pieces fit, and a wrap-around split that would not fit is
         not a candidate."""
         c, beta, tol = self.c, pl.beta, pl.balance_tol
-        b = ext.shape[0]
         groups = gcd(c, hk)
         mult, cg = hk // groups, c // groups  # heads per group, CTAs per group
-        if b < 512:
-            order = (-ext).argsort(kind="stable")  # largest first, ties by request
-        else:  # one int64 key (length, request): a plain sort is ~3x faster than argsort
-            key = np.sort(((int(ext.max()) - ext) << 32) | ids(b))
-            order = key & 0xFFFFFFFF
+        order = length_order(ext)
         kvs = ext.take(order)
         cost_r = per_item + beta * kvs
         cost = cost_r.repeat(mult) if mult > 1 else cost_r  # items: (request, head) pairs

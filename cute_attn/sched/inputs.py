@@ -105,3 +105,40 @@ def kv_lens_from_paged(
                 i = int(np.argmax(bad))
                 raise ValueError(f"kv_indices[{i}] = {int(u[i])} is outside [0, num_pages_total={hi})")
     return np.where(has, num_pages * page_size + (last - page_size), 0)
+
+
+def _host_view(x):
+    """``x`` as a numpy array without a copy where it is one already or a CPU tensor (None:
+    anything else, which ``as_index_array`` handles)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "device") and hasattr(x, "numpy") and x.device.type == "cpu" and not x.requires_grad:
+        return x.numpy()
+    return None
+
+
+def step_kv_lens(kv_indptr, last_page_len, page_size: int, batch: int) -> np.ndarray:
+    """``kv_lens_from_paged`` for the per-step re-plan of a decode batch: host arrays of
+    ``batch`` requests read in place, valid input checked in a few whole-array steps; anything
+    else (a CUDA tensor, a list, an error to name) takes ``kv_lens_from_paged``. Page size 1
+    ignores ``last_page_len`` (every last page holds its one token), as FlashInfer."""
+    ip, last = _host_view(kv_indptr), _host_view(last_page_len)
+    ok = ip is not None and ip.dtype.kind in "iu" and ip.shape == (batch + 1,) and batch > 0
+    if ok and page_size == 1:
+        pages = ip[1:] - ip[:-1]
+        if ip[0] == 0 and pages.min() >= 0:
+            return pages.astype(np.int64)
+        ok = False
+    elif ok:
+        ok = last is not None and last.dtype.kind in "iu" and last.shape == (batch,) and ip[0] == 0
+    if ok:
+        pages = (ip[1:] - ip[:-1]).astype(np.int64)
+        tail = last - 1  # in [0, page_size) where a request has pages
+        if pages.min() > 0 and tail.min() >= 0 and tail.max() < page_size:
+            pages *= page_size
+            pages += tail
+            pages += 1 - page_size
+            return pages
+    if page_size == 1:
+        last = np.ones(batch, dtype=np.int64)
+    return kv_lens_from_paged(kv_indptr, last if last is not None else last_page_len, page_size)

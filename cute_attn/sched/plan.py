@@ -12,6 +12,8 @@ from .assign import Snake, ids, lpt_assign, ones, refine_pairs, wrap_fill
 from .cost import build_tiles, choose_cta_tile_q, chunk_counts, cut_schedule, min_chunk_len
 from .fast import OneTilePath
 from .inputs import as_index_array, check_lengths, indptr_lengths, kv_lens_from_paged, kv_lens_from_ragged
+from .reuse import KeptPlan
+from .staging import Staging
 from .workspace import Limits, WorkspaceLayout
 
 _NO_MERGE = np.empty((0, ws.MERGE_FIELDS), np.int32)
@@ -75,12 +77,6 @@ def limit_of(loads, tol: float) -> float:
     return (1.0 + tol) * int(loads.sum())
 
 
-def _host_buffer(nbytes: int, pin: bool):
-    import torch
-
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-
-
 class Planner:
     """Plans for one wrapper: holds the workspace layout and the (pinned) staging buffers.
 
@@ -141,11 +137,9 @@ class Planner:
             import torch
 
             pin_memory = torch.cuda.is_available()
-        self._staging = [_host_buffer(self.layout.int_bytes, pin_memory) for _ in range(num_staging)]
-        self._events = [None] * num_staging
-        self._views = [self._section_views(t.numpy()) for t in self._staging]
-        self._turn = 0
-        self._staged = None  # (buffer index, bytes to copy) of the last plan
+        self._staging = Staging(self.layout, self.num_ctas, num_staging, pin_memory)
+        self._kept = None  # KeptPlan of the last full decode plan, made at its first replan
+        self._keep_args = None  # (plan, per_item) of the last full decode plan, None: not kept
         self._tmpl = self._template(limits.max_batch)
         self._snake = Snake(self.num_ctas)
         self._fast = OneTilePath(self.num_ctas)
@@ -159,20 +153,6 @@ class Planner:
         t[:, ws.W_DEST] = -1
         t[:, ws.W_NUM_CHUNKS] = 1
         return t
-
-    def _section_views(self, buf: np.ndarray):
-        lay = self.layout
-
-        def sec(name, shape):
-            o, n = lay.sections[name]
-            return buf[o : o + n].view(np.int32).reshape(shape)
-
-        return dict(
-            meta=sec("meta", (ws.META_FIELDS,)),
-            work_indptr=sec("work_indptr", (self.num_ctas + 1,)),
-            merge_tasks=sec("merge_tasks", (lay.max_merge_tasks, ws.MERGE_FIELDS)),
-            work_items=sec("work_items", (lay.max_work_items, ws.WORK_FIELDS)),
-        )
 
     # -- entry points -------------------------------------------------------------------
     def plan_paged(
@@ -300,6 +280,9 @@ class Planner:
         if not one_each:  # several tiles per request share its K/V: order for L2 reuse
             p.work_items = locality_order(p.work_items, p.work_indptr)
         self._stage(p, b, total_q, hq, hk)
+        decode = one_each and qmax == 1 and kv_split_size is None
+        self._keep_args = (p, kv_len, self.alpha * tile // h) if decode else None
+        self._kept = None
         if workspace is not None:
             self.upload(workspace)
         return p
@@ -642,35 +625,46 @@ class Planner:
         p.meta[ws.META_TOTAL_QO_ROWS] = total_q
         p.meta[ws.META_NUM_QO_HEADS] = hq
         p.meta[ws.META_NUM_KV_HEADS] = hk
-        i = self._turn
-        self._turn = (i + 1) % len(self._staging)
-        ev = self._events[i]
-        if ev is not None and not ev.query():
-            ev.synchronize()  # an upload from this buffer is still queued (see class doc)
-        v = self._views[i]
-        v["meta"][:] = p.meta
-        v["work_indptr"][:] = p.work_indptr
-        v["merge_tasks"][: p.num_merge_tasks] = p.merge_tasks
-        v["work_items"][: p.num_work_items] = p.work_items
-        # Work items are the last int32 section, so one prefix covers everything in use.
-        nbytes = self.layout.offset("work_items") + 4 * ws.WORK_FIELDS * p.num_work_items
-        self._staged = (i, nbytes)
+        self._staging.stage(p)
+
+    def replan(self, kv_lens) -> Optional[Plan]:
+        """The last full decode plan's items on new kv lengths (``reuse`` module doc), staged
+        for ``upload`` like a plan; None where that plan was not a decode plan of this many
+        requests or its items would be out of balance (then ``plan()`` anew). ``kv_lens``:
+        int64 [batch], non-negative (checked by the caller)."""
+        if self._keep_args is None:
+            return None
+        kept = self._kept
+        if kept is None:
+            p, kv, per_item = self._keep_args
+            kept = self._kept = KeptPlan(p, kv, per_item, self.beta, self.balance_tol)
+        if kv_lens.shape[0] != kept.batch:
+            return None
+        if kv_lens.shape[0] and int(kv_lens.max()) > self.limits.max_kv_len:
+            return None  # plan() names the error
+        got = kept.follow(kv_lens)
+        if got is None:
+            return None
+        w, merge, loads = got
+        full = kept.plan
+        self._staging.stage_items(full, w, merge)
+        return Plan(
+            work_items=w,
+            work_indptr=full.work_indptr,
+            merge_tasks=merge,
+            meta=full.meta,
+            cta_cost=loads,
+            cta_tile_q=full.cta_tile_q,
+            group_size=full.group_size,
+            num_ctas=full.num_ctas,
+            kv_chunk=full.kv_chunk,
+            causal=full.causal,
+            min_kv_chunk=full.min_kv_chunk,
+        )
 
     def upload(self, workspace) -> None:
         """Enqueue one non-blocking host->device copy of the last staged plan into
         ``workspace`` (any dtype; its bytes are used): the whole workspace, or a buffer of just
         the layout's int sections (``layout.int_bytes``: where a wrapper keeps its plan apart
         from the fp32 scratch). Never reads anything back."""
-        if self._staged is None:
-            raise RuntimeError("upload() before any plan()")
-        import torch
-
-        dst = workspace.view(torch.uint8).reshape(-1) if workspace.dtype != torch.uint8 else workspace.reshape(-1)
-        if dst.numel() < self.layout.int_bytes:
-            raise ValueError(f"workspace has {dst.numel()} bytes, the plan's sections need {self.layout.int_bytes}")
-        i, nbytes = self._staged
-        dst[:nbytes].copy_(self._staging[i][:nbytes], non_blocking=True)
-        if dst.is_cuda:
-            ev = torch.cuda.Event()
-            ev.record()
-            self._events[i] = ev
+        self._staging.upload(workspace)

@@ -21,7 +21,7 @@ from ..families.decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from ..families.decode import decode_spec
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..sched import WorkspaceLayout, kv_lens_from_paged
-from ..sched.inputs import as_index_array, check_indptr
+from ..sched.inputs import as_index_array, check_indptr, step_kv_lens
 from ..variants.binding import VariantBinding
 from . import common, compat, guards
 from .options import decode_variant
@@ -291,6 +291,7 @@ class DecodeEngineAPI:
         if (window, cap, sm) != (st.window_left, st.logits_soft_cap, st.sm_scale):
             var, binding = self._same_kernel_binding(st, window, cap, sm)
         split_tokens = self._split_tokens(fixed_split_size, disable_split_kv, page_size)
+        self._step_split = split_tokens
         backend = backend_for("decode", st.arch)
         plan = self._replan_lengths(kv_lens, batch, split_tokens, st, backend)
         if self._use_cuda_graph:
@@ -316,11 +317,40 @@ class DecodeEngineAPI:
             kv_lens=kv_lens,
         )
 
+    def _replan_step(self, indptr_host, indices, last_page_len, page_size: int) -> None:
+        """``fast_decode_plan``'s per-step path (its doc): new lengths, nothing else."""
+        common.check_plan_not_captured()
+        st = self._state
+        if indices is not None and len(indices) > self._indices_buf.numel():
+            raise ValueError(
+                f"indices has {len(indices)} entries, paged_kv_indices_buffer only {self._indices_buf.numel()}"
+            )
+        kv_lens = step_kv_lens(indptr_host, last_page_len, page_size, self._fixed_bs)
+        if kv_lens.shape[0] != self._fixed_bs:
+            raise ValueError(
+                f"the batch size is fixed in CUDA-graph mode: got {kv_lens.shape[0]}, the buffers hold {self._fixed_bs}"
+            )
+        plan = self._planner.replan(kv_lens)
+        if plan is not None:
+            self._planner.upload(self._plan_buf)
+        else:
+            split = self._step_split
+            plan = self._schedule(kv_lens, st.batch, st.hq, st.hk, st.head_dim, page_size, split, st.hpi,
+                                  backend_for("decode", st.arch), st.arch)  # fmt: skip
+        self._state = _replaced(st, plan=plan, kv_lens=kv_lens)
+        self._step = (self._step[0], self._state)
+
     def _replan_lengths(self, kv_lens, batch, split_tokens, st, backend):
         """THE planner call of a fast re-plan (``fast_decode_plan``, ``_cached_module.plan``):
         new kv lengths (host int64 ``[batch]``), the current plan's heads, page size, head
-        packing and kernels.  Today the wrapper's own planner (``_schedule``); the one method to
-        swap for a faster planner.  Returns the ``sched.Plan`` (uploaded)."""
+        packing and kernels: the last plan's items on the new lengths where they stay balanced
+        (``sched.reuse``), else the wrapper's own planner (``_schedule``).  Returns the
+        ``sched.Plan`` (uploaded)."""
+        if split_tokens is None and self._planner is not None and self._views is not None:
+            plan = self._planner.replan(kv_lens)
+            if plan is not None:
+                self._planner.upload(self._plan_buf)
+                return plan
         return self._schedule(
             kv_lens, batch, st.hq, st.hk, st.head_dim, st.page_size, split_tokens, st.hpi, backend, st.arch
         )
@@ -580,7 +610,19 @@ def fast_decode_plan(
     them in place, as SGLang does); the kv lengths come from ``global_override_indptr_cpu``
     (else ``indptr.cpu()``) and ``last_page_len`` (ones for page size 1, else
     ``last_page_len.cpu()``), so host arrays mean no device synchronization.  The planner call
-    is ``BatchDecodeWithPagedKVCacheWrapper._replan_lengths``."""
+    is ``BatchDecodeWithPagedKVCacheWrapper._replan_lengths``.
+
+    The engines call it every step with the same arguments but the lengths: a CUDA-graph
+    wrapper's call whose other arguments equal those of its last fast re-plan, with no plan()
+    since, skips their checks (they held then) and only re-plans the lengths
+    (``DecodeEngineAPI._replan_step``)."""
+    args = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
+            q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta, fixed_split_size,
+            disable_split_kv, q_len_per_req)  # fmt: skip
+    step = getattr(self, "_step", None)
+    if step is not None and step[1] is self._state and step[0] == args:
+        host = global_override_indptr_cpu if global_override_indptr_cpu is not None else indptr
+        return self._replan_step(host, indices, last_page_len, int(page_size))
     if not isinstance(self, DecodeEngineAPI):
         raise TypeError(f"fast_decode_plan takes a BatchDecodeWithPagedKVCacheWrapper, got {type(self).__name__}")
     if self._cached is None:
@@ -627,3 +669,5 @@ def fast_decode_plan(
         indices=indices,
         last_page_len=last_page_len,
     )
+    if self._use_cuda_graph and self._q_len == 1:
+        self._step = (args, self._state)

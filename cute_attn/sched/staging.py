@@ -1,0 +1,113 @@
+"""Host staging of plans and their upload: pinned buffers used in turn, one copy per plan.
+
+A plan is written into the staging buffer in turn and copied from there to the device with one
+non-blocking copy, so ``plan()`` never waits on the GPU. With ``num_staging`` buffers a plan
+never overwrites bytes an earlier upload may still be reading: each upload records a CUDA
+event, and a buffer is reused only once its event has passed (a wait happens only if the CPU
+is that many plans ahead of the copies). A kept plan (``reuse``) rewrites only the work items and
+merge tasks, and its upload carries only those when the device already holds the rest of its
+full plan.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import workspace as ws
+
+
+def _host_buffer(nbytes: int, pin: bool):
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+class Staging:
+    def __init__(self, layout, num_ctas: int, num_staging: int, pin_memory: bool):
+        self.layout = layout
+        self._buffers = [_host_buffer(layout.int_bytes, pin_memory) for _ in range(num_staging)]
+        self._events = [None] * num_staging
+        self._views = [self._section_views(t.numpy(), num_ctas) for t in self._buffers]
+        self._holds = [None] * num_staging  # the full plan whose meta / CTA lists / merges each holds
+        self._turn = 0
+        self._staged = None  # (buffer index, first byte, end byte) of the last staged plan
+        self._uploaded = None  # (device pointer, full plan) of the last upload
+        self._items_at = layout.offset("work_items")
+        self._merges_at = layout.offset("merge_tasks")
+        assert 0 < self._merges_at < self._items_at  # one copy from the merge tasks to the items
+        self._copy_key = self._copy = None  # the last upload's (source, destination) slices
+
+    def _section_views(self, buf: np.ndarray, num_ctas: int):
+        lay = self.layout
+
+        def sec(name, shape):
+            o, n = lay.sections[name]
+            return buf[o : o + n].view(np.int32).reshape(shape)
+
+        return dict(
+            meta=sec("meta", (ws.META_FIELDS,)),
+            work_indptr=sec("work_indptr", (num_ctas + 1,)),
+            merge_tasks=sec("merge_tasks", (lay.max_merge_tasks, ws.MERGE_FIELDS)),
+            work_items=sec("work_items", (lay.max_work_items, ws.WORK_FIELDS)),
+        )
+
+    def _next(self):
+        i = self._turn
+        self._turn = (i + 1) % len(self._buffers)
+        ev = self._events[i]
+        if ev is not None and not ev.query():
+            ev.synchronize()  # an upload from this buffer is still queued
+        return i, self._views[i]
+
+    def _put_full(self, i, v, p) -> None:
+        v["meta"][:] = p.meta
+        v["work_indptr"][:] = p.work_indptr
+        v["merge_tasks"][: p.num_merge_tasks] = p.merge_tasks
+        self._holds[i] = p
+
+    def stage(self, p) -> None:
+        """Stage a full plan (every section)."""
+        i, v = self._next()
+        self._put_full(i, v, p)
+        v["work_items"][: p.num_work_items] = p.work_items
+        # Work items are the last int32 section, so one prefix covers everything in use.
+        self._staged = (i, 0, self._items_at + 4 * ws.WORK_FIELDS * p.num_work_items)
+
+    def stage_items(self, full, w: np.ndarray, merge: np.ndarray) -> None:
+        """Stage the records ``w`` and merge tasks of a kept plan of ``full`` (the same items
+        and CTA lists, new requests and lengths)."""
+        i, v = self._next()
+        if self._holds[i] is not full:
+            self._put_full(i, v, full)
+        lo = self._items_at
+        if merge.shape[0]:
+            v["merge_tasks"][: merge.shape[0]] = merge
+            lo = self._merges_at
+        v["work_items"][: w.shape[0]] = w
+        self._staged = (i, lo, self._items_at + 4 * ws.WORK_FIELDS * w.shape[0])
+
+    def upload(self, workspace) -> None:
+        if self._staged is None:
+            raise RuntimeError("upload() before any plan()")
+        import torch
+
+        i, lo, hi = self._staged
+        full, ptr = self._holds[i], workspace.data_ptr()
+        last = self._uploaded
+        if lo and (last is None or last[0] != ptr or last[1] is not full):
+            lo = 0  # the device does not hold this plan's other sections: copy them too
+        key = (i, lo, hi, ptr, workspace.dtype, workspace.numel())
+        if key != self._copy_key:  # a decode step copies the same range every time
+            dst = workspace.view(torch.uint8).reshape(-1) if workspace.dtype != torch.uint8 else workspace.reshape(-1)
+            if dst.numel() < self.layout.int_bytes:
+                raise ValueError(f"workspace has {dst.numel()} bytes, the plan's sections need {self.layout.int_bytes}")
+            self._copy = (dst[lo:hi], self._buffers[i][lo:hi], dst.is_cuda)
+            self._copy_key = key
+        dst, src, is_cuda = self._copy
+        dst.copy_(src, non_blocking=True)
+        self._uploaded = (ptr, full)
+        if is_cuda:
+            ev = self._events[i]
+            if ev is None:
+                ev = self._events[i] = torch.cuda.Event()
+            ev.record()

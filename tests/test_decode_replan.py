@@ -1,0 +1,272 @@
+"""Per-step decode re-plans that keep the last plan's items (``cute_attn/sched/reuse.py``).
+
+CPU: the kept items stay a plan of the new lengths (each (request, head) pair's ranges tile
+[0, kv_len) in chunk order, every field but the lengths unchanged, the modelled loads within the
+bound) or the re-plan falls back to a full plan; through a CUDA-graph wrapper with the kernels
+emulated, outputs match the fp64 reference over steps that grow, shrink (empty chunks), zero
+and swap lengths. GPU: the same steps on the real decode kernel and merge, replayed from one
+captured graph, against the fp32 reference (tolerances as tests/test_decode_gpu.py: relative
+L2 2e-2 for bf16, LSE 2e-3 absolute, -inf exactly where the reference has it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "engines"))
+
+from emu_helpers import _cpu_ws, _fake_cuda, _gen, demu, paged_batch  # noqa: E402,F401
+
+from cute_attn import BatchDecodeWithPagedKVCacheWrapper  # noqa: E402
+from cute_attn.decode import fast_decode_plan  # noqa: E402
+from cute_attn.sched import Planner  # noqa: E402
+from cute_attn.sched import workspace as ws  # noqa: E402
+from cute_attn.sched.inputs import kv_lens_from_paged, step_kv_lens  # noqa: E402
+from cute_attn.sched.workspace import Limits  # noqa: E402
+from cute_attn.testing import paged_reference  # noqa: E402
+
+HQ, HK, D = 8, 2, 64
+BF16 = torch.bfloat16
+REQUEST_FIELDS = (ws.W_REQ, ws.W_QO_OFFSET, ws.W_KV_START, ws.W_KV_END, ws.W_KV_LEN)
+
+
+def _steps(rng, kv, n):
+    """n successive batches from ``kv``: +1 (most steps), +0..7 and the batch re-ordered, a
+    request swapped for a random one, halved lengths (chunks that become empty), a zero-length
+    request."""
+    out = []
+    for t in range(n):
+        kv = kv.copy()
+        r = t % 5
+        if r == 0:
+            kv += 1
+        elif r == 1:
+            kv = rng.permutation(kv + rng.integers(0, 8, size=kv.shape[0]))
+        elif r == 2:
+            kv[rng.integers(kv.shape[0])] = rng.integers(0, 6000)
+        elif r == 3:
+            kv //= 2
+        else:
+            kv[rng.integers(kv.shape[0])] = 0
+        out.append(kv)
+    return out
+
+
+def _check_kept(full, got, kv):
+    """``got`` (a kept plan of ``full``) serves lengths ``kv``: the module doc's contract."""
+    w0, w = full.work_items, got.work_items
+    other = [f for f in range(ws.WORK_FIELDS) if f not in REQUEST_FIELDS]
+    assert np.array_equal(w0[:, other], w[:, other])
+    assert np.array_equal(got.work_indptr, full.work_indptr)
+    assert np.array_equal(w[:, ws.W_KV_LEN], kv[w[:, ws.W_REQ]])
+    assert np.array_equal(w[:, ws.W_QO_OFFSET], w[:, ws.W_REQ])
+    # every request is served by the items of exactly one request of the full plan
+    m = {}
+    for r0, r in zip(w0[:, ws.W_REQ].tolist(), w[:, ws.W_REQ].tolist()):
+        assert m.setdefault(r0, r) == r
+    assert sorted(m.values()) == list(range(kv.shape[0]))
+    mt0, mt = full.merge_tasks, got.merge_tasks
+    assert mt0.shape == mt.shape
+    keep = [f for f in range(ws.MERGE_FIELDS) if f not in (ws.M_REQ, ws.M_QO_OFFSET)]
+    assert np.array_equal(mt0[:, keep], mt[:, keep])
+    assert [m[r] for r in mt0[:, ws.M_REQ].tolist()] == mt[:, ws.M_REQ].tolist()
+    assert np.array_equal(mt[:, ws.M_QO_OFFSET], mt[:, ws.M_REQ])
+    pairs = {}
+    for row in w:
+        pairs.setdefault((int(row[ws.W_REQ]), int(row[ws.W_KV_HEAD])), []).append(row)
+    for (b, _h), rows in pairs.items():
+        rows.sort(key=lambda r: int(r[ws.W_CHUNK]))
+        assert [int(r[ws.W_CHUNK]) for r in rows] == list(range(int(rows[0][ws.W_NUM_CHUNKS])))
+        pos = 0
+        for r in rows:
+            assert int(r[ws.W_KV_START]) == pos <= int(r[ws.W_KV_END])
+            pos = int(r[ws.W_KV_END])
+        assert pos == kv[b]
+
+
+@pytest.mark.parametrize("batch, hk, ctas", [(5, 2, 8), (64, 8, 264), (200, 4, 132), (1, 8, 264)])
+def test_kept_items_serve_any_lengths(batch, hk, ctas):
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    lim = Limits(max_batch=batch, max_total_q_tokens=batch, num_qo_heads=4 * hk, num_kv_heads=hk, head_dim=128)
+    pl = Planner(lim, ctas, 1, alpha=2, beta=1, balance_tol=0.01)
+    plan = lambda kv: pl.plan(None, kv, page_size=16, num_qo_heads=4 * hk, num_kv_heads=hk, cta_tile_q=16)
+    kv0 = rng.integers(1, 5000, size=batch)
+    full = plan(kv0)
+    kept = fulls = 0
+    for kv in _steps(rng, kv0, 60):
+        got = pl.replan(kv.astype(np.int64))
+        if got is None:
+            full = plan(kv)
+            fulls += 1
+            continue
+        kept += 1
+        _check_kept(full, got, kv)
+        loads = np.zeros(ctas, np.int64)
+        cost = 2 * 16 + (got.work_items[:, ws.W_KV_END] - got.work_items[:, ws.W_KV_START]).astype(np.int64)
+        np.add.at(loads, np.repeat(np.arange(ctas), np.diff(got.work_indptr)), cost)
+        assert np.array_equal(loads, got.cta_cost)
+    assert kept > 0  # the +1 steps at least keep the items
+
+
+def test_kept_plan_refused_when_unbalanced_or_invariant():
+    lim = Limits(max_batch=64, max_total_q_tokens=64, num_qo_heads=32, num_kv_heads=8, head_dim=128)
+    pl = Planner(lim, 132, 2, alpha=2, beta=1, balance_tol=0.01)
+    kv = np.full(64, 2000)
+    pl.plan(None, kv, page_size=16, num_qo_heads=32, num_kv_heads=8, cta_tile_q=16)
+    assert pl.replan(kv + 1) is not None
+    grown = kv.copy()
+    grown[7] = 40000  # one request 20x the rest: the CTAs holding its items run long
+    assert pl.replan(grown) is None
+    assert pl.replan(kv[:63]) is None  # another batch size
+    pl.plan(None, kv, page_size=16, num_qo_heads=32, num_kv_heads=8, cta_tile_q=16, kv_split_size=512)
+    assert pl.replan(kv + 1) is None  # batch-invariant chunks are never stretched
+
+
+def test_step_kv_lens_matches_the_checked_path():
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    for ps in (1, 16):
+        for t in range(100):
+            b = int(rng.integers(1, 30))
+            pages = rng.integers(0 if t % 3 == 0 else 1, 6, size=b)
+            ip = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+            last = rng.integers(1, ps + 1, size=b).astype(np.int32)
+            want = kv_lens_from_paged(ip, np.ones(b, np.int64) if ps == 1 else last, ps)
+            got = step_kv_lens(torch.from_numpy(ip), torch.from_numpy(last), ps, b)
+            assert got.dtype == np.int64 and np.array_equal(got, want)
+    with pytest.raises(ValueError, match=r"last_page_len\[1\] = 17"):
+        step_kv_lens(torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([3, 17], dtype=torch.int32), 16, 2)
+    with pytest.raises(ValueError, match="not non-decreasing"):
+        step_kv_lens(torch.tensor([0, 4, 3], dtype=torch.int32), torch.tensor([3, 1], dtype=torch.int32), 16, 2)
+
+
+def _force_keep(w):
+    """Make the next re-plan keep the items whatever their balance (a halving step then leaves
+    empty chunks of split pairs: the case the kernels must serve)."""
+    from cute_attn.sched.reuse import KeptPlan
+
+    pl = w._planner
+    if pl._kept is None:
+        p, kv, per_item = pl._keep_args
+        pl._kept = KeptPlan(p, kv, per_item, pl.beta, pl.balance_tol)
+    pl._kept.bound = float("inf")
+
+
+def _empty_split_items(plan) -> int:
+    w = plan.work_items
+    return int(((w[:, ws.W_KV_START] == w[:, ws.W_KV_END]) & (w[:, ws.W_NUM_CHUNKS] > 1)).sum())
+
+
+def _graph_wrapper(bs, cap, make):
+    bufs = dict(
+        paged_kv_indptr_buffer=make(torch.zeros(bs + 1, dtype=torch.int32)),
+        paged_kv_indices_buffer=make(torch.zeros(cap, dtype=torch.int32)),
+        paged_kv_last_page_len_buffer=make(torch.zeros(bs, dtype=torch.int32)),
+    )
+    return bufs
+
+
+def test_fast_decode_plan_steps_emulated(demu):
+    """Steps through ``fast_decode_plan``'s per-step path: the kept items (empty chunks after
+    a halving) and the full re-plans both give the reference's output."""
+    bs, ps = 6, 16
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    g = _gen(int(rng.integers(1 << 30)))
+    kv0 = rng.integers(200, 3000, size=bs)
+    lens = [kv0] + _steps(rng, kv0, 10)
+    cap = max(int(((k + ps - 1) // ps).sum()) for k in lens) + 4
+    bufs = _graph_wrapper(bs, cap, _fake_cuda)
+    w = BatchDecodeWithPagedKVCacheWrapper(_cpu_ws(64), use_cuda_graph=True, **bufs)
+    full_plans, empty = [], 0
+    for t, kv in enumerate(lens):
+        cache, indptr, indices, last = paged_batch(kv.tolist(), ps, HK, D, BF16, g)
+        bufs["paged_kv_indptr_buffer"].copy_(indptr)
+        bufs["paged_kv_indices_buffer"][: indices.numel()].copy_(indices)
+        bufs["paged_kv_last_page_len_buffer"].copy_(last)
+        if t == 0:
+            w.plan(indptr, indices, last, HQ, HK, D, ps, q_data_type=BF16)
+            planner = w._planner
+            n_full = planner.plan
+            planner.plan = lambda *a, **k: full_plans.append(t) or n_full(*a, **k)
+        else:
+            if t % 5 == 4 and w._planner._keep_args is not None:  # the halving step of _steps
+                _force_keep(w)
+            fast_decode_plan(w, indptr, indices, last, HQ, HK, D, ps, q_data_type=BF16,
+                             global_override_indptr_cpu=indptr)  # fmt: skip
+            empty += _empty_split_items(w._state.plan)
+        assert list(w._state.kv_lens) == kv.tolist()
+        q = torch.randn(bs, HQ, D, generator=g).to(BF16)
+        out, lse = w.run(q, cache, return_lse=True)
+        ref_o, ref_lse = paged_reference(q.float(), tuple(c.float() for c in cache), None, indptr, indices, last,
+                                         sm_scale=1 / math.sqrt(D))  # fmt: skip
+        err = ((out.float() - ref_o).norm() / ref_o.norm().clamp_min(1e-6)).item()
+        assert err < 2e-2, (t, err)
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), fin)
+        assert (lse[fin] - ref_lse[fin]).abs().max().item() < 2e-3
+    assert len(full_plans) < len(lens) - 1  # some steps kept the items
+    assert empty > 0
+
+
+@pytest.mark.gpu
+def test_fast_decode_plan_steps_graph_replay():
+    """One captured graph replayed over steps re-planned by ``fast_decode_plan`` (kept items,
+    empty chunks, full re-plans) on the real kernels; a long-batch split plan included."""
+    hq, hk, d, ps, bs = 32, 8, 128, 16, 16
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    kv0 = rng.integers(2000, 12000, size=bs)
+    lens = [kv0] + _steps(rng, kv0, 14)
+    max_pages = max(int(((k + ps - 1) // ps).sum()) for k in lens) + 8
+    bufs = _graph_wrapper(bs, max_pages, lambda t: t.cuda())
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
+                                           use_cuda_graph=True, **bufs)  # fmt: skip
+    k = torch.randn(max_pages, ps, hk, d, generator=gen).to(BF16).cuda()
+    v = torch.randn(max_pages, ps, hk, d, generator=gen).to(BF16).cuda()
+    q = torch.randn(bs, hq, d, generator=gen).to(BF16).cuda()
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((bs, hq), float("nan"), device="cuda")
+    graph = None
+    kept = empty = 0
+    for t, kv in enumerate(lens):
+        pages = (kv + ps - 1) // ps
+        indptr = torch.tensor(np.concatenate([[0], np.cumsum(pages)]), dtype=torch.int32)
+        indices = torch.randperm(max_pages, generator=gen)[: int(indptr[-1])].to(torch.int32)
+        last = torch.tensor(np.where(pages > 0, kv - (pages - 1) * ps, 0), dtype=torch.int32)
+        bufs["paged_kv_indptr_buffer"].copy_(indptr)
+        bufs["paged_kv_indices_buffer"][: indices.numel()].copy_(indices)
+        bufs["paged_kv_last_page_len_buffer"].copy_(last)
+        if t == 0:
+            w.plan(indptr, indices, last, hq, hk, d, ps, q_data_type=BF16)
+            w.run(q, (k, v), out=out, lse=lse)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                w.run(q, (k, v), out=out, lse=lse)
+        else:
+            if t % 5 == 4 and w._planner._keep_args is not None:  # the halving step of _steps
+                _force_keep(w)
+            fast_decode_plan(w, indptr, indices, last, hq, hk, d, ps, q_data_type=BF16,
+                             global_override_indptr_cpu=indptr)  # fmt: skip
+            kept += w._planner._kept is not None and w._state.plan.work_items is not w._planner._kept.records
+            empty += _empty_split_items(w._state.plan)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        ref_o, ref_lse = paged_reference(q.float(), (k.float(), v.float()), None, indptr, indices, last,
+                                         sm_scale=1 / math.sqrt(d))  # fmt: skip
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        err = ((out.float() - ref_o).norm() / ref_o.norm().clamp_min(1e-6)).item()
+        assert err < 2e-2, (t, err)
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), fin)
+        if fin.any():
+            assert (lse[fin] - ref_lse[fin]).abs().max().item() < 2e-3, t
+        assert (out[~fin] == 0).all()
+    assert kept > 0 and empty > 0
