@@ -96,7 +96,7 @@ def summary(ts):
     )
 
 
-def ours(b, steps, on=on_gpu, calls=("fast_decode_plan", "plan")):
+def ours(b, steps, on=on_gpu, calls=("fast_decode_plan", "cached_module_plan", "plan")):
     """{call: (times, full-plan share)} of our CUDA-graph wrapper (``on``: puts a host tensor
     where the wrapper's buffers live; ``bench_plan_host.py`` passes a CPU stand-in)."""
     from cute_attn import BatchDecodeWithPagedKVCacheWrapper
@@ -122,6 +122,14 @@ def ours(b, steps, on=on_gpu, calls=("fast_decode_plan", "plan")):
         w._planner.plan = counted
         if name == "plan":
             call = lambda ip, last: w.plan(ip, idx, last, HQ, HK, D, PS, q_data_type=torch.bfloat16)
+        elif name == "cached_module_plan":  # vLLM's per-step call (host indptr and seq_lens)
+            qo = torch.arange(b + 1, dtype=torch.int32)
+
+            def call(ip, last):
+                lens = (ip[1:] - ip[:-1] - 1) * PS + last
+                w._cached_module.plan(w._float_workspace_buffer, w._int_workspace_buffer,
+                                      w._pin_memory_int_workspace_buffer, qo, ip, lens, b, b, HQ, HK, PS,
+                                      True, D, D, False, -1, -1, False, 0)  # fmt: skip
         else:
             call = lambda ip, last: fast_decode_plan(
                 w, ip, idx, last, HQ, HK, D, PS, q_data_type=torch.bfloat16, global_override_indptr_cpu=ip
@@ -150,11 +158,74 @@ def flashinfer_fast(b, steps):
     return time_steps(call, steps, torch.cuda.synchronize)
 
 
+def kept_vs_full(b: int, trace: str, keep_tol=None, every: int = 10, steps: int = 200):
+    """GPU time of the kept plans against full plans of the same lengths: wrapper A re-plans
+    every step of the trace with ``fast_decode_plan`` (kept items where balanced), wrapper B
+    plans every sampled step from scratch with ``plan()``; both replay a captured graph on the
+    same cache and queries, timed in turns (CUDA events, medians). Returns [(step, kept?, us A,
+    us B)]."""
+    from cute_attn import BatchDecodeWithPagedKVCacheWrapper
+    from cute_attn.bench.common import interleaved
+    from cute_attn.decode import fast_decode_plan
+
+    lens = traces(b, steps)[trace]
+    cap = int(max(((kv + PS - 1) // PS).sum() for kv in lens))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(cap, PS, HK, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(cap, PS, HK, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    wrappers, graphs, outs, bufs_all = [], [], [], []
+    ip0, last0 = paged_args(lens[0])
+    for _ in range(2):
+        bufs = graph_buffers(b, cap)
+        w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
+                                               use_cuda_graph=True, **bufs)  # fmt: skip
+        bufs["paged_kv_indptr_buffer"].copy_(ip0)
+        bufs["paged_kv_last_page_len_buffer"].copy_(last0)
+        w.plan(ip0, bufs["paged_kv_indices_buffer"], last0, HQ, HK, D, PS, q_data_type=torch.bfloat16)
+        out = torch.empty_like(q)
+        w.run(q, (k, v), out=out)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            w.run(q, (k, v), out=out)
+        wrappers.append(w), graphs.append(g), outs.append(out), bufs_all.append(bufs)
+    (wa, wb), rows = wrappers, []
+    if keep_tol is not None:
+        wa._planner.keep_tol = keep_tol
+    full = [0]
+    inner = wa._planner.plan
+
+    def counted(*a, **kw):
+        full[0] += 1
+        return inner(*a, **kw)
+
+    wa._planner.plan = counted
+    for t, kv in enumerate(lens[1:], 1):
+        ip, last = paged_args(kv)
+        for bufs in bufs_all:
+            bufs["paged_kv_indptr_buffer"].copy_(ip, non_blocking=True)
+            bufs["paged_kv_last_page_len_buffer"].copy_(last, non_blocking=True)
+        idx = bufs_all[0]["paged_kv_indices_buffer"]
+        before = full[0]
+        fast_decode_plan(wa, ip, idx, last, HQ, HK, D, PS, q_data_type=torch.bfloat16, global_override_indptr_cpu=ip)
+        kept = full[0] == before
+        if t % every:
+            continue
+        wb.plan(ip, bufs_all[1]["paged_kv_indices_buffer"], last, HQ, HK, D, PS, q_data_type=torch.bfloat16)
+        tm = interleaved({"a": graphs[0].replay, "b": graphs[1].replay}, calls=15)
+        diff = ((outs[0].float() - outs[1].float()).norm() / outs[1].float().norm()).item()
+        assert diff < 1e-2, f"kept and full plans disagree at step {t}: {diff:.3e}"
+        rows.append((t, kept, tm["a"], tm["b"]))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", help="append records to this results.json (cute_attn.bench.common.Results)")
     ap.add_argument("--batches", default="64,256,1024")
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--kept-ab", action="store_true", help="also: GPU time of kept vs full plans (churn trace)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     records = []
@@ -179,6 +250,20 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 -- a peer that does not run is reported, not fatal
                     print(f"flashinfer: n/a ({type(e).__name__}: {str(e)[:160]})", flush=True)
                     fi_ok = False
+    if a.kept_ab:
+        for b, trace, tol in ((64, "churn", None), (64, "churn", 0.03), (64, "random", 0.03), (256, "churn", None),
+                              (256, "random", None)):  # fmt: skip
+            rows = kept_vs_full(b, trace, tol)
+            ratio = [ra / rb for _, kept, ra, rb in rows if kept]
+            head = dict(kept_ab=trace, batch=b, keep_tol=tol)
+            for t, kept, ra, rb in rows:
+                print(json.dumps(dict(head, step=t, kept=bool(kept), us_kept=round(ra, 1), us_full=round(rb, 1))))
+            if ratio:
+                mean, top = round(statistics.mean(ratio), 4), round(max(ratio), 4)
+                print(json.dumps(dict(head, kept_steps=len(ratio), mean_ratio=mean, max_ratio=top)), flush=True)
+                tag = "" if tol is None else f"/keep_tol{tol}"
+                records.append((f"host/kept_vs_full/{trace}/bs{b}{tag}", "cute_attn", "gpu_time_ratio_mean",
+                                    statistics.mean(ratio)))  # fmt: skip
     if a.json:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
         from cute_attn.bench.common import Results

@@ -84,6 +84,8 @@ def _check_kept(full, got, kv):
     for (b, _h), rows in pairs.items():
         rows.sort(key=lambda r: int(r[ws.W_CHUNK]))
         assert [int(r[ws.W_CHUNK]) for r in rows] == list(range(int(rows[0][ws.W_NUM_CHUNKS])))
+        # exactly one chunk starts at kv 0: a variant's once-per-row term (sinks) goes there
+        assert sum(int(r[ws.W_KV_START]) == 0 for r in rows) == 1
         pos = 0
         for r in rows:
             assert int(r[ws.W_KV_START]) == pos <= int(r[ws.W_KV_END])
@@ -125,6 +127,11 @@ def test_kept_plan_refused_when_unbalanced_or_invariant():
     grown[7] = 40000  # one request 20x the rest: the CTAs holding its items run long
     assert pl.replan(grown) is None
     assert pl.replan(kv[:63]) is None  # another batch size
+    split = pl.plan(None, np.array([40000] + [10] * 63), page_size=16, num_qo_heads=32, num_kv_heads=8, cta_tile_q=16)
+    assert split.num_merge_tasks > 0
+    pl.keep_tol = 1e9  # balance never refuses: only the length-0 rule below does
+    assert pl.replan(np.array([10] * 63 + [0])) is not None  # rank 63 (length 0) is not split
+    assert pl.replan(np.zeros(64, np.int64)) is None  # rank 0 (the split one) would have length 0
     pl.plan(None, kv, page_size=16, num_qo_heads=32, num_kv_heads=8, cta_tile_q=16, kv_split_size=512)
     assert pl.replan(kv + 1) is None  # batch-invariant chunks are never stretched
 

@@ -89,7 +89,9 @@ class Planner:
     runs only where whole items fall short). ``num_staging``: staging
     buffers used in turn, so that a plan never overwrites bytes an earlier upload may still
     be reading (with CUDA, an event per buffer; a wait happens only if the CPU is that many
-    plans ahead of the copies). ``fast_path``: batches of one query tile per request
+    plans ahead of the copies). ``keep_tol`` (default ``balance_tol``): how far the balance of a
+    kept decode plan may drift from its full plan's before ``replan`` plans anew (``reuse``).
+    ``fast_path``: batches of one query tile per request
     (decode) go to the vectorized path of ``fast`` (False: always the general one below).
 
     Per plan (``_plan_balanced``): whole items by the snake if that is within
@@ -114,6 +116,7 @@ class Planner:
         beta: int = 1,
         min_kv_chunk: int = 256,
         balance_tol: float = 0.05,
+        keep_tol: Optional[float] = None,
         num_staging: int = 2,
         pin_memory: Optional[bool] = None,
         fast_path: bool = True,
@@ -132,6 +135,7 @@ class Planner:
         self.alpha, self.beta = alpha, beta
         self.min_kv_chunk = min_kv_chunk
         self.balance_tol = balance_tol
+        self.keep_tol = balance_tol if keep_tol is None else keep_tol
         self.fast_path = fast_path
         if pin_memory is None:
             import torch
@@ -637,7 +641,7 @@ class Planner:
         kept = self._kept
         if kept is None:
             p, kv, per_item = self._keep_args
-            kept = self._kept = KeptPlan(p, kv, per_item, self.beta, self.balance_tol)
+            kept = self._kept = KeptPlan(p, kv, per_item, self.beta, self.keep_tol)
         if kv_lens.shape[0] != kept.batch:
             return None
         if kv_lens.shape[0] and int(kv_lens.max()) > self.limits.max_kv_len:

@@ -15,7 +15,8 @@ the last chunk of each (rank, head) pair is stretched to it (``end' = len``; the
 ``min(end, len)``). That is a correct plan for *any* new lengths of the same batch size: ranks
 and requests are a bijection and each pair's chunks still tile [0, len) in merge order. A range
 that becomes empty is an item with no kv blocks, which every kernel serves (state o = 0, lse =
--inf, which the ⊕ merge treats as empty). CTA lists, partial slots and meta are unchanged; the
+-inf, which the ⊕ merge treats as empty) -- except that a split pair's chunks must not all start at
+kv 0 (a request of length 0 on such a rank: then a full re-plan). CTA lists, partial slots and meta are unchanged; the
 records' request and length fields and the merge tasks' request fields are rewritten.
 
 Whether the kept items are still *balanced* is the one question: the busiest CTA's modelled
@@ -63,6 +64,11 @@ class KeptPlan:
         rank[length_order(kv)] = ids(self.batch)
         self.rank = rank.take(w[:, ws.W_REQ])  # of every item's request
         self.merge_rank = rank.take(plan.merge_tasks[:, ws.M_REQ])
+        # A variant's once-per-row term (attention sinks: ``finalize``) goes to the chunk that
+        # starts at kv 0, and a request of length 0 would clamp every chunk to start there: its
+        # rank must not be one of a split pair (zero lengths sort last, so one bound checks it).
+        split = w[:, ws.W_NUM_CHUNKS] > 1
+        self.last_split_rank = int(self.rank[split].max()) if split.any() else -1
         self.start = w[:, ws.W_KV_START].astype(np.int64)
         # the last chunk of a (request, head) pair ends at the request's length, whatever it is
         last = w[:, ws.W_CHUNK] == w[:, ws.W_NUM_CHUNKS] - 1
@@ -94,6 +100,8 @@ class KeptPlan:
     def follow(self, kv):
         """(records, merge tasks, CTA loads) of the kept items on new lengths ``kv`` (int64
         [batch]), or None where they are out of balance (the caller then plans anew)."""
+        if self.last_split_rank >= 0 and np.count_nonzero(kv) <= self.last_split_rank:
+            return None
         order = length_order(kv)
         req = order.take(self.rank)
         lens = kv.take(req)
