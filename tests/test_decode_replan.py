@@ -145,8 +145,9 @@ def test_step_kv_lens_matches_the_checked_path():
             ip = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
             last = rng.integers(1, ps + 1, size=b).astype(np.int32)
             want = kv_lens_from_paged(ip, np.ones(b, np.int64) if ps == 1 else last, ps)
-            got = step_kv_lens(torch.from_numpy(ip), torch.from_numpy(last), ps, b)
+            got, upper = step_kv_lens(torch.from_numpy(ip), torch.from_numpy(last), ps, b)
             assert got.dtype == np.int64 and np.array_equal(got, want)
+            assert upper is None or upper >= int(got.max())
     with pytest.raises(ValueError, match=r"last_page_len\[1\] = 17"):
         step_kv_lens(torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([3, 17], dtype=torch.int32), 16, 2)
     with pytest.raises(ValueError, match="not non-decreasing"):

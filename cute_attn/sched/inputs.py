@@ -112,33 +112,36 @@ def _host_view(x):
     anything else, which ``as_index_array`` handles)."""
     if isinstance(x, np.ndarray):
         return x
-    if hasattr(x, "device") and hasattr(x, "numpy") and x.device.type == "cpu" and not x.requires_grad:
-        return x.numpy()
-    return None
+    try:
+        return x.numpy()  # a CPU tensor without grad; a CUDA tensor raises
+    except (AttributeError, TypeError, RuntimeError):
+        return None
 
 
-def step_kv_lens(kv_indptr, last_page_len, page_size: int, batch: int) -> np.ndarray:
+def step_kv_lens(kv_indptr, last_page_len, page_size: int, batch: int):
     """``kv_lens_from_paged`` for the per-step re-plan of a decode batch: host arrays of
-    ``batch`` requests read in place, valid input checked in a few whole-array steps; anything
-    else (a CUDA tensor, a list, an error to name) takes ``kv_lens_from_paged``. Page size 1
-    ignores ``last_page_len`` (every last page holds its one token), as FlashInfer."""
+    ``batch`` requests read in place, valid input checked in two whole-array reductions;
+    anything else (a CUDA tensor, a list, an error to name) takes ``kv_lens_from_paged``. Page
+    size 1 ignores ``last_page_len`` (every last page holds its one token), as FlashInfer.
+    Returns (kv lengths int64, a bound on them or None)."""
     ip, last = _host_view(kv_indptr), _host_view(last_page_len)
-    ok = ip is not None and ip.dtype.kind in "iu" and ip.shape == (batch + 1,) and batch > 0
+    ok = ip is not None and ip.dtype.kind in "iu" and ip.shape == (batch + 1,) and batch > 0 and ip[0] == 0
     if ok and page_size == 1:
         pages = ip[1:] - ip[:-1]
-        if ip[0] == 0 and pages.min() >= 0:
-            return pages.astype(np.int64)
+        if pages.min() >= 0:
+            return pages.astype(np.int64), int(ip[-1])
         ok = False
     elif ok:
-        ok = last is not None and last.dtype.kind in "iu" and last.shape == (batch,) and ip[0] == 0
+        ok = last is not None and last.dtype.kind == "i" and last.shape == (batch,)
     if ok:
         pages = (ip[1:] - ip[:-1]).astype(np.int64)
-        tail = last - 1  # in [0, page_size) where a request has pages
-        if pages.min() > 0 and tail.min() >= 0 and tail.max() < page_size:
+        tail = last - 1  # in [0, page_size) where a request has pages: one unsigned compare
+        unsigned = np.uint32 if tail.dtype.itemsize == 4 else np.uint64
+        if pages.min() > 0 and tail.view(unsigned).max() < page_size:
             pages *= page_size
             pages += tail
             pages += 1 - page_size
-            return pages
+            return pages, int(ip[-1]) * page_size
     if page_size == 1:
         last = np.ones(batch, dtype=np.int64)
-    return kv_lens_from_paged(kv_indptr, last if last is not None else last_page_len, page_size)
+    return kv_lens_from_paged(kv_indptr, last if last is not None else last_page_len, page_size), None

@@ -631,11 +631,14 @@ class Planner:
         p.meta[ws.META_NUM_KV_HEADS] = hk
         self._staging.stage(p)
 
-    def replan(self, kv_lens) -> Optional[Plan]:
+    def replan(self, kv_lens, upper: Optional[int] = None) -> Optional[Plan]:
         """The last full decode plan's items on new kv lengths (``reuse`` module doc), staged
-        for ``upload`` like a plan; None where that plan was not a decode plan of this many
+        for ``upload`` like a plan (its work items and merge tasks are views of the staging
+        buffer, valid until that buffer's next turn: read them before the next two plans);
+        None where that plan was not a decode plan of this many
         requests or its items would be out of balance (then ``plan()`` anew). ``kv_lens``:
-        int64 [batch], non-negative (checked by the caller)."""
+        int64 [batch], non-negative (checked by the caller); ``upper``: a bound on them the
+        caller knows (saves a pass over them)."""
         if self._keep_args is None:
             return None
         kept = self._kept
@@ -644,14 +647,15 @@ class Planner:
             kept = self._kept = KeptPlan(p, kv, per_item, self.beta, self.keep_tol)
         if kv_lens.shape[0] != kept.batch:
             return None
-        if kv_lens.shape[0] and int(kv_lens.max()) > self.limits.max_kv_len:
+        lim = self.limits.max_kv_len
+        if (upper is None or upper > lim) and kv_lens.shape[0] and int(kv_lens.max()) > lim:
             return None  # plan() names the error
         got = kept.follow(kv_lens)
         if got is None:
             return None
-        w, merge, loads = got
+        fields, loads = got
         full = kept.plan
-        self._staging.stage_items(full, w, merge)
+        w, merge = self._staging.stage_kept(full, *fields)
         return Plan(
             work_items=w,
             work_indptr=full.work_indptr,

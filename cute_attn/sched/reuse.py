@@ -98,8 +98,9 @@ class KeptPlan:
         return cs.take(self.ip[1:]) - cs.take(self.ip[:-1])
 
     def follow(self, kv):
-        """(records, merge tasks, CTA loads) of the kept items on new lengths ``kv`` (int64
-        [batch]), or None where they are out of balance (the caller then plans anew)."""
+        """The kept items on new lengths ``kv`` (int64 [batch]): ((request, kv start, kv end,
+        kv len) of every item, request of every merge task), CTA loads -- or None where they
+        are out of balance (the caller then plans anew)."""
         if self.last_split_rank >= 0 and np.count_nonzero(kv) <= self.last_split_rank:
             return None
         order = length_order(kv)
@@ -115,16 +116,4 @@ class KeptPlan:
         total = self.fixed_total + self.beta * int(span.sum())
         if self.num_ctas * int(loads.max()) > self.bound * total:
             return None
-        w = self.records.copy()
-        w[:, ws.W_REQ] = req
-        w[:, ws.W_QO_OFFSET] = req  # one query token per request
-        w[:, ws.W_KV_START] = start
-        w[:, ws.W_KV_END] = end
-        w[:, ws.W_KV_LEN] = lens
-        merge = self.plan.merge_tasks
-        if merge.shape[0]:
-            merge = merge.copy()
-            mreq = order.take(self.merge_rank)
-            merge[:, ws.M_REQ] = mreq
-            merge[:, ws.M_QO_OFFSET] = mreq
-        return w, merge, loads
+        return (req, start, end, lens, order.take(self.merge_rank)), loads

@@ -4,8 +4,8 @@ A plan is written into the staging buffer in turn and copied from there to the d
 non-blocking copy, so ``plan()`` never waits on the GPU. With ``num_staging`` buffers a plan
 never overwrites bytes an earlier upload may still be reading: each upload records a CUDA
 event, and a buffer is reused only once its event has passed (a wait happens only if the CPU
-is that many plans ahead of the copies). A kept plan (``reuse``) rewrites only the work items and
-merge tasks, and its upload carries only those when the device already holds the rest of its
+is that many plans ahead of the copies). A kept plan (``reuse``) rewrites only the changed columns of
+the work items and merge tasks, and its upload carries only those when the device already holds the rest of its
 full plan.
 """
 
@@ -73,18 +73,28 @@ class Staging:
         # Work items are the last int32 section, so one prefix covers everything in use.
         self._staged = (i, 0, self._items_at + 4 * ws.WORK_FIELDS * p.num_work_items)
 
-    def stage_items(self, full, w: np.ndarray, merge: np.ndarray) -> None:
-        """Stage the records ``w`` and merge tasks of a kept plan of ``full`` (the same items
-        and CTA lists, new requests and lengths)."""
+    def stage_kept(self, full, req, start, end, lens, merge_req):
+        """Stage a kept plan of ``full`` (``reuse``: the same items and CTA lists, new requests
+        and lengths): only its changed columns are written, into a buffer that holds ``full``;
+        returns (work items, merge tasks) as views of that buffer."""
         i, v = self._next()
+        n, m = req.shape[0], merge_req.shape[0]
+        w, mt = v["work_items"][:n], v["merge_tasks"][:m]
         if self._holds[i] is not full:
             self._put_full(i, v, full)
+            w[:] = full.work_items
+        w[:, ws.W_REQ] = req
+        w[:, ws.W_QO_OFFSET] = req  # one query token per request
+        w[:, ws.W_KV_START] = start
+        w[:, ws.W_KV_END] = end
+        w[:, ws.W_KV_LEN] = lens
         lo = self._items_at
-        if merge.shape[0]:
-            v["merge_tasks"][: merge.shape[0]] = merge
+        if m:
+            mt[:, ws.M_REQ] = merge_req
+            mt[:, ws.M_QO_OFFSET] = merge_req
             lo = self._merges_at
-        v["work_items"][: w.shape[0]] = w
-        self._staged = (i, lo, self._items_at + 4 * ws.WORK_FIELDS * w.shape[0])
+        self._staged = (i, lo, self._items_at + 4 * ws.WORK_FIELDS * n)
+        return w, mt
 
     def upload(self, workspace) -> None:
         if self._staged is None:

@@ -325,12 +325,12 @@ class DecodeEngineAPI:
             raise ValueError(
                 f"indices has {len(indices)} entries, paged_kv_indices_buffer only {self._indices_buf.numel()}"
             )
-        kv_lens = step_kv_lens(indptr_host, last_page_len, page_size, self._fixed_bs)
+        kv_lens, upper = step_kv_lens(indptr_host, last_page_len, page_size, self._fixed_bs)
         if kv_lens.shape[0] != self._fixed_bs:
             raise ValueError(
                 f"the batch size is fixed in CUDA-graph mode: got {kv_lens.shape[0]}, the buffers hold {self._fixed_bs}"
             )
-        plan = self._planner.replan(kv_lens)
+        plan = self._planner.replan(kv_lens, upper)
         if plan is not None:
             self._planner.upload(self._plan_buf)
         else:
