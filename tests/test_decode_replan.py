@@ -278,3 +278,42 @@ def test_fast_decode_plan_steps_graph_replay():
             assert (lse[fin] - ref_lse[fin]).abs().max().item() < 2e-3, t
         assert (out[~fin] == 0).all()
     assert kept > 0 and empty > 0
+
+
+def test_step_paths_check_their_input(demu):
+    """The per-step paths (fast_decode_plan's, vLLM's _cached_module.plan's) skip only the
+    checks of arguments equal to the last call's: bad arrays still raise the named error before
+    anything changes, and other arguments take the full path."""
+    bs, ps = 4, 16
+    g = _gen(random.randrange(1 << 30))
+    cache, indptr, indices, last = paged_batch([100, 300, 17, 64], ps, HK, D, BF16, g)
+    bufs = _graph_wrapper(bs, 64, _fake_cuda)
+    w = BatchDecodeWithPagedKVCacheWrapper(_cpu_ws(64), use_cuda_graph=True, **bufs)
+    w.plan(indptr, indices, last, HQ, HK, D, ps, q_data_type=BF16)
+    step = lambda ip, lp, **kw: fast_decode_plan(w, ip, indices, lp, HQ, HK, D, ps, q_data_type=BF16, **kw)
+    step(indptr, last)
+    step(indptr, last)  # the per-step path from here on
+    st = w._state
+    bad = last.clone()
+    bad[2] = ps + 1
+    with pytest.raises(ValueError, match=r"last_page_len\[2\] = 17"):
+        step(indptr, bad)
+    with pytest.raises(ValueError, match="not non-decreasing"):
+        step(torch.tensor([0, 7, 3, 30, 35], dtype=torch.int32), last)
+    with pytest.raises(ValueError, match="fixed in CUDA-graph mode"):
+        step(indptr[:4], last[:3])
+    assert w._state is st
+    with pytest.raises(ValueError, match="differs from the first plan"):
+        step(indptr, last, kv_data_type=torch.float16)  # another argument: the full path's checks
+    m = w._cached_module
+    args = lambda lens: (w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer,
+                         torch.arange(bs + 1, dtype=torch.int32), indptr, lens, bs, bs, HQ, HK, ps, True, D, D,
+                         False, -1, -1, False, 0)  # fmt: skip
+    lens = torch.tensor([100, 300, 17, 64], dtype=torch.int32)
+    m.plan(*args(lens))
+    m.plan(*args(lens + 1))  # the per-step path
+    assert list(w._state.kv_lens) == [101, 301, 18, 65]
+    st = w._state
+    with pytest.raises(ValueError, match=r"kv_lens\[1\] is negative"):
+        m.plan(*args(torch.tensor([100, -3, 17, 64], dtype=torch.int32)))
+    assert w._state is st

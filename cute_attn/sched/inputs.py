@@ -145,3 +145,14 @@ def step_kv_lens(kv_indptr, last_page_len, page_size: int, batch: int):
     if page_size == 1:
         last = np.ones(batch, dtype=np.int64)
     return kv_lens_from_paged(kv_indptr, last if last is not None else last_page_len, page_size), None
+
+
+def step_lengths(kv_lens, batch: int) -> np.ndarray:
+    """kv lengths given directly (vLLM's ``seq_lens_cpu``) for a per-step re-plan: a host
+    array read in place and checked in one reduction, else ``as_index_array``'s checks."""
+    a = _host_view(kv_lens)
+    if a is not None and a.dtype.kind == "i" and a.shape == (batch,) and (batch == 0 or a.min() >= 0):
+        return a.astype(np.int64)
+    a = as_index_array("kv_lens", kv_lens, batch)
+    check_lengths("kv_lens", a, np.iinfo(np.int64).max, "int64")
+    return a

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..sched import Limits, WorkspaceLayout
+from ..sched.inputs import step_lengths
 
 # decode plan()'s positional arguments after page_size, in FlashInfer 0.7.2's legacy order
 # (``_BATCH_DECODE_PLAN_LEGACY_POS_ARGS``)
@@ -220,6 +221,14 @@ class CachedModule:
         uniform_q_len=0,
     ):
         w = self._wrapper
+        args = (batch_size, total_num_rows, num_qo_heads, num_kv_heads, page_size, enable_cuda_graph, head_dim_qk,
+                head_dim_vo, causal, window_left, fixed_split_size, disable_split_kv, num_colocated_ctas,
+                uniform_q_len)  # fmt: skip
+        step = getattr(w, "_step", None)
+        if step is not None and step[1] is w._state and step[0] == ("cached", args):
+            # vLLM's per-step call: the arguments of the last one but the arrays (its checks held)
+            w._step_lengths(step_lengths(kv_lens_host, int(batch_size)), None)
+            return PlanInfo((int(batch_size), int(total_num_rows)))
         if head_dim_vo != head_dim_qk:
             raise NotImplementedError(
                 f"head_dim_vo ({head_dim_vo}) != head_dim_qk ({head_dim_qk}) is not supported yet"
@@ -237,4 +246,6 @@ class CachedModule:
             disable_split_kv=bool(disable_split_kv),
             q_len_per_req=int(uniform_q_len) or max(int(total_num_rows) // max(int(batch_size), 1), 1),
         )
+        if w._use_cuda_graph and w._q_len == 1:
+            w._step = (("cached", args), w._state)
         return PlanInfo((int(batch_size), int(total_num_rows)))

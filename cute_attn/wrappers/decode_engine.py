@@ -319,23 +319,28 @@ class DecodeEngineAPI:
 
     def _replan_step(self, indptr_host, indices, last_page_len, page_size: int) -> None:
         """``fast_decode_plan``'s per-step path (its doc): new lengths, nothing else."""
-        common.check_plan_not_captured()
-        st = self._state
         if indices is not None and len(indices) > self._indices_buf.numel():
             raise ValueError(
                 f"indices has {len(indices)} entries, paged_kv_indices_buffer only {self._indices_buf.numel()}"
             )
-        kv_lens, upper = step_kv_lens(indptr_host, last_page_len, page_size, self._fixed_bs)
+        self._step_lengths(*step_kv_lens(indptr_host, last_page_len, page_size, self._fixed_bs))
+
+    def _step_lengths(self, kv_lens, upper) -> None:
+        """A per-step re-plan of a CUDA-graph wrapper (``fast_decode_plan``'s and
+        ``_cached_module.plan``'s): the last plan's kernels and options, new kv lengths (host
+        int64, non-negative; ``upper``: a bound on them, or None)."""
+        common.check_plan_not_captured()
         if kv_lens.shape[0] != self._fixed_bs:
             raise ValueError(
                 f"the batch size is fixed in CUDA-graph mode: got {kv_lens.shape[0]}, the buffers hold {self._fixed_bs}"
             )
+        st = self._state
         plan = self._planner.replan(kv_lens, upper)
         if plan is not None:
             self._planner.upload(self._plan_buf)
         else:
             split = self._step_split
-            plan = self._schedule(kv_lens, st.batch, st.hq, st.hk, st.head_dim, page_size, split, st.hpi,
+            plan = self._schedule(kv_lens, st.batch, st.hq, st.hk, st.head_dim, st.page_size, split, st.hpi,
                                   backend_for("decode", st.arch), st.arch)  # fmt: skip
         self._state = _replaced(st, plan=plan, kv_lens=kv_lens)
         self._step = (self._step[0], self._state)
