@@ -223,6 +223,21 @@ def test_strided_and_packed_forms(memu, form):
     assert ((out.float() - ref_o).norm() / ref_o.norm()) < 2e-2
 
 
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_gpu_batches_keep_the_views(page_size):
+    """test_mla_gpu's batches on a device keep SGLang's 576-wide views (shown on the meta device).
+    Its first version moved each view with ``.to(device)``, which returns a contiguous copy of a
+    strided view: the GPU test of the views then failed its stride check at every page size and
+    never ran the kernel on strided tensors."""
+    from test_mla_gpu import device_batch
+
+    b = device_batch([1, 2], [5, 70], 16, page_size, packed=True, device="meta")
+    assert all(t.device.type == "meta" and t.stride(-2) == CKV + KPE and t.stride(-1) == 1 for t in b[:4])
+    assert b[0].stride(0) == 16 * (CKV + KPE) and b[2].stride(0) == page_size * (CKV + KPE)
+    assert b[1].storage_offset() == b[0].storage_offset() + CKV and b[3].storage_offset() == CKV
+    assert all(not t.is_cuda and t.device.type == "cpu" for t in b[4:])
+
+
 def test_metadata_forms_agree(memu):
     """Flat CSR, MLAPlanMetadata.csr and the dense page table give the same result."""
     qo_lens, kv_lens, ps = [1, 1, 1], [40, 3, 17], 16

@@ -22,13 +22,7 @@ from mla_helpers import CKV, KPE, check, gen, make_batch, reference  # noqa: E40
 
 from cute_attn.mla import BatchMLAPagedAttentionWrapper  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    # measured on the H200 at 904362b: 113 of these fail (relative error ~1): the kernel is wrong and
-    # run() refuses to launch it unless CUTE_ATTN_MLA_EXPERIMENTAL=1 (set here so the tests exercise it)
-    pytest.mark.xfail(reason="MLA kernel gives wrong results on the H200 (904362b); disabled in run()", strict=False),
-]
-os.environ.setdefault("CUTE_ATTN_MLA_EXPERIMENTAL", "1")
+pytestmark = pytest.mark.gpu
 BF16, F16 = torch.bfloat16, torch.float16
 SM = 1.0 / math.sqrt(128 + 64)
 DEV = "cuda"
@@ -38,13 +32,16 @@ def _ws(mb=256):
     return torch.empty(mb << 20, dtype=torch.uint8, device=DEV)
 
 
-def _to(b, device=None):
-    return tuple(t.to(device or DEV) if i < 4 else t for i, t in enumerate(b))
+def device_batch(qo_lens, kv_lens, heads, page_size, dtype=BF16, *, packed=False, seed=None, scale=1.0, device=DEV):
+    """``make_batch`` with q and the caches on ``device`` (index arrays on the host).  The
+    576-wide buffers move whole and are sliced there: a per-tensor ``.to(device)`` of a strided
+    view returns a contiguous copy, so SGLang's views would never reach the kernel."""
+    return make_batch(qo_lens, kv_lens, heads, page_size, dtype, gen(seed), device, packed=packed, scale=scale)
 
 
 def run_case(qo_lens, kv_lens, heads, page_size, causal, dtype=BF16, *, packed=False, seed=None, sm_scale=SM,
              scale=1.0, w=None):  # fmt: skip
-    b = _to(make_batch(qo_lens, kv_lens, heads, page_size, dtype, gen(seed), packed=packed, scale=scale))
+    b = device_batch(qo_lens, kv_lens, heads, page_size, dtype, packed=packed, seed=seed, scale=scale)
     qn, qp, ckv, kpe, qo, kvp, idx, kvl = b
     w = w or BatchMLAPagedAttentionWrapper(_ws())
     w.plan(qo, kvp, idx, kvl, heads, CKV, KPE, page_size, causal, sm_scale, dtype, dtype)
@@ -106,11 +103,12 @@ def test_mla_sharp_softmax():
     check(out, lse, *reference(b, SM, True), BF16)
 
 
-@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_mla_sglang_views(page_size):
     """q and the caches as views of 576-wide buffers (SGLang: q[..., :512], k_buffer[..., :512])."""
     w, b, out, lse = run_case([1] * 9 + [2], _lens(10, random.Random()), 16, page_size, True, packed=True)
-    assert b[0].stride(1) == CKV + KPE and b[2].stride(1) == CKV + KPE
+    assert all(t.stride(-2) == CKV + KPE for t in b[:4])
+    assert b[1].data_ptr() == b[0].data_ptr() + 2 * CKV and b[3].data_ptr() == b[2].data_ptr() + 2 * CKV
     check(out, lse, *reference(b, SM, True), BF16)
     out2 = w.run(query=torch.as_strided(b[0], (b[0].shape[0], 16, CKV + KPE), b[0].stride()), kv_cache=(b[2], b[3]))
     assert torch.equal(out2, out)
@@ -196,7 +194,7 @@ def test_mla_capture_without_graph_flag_is_an_error():
 def test_mla_bad_device_page_ids(monkeypatch):
     """GPU-resident page ids beyond the cache: clamped in the kernel (no fault, the other
     requests right); with CUTE_ATTN_CHECK_INDICES=1 run() names the bad id."""
-    b = list(_to(make_batch([1, 1], [40, 50], 16, 16, BF16, gen())))
+    b = list(device_batch([1, 1], [40, 50], 16, 16))
     b[6] = b[6].to(DEV)
     b[6][0] = b[2].shape[0] + 100
     w = BatchMLAPagedAttentionWrapper(_ws())

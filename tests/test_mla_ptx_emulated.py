@@ -6,7 +6,7 @@ every CPU test (the contract emulated in Python) and failed on the H200 (``ldmat
 wrong rows); this test fails on that kernel.
 
 A pure-Python interpreter (~10 s a case), so the cases are small: 16 and 32 rows per tile,
-decode and multi-token causal, page sizes 1 and 16, fp16 and bf16, a split item, SGLang's
+decode and multi-token causal, page sizes 1, 16 and 64, fp16 and bf16, a split item, SGLang's
 strided views; each with the threads run in forward and in reverse order between
 synchronizations (a race between warps would show as a difference)."""
 
@@ -133,6 +133,10 @@ CASES = [
     ([2, 1], [45, 1], 16, 1, True, torch.bfloat16, False),  # tile 32 (two warp groups), page size 1
     ([1, 0, 1, 1], [300, 3, 0, 40], 16, 16, False, torch.bfloat16, False),  # split + merged, empty rows
     ([4, 3], [40, 2], 16, 16, True, torch.float16, True),  # multi-token causal, fp16, strided views
+    # SGLang's views at page sizes 1 and 64 (test_mla_gpu's test_mla_sglang_views, smaller): tile 32
+    # with requests of one group's rows, an empty request
+    ([1, 1, 2], [0, 33, 70], 16, 1, True, torch.bfloat16, True),
+    ([1, 1, 2], [0, 33, 70], 16, 64, True, torch.bfloat16, True),
 ]
 
 
@@ -150,3 +154,6 @@ def test_compiled_kernel_matches_reference(interp, qo_lens, kv_lens, heads, page
     assert interp[0].threads == 8 * (32 if max(q * heads for q in qo_lens) > 16 else 16)
     if max(kv_lens) >= 300:
         assert w._plan.has_split  # the merge folded partials the interpreted kernel wrote
+    if packed:  # query= / kv_cache= reach the kernel as the same views: the same bits
+        q576 = torch.as_strided(qn, (qn.shape[0], heads, CKV + KPE), qn.stride())
+        assert torch.equal(w.run(query=q576, kv_cache=(ckv, kpe)), out)

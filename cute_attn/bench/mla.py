@@ -8,8 +8,9 @@ of latent-cache bytes read (pages x page_size x (512 + 64) x 2 bytes per request
 metric TFLOP/s, 2 x (576 + 512) x heads x attended (query, key) pairs.  Both wrappers run as a
 serving engine runs them: CUDA-graph mode, run() captured once and the graph replayed; the two
 are timed in turns (``common.interleaved``: one replay each, CUDA events, medians over 30
-turns after warm-up), since the H200's clocks drift over seconds.  FlashInfer's output must
-match ours (``peers.check_output``) before its time is recorded."""
+turns after warm-up), since the H200's clocks drift over seconds.  Our output must match the
+fp32 reference on the first requests, and FlashInfer's ours (``peers.check_output``), before a
+time is recorded."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .common import interleaved
 
 CKV, KPE = 512, 64
 SM_SCALE = 1.0 / math.sqrt(128 + 64)  # DeepSeek-V3: the query head dim before absorption
+REF_TOL = 2e-2  # bf16 output against the fp32 reference (the GPU tests' tolerance)
 
 
 def mla_cases():
@@ -63,6 +65,18 @@ def make_inputs(kv_lens, q_len, heads, page_size, gen_seed=0):
     qo_indptr = torch.arange(b + 1, dtype=torch.int32) * q_len
     kv_len_arr = torch.tensor(kv_lens, dtype=torch.int32)
     return qn, qp, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_len_arr
+
+
+def reference_error(inputs, out, q_len, causal, requests=4) -> float:
+    """Relative Frobenius error of our output for the first ``requests`` requests against the
+    fp32 reference of the absorbed form (``cute_attn.testing``): the bench records no time for
+    a kernel whose output is wrong."""
+    from ..testing.mla_reference import mla_reference
+
+    qn, qp, ckv, kpe, qo, kvp, idx, kvl = inputs
+    n, rows = requests, requests * q_len
+    ref, _ = mla_reference(qn[:rows], qp[:rows], ckv, kpe, qo[: n + 1], kvp[: n + 1], idx, kvl[:n], SM_SCALE, causal)
+    return ((out[:rows].float() - ref).norm() / ref.norm()).item()
 
 
 class MlaRun:
@@ -106,6 +120,11 @@ def _case(res, fim, ws, ws_fi, name, heads, q_len, kv_lens, ps, metric):
     ours = MlaRun(ours_mla, ws, inputs, heads, ps, causal)
     if ours.graph is None:
         print(f"  cute_attn: CUDA-graph capture failed ({ours.graph_why}); eager run() timed")
+    ours.replay()
+    err = reference_error(inputs, ours.out, q_len, causal)
+    if not err < REF_TOL:
+        print(f"{name:<44} WRONG: relative error {err:.3e} against the fp32 reference (>= {REF_TOL}); not recorded")
+        return
     fns = {"cute_attn": ours.replay}
     fi_run, fi_why = None, None
     if fim is not None:

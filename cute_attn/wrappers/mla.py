@@ -24,7 +24,6 @@ change in a re-plan: that is an error, not a silent stale replay.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
 
@@ -441,12 +440,6 @@ class BatchMLAPagedAttentionWrapper:
         (base 2; natural log with ``return_lse_base_on_e`` or a ``lse_mode="basee"`` plan).
         The other backends' arguments (``kv_len`` / ``page_table``, fp8 scales, sinks, the
         profiler buffer, skip-softmax) must be None."""
-        if torch.cuda.is_available() and os.environ.get("CUTE_ATTN_MLA_EXPERIMENTAL", "") in ("", "0"):
-            raise NotImplementedError(
-                "BatchMLAPagedAttentionWrapper.run: the MLA kernel returns wrong results on the H200 (its GPU "
-                "tests fail at commit 904362b, relative error ~1); it is disabled until fixed. "
-                "CUTE_ATTN_MLA_EXPERIMENTAL=1 runs it anyway (for debugging only)"
-            )
         st = self._require_plan()
         reject_run_options(
             profiler_buffer=profiler_buffer, kv_len=kv_len, page_table=page_table, o_scale=o_scale,
