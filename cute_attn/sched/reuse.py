@@ -69,10 +69,11 @@ class KeptPlan:
         # rank must not be one of a split pair (zero lengths sort last, so one bound checks it).
         split = w[:, ws.W_NUM_CHUNKS] > 1
         self.last_split_rank = int(self.rank[split].max()) if split.any() else -1
-        self.start = w[:, ws.W_KV_START].astype(np.int64)
+        start = w[:, ws.W_KV_START].astype(np.int64)
         # the last chunk of a (request, head) pair ends at the request's length, whatever it is
         last = w[:, ws.W_CHUNK] == w[:, ws.W_NUM_CHUNKS] - 1
-        self.end = np.where(last, _BIG, w[:, ws.W_KV_END].astype(np.int64))
+        end = np.where(last, _BIG, w[:, ws.W_KV_END].astype(np.int64))
+        self.bounds = np.stack([start, end], axis=1)  # [items, (start, end)]: one clamp for both
         ip = plan.work_indptr.astype(np.intp)
         counts = np.diff(ip)
         self.num_ctas = counts.shape[0]
@@ -82,7 +83,7 @@ class KeptPlan:
         self.fixed = per_item * counts.astype(np.int64)  # per-item cost of every CTA's items
         self.fixed_total = int(self.fixed.sum())
         self.beta = beta
-        loads = self.fixed + beta * self._tokens(w[:, ws.W_KV_END].astype(np.int64) - self.start)
+        loads = self.fixed + beta * self._tokens(w[:, ws.W_KV_END].astype(np.int64) - start)
         total = int(loads.sum())
         q0 = self.num_ctas * int(loads.max()) / total if total else 1.0
         self.bound = (1.0 + tol) * max(1.0, q0)  # C * max load may be up to bound * total
@@ -98,7 +99,7 @@ class KeptPlan:
         return cs.take(self.ip[1:]) - cs.take(self.ip[:-1])
 
     def follow(self, kv):
-        """The kept items on new lengths ``kv`` (int64 [batch]): ((request, kv start, kv end,
+        """The kept items on new lengths ``kv`` (int64 [batch]): ((request, kv [start, end),
         kv len) of every item, request of every merge task), CTA loads -- or None where they
         are out of balance (the caller then plans anew)."""
         if self.last_split_rank >= 0 and np.count_nonzero(kv) <= self.last_split_rank:
@@ -106,9 +107,8 @@ class KeptPlan:
         order = length_order(kv)
         req = order.take(self.rank)
         lens = kv.take(req)
-        start = np.minimum(self.start, lens)
-        end = np.minimum(self.end, lens)
-        span = end - start
+        se = np.minimum(self.bounds, lens[:, None])
+        span = se[:, 1] - se[:, 0]
         loads = self._tokens(span)
         if self.beta != 1:
             loads *= self.beta
@@ -116,4 +116,4 @@ class KeptPlan:
         total = self.fixed_total + self.beta * int(span.sum())
         if self.num_ctas * int(loads.max()) > self.bound * total:
             return None
-        return (req, start, end, lens, order.take(self.merge_rank)), loads
+        return (req, se, lens, order.take(self.merge_rank)), loads
