@@ -125,7 +125,9 @@ class Staging:
         if dst.device.type == "cuda" and src.is_pinned():
             from ..runtime.hostcopy import Event, copy_h2d
 
-            ev = self._events[i] = Event()
+            ev = self._events[i]
+            if not isinstance(ev, Event):  # one per buffer, recorded again at each upload from it
+                ev = self._events[i] = Event()
             args = (dst.data_ptr() + lo, src.data_ptr() + lo, hi - lo, dst.device.index)
             return lambda: ev.record(copy_h2d(*args))
         d, s = dst[lo:hi], src[lo:hi]

@@ -319,10 +319,9 @@ class DecodeEngineAPI:
 
     def _replan_step(self, indptr_host, indices, last_page_len, page_size: int) -> None:
         """``fast_decode_plan``'s per-step path (its doc): new lengths, nothing else."""
-        if indices is not None and len(indices) > self._indices_buf.numel():
-            raise ValueError(
-                f"indices has {len(indices)} entries, paged_kv_indices_buffer only {self._indices_buf.numel()}"
-            )
+        n = indices.shape[0] if isinstance(indices, torch.Tensor) else 0 if indices is None else len(indices)
+        if n > self._indices_buf.numel():
+            raise ValueError(f"indices has {n} entries, paged_kv_indices_buffer only {self._indices_buf.numel()}")
         self._step_lengths(*step_kv_lens(indptr_host, last_page_len, page_size, self._fixed_bs))
 
     def _step_lengths(self, kv_lens, upper) -> None:
