@@ -317,3 +317,34 @@ def test_step_paths_check_their_input(demu):
     with pytest.raises(ValueError, match=r"kv_lens\[1\] is negative"):
         m.plan(*args(torch.tensor([100, -3, 17, 64], dtype=torch.int32)))
     assert w._state is st
+
+
+@pytest.mark.gpu
+def test_uploads_in_stream_order_while_the_gpu_lags():
+    """Plans staged and uploaded while the stream is still busy (a sleep kernel ahead of them):
+    each upload lands in stream order with its own plan's bytes (a clone enqueued after each
+    upload sees exactly that plan), although the host reuses the two staging buffers -- the
+    third plan waits for the first one's copy (the runtime event of ``runtime.hostcopy``)."""
+    lim = Limits(max_batch=64, max_total_q_tokens=64, num_qo_heads=32, num_kv_heads=8, head_dim=128)
+    pl = Planner(lim, 132, 2, alpha=8, beta=1, balance_tol=0.01, keep_tol=0.03)
+    dev = torch.zeros(pl.layout.int_bytes, dtype=torch.uint8, device="cuda")
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    kv = rng.integers(1, 4097, size=64)
+    pl.plan(None, kv, page_size=16, num_qo_heads=32, num_kv_heads=8, cta_tile_q=16)
+    pl.upload(dev)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the copies
+    clones, want = [], []
+    for t in range(6):
+        kv = kv + 1 if t % 3 else rng.permutation(kv)
+        p = pl.replan(kv.astype(np.int64))
+        if p is None:
+            p = pl.plan(None, kv, page_size=16, num_qo_heads=32, num_kv_heads=8, cta_tile_q=16)
+        want.append((p.work_items.copy(), p.merge_tasks.copy()))
+        pl.upload(dev)
+        clones.append(dev.clone())
+    torch.cuda.synchronize()
+    for (w, m), c in zip(want, clones):
+        v = pl.layout.views(c)
+        assert torch.equal(v["work_items"][: w.shape[0]].cpu(), torch.from_numpy(w))
+        assert torch.equal(v["merge_tasks"][: m.shape[0]].cpu(), torch.from_numpy(m))
