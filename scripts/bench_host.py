@@ -101,6 +101,18 @@ def summary(ts):
     )
 
 
+def count_full_plans(w) -> list:
+    """[n]: n counts the full plans of ``w``'s planner from here on (the kept ones are not)."""
+    full, inner = [0], w._planner.plan
+
+    def counted(*a, **k):
+        full[0] += 1
+        return inner(*a, **k)
+
+    w._planner.plan = counted
+    return full
+
+
 def ours(b, steps, on=on_gpu, calls=("fast_decode_plan", "cached_module_plan", "plan")):
     """{call: (times, full-plan share)} of our CUDA-graph wrapper (``on``: puts a host tensor
     where the wrapper's buffers live; ``bench_plan_host.py`` passes a CPU stand-in)."""
@@ -117,14 +129,7 @@ def ours(b, steps, on=on_gpu, calls=("fast_decode_plan", "cached_module_plan", "
         idx = bufs["paged_kv_indices_buffer"]
         ip0, last0 = paged_args(steps[0])
         w.plan(ip0, idx, last0, HQ, HK, D, PS, q_data_type=torch.bfloat16)
-        full = [0]
-        inner = w._planner.plan
-
-        def counted(*a, **k):
-            full[0] += 1
-            return inner(*a, **k)
-
-        w._planner.plan = counted
+        full = count_full_plans(w)
         if name == "plan":
             call = lambda ip, last: w.plan(ip, idx, last, HQ, HK, D, PS, q_data_type=torch.bfloat16)
         elif name == "cached_module_plan":  # vLLM's per-step call (host indptr and seq_lens)
@@ -198,14 +203,7 @@ def kept_vs_full(b: int, trace: str, keep_tol=None, every: int = 10, steps: int 
     (wa, wb), rows = wrappers, []
     if keep_tol is not None:
         wa._planner.keep_tol = keep_tol
-    full = [0]
-    inner = wa._planner.plan
-
-    def counted(*a, **kw):
-        full[0] += 1
-        return inner(*a, **kw)
-
-    wa._planner.plan = counted
+    full = count_full_plans(wa)
     for t, kv in enumerate(lens[1:], 1):
         ip, last = paged_args(kv)
         for bufs in bufs_all:

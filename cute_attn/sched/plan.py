@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Optional
 
@@ -655,20 +656,10 @@ class Planner:
             return None
         fields, loads = got
         full = kept.plan
-        w, merge = self._staging.stage_kept(full, *fields)
-        return Plan(
-            work_items=w,
-            work_indptr=full.work_indptr,
-            merge_tasks=merge,
-            meta=full.meta,
-            cta_cost=loads,
-            cta_tile_q=full.cta_tile_q,
-            group_size=full.group_size,
-            num_ctas=full.num_ctas,
-            kv_chunk=full.kv_chunk,
-            causal=full.causal,
-            min_kv_chunk=full.min_kv_chunk,
-        )
+        kept_plan = copy.copy(full)  # the full plan's CTA lists, meta and tiles
+        kept_plan.work_items, kept_plan.merge_tasks = self._staging.stage_kept(full, *fields)
+        kept_plan.cta_cost = loads
+        return kept_plan
 
     def upload(self, workspace) -> None:
         """Enqueue one non-blocking host->device copy of the last staged plan into
