@@ -376,6 +376,8 @@ def test_cpu_gpu_grid_specs_in_all_preset(emu, monkeypatch):
 def test_cpu_models_deepseek():
     """compile --model deepseek-v3 (or a DeepSeek config.json): the ragged prefill at 192 / 128,
     the MLA decode kernels, merges at 128; a head dim no kernel serves is an error naming it."""
+    from dataclasses import replace
+
     from cute_attn.models import from_config, model_specs, resolve_model
     from cute_attn.presets import preset_specs
 
@@ -393,6 +395,8 @@ def test_cpu_models_deepseek():
         preset_specs("default", "sm_90a")
     )
     assert not any(s.family == "batch_prefill_sm90" for s in model_specs(m, "sm_100a"))
+    with pytest.raises(ValueError, match="fp8 KV cache with MLA"):
+        model_specs(replace(m, kv_dtype="e4m3"), "sm_90a")
     with pytest.raises(ValueError, match="head_dim_qk 256 / head_dim_vo 128"):
         model_specs(from_config(dict(cfg, qk_nope_head_dim=192)), "sm_90a")
     with pytest.raises(ValueError, match="head_dim 96 is not served"):
