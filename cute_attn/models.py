@@ -21,6 +21,12 @@ kernels: the fp8 decode kernels, and for prefill the KV pass that dequantizes th
 (paged and ragged) ahead of the ragged 16-bit kernels (the paged ones never read an fp8
 cache).
 
+Multi-head latent attention (DeepSeek-V2/V3/R1: a config with ``kv_lora_rank``; built-in
+``deepseek-v3``): prefill runs on the decompressed K / V as MHA with head_dim_qk = nope + rope
+(192) and head_dim_vo = ``v_head_dim`` (128), ragged (the engines' MLA prefill: the new tokens
+causal, chunks of the cached prefix non-causal, merged by their LSE), so its set is the ragged
+prefill at 192 / 128, its merges at 128 and the MLA decode kernels (``families/mla.py``).
+
 RoPE is the engine's (applied before attention), so no RoPE kernels are compiled; a model with
 a head dim no kernel serves is an error naming it.
 """
@@ -34,7 +40,7 @@ from typing import Optional
 
 from .abi.archs import HOPPER
 from .abi.dtypes import ATTENTION, name_of
-from .families import decode, kv_pass, merge, prefill
+from .families import decode, kv_pass, merge, mla, prefill
 from .families.decode import decode_spec
 from .families.prefill import PAGE_BOX, page_box_for, prefill_spec
 from .variants.builtins import AttentionSink, SlidingWindow, SoftCap
@@ -55,10 +61,16 @@ class ModelAttention:
     logits_soft_cap: Optional[float] = None
     sinks: bool = False
     kv_dtype: Optional[str] = None  # an fp8 KV cache: "e4m3" / "e5m2" (None: the model's dtype)
+    head_dim_vo: Optional[int] = None  # V's head dim where it differs from q / k's (MLA's prefill)
+    mla: bool = False  # multi-head latent attention: decode by the MLA kernel, prefill as MHA
 
     @property
     def group(self) -> int:
         return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim_vo or self.head_dim
 
 
 BUILTIN = {
@@ -69,10 +81,18 @@ BUILTIN = {
     "gemma-2": ModelAttention("gemma-2", 16, 8, 256, sliding_window=4096, logits_soft_cap=50.0),
     "gemma-3": ModelAttention("gemma-3", 16, 8, 256, sliding_window=1024),
     "gpt-oss": ModelAttention("gpt-oss", 64, 8, 64, sliding_window=128, sinks=True),
-    "phi-3": ModelAttention("phi-3", 40, 10, 128),  # Phi-3-medium (Phi-3-mini's head dim 96 is not served)
+    "phi-3": ModelAttention("phi-3", 40, 10, 128),  # Phi-3-medium (Phi-3-mini's head dim 96: no decode yet)
     "phi-4": ModelAttention("phi-4", 40, 10, 128),
+    # MLA: prefill over the decompressed K / V (128 heads, q/k 128 nope + 64 rope, v 128)
+    "deepseek-v3": ModelAttention("deepseek-v3", 128, 128, 192, head_dim_vo=128, mla=True),
 }
-ALIASES = {"llama-3.1": "llama-3", "llama-3.2": "llama-3", "llama-3.3": "llama-3-70b", "phi-3-medium": "phi-3"}
+ALIASES = {
+    "llama-3.1": "llama-3",
+    "llama-3.2": "llama-3",
+    "llama-3.3": "llama-3-70b",
+    "phi-3-medium": "phi-3",
+    "deepseek-r1": "deepseek-v3",
+}
 
 
 # vLLM's --kv-cache-dtype names (and the dtypes' own) -> the spec name of an fp8 cache
@@ -120,6 +140,12 @@ def from_config(cfg: dict, name: str = "model") -> ModelAttention:
     hq = int(cfg["num_attention_heads"])
     hk = int(cfg.get("num_key_value_heads") or hq)
     d = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // hq)
+    mla_model = cfg.get("kv_lora_rank") is not None and cfg.get("qk_rope_head_dim") is not None
+    dv = None
+    if mla_model:  # the prefill's MHA form: every head its own decompressed K / V
+        hk = hq
+        d = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
+        dv = int(cfg.get("v_head_dim") or cfg["qk_nope_head_dim"])
     text = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
     dt = name_of("float16" if text == "half" else text, ATTENTION)
     if dt is None:
@@ -139,7 +165,10 @@ def from_config(cfg: dict, name: str = "model") -> ModelAttention:
     cap = cfg.get("attn_logit_softcapping")
     sinks = cfg.get("model_type") == "gpt_oss" or bool(cfg.get("attention_sinks"))
     kv = _config_kv_dtype(cfg, name)
-    return ModelAttention(name, hq, hk, d, dt, int(window) if window else None, global_layers, cap, sinks, kv)
+    return ModelAttention(
+        name, hq, hk, d, dt, int(window) if window else None, global_layers, cap, sinks, kv, dv if dv != d else None,
+        mla_model,
+    )  # fmt: skip
 
 
 def resolve_model(text: str) -> ModelAttention:
@@ -156,7 +185,15 @@ def resolve_model(text: str) -> ModelAttention:
 
 
 def _check(m: ModelAttention) -> None:
-    if m.head_dim not in decode.HEAD_DIMS:
+    if m.mla:
+        if not prefill.serves(m.head_dim, m.dv):
+            raise ValueError(
+                f"{m.name}: MLA prefill at head_dim_qk {m.head_dim} / head_dim_vo {m.dv} is not served yet "
+                f"(kernels: {prefill.HEAD_DIM_PAIRS})"
+            )
+        if m.kv_dtype is not None:
+            raise ValueError(f"{m.name}: an fp8 KV cache with MLA is not served yet")
+    elif m.head_dim not in decode.HEAD_DIMS or m.dv != m.head_dim:
         raise ValueError(f"{m.name}: head_dim {m.head_dim} is not served yet (kernels: {decode.HEAD_DIMS})")
     if m.num_qo_heads % m.num_kv_heads:
         raise ValueError(f"{m.name}: {m.num_qo_heads} query heads are not a multiple of {m.num_kv_heads} kv heads")
@@ -183,6 +220,8 @@ def _decode_variant(window: bool, soft_cap: bool):
 def model_specs(m: ModelAttention, arch: str) -> list:
     """The specializations a serving step of ``m`` may load on ``arch`` (see the module doc)."""
     _check(m)
+    if m.mla:
+        return _mla_model_specs(m, arch)
     dt, d, kv = m.dtype, m.head_dim, m.kv_dtype
     heads = [1] + [h for h in decode.PACKED_HEADS if m.num_kv_heads % h == 0 and h * m.group <= decode.TILE_Q]
     specs = []
@@ -220,4 +259,18 @@ def model_specs(m: ModelAttention, arch: str) -> list:
     else:  # the dequantizing passes of a paged and a ragged fp8 cache
         specs += [kv_pass.kv_pass_spec(arch, dt, d, paged, None, kv) for paged in (True, False)]
     specs += [merge.merge_partials_spec(arch, dt, d, t) for t in prefill.TILES]
+    return list(dict.fromkeys(specs))
+
+
+def _mla_model_specs(m: ModelAttention, arch: str) -> list:
+    """An MLA model: the MLA decode kernels (and their merges), the ⊕ merges at head_dim_vo, and
+    on Hopper the ragged prefill at (head_dim, head_dim_vo), causal and not, both tiles."""
+    dt, d, dv = m.dtype, m.head_dim, m.dv
+    specs = mla.shipped_specs(arch, dtype_names=(dt,))
+    specs += [merge.merge_pair_spec(arch, dt, dv, masked) for masked in (False, True)]
+    specs.append(merge.merge_states_spec(arch, dt, dv))
+    if arch == HOPPER:
+        for causal in (True, False):
+            specs += [prefill_spec(arch, dt, d, t, False, causal, head_dim_vo=dv) for t in prefill.TILES]
+        specs += [merge.merge_partials_spec(arch, dt, dv, t) for t in prefill.TILES]
     return list(dict.fromkeys(specs))

@@ -30,9 +30,14 @@ def _variants(arch: str) -> List[Spec]:
     ``variants`` bench run: the decode variant specs and the decode bench's plain rows (both
     arches, with the merge), and on sm_90a the prefill variant specs (tile 128; the plain specs
     of the same shapes included), the prefill bench's plain / soft-cap / window rows, the
-    prefill merge for tile 128 and the RoPE passes over an fp8 cache of
-    tests/test_fp8_prefill.py."""
-    from .testing.matrices import fp8_prefill_test_specs, variant_decode_specs, variant_prefill_specs
+    prefill merge for tile 128, the RoPE passes over an fp8 cache of
+    tests/test_fp8_prefill.py and the head-dim-96 prefill of tests/test_prefill_head_dims.py."""
+    from .testing.matrices import (
+        fp8_prefill_test_specs,
+        head_dim_test_specs,
+        variant_decode_specs,
+        variant_prefill_specs,
+    )
 
     specs = (
         variant_decode_specs(arch)
@@ -40,6 +45,7 @@ def _variants(arch: str) -> List[Spec]:
         + [merge.merge_partials_spec(arch, "f16", 64, decode.TILE_Q)]
     )
     specs += variant_prefill_specs(arch) + prefill.merge_specs(arch, tiles=(128,)) + fp8_prefill_test_specs(arch)
+    specs += head_dim_test_specs(arch)
     specs += prefill.prefill_specs(
         arch,
         dtype_names=("bf16",),

@@ -948,6 +948,102 @@ def _bounds_contained(res, env):
     check(out[r1:], lse[r1:], ref_o[r1:], ref_lse[r1:], x.dtype)
 
 
+# head_dim_qk 192 with head_dim_vo 128 (DeepSeek's prefill; tests/test_prefill_head_dims.py has the grid)
+AQK, AVO = 192, 128
+
+
+def _asym(env, paged, ps=16):
+    """Inputs at 192 / 128 and a wrapper: ragged (q, k, v) or paged (q, (k_cache, v_cache))."""
+    if paged:
+        cache, indptr, indices, last, ref_kv, kv_tok = make_paged(
+            KVL, ps, PHK, AQK, BF, "NHD", False, env.gen, env.dev, dv=AVO
+        )
+        q = torch.randn(sum(QO), PHQ, AQK, generator=env.gen).to(BF).to(env.dev)
+        x = SimpleNamespace(q=q, cache=cache, qo=torch.tensor(_cumsum(QO), **I32), indptr=indptr, indices=indices,
+                            last=last, ps=ps, dtype=BF, ref_kv=ref_kv, kv=kv_tok)  # fmt: skip
+        return x, BatchPrefillWithPagedKVCacheWrapper(env.ws()), _pag_args
+    q, k, v, qo_t, kv_t, ref_kv = make_ragged(QO, KVL, PHQ, PHK, AQK, BF, "NHD", env.gen, env.dev, dv=AVO)
+    x = SimpleNamespace(q=q, k=k, v=v, qo=qo_t, kv=kv_t, ref_kv=ref_kv, dtype=BF)
+    return x, BatchPrefillWithRaggedKVCacheWrapper(env.ws()), _rag_args
+
+
+def asym(paged, plan=None, run=None, to_launch=False, values=False, ps=16):
+    """Plan at 192 / 128 (``plan``: overrides), then, if ``run`` is given, run with its overrides
+    (``q`` / ``k`` / ``v`` / ``cache`` / ``out``: X values)."""
+
+    def build(env):
+        x, w, args = _asym(env, paged, ps)
+        w.plan(**args(x, **dict(dict(head_dim_qk=AQK, head_dim_vo=AVO), **(plan or {}))))
+        if run is None and not values:
+            return w
+        kw = {k: _val(v, x, env) for k, v in (run or {}).items()}
+        q = kw.pop("q", x.q)
+        kv = (kw.pop("cache", x.cache),) if paged else (kw.pop("k", x.k), kw.pop("v", x.v))
+        if values:
+            out = torch.full((q.shape[0], PHQ, AVO), NAN, dtype=BF, device=env.dev)
+            lse = torch.full((q.shape[0], PHQ), NAN, device=env.dev)
+            w.run(q, *kv, out=out, lse=lse)
+            ref_o, ref_lse = ragged_reference(q, *x.ref_kv, x.qo, x.kv, causal=(plan or {}).get("causal", False))
+            return out, lse, ref_o, ref_lse, BF
+        call = lambda: w.run(q, *kv, **kw)  # noqa: E731
+        return _to_launch(call) if to_launch else call()
+
+    return build
+
+
+def _asym_launched(rec, env):
+    assert rec["family"] == "batch_prefill_sm90", rec["family"]
+    assert rec["params"]["head_dim"] == AQK and rec["params"]["head_dim_vo"] == AVO, rec["params"]
+    assert rec["args"][5].shape[-1] == AVO  # out
+
+
+for op, paged in ((RAG, False), (PAG, True)):
+    case("asym_192_128_accepted", op, asym(paged, run={}, to_launch=True), ok(_asym_launched))
+    case("asym_192_128_values", op, asym(paged, plan=dict(causal=True), values=True), ok(_values), gpu=True)
+    case("asym_vo_unserved", op, asym(paged, plan=dict(head_dim_vo=64)), raises(ValueError, "head_dim_vo 64"))
+    case("asym_rope", op, asym(paged, plan=dict(pos_encoding_mode="ROPE_LLAMA")), raises(NotImplementedError, "RoPE"))
+    case(
+        "asym_fp8_kv",
+        op,
+        asym(paged, plan=dict(kv_data_type=FP8)),
+        raises(NotImplementedError, "fp8 KV cache with head_dim_vo"),
+    )
+    case(
+        "asym_out_like_q",
+        op,
+        asym(paged, run=dict(out=X(lambda x, env: torch.empty_like(x.q)))),
+        raises(ValueError, r"out must be .*128\)"),
+    )
+    case(
+        "asym_q_of_vo_dim",
+        op,
+        asym(paged, run=dict(q=X(lambda x, env: x.q[..., :AVO].contiguous()))),
+        raises(ValueError, "q must be"),
+    )
+case("asym_v_of_qk_dim", RAG, asym(False, run=dict(v=X(lambda x, env: x.k))), raises(ValueError, r"192 \(k\) / 128"))
+case(
+    "asym_v_cache_of_qk_dim",
+    PAG,
+    asym(True, run=dict(cache=X(lambda x, env: (x.cache[0], x.cache[0])))),
+    raises(ValueError, "v: head_dim 192"),
+)
+case(
+    "asym_single_tensor_cache",
+    PAG,
+    asym(True, run=dict(cache=X(lambda x, env: torch.stack([x.cache[0], x.cache[0]], 1)))),
+    raises(ValueError, "v: head_dim 192"),
+)
+case(
+    "asym_kv_heads_differ",
+    PAG,
+    asym(True, run=dict(cache=X(lambda x, env: (x.cache[0], x.cache[1][:, :, :1])))),
+    raises(ValueError, "equal but for the head dim"),
+)
+case("asym_kv_pass_true", PAG, asym(True, plan=dict(kv_pass=True)), raises(NotImplementedError, "kv_pass=True"))
+case("asym_page1_values", PAG, asym(True, plan=dict(causal=True), values=True, ps=1), ok(_values), gpu=True)
+case("hd96_rope", RAG, rag_plan(head_dim_qk=96, pos_encoding_mode="ROPE_LLAMA"), raises(NotImplementedError, "RoPE"))
+
+
 for op, plan_b, run_b, values_b in ((RAG, rag_plan, rag_run, rag_values), (PAG, pag_plan, pag_run, pag_values)):
     case(
         "indptr_lengths_differ",
@@ -977,7 +1073,11 @@ for op, plan_b, run_b, values_b in ((RAG, rag_plan, rag_run, rag_values), (PAG, 
     case(
         "fixed_split_size_0", op, plan_b(fixed_split_size=0), raises(ValueError, "fixed_split_size must be a positive")
     )
-    case("head_dim_vo_ne_qk", op, plan_b(head_dim_vo=128), raises(NotImplementedError, "head_dim_vo"))
+    case(
+        "head_dim_vo_unserved_pair", op, plan_b(head_dim_vo=128), raises(ValueError, "head_dim_vo 128 is not supported")
+    )
+    case("head_dim_80", op, plan_b(head_dim_qk=80), raises(ValueError, "head_dim 80 is not supported"))
+    case("head_dim_vo_not_int", op, plan_b(head_dim_vo="64"), raises(ValueError, "head_dim_vo must be a positive int"))
     case(
         "soft_cap_nan",
         op,

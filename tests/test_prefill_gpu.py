@@ -49,15 +49,16 @@ def _cumsum(lens):
     return out
 
 
-def make_ragged(qo_lens, kv_lens, hq, hk, d, dtype, layout, gen, device, tail=0):
+def make_ragged(qo_lens, kv_lens, hq, hk, d, dtype, layout, gen, device, tail=0, dv=None):
     """q [sum qo, hq, d]; k/v [sum kv + tail, hk, d] (NHD) or [hk, sum kv + tail, d] (HND), the
-    ``tail`` rows past kv_indptr[-1] NaN. Returns q, k, v, qo_indptr, kv_indptr, (k_nhd, v_nhd)."""
-    tq, tk = sum(qo_lens), sum(kv_lens)
+    ``tail`` rows past kv_indptr[-1] NaN; ``dv``: v's head dim (None: d). Returns q, k, v,
+    qo_indptr, kv_indptr, (k_nhd, v_nhd)."""
+    tq, tk, dv = sum(qo_lens), sum(kv_lens), dv or d
     q = torch.randn(tq, hq, d, generator=gen).to(dtype).to(device)
     k = torch.full((tk + tail, hk, d), float("nan"), dtype=dtype, device=device)
-    v = torch.full((tk + tail, hk, d), float("nan"), dtype=dtype, device=device)
+    v = torch.full((tk + tail, hk, dv), float("nan"), dtype=dtype, device=device)
     k[:tk] = torch.randn(tk, hk, d, generator=gen).to(dtype).to(device)
-    v[:tk] = torch.randn(tk, hk, d, generator=gen).to(dtype).to(device)
+    v[:tk] = torch.randn(tk, hk, dv, generator=gen).to(dtype).to(device)
     ref_kv = (k[:tk], v[:tk])
     if layout == "HND":
         k, v = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
@@ -66,26 +67,27 @@ def make_ragged(qo_lens, kv_lens, hq, hk, d, dtype, layout, gen, device, tail=0)
     return q, k, v, qo, kv, ref_kv
 
 
-def make_paged(kv_lens, page_size, hk, d, dtype, layout, single_tensor, gen, device, spare=3):
-    """A paged cache with shuffled pages; NaN in every slot no request owns. Returns
-    cache, page indptr, page indices, last_page_len, (k, v) ragged [sum kv, hk, d], kv token indptr."""
-    ps = page_size
+def make_paged(kv_lens, page_size, hk, d, dtype, layout, single_tensor, gen, device, spare=3, dv=None):
+    """A paged cache with shuffled pages; NaN in every slot no request owns; ``dv``: v's head dim
+    (None: d; a (k, v) tuple then). Returns cache, page indptr, page indices, last_page_len,
+    (k, v) ragged [sum kv, hk, d / dv], kv token indptr."""
+    ps, dv = page_size, dv or d
     pages = [(n + ps - 1) // ps for n in kv_lens]
     total = sum(pages) + spare
     indptr = _cumsum(pages)
     indices = torch.randperm(total, generator=gen)[: indptr[-1]].to(torch.int32)
     tk = sum(kv_lens)
     k_rag = torch.randn(tk, hk, d, generator=gen).to(dtype)
-    v_rag = torch.randn(tk, hk, d, generator=gen).to(dtype)
+    v_rag = torch.randn(tk, hk, dv, generator=gen).to(dtype)
     slots = []
     for b, n in enumerate(kv_lens):
         pos = torch.arange(n)
         slots.append(indices[indptr[b] + pos // ps].long() * ps + pos % ps)
     slots = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)
     kc = torch.full((total * ps, hk, d), float("nan"), dtype=dtype)
-    vc = torch.full((total * ps, hk, d), float("nan"), dtype=dtype)
+    vc = torch.full((total * ps, hk, dv), float("nan"), dtype=dtype)
     kc[slots], vc[slots] = k_rag, v_rag
-    kc, vc = kc.view(total, ps, hk, d), vc.view(total, ps, hk, d)
+    kc, vc = kc.view(total, ps, hk, d), vc.view(total, ps, hk, dv)
     if layout == "HND":
         kc, vc = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
     kc, vc = kc.to(device), vc.to(device)
@@ -1242,10 +1244,12 @@ def test_cpu_validation_errors(emu):
             **kw,
         )
     )
-    with pytest.raises(ValueError, match="head_dim 96"):
-        plan(head_dim_qk=96)
-    with pytest.raises(NotImplementedError, match="head_dim_vo"):
+    with pytest.raises(ValueError, match="head_dim 80"):
+        plan(head_dim_qk=80)
+    with pytest.raises(ValueError, match="head_dim_vo 64 is not supported"):
         plan(head_dim_vo=64)
+    with pytest.raises(ValueError, match="head_dim_vo must be a positive int"):
+        plan(head_dim_qk=192, head_dim_vo=128.0)
     # custom masks, pos_encoding_mode, sinks and variant=: tests/test_prefill_variants_gpu.py
     with pytest.raises(ValueError, match="custom_mask"):
         plan(custom_mask=torch.ones(63, dtype=torch.bool))

@@ -154,7 +154,7 @@ def test_window_right_and_unsupported(demu):
     with pytest.raises(NotImplementedError, match="NVFP4"):
         w.run(q, cache, kv_cache_sf=torch.zeros(1))
     r = BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws(16))
-    with pytest.raises(NotImplementedError, match="head_dim_vo"):
+    with pytest.raises(ValueError, match="head_dim_vo 32 is not supported"):  # served pairs: 192 / 128
         r.plan(torch.tensor([0, 2]), torch.tensor([0, 2]), HQ, HK, D, 32, q_data_type=BF16)
     r.plan(torch.tensor([0, 2]), torch.tensor([0, 2]), HQ, HK, D, q_data_type=BF16)
     kk = torch.randn(2, HK, D).to(BF16)

@@ -6,7 +6,10 @@ import sys
 
 from .common import Results
 
-GROUPS = ("copy", "merge", "launch", "decode", "fp8", "prefill", "variants", "cascade", "sparse", "mla", "merge_sweep")
+GROUPS = (
+    "copy", "merge", "launch", "decode", "fp8", "prefill", "head_dims", "variants", "cascade", "sparse", "mla",
+    "merge_sweep",
+)  # fmt: skip
 
 
 def run_benchmarks(only=None, json_path=None, quick=False) -> int:
@@ -39,6 +42,10 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         fp8.bench_fp8(res, quick)
     if "prefill" in groups:
         prefill.bench_prefill(res, quick)
+    if "head_dims" in groups:
+        from . import head_dims
+
+        head_dims.bench_head_dims(res, quick)
     if "variants" in groups:
         from . import variants
 

@@ -29,9 +29,15 @@ class Backend:
     ctas_per_sm: Dict[int, int] = field(default_factory=dict)  # head_dim -> CTAs per SM (default 1)
     planner: Dict[str, float] = field(default_factory=dict)  # the planner's cost parameters
     shipped: Callable[[str], list] = lambda arch: []  # the specializations it ships, per arch
+    head_dim_pairs: tuple = ()  # (head_dim_qk, head_dim_vo) served besides the equal head_dims
 
     def ctas_for(self, head_dim: int) -> int:
         return self.ctas_per_sm.get(head_dim, 1)
+
+    def serves_head_dims(self, head_dim_qk: int, head_dim_vo: int) -> bool:
+        if head_dim_qk == head_dim_vo:
+            return head_dim_qk in self.head_dims
+        return (head_dim_qk, head_dim_vo) in self.head_dim_pairs
 
 
 class NoBackend(RuntimeError):
@@ -71,6 +77,7 @@ BACKENDS = (
         dtypes.ATTENTION,
         tiles=prefill.TILES,
         shipped=prefill.shipped_specs,
+        head_dim_pairs=prefill.HEAD_DIM_PAIRS,
     ),  # fmt: skip
     Backend(
         "kv_pass",

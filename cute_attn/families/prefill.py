@@ -1,10 +1,12 @@
 """The Hopper batch prefill family (``kernels/prefill_sm90.py``: wgmma, TMA, one persistent CTA
 per SM; sm_90a only): its ABI, the instructions its binary must hold, its specializations.
 
-Spec parameters: ``dtype``, ``head_dim``, ``tile_q`` (64 or 128 packed rows: one or two
-consumer warpgroups), ``paged``, the static flags ``causal`` / ``soft_cap`` / ``window`` (the
-kernel's fast paths), ``page_box`` (paged K/V by TMA boxes of 16 rows, for page sizes k*16),
-``keys_transformed`` (K already rotated by the KV pass) and the traced variant."""
+Spec parameters: ``dtype``, ``head_dim`` (of q and k), ``head_dim_vo`` (of v and the output;
+absent when it equals ``head_dim``, so the symmetric specs keep their parameters), ``tile_q``
+(64 or 128 packed rows: one or two consumer warpgroups), ``paged``, the static flags
+``causal`` / ``soft_cap`` / ``window`` (the kernel's fast paths), ``page_box`` (paged K/V by
+TMA boxes of 16 rows, for page sizes k*16), ``keys_transformed`` (K already rotated by the KV
+pass) and the traced variant."""
 
 from __future__ import annotations
 
@@ -17,16 +19,28 @@ from .decode import decode_abi_fixed
 from .spec import Spec
 
 ARCH = HOPPER
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 96, 128, 256)  # head_dim_qk = head_dim_vo
+SHIPPED_HEAD_DIMS = (64, 128, 256)  # the default grid (96: the test matrix and model sets)
+# (head_dim_qk, head_dim_vo) pairs besides the equal ones: DeepSeek-V3/R1's prefill (MLA in its
+# non-absorbed form: q/k 128 nope + 64 rope dims, v 128)
+HEAD_DIM_PAIRS = ((192, 128),)
 TILES = (64, 128)  # packed query rows per work item: one or two consumer warpgroups
 FIXED_SPLIT_TILE = 128  # fixed_split_size: a tile that does not depend on the batch
 PAGE_BOX = 16  # paged K/V by TMA, one box per 16 rows of a page (page sizes k*16)
 
 
+def head_dim_vo(p) -> int:
+    """The v / output head dim of a spec's parameters."""
+    return p.get("head_dim_vo", p["head_dim"])
+
+
 def prefill_abi_fixed(p):
-    """decode's fixed tensor arguments (one host signature for both kernels), then the prefill
-    kernel's scalars (spelled out: decode's scalars differ)."""
-    return [a for a in decode_abi_fixed(p) if isinstance(a, TensorArg)] + [
+    """decode's fixed tensor arguments (one host signature for both kernels; V, O and the
+    partial rows at ``head_dim_vo``), then the prefill kernel's scalars (spelled out: decode's
+    scalars differ)."""
+    qk = [a for a in decode_abi_fixed(p) if isinstance(a, TensorArg)]
+    vo = [a for a in decode_abi_fixed(dict(p, head_dim=head_dim_vo(p))) if isinstance(a, TensorArg)]
+    return [b if a.name in ("mV", "mO", "mPartO") else a for a, b in zip(qk, vo)] + [
         ScalarArg("group", "i32"),
         ScalarArg("sm_scale", "f32"),
         ScalarArg("soft_cap", "f32"),
@@ -73,6 +87,20 @@ def keys_pretransformed(paged: bool, variant) -> bool:
     return not paged and variant is not None and vbase.Hooks(variant).has_transform_k
 
 
+def serves(head_dim: int, head_dim_vo: int) -> bool:
+    """Whether the kernel serves q/k of ``head_dim`` with v/o of ``head_dim_vo``."""
+    if head_dim == head_dim_vo:
+        return head_dim in HEAD_DIMS
+    return (head_dim, head_dim_vo) in HEAD_DIM_PAIRS
+
+
+def regular_gather(head_dim: int) -> bool:
+    """Whether rows of ``head_dim`` suit the producer's and consumers' per-thread 16-byte chunk
+    pairs (the key / query transforms: RoPE): 128-byte swizzle atoms and a chunk count that
+    divides a warpgroup.  Other head dims serve no ``transform_k`` / ``transform_q``."""
+    return head_dim % 64 == 0 and 128 % (head_dim // 8) == 0
+
+
 def prefill_spec(
     arch: str,
     dtype: str,
@@ -84,11 +112,15 @@ def prefill_spec(
     window: bool = False,
     variant=None,
     page_box: int = 0,
+    head_dim_vo: int | None = None,
 ) -> Spec:
     """One ``batch_prefill_sm90`` specialization; ``variant``: the traced variant beyond the
     static flags, None for the plain kernel; ``page_box``: see :func:`page_box_for` (a
-    parameter only when set); ``keys_transformed`` follows from the rest."""
+    parameter only when set); ``head_dim_vo``: v / output's head dim (a parameter only when it
+    differs from ``head_dim``); ``keys_transformed`` follows from the rest."""
     extra = variant_params(variant) if variant is not None else {}
+    if head_dim_vo is not None and head_dim_vo != head_dim:
+        extra["head_dim_vo"] = int(head_dim_vo)
     if paged and page_box:
         extra["page_box"] = int(page_box)
     if keys_pretransformed(paged, variant):
@@ -117,15 +149,17 @@ def prefill_specs(
     variants=((False, False),),
     page_boxes=(PAGE_BOX, 0),
 ) -> list:
-    """Specializations over a grid; ``variants``: the (soft_cap, window) pairs; ``page_boxes``:
-    the paged kernels (TMA per 16-row page box for page sizes k*16, the cp.async gather for the
-    others).  Empty for any arch but sm_90a."""
+    """Specializations over a grid; ``head_dims``: ints (q/k = v/o) or (qk, vo) pairs;
+    ``variants``: the (soft_cap, window) pairs; ``page_boxes``: the paged kernels (TMA per
+    16-row page box for page sizes k*16, the cp.async gather for the others).  Empty for any
+    arch but sm_90a."""
     if arch != ARCH:
         return []
+    pairs = [d if isinstance(d, tuple) else (d, d) for d in head_dims]
     return [
-        prefill_spec(arch, dt, d, t, p, c, cap, win, page_box=pb)
+        prefill_spec(arch, dt, d, t, p, c, cap, win, page_box=pb, head_dim_vo=dv)
         for dt in dtype_names
-        for d in head_dims
+        for d, dv in pairs
         for t in tiles
         for p in paged
         for c in causal
@@ -134,7 +168,7 @@ def prefill_specs(
     ]
 
 
-def merge_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=HEAD_DIMS, tiles=TILES) -> list:
+def merge_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=SHIPPED_HEAD_DIMS, tiles=TILES) -> list:
     """The ``merge_partials`` specializations for the prefill tiles."""
     if arch != ARCH:
         return []
@@ -147,8 +181,10 @@ def merge_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=HEAD_DIMS, ti
 
 
 def shipped_specs(arch: str) -> list:
-    """Per dtype x head dim x tile x ragged/paged (both page paths) x causal: the plain kernel;
-    soft-cap, window and both at head dim 128, tile 128, ragged; the merges of the tiles."""
+    """Per dtype x head dim (64 / 128 / 256) x tile x ragged/paged (both page paths) x causal:
+    the plain kernel; soft-cap, window and both at head dim 128, tile 128, ragged; the
+    DeepSeek-style prefill (192 / 128, bf16) over the same grid; the merges of the tiles."""
     flags = ((True, False), (False, True), (True, True))
     extra = prefill_specs(arch, head_dims=(128,), tiles=(128,), paged=(False,), variants=flags)
-    return prefill_specs(arch) + extra + merge_specs(arch)
+    deepseek = prefill_specs(arch, dtype_names=("bf16",), head_dims=HEAD_DIM_PAIRS)
+    return prefill_specs(arch, head_dims=SHIPPED_HEAD_DIMS) + extra + deepseek + merge_specs(arch)

@@ -164,6 +164,9 @@ class KvPass:
         n_tensors, vec, pieces = self.n_tensors, self.vec, self.pieces
         # two rows per iteration, both loaded before either is used (more bytes in flight)
         first = kv_start * heads.divisor + cta * self.rows_per_cta + tidx // half
+        if const_expr(THREADS % half):  # threads past the CTA's whole rows (head dim 96) idle
+            if tidx >= self.rows_per_cta * half:
+                first = end
         for r0 in cutlass.range(first, end, 2 * stride, unroll=1):
             rows = [r0, r0 + stride]
             lo = [[cute.make_rmem_tensor((vec,), self.in_dtype) for _ in range(n_tensors)] for _ in rows]

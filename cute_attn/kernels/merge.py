@@ -253,7 +253,8 @@ class MergePartials:
     def __init__(self, head_dim: int, tile_q: int):
         self.head_dim, self.tile_q = head_dim, tile_q
         self.per_row = head_dim // 4  # fp32 partials: 4 per 16-byte vector
-        assert TARGET_THREADS % self.per_row == 0
+        # a unit is whole rows of one pass; threads past its rows * per_row idle (head dim 96)
+        assert head_dim % 4 == 0 and self.per_row <= TARGET_THREADS
         self.rows_per_unit = min(TARGET_THREADS // self.per_row, tile_q)
         self.units_per_task = -(-tile_q // self.rows_per_unit)
 

@@ -82,10 +82,19 @@ SMEM_MAX = 232448  # bytes of shared memory per block on sm_90
 KV_TILES = {
     (64, False): (128, 4),
     (64, True): (128, 4),
+    (96, False): (112, 4),  # 128 keys: serialized wgmmas with the page boxes' and the gather's registers
+    (96, True): (112, 4),
     (128, False): (112, 2),
     (128, True): (96, 2),
     (256, False): (64, 2),
     (256, True): (48, 2),
+}
+# the same per (head_dim_qk, head_dim_vo, gather) of the asymmetric kernels: at 192 / 128 the
+# registers are hd128's (the QK GEMM's K-dimension lives in shared memory) and 112 keys of K
+# (2 x 42 KB), V (2 x 28 KB), Q (48 KB) and O (32 KB) fill 220 KB
+KV_TILES_VO = {
+    (192, 128, False): (112, 2),
+    (192, 128, True): (96, 2),
 }
 # registers per thread after setmaxnreg, (producer, consumers): 3 warpgroups share 64512
 # registers (168 each at launch); the TMA producer needs few, the cp.async gather more.  With one
@@ -104,7 +113,7 @@ class PrefillConfig:
     kernel's default for the head dim, see ``KV_TILES`` / ``REGS``)."""
 
     dtype: Any  # DSL type
-    head_dim: int
+    head_dim: int  # of q and k
     tile_q: int
     paged: bool
     causal: bool
@@ -119,6 +128,7 @@ class PrefillConfig:
     variant: Any = None
     keys_transformed: bool = False
     lazy_rescale: int = 1
+    head_dim_vo: int = 0  # of v and the output (0: head_dim)
 
     @classmethod
     def from_spec(cls, p: dict) -> PrefillConfig:
@@ -142,6 +152,7 @@ class PrefillConfig:
             spec_variant(p),
             p.get("keys_transformed", False),
             p.get("lazy_rescale", 1),
+            p.get("head_dim_vo", 0),
         )
 
 
@@ -199,10 +210,13 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
 
     def __init__(self, cfg: PrefillConfig):
         dtype, head_dim, tile_q, paged, soft_cap = cfg.dtype, cfg.head_dim, cfg.tile_q, cfg.paged, cfg.soft_cap
+        head_dim_vo = cfg.head_dim_vo or head_dim
         self.cfg = cfg
-        assert tile_q in (64, 128) and (head_dim, paged) in KV_TILES
+        kv_tiles = KV_TILES if head_dim_vo == head_dim else {(d, g): t for (d, dv, g), t in KV_TILES_VO.items()}
+        assert tile_q in (64, 128) and (head_dim, paged) in kv_tiles, (head_dim, head_dim_vo)
         self.dtype = dtype
-        self.head_dim = head_dim
+        self.head_dim = head_dim  # q / k: the QK GEMM's K-dimension
+        self.head_dim_vo = head_dim_vo  # v / o: the PV GEMM's N-dimension, the output's width
         self.tile_q = tile_q
         self.num_mma_wg = tile_q // 64
         self.paged = paged
@@ -227,13 +241,16 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         # the soft-cap's fixed shift (see _running_max): its weights span 2^-100 .. 2^64, which a bf16
         # P holds (fp32's exponent range) and an fp16 one does not (subnormal below 2^-14)
         self.cap_fixed_shift = soft_cap and dtype is cutlass.BFloat16
-        dn, ds = KV_TILES[head_dim, self.gather]
+        dn, ds = kv_tiles[head_dim, self.gather]
         self.tile_n = cfg.tile_n or dn
         self.stages = cfg.stages or ds
         self.threads = WG * (1 + self.num_mma_wg)
-        self.chunks = head_dim // 8  # 16-byte chunks per row
+        self.chunks = head_dim // 8  # 16-byte chunks per q / k row
+        self.chunks_vo = head_dim_vo // 8  # per v / o row
+        if H.has_transform_k or H.has_transform_q:  # per-thread chunk pairs (prefill_sm90_producer, _hooks)
+            assert head_dim == head_dim_vo and head_dim % 64 == 0 and WG % self.chunks == 0, head_dim
         self.producer_regs, self.mma_regs = REGS[self.num_mma_wg, self.gather]
-        if self.page_box and self.num_mma_wg == 2 and head_dim <= 128:
+        if self.page_box and self.num_mma_wg == 2 and head_dim_vo <= 128:
             # paged TMA: the page lookups want a few more producer registers (24 spills a little);
             # hd256 consumers need all 240 (at 232 ptxas serializes the wgmmas)
             self.producer_regs, self.mma_regs = 32, 232
@@ -241,8 +258,8 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             self.producer_regs, self.mma_regs = cfg.producer_regs, (504 - cfg.producer_regs) // 2 // 8 * 8
         # ping-pong between the two consumer WGs pays off while O is small; with head_dim 256 the
         # tensor cores are busy enough with one WG's GEMMs (as FA3)
-        self.pingpong = self.num_mma_wg == 2 and (head_dim <= 128 if cfg.pingpong < 0 else bool(cfg.pingpong))
-        self.rescale_before_pv = head_dim > 128
+        self.pingpong = self.num_mma_wg == 2 and (head_dim_vo <= 128 if cfg.pingpong < 0 else bool(cfg.pingpong))
+        self.rescale_before_pv = head_dim_vo > 128
         # the running max is only raised when a block's max exceeds it by more than LAZY_RESCALE
         # (base 2), so most blocks skip the O rescale (64 FMULs per thread at hd128, 128 at
         # hd256: as many as the block's scores); an idea from FA4
@@ -251,7 +268,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         # next item's Q can be prefetched into sQ during this item's last PV and epilogue.  At
         # hd256 only half of O's columns fit next to Q and the K/V stages: it is staged in two
         # passes of o_cols columns.
-        self.o_cols = head_dim if head_dim <= 128 else head_dim // 2
+        self.o_cols = head_dim_vo if head_dim_vo <= 128 else head_dim_vo // 2
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
@@ -279,16 +296,21 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
     ):
         """The host function behind the generated entry (``variants.trace.make_entry``): the
         family's arguments, then the variant's tensors and scalars as tuples."""
-        D, TN, TQ, dt = self.head_dim, self.tile_n, self.tile_q, self.dtype
+        D, DV, TN, TQ, dt = self.head_dim, self.head_dim_vo, self.tile_n, self.tile_q, self.dtype
         atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, D), dt)
         sQ_layout = cute.tile_to_shape(atom, (TQ, D), (0, 1))
         o_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, self.o_cols), dt
         )
         sO_layout = cute.tile_to_shape(o_atom, (TQ, self.o_cols), (0, 1))
-        sKV_layout = cute.tile_to_shape(atom, (TN, D, self.stages), (0, 1, 2))
+        sK_layout = cute.tile_to_shape(atom, (TN, D, self.stages), (0, 1, 2))
+        sV_layout = sK_layout
+        if const_expr(DV != D):
+            v_atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, DV), dt)
+            sV_layout = cute.tile_to_shape(v_atom, (TN, DV, self.stages), (0, 1, 2))
         if const_expr(self.gather):
-            check_gather_swizzle(sKV_layout, TN, D)
+            check_gather_swizzle(sK_layout, TN, D)
+            check_gather_swizzle(sV_layout, TN, DV)
         mma_qk = sm90_utils.make_trivial_tiled_mma(
             dt,
             dt,
@@ -305,41 +327,36 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             warpgroup.OperandMajorMode.MN,
             Float32,
             (self.num_mma_wg, 1, 1),
-            (64, D),
+            (64, DV),
             warpgroup.OperandSource.RMEM,
         )
         # TMA.  Ragged: [1, tokens, kv_heads, D] viewed as (tokens, D, kv_heads), one (TN, D) box per
         # block.  Paged with page_box: the cache viewed as (page_size, D, kv_heads, pages), boxes of
         # (page_box, D) written into row slices of the stage tile -- each slice starts on a
         # 1024-byte swizzle-atom boundary, so the sub-tile layout is the tile's own.  The gather
-        # path has no TMA descriptor at all.
+        # path has no TMA descriptor at all.  K at D = head_dim, V at DV = head_dim_vo.
         tma_k = tK = tma_v = tV = None
         if const_expr(not self.gather):
             if const_expr(self.page_box):
-                PB = self.page_box
-                k4 = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-                v4 = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2, 0]))
-                stage0 = cute.make_tensor(
-                    cute.make_ptr(dt, 0, cute.AddressSpace.smem, assumed_align=1024), sKV_layout.outer
-                )[None, None, 0]
-                sub = cute.select(cute.local_tile(stage0, (PB, D), (0, 0)).layout, mode=[0, 1])
-                box = cute.make_composed_layout(sKV_layout.inner, 0, sub)
-                tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k4, box, (PB, D))
-                tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v4, box, (PB, D))
+                tma_k, tK = self._page_box_tma(mK, sK_layout, D)
+                tma_v, tV = self._page_box_tma(mV, sV_layout, DV)
             else:
                 k3 = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2]))
                 v3 = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2]))
-                kv_box = cute.select(sKV_layout, mode=[0, 1])
-                tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k3, kv_box, (TN, D))
-                tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v3, kv_box, (TN, D))
+                tma_k, tK = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileG2SOp(), k3, cute.select(sK_layout, mode=[0, 1]), (TN, D)
+                )
+                tma_v, tV = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileG2SOp(), v3, cute.select(sV_layout, mode=[0, 1]), (TN, DV)
+                )
 
         @cute.struct
         class Smem:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
             # gather: K / V row addresses
             sRows: cute.struct.MemRange[cutlass.Int64, 2 * TN * ROW_RING if self.gather else 1]
@@ -377,11 +394,25 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             var_scalars,
             sQ_layout,
             sO_layout,
-            sKV_layout,
+            sK_layout,
+            sV_layout,
             mma_qk,
             mma_pv,
             Smem,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    def _page_box_tma(self, mX, sX_layout, D):
+        """The TMA atom and global view of paged K or V (rows of D) read in boxes of (page_box,
+        D): the cache viewed as (page_size, D, kv_heads, pages), each box written into a row
+        slice of the stage tile."""
+        PB, dt = self.page_box, self.dtype
+        x4 = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[1, 3, 2, 0]))
+        stage0 = cute.make_tensor(cute.make_ptr(dt, 0, cute.AddressSpace.smem, assumed_align=1024), sX_layout.outer)[
+            None, None, 0
+        ]
+        sub = cute.select(cute.local_tile(stage0, (PB, D), (0, 0)).layout, mode=[0, 1])
+        box = cute.make_composed_layout(sX_layout.inner, 0, sub)
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), x4, box, (PB, D))
 
     # ---- device side --------------------------------------------------------------------
     @cute.kernel
@@ -411,7 +442,8 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         var_scalars: tuple,
         sQ_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
-        sKV_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
         mma_qk: cute.TiledMma,
         mma_pv: cute.TiledMma,
         Smem: cutlass.Constexpr,
@@ -443,8 +475,8 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         smem = cutlass.utils.SmemAllocator()
         st = smem.allocate(Smem)
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = st.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sV = st.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = st.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = st.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         sRows = None
         if const_expr(self.gather):
@@ -459,7 +491,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             # the mbarrier completion of cp.async is what CUTLASS's sm90 cp.async GMMA mainloops,
             # FA3's non-TMA paged KV and quack's gather-A GEMM rely on as well.  A fence.proxy.async
             # per block in the consumers cost up to 8 % (BENCHMARKS.md).
-            mk_pipe = lambda bar: pipeline.PipelineCpAsync.create(  # noqa: E731
+            mk_pipe = lambda bar, d=None: pipeline.PipelineCpAsync.create(  # noqa: E731
                 barrier_storage=bar,
                 num_stages=self.stages,
                 producer_group=pipeline.CooperativeGroup(T, WG),
@@ -468,16 +500,16 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             )
         else:
             # TMA: one arming thread, transaction bytes; release is one arrive per consumer warp.
-            mk_pipe = lambda bar: pipeline.PipelineTmaAsync.create(  # noqa: E731
+            mk_pipe = lambda bar, d=self.head_dim: pipeline.PipelineTmaAsync.create(  # noqa: E731
                 barrier_storage=bar,
                 num_stages=self.stages,
                 producer_group=pipeline.CooperativeGroup(T, 1),
                 consumer_group=pipeline.CooperativeGroup(T, mma_threads // 32),
-                tx_count=self.tile_n * self.head_dim * (self.dtype.width // 8),
+                tx_count=self.tile_n * d * (self.dtype.width // 8),
                 defer_sync=True,
             )
         pipe_k = mk_pipe(st.mbar_k.data_ptr())
-        pipe_v = mk_pipe(st.mbar_v.data_ptr())
+        pipe_v = mk_pipe(st.mbar_v.data_ptr(), self.head_dim_vo)
         pipeline.pipeline_init_arrive(is_relaxed=True)
         pipeline.pipeline_init_wait()
 
@@ -513,7 +545,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         mQ, mWork, mWorkIndptr = gm.mQ, gm.mWork, gm.mWorkIndptr
         sQ, sK, sV, sO, pipe_k, pipe_v = sm.sQ, sm.sK, sm.sV, sm.sO, sm.pipe_k, sm.pipe_v
         group = tc.group
-        TN, D, TQ = self.tile_n, self.head_dim, self.tile_q
+        TN, D, TQ = self.tile_n, self.head_dim_vo, self.tile_q  # D: O's columns
         wg = ct // WG  # consumer warpgroup 0 / 1: packed rows [64 wg, 64 wg + 64) of the tile
         tw = ct % WG
         lane = ct % 32
@@ -651,10 +683,11 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             if valid < self.tile_n:
                 zero = cute.make_rmem_tensor((8,), self.dtype)
                 zero.fill(0.0)
-                for idx in cutlass.range(tw, (self.tile_n - valid) * self.chunks, WG, unroll=1):
+                cv = self.chunks_vo
+                for idx in cutlass.range(tw, (self.tile_n - valid) * cv, WG, unroll=1):
                     cute.autovec_copy(
                         zero,
-                        cute.local_tile(sV[valid + idx // self.chunks, None, state.index], (8,), (idx % self.chunks,)),
+                        cute.local_tile(sV[valid + idx // cv, None, state.index], (8,), (idx % cv,)),
                     )
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
@@ -718,7 +751,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         mO, mLse, mPartO, mPartLse = gm.mO, gm.mLse, gm.mPartO, gm.mPartLse
         wg, tw, lane, bar_wg = thr
         row_start, num_rows, dest = info.row_start, info.num_rows, info.dest
-        D, TQ = self.head_dim, self.tile_q
+        D, TQ = self.head_dim_vo, self.tile_q
         O = wgmma_mn_view(acc_O)
         n_rows = cute.size(O, mode=[0])
         lse = cute.make_rmem_tensor((n_rows,), Float32)

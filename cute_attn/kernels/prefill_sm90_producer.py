@@ -43,7 +43,7 @@ class PrefillProducer:
         tma_k, tK, tma_v, tV = tma
         sK, sV, sRows, pipe_k, pipe_v = sm.sK, sm.sV, sm.sRows, sm.pipe_k, sm.pipe_v
         group = tc.group
-        TN, D = self.tile_n, self.head_dim
+        TN, D, DV = self.tile_n, self.head_dim, self.head_dim_vo
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         ring = Int32(0)  # gather: blocks staged so far (selects the lookup ring slot)
@@ -104,7 +104,7 @@ class PrefillProducer:
                 if warp_idx == 0:
                     row0 = mKvIndptr[req] + kv_start
                     gK = cute.local_tile(cute.domain_offset((row0, 0), tK[None, None, kv_head]), (TN, D), (None, 0))
-                    gV = cute.local_tile(cute.domain_offset((row0, 0), tV[None, None, kv_head]), (TN, D), (None, 0))
+                    gV = cute.local_tile(cute.domain_offset((row0, 0), tV[None, None, kv_head]), (TN, DV), (None, 0))
                     tKs, tKg = cpasync.tma_partition(
                         tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
                     )
@@ -222,7 +222,7 @@ class PrefillProducer:
         """This warp's boxes of one block (``boxes``: ``_box_coords``), each from its own page.
         Boxes past kv_end re-read the last valid box; the unused slots of the last page are
         zeroed in smem by the consumers before P V (``_zero_v_tail``)."""
-        PB, D = self.page_box, self.head_dim
+        PB, D = self.page_box, cute.size(sX, mode=[1])  # K: head_dim, V: head_dim_vo
         stage = cute.arch.make_warp_uniform(stage)
         bar = pipe.sync_object_full.get_barrier(stage)
         for k in cutlass.range_constexpr(len(boxes)):
@@ -265,34 +265,73 @@ class PrefillProducer:
         )
 
     def _gather_dst(self, sK, sV, tidx):
-        """Where this thread's gathered chunks go: thread t copies 16-byte chunk c = t % chunks of
-        rows t // chunks + r * (WG / chunks).  A stage tile is the linear layout x(row, col)
-        (elements, checked in ``host``) under the 128-byte swizzle on byte addresses, b -> b ^
-        ((b >> 7) & 7) << 4, which repeats every 8 rows (1024 bytes): row r's address is one of
+        """Where this thread's gathered chunks go.  Rows of 128-byte swizzle atoms whose chunk
+        count divides the warpgroup (``regular_rows``): thread t copies 16-byte chunk c = t %
+        chunks of rows t // chunks + r * (WG / chunks).  A stage tile is the linear layout x(row,
+        col) (elements, checked in ``host``) under the 128-byte swizzle on byte addresses, b -> b
+        ^ ((b >> 7) & 7) << 4, which repeats every 8 rows (1024 bytes): row r's address is one of
         max(1, 8 / (WG / chunks)) per-thread bases plus a static multiple of whole periods, no
-        swizzle arithmetic per copy.  Returns (K base, V base, bases), bytes."""
-        TN, rpp = self.tile_n, WG // self.chunks
-        col = (tidx % self.chunks) * 8
+        swizzle arithmetic per copy.  Other rows (head dims 96, 192) take ``_gather_any``.
+        Returns (K base, V base, K's bases, V's bases), bytes; None for an irregular tensor."""
+        bases = self._gather_bases(self.chunks, tidx) if regular_rows(self.head_dim) else None
+        bases_v = bases
+        if const_expr(self.head_dim_vo != self.head_dim):
+            bases_v = self._gather_bases(self.chunks_vo, tidx) if regular_rows(self.head_dim_vo) else None
+        return sK.iterator.toint(), sV.iterator.toint(), bases, bases_v
+
+    def _gather_bases(self, chunks, tidx):
+        TN, rpp = self.tile_n, WG // chunks
+        col = (tidx % chunks) * 8
         bases = []
         for k in range(max(1, 8 // rpp)):
-            b = ((col // 64) * (TN * 64) + (tidx // self.chunks + k * rpp) * 64 + col % 64) * 2
+            b = ((col // 64) * (TN * 64) + (tidx // chunks + k * rpp) * 64 + col % 64) * 2
             bases.append(b ^ (((b >> 7) & 7) << 4))
-        return sK.iterator.toint(), sV.iterator.toint(), bases
+        return bases
 
     @cute.jit
     def _gather(self, dst, sRows, tidx, which, stage, buf):
         """cp.async this thread's 16-byte chunks of a block's K (which = 0) or V rows into a
         stage: row addresses from sRows, destinations from ``_gather_dst``."""
-        TN, D, rpp = self.tile_n, self.head_dim, WG // self.chunks
-        nb = max(1, 8 // rpp)
-        c16 = (tidx % self.chunks) * 16
-        s_base = dst[which] + stage * (TN * D * 2)
-        # all row addresses first: a cp.async writes shared memory, so the compiler keeps each
-        # smem load behind the copies before it, and the load -> copy chains would serialize
-        addrs = [sRows[which, tidx // self.chunks + r * rpp, buf] for r in range(TN // rpp)]
-        for r in cutlass.range_constexpr(TN // rpp):
-            d = s_base + dst[2][r % nb] + (r // nb) * (nb * rpp * 128)  # nb * rpp rows: a whole 1 KB period
-            cp_async_16(d, addrs[r] + c16)  # with the L2 128-byte prefetch hint
+        D = (self.head_dim, self.head_dim_vo)[which]
+        chunks = D // 8
+        if const_expr(dst[2 + which] is None):
+            self._gather_any(dst[which], sRows, tidx, which, stage, buf, D)
+        else:
+            TN, rpp = self.tile_n, WG // chunks
+            nb = max(1, 8 // rpp)
+            c16 = (tidx % chunks) * 16
+            s_base = dst[which] + stage * (TN * D * 2)
+            # all row addresses first: a cp.async writes shared memory, so the compiler keeps each
+            # smem load behind the copies before it, and the load -> copy chains would serialize
+            addrs = [sRows[which, tidx // chunks + r * rpp, buf] for r in range(TN // rpp)]
+            for r in cutlass.range_constexpr(TN // rpp):
+                d = s_base + dst[2 + which][r % nb] + (r // nb) * (nb * rpp * 128)  # nb * rpp rows: a 1 KB period
+                cp_async_16(d, addrs[r] + c16)  # with the L2 128-byte prefetch hint
+
+    @cute.jit
+    def _gather_any(self, base, sRows, tidx, which, stage, buf, D):
+        """``_gather`` for rows whose chunk count does not divide the warpgroup or whose swizzle
+        atom is narrower than 128 bytes: copy i of thread t is chunk (t + i WG) % chunks of row
+        (t + i WG) // chunks, its smem address computed per copy -- the tile's linear layout over
+        atoms of ``aw`` columns, then the atom's swizzle on the byte address (both checked in
+        ``host`` by ``check_gather_swizzle``)."""
+        TN, chunks = self.tile_n, D // 8
+        aw, bits = swizzle_atom(D)
+        n = (TN * chunks + WG - 1) // WG
+        s_base = base + stage * (TN * D * 2)
+        rows = [(tidx + i * WG) // chunks for i in range(n)]
+        cols = [((tidx + i * WG) % chunks) * 8 for i in range(n)]
+        # all row addresses first (see _gather); a pass past the tile's last row re-reads it
+        addrs = [sRows[which, cutlass.min(rows[i], TN - 1), buf] for i in range(n)]
+        for i in cutlass.range_constexpr(n):
+            row, col = rows[i], cols[i]
+            b = ((col // aw) * (TN * aw) + row * aw + col % aw) * 2
+            b = b ^ (((b >> 7) & ((1 << bits) - 1)) << 4)
+            if const_expr((i + 1) * WG > TN * chunks):
+                if row < TN:
+                    cp_async_16(s_base + b, addrs[i] + col * 2)
+            else:
+                cp_async_16(s_base + b, addrs[i] + col * 2)
 
     @cute.jit
     def _gather_pairs(self, sX, sRows, g2s, tidx, stage, buf):
@@ -330,17 +369,32 @@ class PrefillProducer:
             cute.autovec_copy(hi, s_hi)
 
 
+def swizzle_atom(D: int):
+    """(columns, swizzle bits) of the 16-bit smem atom ``sm90_utils.get_smem_layout_atom`` picks
+    for rows of D elements: 128-, 64- or 32-byte rows (Swizzle<3|2|1, 4, 3>)."""
+    for aw, bits in ((64, 3), (32, 2), (16, 1)):
+        if D % aw == 0:
+            return aw, bits
+    raise ValueError(f"head dim {D}: not a multiple of 16")
+
+
+def regular_rows(D: int) -> bool:
+    """Whether the gather's per-thread bases serve rows of D elements (``_gather_dst``)."""
+    return D % 64 == 0 and WG % (D // 8) == 0
+
+
 def check_gather_swizzle(layout, TN: int, D: int):
-    """``_gather_dst`` computes stage-tile addresses itself: verify at trace time that the tile is
-    what it assumes -- the linear map x(row, col, stage) in elements under the 128-byte swizzle
-    Swizzle<3,4,3> (which CuTe applies to byte addresses) -- so a DSL change to the smem atom
-    fails the build, not the output."""
+    """``_gather_dst`` / ``_gather_any`` compute stage-tile addresses themselves: verify at trace
+    time that the tile is what they assume -- the linear map x(row, col, stage) in elements over
+    atoms of ``aw`` columns under Swizzle<bits, 4, 3> (``swizzle_atom``; CuTe applies it to byte
+    addresses) -- so a DSL change to the smem atom fails the build, not the output."""
+    aw, bits = swizzle_atom(D)
     sw = layout.inner
-    if (sw.num_bits, sw.num_base, sw.num_shift) != (3, 4, 3):
+    if (sw.num_bits, sw.num_base, sw.num_shift) != (bits, 4, 3):
         raise ValueError(f"gather: the stage tile's swizzle is not the one _gather_dst assumes ({layout})")
     for row in range(TN):
         for col in range(0, D, 8):
             for stage in range(2):
-                x = stage * TN * D + (col // 64) * (TN * 64) + row * 64 + col % 64
+                x = stage * TN * D + (col // aw) * (TN * aw) + row * aw + col % aw
                 if cute.crd2idx((row, col, stage), layout.outer) != x:
                     raise ValueError(f"gather: the stage tile's layout is not the one _gather_dst assumes ({layout})")

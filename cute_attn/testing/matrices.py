@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from ..families.decode import PACKED_HEADS, decode_spec
 from ..families.kv_pass import kv_pass_spec
+from ..families.merge import merge_partials_spec
 from ..families.prefill import ARCH as PREFILL_ARCH
-from ..families.prefill import page_box_for, prefill_spec
+from ..families.prefill import TILES, page_box_for, prefill_spec, prefill_specs
 from ..variants.builtins import ALiBi, AttentionSink, Causal, CustomMask, FlashSigmoid, RoPE, SlidingWindow, SoftCap
 from ..variants.examples import RelativePositionBias
 from ..wrappers.options import resolve_variant
@@ -107,3 +108,16 @@ def fp8_prefill_test_specs(arch: str):
         return []
     _, _, _, rope = resolve_variant(pos_encoding_mode="ROPE_LLAMA")
     return [kv_pass_spec(arch, "bf16", 128, paged, rope, kv) for paged in (True, False) for kv in ("e4m3", "e5m2")]
+
+
+def head_dim_test_specs(arch: str):
+    """What tests/test_prefill_head_dims.py and the ``head_dims`` bench load beyond ``default``
+    (which ships the 192 / 128 set): head dim 96, bf16 over the prefill grid (tiles, ragged /
+    page boxes / gather, causal), fp16 ragged at tile 128, their merges and the bf16 paged KV
+    pass."""
+    if arch != PREFILL_ARCH:
+        return []
+    specs = prefill_specs(arch, dtype_names=("bf16",), head_dims=(96,))
+    specs += prefill_specs(arch, dtype_names=("f16",), head_dims=(96,), tiles=(128,), paged=(False,))
+    specs += [merge_partials_spec(arch, dt, 96, t) for dt in ("bf16", "f16") for t in TILES]
+    return specs + [kv_pass_spec(arch, "bf16", 96, True, None)]

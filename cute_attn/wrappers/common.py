@@ -254,8 +254,9 @@ def check_run_capture(wrapper, q, buffers: str) -> None:
     wrapper._captured_rows = rows if wrapper._captured_rows is None else min(rows, wrapper._captured_rows)
 
 
-def kv_views(paged_kv_cache, kv_layout: str):
-    """(K, V) as [pages, page_size, kv_heads, head_dim] views of any supported cache form."""
+def kv_views(paged_kv_cache, kv_layout: str, same_dim: bool = True):
+    """(K, V) as [pages, page_size, kv_heads, head_dim] views of any supported cache form;
+    ``same_dim=False``: a ``(k, v)`` tuple's head dims may differ (head_dim_vo != head_dim_qk)."""
     if isinstance(paged_kv_cache, (tuple, list)):
         if len(paged_kv_cache) != 2:
             raise ValueError("paged_kv_cache tuple must be (k_cache, v_cache)")
@@ -266,8 +267,9 @@ def kv_views(paged_kv_cache, kv_layout: str):
                 f"a single paged_kv_cache tensor must be [pages, 2, ...], got {tuple(paged_kv_cache.shape)}"
             )
         k, v = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
-    if k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"k/v caches must be 4-D and equal in shape, got {tuple(k.shape)} / {tuple(v.shape)}")
+    if k.dim() != 4 or v.dim() != 4 or (k.shape != v.shape if same_dim else k.shape[:3] != v.shape[:3]):
+        what = "equal in shape" if same_dim else "equal but for the head dim"
+        raise ValueError(f"k/v caches must be 4-D and {what}, got {tuple(k.shape)} / {tuple(v.shape)}")
     if kv_layout == "HND":
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     else:
@@ -296,13 +298,15 @@ def check_q(q, rows: int, hq: int, d: int, dtype, device, use_cuda_graph: bool, 
         )
 
 
-def out_and_lse(q, out, lse, hq: int):
-    """run()'s ``out`` / ``lse``: new tensors, or the caller's checked for dtype, shape and device."""
+def out_and_lse(q, out, lse, hq: int, d_out: Optional[int] = None):
+    """run()'s ``out`` / ``lse``: new tensors, or the caller's checked for dtype, shape and device;
+    ``d_out``: the output's head dim where it is not q's (head_dim_vo)."""
+    shape = q.shape if d_out is None else torch.Size((*q.shape[:-1], d_out))
     if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        out = torch.empty_like(q) if d_out is None else q.new_empty(shape)
+    elif out.shape != shape or out.dtype != q.dtype or out.device != q.device:
         raise ValueError(
-            f"out must be {q.dtype} {tuple(q.shape)} on {q.device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
+            f"out must be {q.dtype} {tuple(shape)} on {q.device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
         )
     if lse is None:
         lse = torch.empty((q.shape[0], hq), dtype=torch.float32, device=q.device)

@@ -4,10 +4,11 @@ ops, so that dynamo never traces into ctypes, numpy or the CUDA-graph guards of 
 * :func:`compilable_run` decorates a wrapper's ``run(self, q, ..., *args, out=None, lse=None,
   return_lse=False, **kw)``.  Outside compilation it calls the method (one
   ``torch.compiler.is_compiling()`` check).  While dynamo traces it, it allocates ``out`` /
-  ``lse`` where not given (``out`` like ``q``; ``lse`` float32 ``q.shape[:2]``: ``[rows, heads]``
-  for the batch wrappers, ``[heads, M]`` for ``VariableBlockSparseAttentionWrapper`` whose q is
-  ``[heads, M, d]``), flattens every tensor argument (q, the KV cache as a tuple or one tensor,
-  the variant's runtime tensors, sinks, scales) into a list and the rest into a JSON descriptor,
+  ``lse`` where not given (``out`` like ``q``, or of the plan's ``head_dim_vo``; ``lse`` float32
+  ``q.shape[:2]``: ``[rows, heads]`` for the batch wrappers, ``[heads, M]`` for
+  ``VariableBlockSparseAttentionWrapper`` whose q is ``[heads, M, d]``), flattens every tensor
+  argument (q, the KV cache as a tuple or one tensor, the variant's runtime tensors, sinks,
+  scales) into a list and the rest into a JSON descriptor,
   and calls the one op ``cute_attn::wrapper_run(handle, out, lse, tensors, call)``
   (``mutates_args=("out", "lse")``; its fake impl does nothing).  Its real impl finds the
   wrapper by ``handle`` (its id(), a weak registry filled when the wrapper is first traced) and calls
@@ -212,7 +213,8 @@ def _compiled_run(run_id: int, self, q: torch.Tensor, args: tuple, kw: dict):
     lse = kw.pop("lse", None)
     return_lse = kw.pop("return_lse", False)
     if out is None:
-        out = torch.empty_like(q)
+        d_out = getattr(self, "_out_dim", None)  # an int set by plan(): head_dim_vo where it is not q's
+        out = torch.empty_like(q) if d_out is None else q.new_empty((*q.shape[:-1], d_out))
     if lse is None:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     tensors = [q]

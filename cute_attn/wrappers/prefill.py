@@ -111,7 +111,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
         variant=None,
     ) -> None:
         """FlashInfer's arguments.  Index arrays are best passed on the CPU (a CUDA one is read
-        back, which synchronizes).  ``fixed_split_size`` (kv tokens): every request's KV is cut
+        back, which synchronizes).  ``head_dim_vo`` (None: ``head_dim_qk``): v's and the output's
+        head dim -- 192 / 128 (DeepSeek's prefill) besides equal ones (64, 96, 128, 256); run()'s v
+        and out are then ``[..., head_dim_vo]``.  ``fixed_split_size`` (kv tokens): every request's KV is cut
         at multiples of it and nothing else, with a fixed 128-row tile, so a request's output is
         bitwise the same whatever else is batched with it; ``disable_split_kv``: no request is
         split.  ``use_fp16_qk_reduction`` and ``uniform_q_len`` are accepted and ignored (q·k is
@@ -135,7 +137,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
         (``wrappers/kv_gather.py``: into the workspace when it has room, else a buffer of the
         wrapper's own); the output is in the query dtype; run() applies its scales."""
         fixed_split_size = compat.split_size(fixed_split_size)
-        q_dtype, kv_dtype, d, arch = self._check_common(
+        q_dtype, kv_dtype, d, dv, arch = self._check_common(
             num_qo_heads,
             num_kv_heads,
             head_dim_qk,
@@ -175,6 +177,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
             num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads,
             head_dim=d,
+            head_dim_vo=dv,
             q_dtype=q_dtype,
             causal=causal,
             page_size=1,
@@ -251,17 +254,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
 
     def _run_ragged(self, q, k, v, args, out, lse, sinks, ov, return_lse, q_scale=None, k_scale=None, v_fac=None):
         st = self._state
-        n, hk, d = st.inputs.kv_total, st.hk, st.head_dim
-        if k.dim() != 3 or k.shape != v.shape:
-            raise ValueError(f"k/v must be equal 3-D tensors, got {tuple(k.shape)} / {tuple(v.shape)}")
-        if self._kv_layout == "HND":
-            k, v = k.transpose(0, 1), v.transpose(0, 1)
-        self._check_kv(k, v, "k/v")
-        if k.shape[0] < n or k.shape[1:] != (hk, d):
-            raise ValueError(
-                f"k/v ({self._kv_layout}) must hold {n} (kv_indptr[-1]) tokens of "
-                f"{hk} kv heads x {d}, got {tuple(k.shape)} as [tokens, heads, dim]"
-            )
+        n = st.inputs.kv_total
+        k, v = self._ragged_kv(k, v, n)
         if not self._use_cuda_graph:
             # exactly the planned tokens: a KV block that runs past the last request's end then
             # reads TMA's zero fill, never what lies beyond in the caller's tensor (0 * NaN = NaN)
@@ -419,7 +413,6 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         own)."""
         from .prefill_base import prefill_workspace_bytes
 
-        common.reject_unsupported(head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo)
         qo_h = as_index_array("qo_indptr", qo_indptr)
         check_indptr("qo_indptr", qo_h)
         batch, total_q = qo_h.shape[0] - 1, int(qo_h[-1])
@@ -429,7 +422,7 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         arch = self._arch_for_plan()
         have = self._workspace.numel()
         return prefill_workspace_bytes(self._dev, arch, batch, total_q, int(num_qo_heads), int(num_kv_heads),
-                                       int(head_dim_qk), have), 0  # fmt: skip
+                                       head_dim_qk, have, head_dim_vo), 0  # fmt: skip
 
     @common.guarded_plan
     @recorded_plan
@@ -491,7 +484,7 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         the wrapper's own; CUDA-graph mode included, where the first plan fixes the region);
         ``kv_pass=False`` is then an error.  The output is in the query dtype."""
         fixed_split_size = compat.split_size(fixed_split_size)
-        q_dtype, kv_dtype, d, arch = self._check_common(
+        q_dtype, kv_dtype, d, dv, arch = self._check_common(
             num_qo_heads,
             num_kv_heads,
             head_dim_qk,
@@ -545,6 +538,7 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
             num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads,
             head_dim=d,
+            head_dim_vo=dv,
             q_dtype=q_dtype,
             causal=causal,
             page_size=int(page_size),
@@ -626,12 +620,14 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         """``q_scale`` / ``k_scale``: floats or None; ``v_fac``: ``compat.v_scale_factor``'s."""
         st = self._state
         inp = st.inputs
-        k, v = common.kv_views(compat.expand_3d(paged_kv_cache, self._kv_layout), self._kv_layout)
+        d, dv = st.head_dim, st.head_dim_vo
+        k, v = common.kv_views(compat.expand_3d(paged_kv_cache, self._kv_layout), self._kv_layout, d == dv)
         self._check_kv(k, v, "paged_kv_cache")
-        if k.shape[1:] != (inp.page_size, st.hk, st.head_dim):
+        if k.shape[1:] != (inp.page_size, st.hk, d) or v.shape[-1] != dv:
+            got = f"{tuple(k.shape[1:])}" + ("" if d == dv else f" (v: head_dim {v.shape[-1]})")
+            want = f"({inp.page_size}, {st.hk}, {d})" + ("" if d == dv else f" (v: head_dim {dv})")
             raise ValueError(
-                f"paged_kv_cache ({self._kv_layout}) has page_size/kv_heads/head_dim "
-                f"{tuple(k.shape[1:])}, plan() said ({inp.page_size}, {st.hk}, {st.head_dim})"
+                f"paged_kv_cache ({self._kv_layout}) has page_size/kv_heads/head_dim {got}, plan() said {want}"
             )
         if inp.max_page >= k.shape[0] or (inp.kv_tokens and k.shape[0] == 0):
             raise ValueError(

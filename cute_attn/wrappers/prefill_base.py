@@ -39,7 +39,7 @@ from ..families.backends import NoBackend, backend_for, kv_pass_pays
 from ..families.base import variant_params
 from ..families.kv_pass import kv_pass_spec
 from ..families.merge import merge_partials_spec
-from ..families.prefill import FIXED_SPLIT_TILE, keys_pretransformed, page_box_for
+from ..families.prefill import FIXED_SPLIT_TILE, keys_pretransformed, page_box_for, regular_gather
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import KernelNotAvailable, kernel
 from ..sched import Planner, WorkspaceLayout
@@ -69,11 +69,32 @@ def _round_rows(n: int) -> int:
     return max(1024, 1 << max(int(n) - 1, 0).bit_length())
 
 
-def prefill_workspace_bytes(device_index, arch, batch, total_q, hq, hk, d, have) -> int:
+def check_head_dims(backend, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo) -> tuple:
+    """(head_dim_qk, head_dim_vo) as ints (``head_dim_vo`` None: ``head_dim_qk``), checked
+    against what the backend serves, and the head counts."""
+    dv = head_dim_qk if head_dim_vo is None else head_dim_vo
+    for name, d in (("head_dim_qk", head_dim_qk), ("head_dim_vo", dv)):
+        if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 1:
+            raise ValueError(f"{name} must be a positive int, got {d!r}")
+    if int(dv) != int(head_dim_qk):
+        if not backend.serves_head_dims(int(head_dim_qk), int(dv)):
+            pairs = ", ".join(f"{a}/{b}" for a, b in backend.head_dim_pairs) or "none"
+            raise ValueError(
+                f"head_dim_qk {head_dim_qk} with head_dim_vo {dv} is not supported; supported: equal head dims "
+                f"{backend.head_dims}, or (qk/vo) {pairs}"
+            )
+        common.check_heads(num_qo_heads, num_kv_heads, int(head_dim_qk), (int(head_dim_qk),))
+    else:
+        common.check_heads(num_qo_heads, num_kv_heads, head_dim_qk, backend.head_dims)
+    return int(head_dim_qk), int(dv)
+
+
+def prefill_workspace_bytes(device_index, arch, batch, total_q, hq, hk, d, have, dv=None) -> int:
     """The float workspace bytes a prefill plan of these sizes uses in a workspace of ``have``
-    bytes (the partial-output room shrunk to fit, as plan() does), for ``workspace_size``."""
+    bytes (the partial-output room shrunk to fit, as plan() does), for ``workspace_size``;
+    ``dv``: head_dim_vo (None: ``d``), the partial outputs' width."""
     backend = backend_for("prefill", arch)
-    common.check_heads(hq, hk, d, backend.head_dims)
+    d, dv = check_head_dims(backend, hq, hk, d, dv)
     num_ctas = sm_count_of_index(device_index) * backend.ctas_for(d)
     lim = compat.partial_rows_that_fit(
         have,
@@ -82,8 +103,8 @@ def prefill_workspace_bytes(device_index, arch, batch, total_q, hq, hk, d, have)
         max_total_q_tokens=max(total_q, 1),
         num_qo_heads=hq,
         num_kv_heads=hk,
-        head_dim=d,
-        rows=_rows_per_cta(d) * num_ctas,
+        head_dim=dv,
+        rows=_rows_per_cta(dv) * num_ctas,
         min_rows=num_ctas * MIN_CTA_TILE_Q,
     )
     return WorkspaceLayout(lim, num_ctas).total_bytes
@@ -166,12 +187,11 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         variant=None,
         **unsupported,
     ):
-        """Argument checks shared by both plans; returns (q dtype, kv dtype, head_dim, arch): the
-        cache is of the query dtype or fp8 (``kv_gather``: the KV pass dequantizes it)."""
+        """Argument checks shared by both plans; returns (q dtype, kv dtype, head_dim_qk,
+        head_dim_vo, arch): the cache is of the query dtype or fp8 (``kv_gather``: the KV pass
+        dequantizes it)."""
         common.check_plan_not_captured()
-        q_dtype, kv_dtype = common.plan_kv_dtype(
-            q_data_type, kv_data_type, o_data_type, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, **unsupported
-        )
+        q_dtype, kv_dtype = common.plan_kv_dtype(q_data_type, kv_data_type, o_data_type, **unsupported)
         kv_gather.kv_name(kv_dtype, q_dtype)  # the fp8 formats served
         check_options(pos_encoding_mode, variant)
         arch = arch_of_index(self._dev)
@@ -179,9 +199,14 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             backend = backend_for("prefill", arch)
         except NoBackend as e:
             raise NoBackend(f"batch prefill cannot run on cuda:{self._dev} ({arch}): {e}") from None
-        common.check_heads(num_qo_heads, num_kv_heads, head_dim_qk, backend.head_dims)
+        d, dv = check_head_dims(backend, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo)
+        if dv != d and kv_dtype != q_dtype:
+            raise NotImplementedError(
+                f"an fp8 KV cache with head_dim_vo ({dv}) != head_dim_qk ({d}) is not supported yet (the "
+                f"dequantizing KV pass reads K and V of one head dim)"
+            )
         common.check_plan_scalars(window_left, logits_soft_cap, fixed_split_size, split_unit)
-        return q_dtype, kv_dtype, int(head_dim_qk), arch
+        return q_dtype, kv_dtype, d, dv, arch
 
     def _arch_for_plan(self) -> str:
         arch = arch_of_index(self._dev)
@@ -208,6 +233,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         sm_scale,
         split_tokens,
         disable_split_kv,
+        head_dim_vo=None,
         pos_encoding_mode="NONE",
         rope_scale=None,
         rope_theta=None,
@@ -221,8 +247,12 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         plan's state without its device inputs (``_commit`` adds them once their copies are
         queued).  ``kv_pass`` (paged): gather the cache by the KV pass first (True), never
         (False) or when it pays (None); an fp8 ``kv_dtype`` always runs the pass (paged or
-        ragged: it dequantizes the cache for the 16-bit kernel)."""
+        ragged: it dequantizes the cache for the 16-bit kernel).  ``head_dim_vo``: V's and the
+        output's head dim (None: ``head_dim``); the kernels never transform keys or queries
+        (RoPE) at other than the power-of-two head dims, and the KV pass gathers K / V only of
+        equal head dims."""
         hq, hk, d = int(num_qo_heads), int(num_kv_heads), head_dim
+        dv = d if head_dim_vo is None else int(head_dim_vo)
         backend = backend_for("prefill", arch)
         qo_len = np.diff(qo_h)
         batch = int(qo_len.shape[0])
@@ -239,7 +269,18 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             custom_mask=mask_v,
             variant=variant,
         )
-        if vbase.Hooks(var).has_output:
+        hooks = vbase.Hooks(var)
+        if (hooks.has_transform_k or hooks.has_transform_q) and (dv != d or not regular_gather(d)):
+            raise NotImplementedError(
+                f"key / query transforms (RoPE: pos_encoding_mode='ROPE_LLAMA') at head_dim_qk {d}, head_dim_vo "
+                f"{dv} are not supported yet (head dims 64, 128, 256)"
+            )
+        if dv != d and kv_pass:
+            raise NotImplementedError(
+                f"kv_pass=True with head_dim_vo ({dv}) != head_dim_qk ({d}) is not supported yet (the KV pass "
+                f"gathers K and V of one head dim; the kernel reads the pages itself)"
+            )
+        if hooks.has_output:
             disable_split_kv = True  # an output transform must see whole rows, not partial states
         # causal with qo_len > kv_len (bottom-right aligned, as FlashInfer): the leading query rows
         # of such a request see no key; the planner still gives them a work item (build_tiles: a
@@ -253,6 +294,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         launch = dict(
             dtype=common.dtype_name(q_dtype),
             head_dim=d,
+            head_dim_vo=dv,
             causal=bool(causal),
             soft_cap=soft_cap > 0,
             window=window_left >= 0,
@@ -297,11 +339,12 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
                     f"use_cuda_graph=True: qo_indptr[-1] = {total_q} exceeds the {self._max_rows} query "
                     f"tokens of the first plan (which fixes the workspace layout, as in FlashInfer)"
                 )
-        lim, grow = self._choose_limits(batch, total_q, hq, hk, d, num_ctas)
+        lim, grow = self._choose_limits(batch, total_q, hq, hk, dv, num_ctas)  # partial rows of dv
         gather = None  # kv_gather.Gather: where the KV pass writes contiguous K / V
         if self._PAGED or launch["kv_dtype"] is not None:
-            # batch-invariant plans take the pass only when asked: the model weighs the whole batch
-            want = False if kv_pass is None and batch_invariant else kv_pass
+            # batch-invariant plans take the pass only when asked: the model weighs the whole batch;
+            # K and V of different head dims never (the pass has one)
+            want = False if (kv_pass is None and batch_invariant) or dv != d else kv_pass
             transform = var is not None and vbase.Hooks(var).has_transform_k
             boxes = bool(page_box_for(True, int(page_size)))  # else the kernel's cp.async gather
             pays = lambda: kv_pass_pays(  # noqa: E731
@@ -323,7 +366,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             gather = None
             k = self._kernels(arch, backend, num_sms, launch, tile, d, var, page_size, gather)
         spec_kw, pass_var, pass_module, pass_grid, attn = k
-        ms = merge_partials_spec(arch, launch["dtype"], d, tile)
+        ms = merge_partials_spec(arch, launch["dtype"], dv, tile)
         merge = kernel(ms.family, arch, **ms.pdict)
         planner = self._install_planner(lim, num_sms, per_sm, backend.planner, grow)
         plan = planner.plan(
@@ -354,6 +397,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             hq=hq,
             hk=hk,
             head_dim=d,
+            head_dim_vo=dv,
             causal=launch["causal"],
             sm_scale=launch["sm_scale"],
             soft_cap=launch["soft_cap_value"],
@@ -392,6 +436,8 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             soft_cap=launch["soft_cap"],
             window=launch["window"],
         )
+        if launch["head_dim_vo"] != d:  # a parameter only where it differs (the symmetric keys stay)
+            spec_kw["head_dim_vo"] = launch["head_dim_vo"]
         if launch["page_box"]:
             spec_kw["page_box"] = launch["page_box"]
         if keys_pretransformed(paged, var):
@@ -452,7 +498,8 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
 
     def _choose_limits(self, batch, total_q, hq, hk, d, num_ctas):
         """The planner limits for this plan and the bytes the workspace must grow to (0: it
-        fits); no side effects (a kernel that fails to load leaves the previous plan intact)."""
+        fits); no side effects (a kernel that fails to load leaves the previous plan intact).
+        ``d``: the partial outputs' head dim (head_dim_vo)."""
         have = self._workspace.numel()
 
         def limits(max_batch, max_q):
@@ -521,6 +568,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         # the pass's output: contiguous K / V (the workspace, or the wrapper's own buffer)
         gathered = None if st.gather is None else st.gather.views(st.dtype, st.hk, st.head_dim)
         self._state = replace(st, inputs=inputs, binding=binding, pass_binding=pass_binding, gathered=gathered)
+        self._out_dim = None if st.head_dim_vo == st.head_dim else st.head_dim_vo  # torch.compile's out
 
     def _to_device(self, t, buf, name):
         return common.to_device(t, buf, name, self._device)
@@ -538,7 +586,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         common.check_q(q, st.total_q, st.hq, st.head_dim, st.dtype, self._device, self._use_cuda_graph,
                        " (qo_indptr[-1])")  # fmt: skip
         common.check_run_capture(self, q, "*_buf index")
-        return common.out_and_lse(q, out, lse, st.hq)
+        return common.out_and_lse(q, out, lse, st.hq, None if st.head_dim_vo == st.head_dim else st.head_dim_vo)
 
     def _check_kv(self, k, v, what):
         dt, dev = self._state.kv_dtype, self._device
@@ -547,6 +595,29 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             raise ValueError(
                 f"{what} must be {dt}{planned} on {dev}, got {k.dtype} / {v.dtype} on {k.device} / {v.device}"
             )
+
+    def _ragged_kv(self, k, v, n):
+        """run()'s ragged k / v (``[tokens, kv_heads, head_dim]``, v at head_dim_vo, NHD or HND)
+        checked to hold ``n`` tokens, as NHD views."""
+        st = self._state
+        hk, d, dv = st.hk, st.head_dim, st.head_dim_vo
+        if (
+            k.dim() != 3
+            or v.dim() != 3
+            or (k.shape if d == dv else k.shape[:2]) != (v.shape if d == dv else v.shape[:2])
+        ):
+            what = "equal 3-D tensors" if d == dv else "3-D tensors equal but for the head dim"
+            raise ValueError(f"k/v must be {what}, got {tuple(k.shape)} / {tuple(v.shape)}")
+        if self._kv_layout == "HND":
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        self._check_kv(k, v, "k/v")
+        if k.shape[0] < n or k.shape[1:] != (hk, d) or v.shape[1:] != (hk, dv):
+            dims = f"{d}" if d == dv else f"{d} (k) / {dv} (v)"
+            raise ValueError(
+                f"k/v ({self._kv_layout}) must hold {n} (kv_indptr[-1]) tokens of "
+                f"{hk} kv heads x {dims}, got {tuple(k.shape)} / {tuple(v.shape)} as [tokens, heads, dim]"
+            )
+        return k, v
 
     def _launch(self, q, k4, v4, kv_indptr, kv_indices, out, lse, args=(), sinks=None, ov=None, q_scale=None,
                 k_scale=None, v_fac=None):  # fmt: skip

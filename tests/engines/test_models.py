@@ -7,7 +7,9 @@ two-level cascade over a shared prefix, a speculative-decoding tree mask -- are 
 with every kernel load recorded (no launch does anything), and each requested specialization
 must be in ``model_specs(model, "sm_90a")``.  Once with the model's 16-bit cache and once with an
 fp8 one (``kv_cache_dtype="fp8"``: the fp8 decode kernels, the KV pass that dequantizes the
-cache, the ragged prefill kernels).
+cache, the ragged prefill kernels).  An MLA model (``deepseek-v3``): its prefill's ragged calls
+at (head_dim_qk, head_dim_vo), causal over new tokens and non-causal over a cached prefix chunk
+(its decode is the MLA wrapper's).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def _i32(x):
 
 
 @pytest.mark.parametrize("kv_cache", [None, "fp8"])
-@pytest.mark.parametrize("name", sorted(BUILTIN))
+@pytest.mark.parametrize("name", sorted(n for n, m in BUILTIN.items() if not m.mla))
 def test_serving_step_loads_only_listed_kernels(loads, name, kv_cache):
     m = BUILTIN[name] if kv_cache is None else replace(BUILTIN[name], kv_dtype="e4m3")
     kv_dt = torch.bfloat16 if kv_cache is None else torch.float8_e4m3fn
@@ -143,3 +145,20 @@ def test_serving_step_loads_only_listed_kernels(loads, name, kv_cache):
     listed = set(model_specs(m, "sm_90a"))
     missing = [s.describe() for s in dict.fromkeys(loads) if s not in listed]
     assert loads and not missing, f"{name}: a serving step loads kernels compile --model does not list: {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n, m in BUILTIN.items() if m.mla))
+def test_mla_prefill_loads_only_listed_kernels(loads, name):
+    m = BUILTIN[name]
+    hq, d, dv = m.num_qo_heads, m.head_dim, m.dv
+    for causal in (True, False):
+        for qo in ([600, 300], [3, 5, 2]):
+            ind = _i32([0] + torch.tensor(qo).cumsum(0).tolist())
+            kv = _i32([0] + (torch.tensor(qo) + (0 if causal else 500)).cumsum(0).tolist())
+            r = BatchPrefillWithRaggedKVCacheWrapper(_ws())
+            r.plan(ind, kv, hq, hq, d, head_dim_vo=dv, causal=causal, q_data_type=torch.bfloat16)
+            n, nk = int(ind[-1]), int(kv[-1])
+            r.run(_t(n, hq, d), _t(nk, hq, d), _t(nk, hq, dv))
+    listed = set(model_specs(m, "sm_90a"))
+    missing = [s.describe() for s in dict.fromkeys(loads) if s not in listed]
+    assert loads and not missing, f"{name}: a prefill loads kernels compile --model does not list: {missing}"
