@@ -90,6 +90,7 @@ class PrefillPlanState:
     sm_scale_arg: Optional[float] = None  # plan()'s sm_scale as given
     logits_soft_cap: float = 0.0  # as planned (0.0: off)
     kv_dtype: Any = None  # the cache's torch dtype (the q dtype, or fp8: the KV pass dequantizes it)
+    fp8: Any = None  # fp8 attention (fp8 queries): wrappers/prefill_fp8.Fp8Plan, else None
 
     @property
     def page_size(self) -> int:

@@ -48,7 +48,7 @@ from ..sched.workspace import MIN_CTA_TILE_Q
 from ..variants import base as vbase
 from ..variants.binding import VariantBinding
 from ..variants.builtins import CustomMask, mask_kv_bounds
-from . import common, compat, guards, kv_gather
+from . import common, compat, guards, kv_gather, prefill_fp8
 from .masks import device_mask, packed_mask
 from .options import check_options, resolve_variant
 from .plans import PrefillInputs, PrefillPlanState
@@ -168,6 +168,10 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
     ):
         """Argument checks shared by both plans; returns (q dtype, kv dtype, head_dim, arch): the
         cache is of the query dtype or fp8 (``kv_gather``: the KV pass dequantizes it)."""
+        if prefill_fp8.is_fp8_query(q_data_type):  # fp8 attention: its own checks
+            return prefill_fp8.check_plan(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type,
+                                          kv_data_type, o_data_type, window_left, logits_soft_cap, fixed_split_size,
+                                          split_unit, pos_encoding_mode, variant, **unsupported)  # fmt: skip
         common.check_plan_not_captured()
         q_dtype, kv_dtype = common.plan_kv_dtype(
             q_data_type, kv_data_type, o_data_type, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, **unsupported
@@ -222,6 +226,13 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         queued).  ``kv_pass`` (paged): gather the cache by the KV pass first (True), never
         (False) or when it pays (None); an fp8 ``kv_dtype`` always runs the pass (paged or
         ragged: it dequantizes the cache for the 16-bit kernel)."""
+        if q_dtype in common.FP8:  # fp8 attention: its own kernels, pass and plan (wrappers/prefill_fp8.py)
+            return prefill_fp8.plan_state(
+                self, qo_h, kv_lens, arch=arch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim, q_dtype=q_dtype, causal=causal, page_size=page_size, sm_scale=sm_scale,
+                split_tokens=split_tokens, disable_split_kv=disable_split_kv, custom_mask=custom_mask,
+                packed_custom_mask=packed_custom_mask, kv_pass=kv_pass, kv_dtype=kv_dtype,
+            )  # fmt: skip
         hq, hk, d = int(num_qo_heads), int(num_kv_heads), head_dim
         backend = backend_for("prefill", arch)
         qo_len = np.diff(qo_h)
@@ -538,6 +549,8 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         common.check_q(q, st.total_q, st.hq, st.head_dim, st.dtype, self._device, self._use_cuda_graph,
                        " (qo_indptr[-1])")  # fmt: skip
         common.check_run_capture(self, q, "*_buf index")
+        if st.fp8 is not None:  # fp8 attention: the output in plan()'s o_data_type
+            return prefill_fp8.out_and_lse(q, out, lse, st.hq, st.fp8.o_dtype)
         return common.out_and_lse(q, out, lse, st.hq)
 
     def _check_kv(self, k, v, what):
@@ -554,6 +567,9 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         lse = -inf without a kernel (TMA descriptors cannot describe an empty tensor; with
         sinks: lse = the sink)."""
         st = self._state
+        if st.fp8 is not None:  # fp8 attention: the V^T pass, its kernel, the merge
+            return prefill_fp8.launch(self, st, q, k4, v4, kv_indptr, kv_indices, out, lse, sinks, ov, q_scale,
+                                      k_scale, v_fac)  # fmt: skip
         ov = ov or {}
         sm = compat.folded_sm_scale(ov.get("sm_scale", st.sm_scale), q_scale, k_scale)
         sinks = common.check_sinks(sinks, st.hq, self._device)
