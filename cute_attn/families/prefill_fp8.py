@@ -125,7 +125,13 @@ VT_PASS = register(
 )
 
 
-def prefill_fp8_spec(arch: str, dtype: str, head_dim: int, tile_q: int, causal: bool, qkv_dtype: str = "e4m3") -> Spec:
+def prefill_fp8_spec(
+    arch: str, dtype: str, head_dim: int, tile_q: int, causal: bool, qkv_dtype: str = "e4m3", **knobs
+) -> Spec:
+    """``knobs`` (tuning, absent by default): ``tile_n`` (keys per block, a multiple of
+    VT_GROUP), ``stages`` (K / V^T stages), ``pingpong`` (0 / 1)."""
+    assert set(knobs) <= {"tile_n", "stages", "pingpong"}, knobs
+    assert knobs.get("tile_n", TILE_N) % VT_GROUP == 0
     return Spec.make(
         "batch_prefill_fp8_sm90",
         arch,
@@ -134,6 +140,7 @@ def prefill_fp8_spec(arch: str, dtype: str, head_dim: int, tile_q: int, causal: 
         head_dim=int(head_dim),
         tile_q=int(tile_q),
         causal=bool(causal),
+        **{k: int(v) for k, v in knobs.items()},
     )
 
 

@@ -103,7 +103,10 @@ class BatchPrefillFp8(BatchPrefillSm90):
 
     def __init__(self, cfg: PrefillConfig, qkv_dtype):
         assert not (cfg.paged or cfg.soft_cap or cfg.window or cfg.variant is not None)
-        super().__init__(dataclasses.replace(cfg, tile_n=TILE_N, stages=cfg.stages or STAGES[cfg.head_dim]))
+        assert (cfg.tile_n or TILE_N) % VT_GROUP == 0
+        super().__init__(
+            dataclasses.replace(cfg, tile_n=cfg.tile_n or TILE_N, stages=cfg.stages or STAGES[cfg.head_dim])
+        )
         self.qkv = qkv_dtype
         self.q_chunks = self.head_dim // 16  # 16-byte chunks per Q row
         self.p_src = None  # set while tracing host_fp8 (_p_sources)
@@ -451,5 +454,16 @@ def build_batch_prefill_fp8(spec):
     from ..variants.trace import make_entry
 
     p = spec.pdict
-    cfg = PrefillConfig(to_dsl(p["dtype"]), p["head_dim"], p["tile_q"], False, p["causal"], False, False)
+    cfg = PrefillConfig(
+        to_dsl(p["dtype"]),
+        p["head_dim"],
+        p["tile_q"],
+        False,
+        p["causal"],
+        False,
+        False,
+        tile_n=p.get("tile_n", 0),
+        stages=p.get("stages", 0),
+        pingpong=p.get("pingpong", -1),
+    )
     return make_entry(BatchPrefillFp8(cfg, to_dsl(p["qkv_dtype"])), prefill_fp8_abi(p), [], host="host_fp8")
