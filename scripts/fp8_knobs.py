@@ -31,7 +31,7 @@ def run(json_path=None) -> int:
 
     from cute_attn.bench import peers
     from cute_attn.bench.common import interleaved
-    from cute_attn.bench.fp8_attention import D, FP8, _fp8_run, _rel
+    from cute_attn.bench.fp8_attention import FP8, D, _fp8_run, _rel
     from cute_attn.bench.prefill import DT, B, H, S, _flops, _indptr, _tflops
     from cute_attn.runtime.loader import kernel
 
