@@ -40,7 +40,6 @@ TILES = (64, 128)
 QKV_DTYPES = ("e4m3",)
 OUT_DTYPES = ("f16", "bf16")
 VT_GROUP = 32  # keys per permuted V^T group (the k extent of one fp8 wgmma)
-TILE_N = 128  # keys per KV block of the attention kernel (a multiple of VT_GROUP)
 
 
 def vt_key(p: int) -> int:
@@ -129,9 +128,10 @@ def prefill_fp8_spec(
     arch: str, dtype: str, head_dim: int, tile_q: int, causal: bool, qkv_dtype: str = "e4m3", **knobs
 ) -> Spec:
     """``knobs`` (tuning, absent by default): ``tile_n`` (keys per block, a multiple of
-    VT_GROUP), ``stages`` (K / V^T stages), ``pingpong`` (0 / 1)."""
-    assert set(knobs) <= {"tile_n", "stages", "pingpong"}, knobs
-    assert knobs.get("tile_n", TILE_N) % VT_GROUP == 0
+    VT_GROUP), ``stages`` (K / V^T stages), ``pingpong`` (0 / 1), ``lazy_rescale`` (0: the
+    running max follows every new maximum, so each row's largest weight is exactly 1 in e4m3)."""
+    assert set(knobs) <= {"tile_n", "stages", "pingpong", "lazy_rescale"}, knobs
+    assert knobs.get("tile_n", VT_GROUP) % VT_GROUP == 0
     return Spec.make(
         "batch_prefill_fp8_sm90",
         arch,

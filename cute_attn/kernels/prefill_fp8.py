@@ -7,11 +7,11 @@ walk, ping-pong and epilogue are reused as they are (``self.dtype`` is the outpu
 What changes, and why:
 - **Operands in fp8.** Q (cp.async, 16-byte chunks of 16 elements), K (TMA, one box per block)
   and their stage tiles are e4m3 with the 128-byte swizzle of 128 one-byte elements; the QK
-  GEMM is the fp8 wgmma with both operands in shared memory, K-major.  Keys per block: 128
-  (``TILE_N``; the fp8 P takes half the registers of a 16-bit one, so 128 keys keep the wgmmas
-  asynchronous at hd128 where the 16-bit kernel takes 112).
+  GEMM is the fp8 wgmma with both operands in shared memory, K-major.  Keys per block: 192 at
+  hd128 (``KV_TILES``; the fp8 P takes half the registers of a 16-bit one, so 192 keys keep the
+  wgmmas asynchronous where the 16-bit kernel takes 112).
 - **V^T.** The fp8 wgmma's B operand must be K-major: the kernel reads V^T (``[kv_heads,
-  head_dim, columns]``, written by ``kernels/vt_pass.py``) by TMA as (head_dim, 128) boxes.
+  head_dim, columns]``, written by ``kernels/vt_pass.py``) by TMA as (head_dim, keys per block) boxes.
 - **P without shuffles.** The fp8 A fragment (per thread and 32 keys: k positions 4t..4t+3 and
   16+4t..16+4t+3) differs from S's accumulator layout (columns 2t, 2t+1 of each n8 tile).  Each
   thread packs its own S values into its A registers (``cvt.rn.satfinite.e4m3x2.f32``, two per
@@ -19,10 +19,15 @@ What changes, and why:
   trace time for every thread: ``_p_sources``).
 - **P's range.** With the lazy rescale (``prefill_sm90_softmax``) a weight is at most 2^8 = 256,
   inside e4m3's 448; weights below 2^-10 of the kept max round to 0 (the row sum is taken
-  in fp32 before the rounding).
+  in fp32 before the rounding).  The kept max may lag the row's true max (by < 8, base 2), so
+  a row's largest weight is not always exactly 1 and rounds like any other (up to 2^-4
+  relative): on rows one key dominates, the output error is that rounding's, larger than
+  with an exact max (FA3 rescales on every new max): measured 1.4e-2 against 5.2e-3 relative
+  on logits of ~+-60 (``tests/test_fp8_attention.py``).  Rescaling on every new max would
+  remove it, at the cost of the O rescales the lazy rule saves (not measured for fp8).
 - **Scales.** ``sm_scale`` arrives with q_scale and k_scale folded in; v_scale multiplies O once
   per item, before the epilogue.
-- **Alignment.** A block starts ``kv_start + 128 i`` keys into its request; the plan cuts
+- **Alignment.** A block starts ``kv_start + tile_n i`` keys into its request; the plan cuts
   split-KV chunks at multiples of 32 keys (``VT_GROUP``), so each block starts on a permuted
   group of V^T.  Rows of a block past the item's end are masked (P = 0); V^T's columns there
   are the pass's zeros, the next request's keys or TMA's zero fill: finite.
@@ -44,14 +49,19 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
-from ..families.prefill_fp8 import TILE_N, VT_GROUP, vt_key
+from ..families.prefill_fp8 import VT_GROUP, vt_key
 from ..variants.dsl import LOG2E
 from .fragments import WG, wgmma_mn_view
 from .prefill_sm90 import BAR_PINGPONG0, BAR_WG0, SMEM_MAX, BatchPrefillSm90, Gmem, PrefillConfig, Stages, WgThread
 from .prefill_sm90_softmax import ItemRows, SoftmaxState
 from .work import ItemInfo, TraceCtx, tok_head
 
-STAGES = {64: 4, 128: 4}  # K and V^T stages per head dim (16 KB each at hd128)
+# (keys per block, K / V^T stages) per head dim.  hd128: 192 keys x 2 stages ran 1.16x / 1.08x
+# faster than 128 x 4 (causal / not, 2 x 8k, H200, scripts/fp8_knobs.py; 128 x 2 = 128 x 4): fewer
+# blocks, so fewer per-block barriers, max / sum reductions and rescale votes per key; 192 keys
+# still keep the wgmmas asynchronous (S 96 + P 24 + O 64 registers of 240).  V^T's 192-byte rows
+# take the 64-byte swizzle.  hd64: 128 x 4 (not measured otherwise).
+KV_TILES = {64: (128, 4), 128: (192, 2)}
 
 
 @dsl_user_op
@@ -103,10 +113,9 @@ class BatchPrefillFp8(BatchPrefillSm90):
 
     def __init__(self, cfg: PrefillConfig, qkv_dtype):
         assert not (cfg.paged or cfg.soft_cap or cfg.window or cfg.variant is not None)
-        assert (cfg.tile_n or TILE_N) % VT_GROUP == 0
-        super().__init__(
-            dataclasses.replace(cfg, tile_n=cfg.tile_n or TILE_N, stages=cfg.stages or STAGES[cfg.head_dim])
-        )
+        tn, stages = KV_TILES[cfg.head_dim]
+        assert (cfg.tile_n or tn) % VT_GROUP == 0
+        super().__init__(dataclasses.replace(cfg, tile_n=cfg.tile_n or tn, stages=cfg.stages or stages))
         self.qkv = qkv_dtype
         self.q_chunks = self.head_dim // 16  # 16-byte chunks per Q row
         self.p_src = None  # set while tracing host_fp8 (_p_sources)
@@ -417,6 +426,22 @@ class BatchPrefillFp8(BatchPrefillSm90):
             self._scale_o(acc_O, corr)
             self._epilogue(acc_O, st, tOcO, sO, gm, thr, info, tc)
 
+    def _rescale_o(self, acc_O, corr):
+        """The base's lazy rule (spec default); with ``lazy_rescale=0`` (a knob: the max is
+        raised on every new maximum, so a row's largest weight is exactly 1 and e4m3 holds it
+        exactly, as FA3's) O is still rescaled only where some row of the warp moved."""
+        if self.lazy_rescale:
+            return BatchPrefillSm90._rescale_o(self, acc_O, corr)
+        return self._rescale_o_moved(acc_O, corr)
+
+    @cute.jit
+    def _rescale_o_moved(self, acc_O, corr):
+        moved = corr[0] != Float32(1.0)
+        for r in cutlass.range_constexpr(1, cute.size(corr)):
+            moved = moved | (corr[r] != Float32(1.0))
+        if cute.arch.vote_any_sync(moved):
+            self._scale_o(acc_O, corr)
+
     @cute.jit
     def _scale_o(self, acc_O, corr):
         """O *= corr per row, unconditionally (v_scale)."""
@@ -465,5 +490,6 @@ def build_batch_prefill_fp8(spec):
         tile_n=p.get("tile_n", 0),
         stages=p.get("stages", 0),
         pingpong=p.get("pingpong", -1),
+        lazy_rescale=p.get("lazy_rescale", 1),
     )
     return make_entry(BatchPrefillFp8(cfg, to_dsl(p["qkv_dtype"])), prefill_fp8_abi(p), [], host="host_fp8")
