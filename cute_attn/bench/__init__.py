@@ -7,8 +7,8 @@ import sys
 from .common import Results
 
 GROUPS = (
-    "copy", "merge", "launch", "decode", "fp8", "prefill", "head_dims", "variants", "cascade", "sparse", "mla",
-    "merge_sweep",
+    "copy", "merge", "launch", "decode", "fp8", "fp8attn", "prefill", "head_dims", "variants", "cascade", "sparse",
+    "mla", "merge_sweep",
 )  # fmt: skip
 
 
@@ -40,6 +40,10 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         from . import fp8
 
         fp8.bench_fp8(res, quick)
+    if "fp8attn" in groups:
+        from . import fp8_attention
+
+        fp8_attention.bench_fp8_attention(res, quick)
     if "prefill" in groups:
         prefill.bench_prefill(res, quick)
     if "head_dims" in groups:

@@ -14,12 +14,12 @@ import numpy as np
 
 from ..abi import dtypes
 from ..abi.archs import ARCHS
-from . import decode, kv_pass, merge, mla, prefill
+from . import decode, kv_pass, merge, mla, prefill, prefill_fp8
 
 
 @dataclass(frozen=True)
 class Backend:
-    op: str  # "merge", "decode", "prefill", "kv_pass", "mla_decode"
+    op: str  # "merge", "decode", "prefill", "prefill_fp8", "vt_pass", "kv_pass", "mla_decode"
     name: str
     family: str
     archs: tuple
@@ -79,6 +79,19 @@ BACKENDS = (
         shipped=prefill.shipped_specs,
         head_dim_pairs=prefill.HEAD_DIM_PAIRS,
     ),  # fmt: skip
+    # fp8 attention (fp8 q / k / v on the fp8 wgmma) and its V^T pass, which the wrapper launches
+    # with one CTA per (32 keys, kv head)
+    Backend(
+        "prefill_fp8",
+        "prefill_fp8_sm90",
+        "batch_prefill_fp8_sm90",
+        (prefill_fp8.ARCH,),
+        prefill_fp8.HEAD_DIMS,
+        prefill_fp8.QKV_DTYPES,
+        tiles=prefill_fp8.TILES,
+        shipped=prefill_fp8.shipped_specs,
+    ),  # fmt: skip
+    Backend("vt_pass", "vt_pass", "vt_pass", (prefill_fp8.ARCH,), prefill_fp8.HEAD_DIMS, prefill_fp8.QKV_DTYPES),
     Backend(
         "kv_pass",
         "kv_pass",
@@ -117,7 +130,11 @@ def backend_for(op: str, arch: str) -> Backend:
     have = [f"{b.name} ({', '.join(b.archs)})" for b in BACKENDS if b.op == op]
     raise NoBackend(
         f"no {op} kernel for {arch} yet; {op} runs on: {'; '.join(have) or 'nothing'}"
-        + (" (the prefill kernel is built on Hopper's wgmma)" if op in ("prefill", "kv_pass") else "")
+        + (
+            " (the prefill kernel is built on Hopper's wgmma)"
+            if op in ("prefill", "prefill_fp8", "vt_pass", "kv_pass")
+            else ""
+        )
     )
 
 

@@ -468,7 +468,7 @@ class DecodeEngineAPI:
         hq, hk, d = int(num_qo_heads), int(num_kv_heads), int(head_dim)
         arch = arch_of_index(self._dev)
         if q_len_per_req > 1:
-            from .prefill_base import prefill_workspace_bytes
+            from .prefill_sizes import prefill_workspace_bytes
 
             have = self._workspace.numel()
             return prefill_workspace_bytes(self._dev, arch, batch, batch * int(q_len_per_req), hq, hk, d, have), 0

@@ -91,6 +91,7 @@ class PrefillPlanState:
     logits_soft_cap: float = 0.0  # as planned (0.0: off)
     kv_dtype: Any = None  # the cache's torch dtype (the q dtype, or fp8: the KV pass dequantizes it)
     head_dim_vo: int = 0  # V's and the output's head dim (head_dim unless plan(head_dim_vo=...) differs)
+    fp8: Any = None  # fp8 attention (fp8 queries): wrappers/prefill_fp8.Fp8Plan, else None
 
     @property
     def page_size(self) -> int:

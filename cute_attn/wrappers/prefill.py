@@ -245,7 +245,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
         compat.check_lse_format(lse_base, lse_layout)
         st = self._require_plan()
         q_s = k_s = v_fac = None
-        if st.kv_dtype != st.dtype:  # fp8 K / V: the scales apply (the scales first, once)
+        if st.kv_dtype != st.dtype or st.fp8 is not None:  # fp8 K / V: the scales apply (the scales first, once)
             kv_gather.check_scales(self._device, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
             q_s, k_s = compat.scale_value(q_scale, "q_scale"), compat.scale_value(k_scale, "k_scale")
             v_fac = compat.v_scale_factor(v_scale)
@@ -411,7 +411,7 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         an fp8 cache's plan puts in a buffer of its own where they do not fit); no side
         effects.  The int bytes are 0 (the plan's records live in a buffer of the wrapper's
         own)."""
-        from .prefill_base import prefill_workspace_bytes
+        from .prefill_sizes import prefill_workspace_bytes
 
         qo_h = as_index_array("qo_indptr", qo_indptr)
         check_indptr("qo_indptr", qo_h)

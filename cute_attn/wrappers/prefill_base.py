@@ -48,66 +48,12 @@ from ..sched.workspace import MIN_CTA_TILE_Q
 from ..variants import base as vbase
 from ..variants.binding import VariantBinding
 from ..variants.builtins import CustomMask, mask_kv_bounds
-from . import common, compat, guards, kv_gather
+from . import common, compat, guards, kv_gather, prefill_fp8
 from .masks import device_mask, packed_mask
 from .options import check_options, resolve_variant
 from .plans import PrefillInputs, PrefillPlanState
 from .prefill_engine import PrefillEngineAPI
-
-
-def _rows_per_cta(head_dim: int) -> int:
-    """Partial-output rows per CTA: 4 slots of 128 rows (8 of 64) up to head_dim 128, half that
-    at 256, so the fp32 partial section stays at ~35 MB on an H200 (132 SMs) for every head
-    dim. The planner only cuts a tile when whole tiles cannot balance (few long tiles); its
-    pre-cut candidate doubles the chunk until the slots fit."""
-    return 512 * 128 // max(head_dim, 128)
-
-
-def _round_rows(n: int) -> int:
-    """Query-token capacity when it has to grow: a power of two (>= 1024), so that the
-    planner (pinned staging buffers, workspace layout) is rebuilt only log-many times."""
-    return max(1024, 1 << max(int(n) - 1, 0).bit_length())
-
-
-def check_head_dims(backend, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo) -> tuple:
-    """(head_dim_qk, head_dim_vo) as ints (``head_dim_vo`` None: ``head_dim_qk``), checked
-    against what the backend serves, and the head counts."""
-    dv = head_dim_qk if head_dim_vo is None else head_dim_vo
-    for name, d in (("head_dim_qk", head_dim_qk), ("head_dim_vo", dv)):
-        if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 1:
-            raise ValueError(f"{name} must be a positive int, got {d!r}")
-    if int(dv) != int(head_dim_qk):
-        if not backend.serves_head_dims(int(head_dim_qk), int(dv)):
-            pairs = ", ".join(f"{a}/{b}" for a, b in backend.head_dim_pairs) or "none"
-            raise ValueError(
-                f"head_dim_qk {head_dim_qk} with head_dim_vo {dv} is not supported; supported: equal head dims "
-                f"{backend.head_dims}, or (qk/vo) {pairs}"
-            )
-        common.check_heads(num_qo_heads, num_kv_heads, int(head_dim_qk), (int(head_dim_qk),))
-    else:
-        common.check_heads(num_qo_heads, num_kv_heads, head_dim_qk, backend.head_dims)
-    return int(head_dim_qk), int(dv)
-
-
-def prefill_workspace_bytes(device_index, arch, batch, total_q, hq, hk, d, have, dv=None) -> int:
-    """The float workspace bytes a prefill plan of these sizes uses in a workspace of ``have``
-    bytes (the partial-output room shrunk to fit, as plan() does), for ``workspace_size``;
-    ``dv``: head_dim_vo (None: ``d``), the partial outputs' width."""
-    backend = backend_for("prefill", arch)
-    d, dv = check_head_dims(backend, hq, hk, d, dv)
-    num_ctas = sm_count_of_index(device_index) * backend.ctas_for(d)
-    lim = compat.partial_rows_that_fit(
-        have,
-        num_ctas,
-        max_batch=max(batch, 1),
-        max_total_q_tokens=max(total_q, 1),
-        num_qo_heads=hq,
-        num_kv_heads=hk,
-        head_dim=dv,
-        rows=_rows_per_cta(dv) * num_ctas,
-        min_rows=num_ctas * MIN_CTA_TILE_Q,
-    )
-    return WorkspaceLayout(lim, num_ctas).total_bytes
+from .prefill_sizes import check_head_dims, round_rows, rows_per_cta
 
 
 def _variant_kw(v) -> dict:
@@ -190,6 +136,10 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         """Argument checks shared by both plans; returns (q dtype, kv dtype, head_dim_qk,
         head_dim_vo, arch): the cache is of the query dtype or fp8 (``kv_gather``: the KV pass
         dequantizes it)."""
+        if prefill_fp8.is_fp8_query(q_data_type):  # fp8 attention: its own checks
+            return prefill_fp8.check_plan(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type,
+                                          kv_data_type, o_data_type, window_left, logits_soft_cap, fixed_split_size,
+                                          split_unit, pos_encoding_mode, variant, **unsupported)  # fmt: skip
         common.check_plan_not_captured()
         q_dtype, kv_dtype = common.plan_kv_dtype(q_data_type, kv_data_type, o_data_type, **unsupported)
         kv_gather.kv_name(kv_dtype, q_dtype)  # the fp8 formats served
@@ -251,6 +201,13 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         output's head dim (None: ``head_dim``); the kernels never transform keys or queries
         (RoPE) at other than the power-of-two head dims, and the KV pass gathers K / V only of
         equal head dims."""
+        if q_dtype in common.FP8:  # fp8 attention: its own kernels, pass and plan (wrappers/prefill_fp8.py)
+            return prefill_fp8.plan_state(
+                self, qo_h, kv_lens, arch=arch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim, q_dtype=q_dtype, causal=causal, page_size=page_size, sm_scale=sm_scale,
+                split_tokens=split_tokens, disable_split_kv=disable_split_kv, custom_mask=custom_mask,
+                packed_custom_mask=packed_custom_mask, kv_pass=kv_pass, kv_dtype=kv_dtype,
+            )  # fmt: skip
         hq, hk, d = int(num_qo_heads), int(num_kv_heads), head_dim
         dv = d if head_dim_vo is None else int(head_dim_vo)
         backend = backend_for("prefill", arch)
@@ -511,7 +468,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
                 num_qo_heads=hq,
                 num_kv_heads=hk,
                 head_dim=d,
-                rows=_rows_per_cta(d) * num_ctas,
+                rows=rows_per_cta(d) * num_ctas,
                 min_rows=num_ctas * MIN_CTA_TILE_Q,
             )
 
@@ -521,7 +478,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             prev = self._planner.limits if self._planner is not None else None
             same_heads = prev is not None and (prev.num_qo_heads, prev.num_kv_heads, prev.head_dim) == (hq, hk, d)
             grow_b = max(batch, prev.max_batch) if same_heads else batch
-            grow_q = max(_round_rows(total_q), prev.max_total_q_tokens) if same_heads else _round_rows(total_q)
+            grow_q = max(round_rows(total_q), prev.max_total_q_tokens) if same_heads else round_rows(total_q)
             if same_heads and prev.max_batch >= batch and prev.max_total_q_tokens >= total_q:
                 cands = [prev]
             else:  # grow with headroom; exact sizes if the headroom does not fit the workspace
@@ -586,6 +543,8 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         common.check_q(q, st.total_q, st.hq, st.head_dim, st.dtype, self._device, self._use_cuda_graph,
                        " (qo_indptr[-1])")  # fmt: skip
         common.check_run_capture(self, q, "*_buf index")
+        if st.fp8 is not None:  # fp8 attention: the output in plan()'s o_data_type
+            return prefill_fp8.out_and_lse(q, out, lse, st.hq, st.fp8.o_dtype)
         return common.out_and_lse(q, out, lse, st.hq, None if st.head_dim_vo == st.head_dim else st.head_dim_vo)
 
     def _check_kv(self, k, v, what):
@@ -625,6 +584,9 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         lse = -inf without a kernel (TMA descriptors cannot describe an empty tensor; with
         sinks: lse = the sink)."""
         st = self._state
+        if st.fp8 is not None:  # fp8 attention: the V^T pass, its kernel, the merge
+            return prefill_fp8.launch(self, st, q, k4, v4, kv_indptr, kv_indices, out, lse, sinks, ov, q_scale,
+                                      k_scale, v_fac)  # fmt: skip
         ov = ov or {}
         sm = compat.folded_sm_scale(ov.get("sm_scale", st.sm_scale), q_scale, k_scale)
         sinks = common.check_sinks(sinks, st.hq, self._device)

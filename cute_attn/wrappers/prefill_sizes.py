@@ -1,0 +1,68 @@
+"""Sizes of a prefill plan: the head dims a backend serves, the partial-output rows per CTA,
+the query-token capacity as it grows, and the float workspace a plan of given sizes uses
+(``workspace_size()`` of the prefill and multi-token decode wrappers)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..families.backends import backend_for
+from ..runtime.arch import sm_count_of_index
+from ..sched import WorkspaceLayout
+from ..sched.workspace import MIN_CTA_TILE_Q
+from . import common, compat
+
+
+def rows_per_cta(head_dim: int) -> int:
+    """Partial-output rows per CTA: 4 slots of 128 rows (8 of 64) up to head_dim 128, half that
+    at 256, so the fp32 partial section stays at ~35 MB on an H200 (132 SMs) for every head
+    dim. The planner only cuts a tile when whole tiles cannot balance (few long tiles); its
+    pre-cut candidate doubles the chunk until the slots fit."""
+    return 512 * 128 // max(head_dim, 128)
+
+
+def round_rows(n: int) -> int:
+    """Query-token capacity when it has to grow: a power of two (>= 1024), so that the
+    planner (pinned staging buffers, workspace layout) is rebuilt only log-many times."""
+    return max(1024, 1 << max(int(n) - 1, 0).bit_length())
+
+
+def check_head_dims(backend, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo) -> tuple:
+    """(head_dim_qk, head_dim_vo) as ints (``head_dim_vo`` None: ``head_dim_qk``), checked
+    against what the backend serves, and the head counts."""
+    dv = head_dim_qk if head_dim_vo is None else head_dim_vo
+    for name, d in (("head_dim_qk", head_dim_qk), ("head_dim_vo", dv)):
+        if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 1:
+            raise ValueError(f"{name} must be a positive int, got {d!r}")
+    if int(dv) != int(head_dim_qk):
+        if not backend.serves_head_dims(int(head_dim_qk), int(dv)):
+            pairs = ", ".join(f"{a}/{b}" for a, b in backend.head_dim_pairs) or "none"
+            raise ValueError(
+                f"head_dim_qk {head_dim_qk} with head_dim_vo {dv} is not supported; supported: equal head dims "
+                f"{backend.head_dims}, or (qk/vo) {pairs}"
+            )
+        common.check_heads(num_qo_heads, num_kv_heads, int(head_dim_qk), (int(head_dim_qk),))
+    else:
+        common.check_heads(num_qo_heads, num_kv_heads, head_dim_qk, backend.head_dims)
+    return int(head_dim_qk), int(dv)
+
+
+def prefill_workspace_bytes(device_index, arch, batch, total_q, hq, hk, d, have, dv=None) -> int:
+    """The float workspace bytes a prefill plan of these sizes uses in a workspace of ``have``
+    bytes (the partial-output room shrunk to fit, as plan() does), for ``workspace_size``;
+    ``dv``: head_dim_vo (None: ``d``), the partial outputs' width."""
+    backend = backend_for("prefill", arch)
+    d, dv = check_head_dims(backend, hq, hk, d, dv)
+    num_ctas = sm_count_of_index(device_index) * backend.ctas_for(d)
+    lim = compat.partial_rows_that_fit(
+        have,
+        num_ctas,
+        max_batch=max(batch, 1),
+        max_total_q_tokens=max(total_q, 1),
+        num_qo_heads=hq,
+        num_kv_heads=hk,
+        head_dim=dv,
+        rows=rows_per_cta(dv) * num_ctas,
+        min_rows=num_ctas * MIN_CTA_TILE_Q,
+    )
+    return WorkspaceLayout(lim, num_ctas).total_bytes
