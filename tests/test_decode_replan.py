@@ -327,7 +327,7 @@ def test_uploads_in_stream_order_while_the_gpu_lags():
     third plan waits for the first one's copy (the runtime event of ``runtime.hostcopy``)."""
     lim = Limits(max_batch=64, max_total_q_tokens=64, num_qo_heads=32, num_kv_heads=8, head_dim=128)
     pl = Planner(lim, 132, 2, alpha=8, beta=1, balance_tol=0.01, keep_tol=0.03)
-    dev = torch.zeros(pl.layout.int_bytes, dtype=torch.uint8, device="cuda")
+    dev = torch.zeros(pl.layout.total_bytes, dtype=torch.uint8, device="cuda")  # what layout.views reads
     rng = np.random.default_rng(random.randrange(1 << 30))
     kv = rng.integers(1, 4097, size=64)
     pl.plan(None, kv, page_size=16, num_qo_heads=32, num_kv_heads=8, cta_tile_q=16)

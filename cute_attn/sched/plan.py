@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Optional
 
@@ -656,7 +655,8 @@ class Planner:
             return None
         fields, loads = got
         full = kept.plan
-        kept_plan = copy.copy(full)  # the full plan's CTA lists, meta and tiles
+        kept_plan = object.__new__(Plan)  # the full plan's CTA lists, meta and tiles (a copy
+        kept_plan.__dict__.update(full.__dict__)  # without the dataclass __init__: per step)
         kept_plan.work_items, kept_plan.merge_tasks = self._staging.stage_kept(full, *fields)
         kept_plan.cta_cost = loads
         return kept_plan

@@ -37,7 +37,7 @@ class Staging:
         self._items_at = layout.offset("work_items")
         self._merges_at = layout.offset("merge_tasks")
         assert 0 < self._merges_at < self._items_at  # one copy from the merge tasks to the items
-        self._copy_key = self._copy = None  # the last upload's (source, destination) slices
+        self._copies = {}  # (buffer, range, destination) -> the upload as a call
 
     def _section_views(self, buf: np.ndarray, num_ctas: int):
         lay = self.layout
@@ -106,10 +106,12 @@ class Staging:
         if lo and (last is None or last[0] != ptr or last[1] is not full):
             lo = 0  # the device does not hold this plan's other sections: copy them too
         key = (i, lo, hi, ptr, workspace.dtype, workspace.numel())
-        if key != self._copy_key:  # a decode step copies the same range every time
-            self._copy = self._copy_of(workspace, i, lo, hi)
-            self._copy_key = key
-        self._copy()
+        copy = self._copies.get(key)
+        if copy is None:  # decode steps copy the same ranges of the same buffers every time
+            if len(self._copies) >= 8:
+                self._copies.clear()
+            copy = self._copies[key] = self._copy_of(workspace, i, lo, hi)
+        copy()
         self._uploaded = (ptr, full)
 
     def _copy_of(self, workspace, i: int, lo: int, hi: int):
