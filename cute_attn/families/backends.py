@@ -14,7 +14,7 @@ import numpy as np
 
 from ..abi import dtypes
 from ..abi.archs import ARCHS
-from . import decode, kv_pass, merge, mla, prefill
+from . import decode, kv_pass, merge, mla, prefill, prefill_mma
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,22 @@ BACKENDS = (
         tiles=prefill.TILES,
         shipped=prefill.shipped_specs,
     ),  # fmt: skip
+    # the portable prefill (mma.sync + cp.async, every arch): the prefill of any arch without
+    # a faster one, and Hopper's where ``mma_prefill_pays`` says so.  The planner parameters are
+    # decode's: its 16-row tile is the decode kernel's geometry, and bandwidth-bound batches
+    # (multi-token decode) are where it runs on Hopper
+    Backend(
+        "prefill",
+        "prefill_mma_sync",
+        "batch_prefill_mma",
+        ARCHS,
+        prefill.HEAD_DIMS,
+        dtypes.ATTENTION,
+        tiles=prefill_mma.TILES,
+        ctas_per_sm=prefill_mma.CTAS_PER_SM,
+        planner={"alpha": 8, "balance_tol": 0.01},
+        shipped=prefill_mma.shipped_specs,
+    ),  # fmt: skip
     Backend(
         "kv_pass",
         "kv_pass",
@@ -98,16 +114,56 @@ BACKENDS = (
 )
 
 
-def backend_for(op: str, arch: str) -> Backend:
-    """The backend that serves ``op`` on ``arch``; :class:`NoBackend` naming what exists."""
+def backend_for(op: str, arch: str, name: str | None = None) -> Backend:
+    """The backend that serves ``op`` on ``arch`` (the first of the table: the fastest in
+    general; ``name``: that one); :class:`NoBackend` naming what exists."""
     for b in BACKENDS:
-        if b.op == op and arch in b.archs:
+        if b.op == op and arch in b.archs and name in (None, b.name):
             return b
     have = [f"{b.name} ({', '.join(b.archs)})" for b in BACKENDS if b.op == op]
     raise NoBackend(
-        f"no {op} kernel for {arch} yet; {op} runs on: {'; '.join(have) or 'nothing'}"
-        + (" (the prefill kernel is built on Hopper's wgmma)" if op in ("prefill", "kv_pass") else "")
+        f"no {op} kernel{' ' + name if name else ''} for {arch} yet; {op} runs on: {'; '.join(have) or 'nothing'}"
+        + (" (the KV pass serves only the Hopper prefill)" if op == "kv_pass" else "")
     )
+
+
+def backends_for(op: str, arch: str) -> list:
+    """Every backend that serves ``op`` on ``arch``, in table order."""
+    return [b for b in BACKENDS if b.op == op and arch in b.archs]
+
+
+# ---- which prefill kernel serves a batch ----------------------------------------------------
+PORTABLE_PREFILL = "prefill_mma_sync"
+# Hopper: the portable kernel serves batches whose mean packed query rows per request (qo_len x
+# group over the requests with queries) are at most this, by how the wgmma kernel would read
+# the KV: TMA ("tma": ragged, page sizes k*16) or its cp.async gather ("gather": other page
+# sizes).  Such batches (multi-token decode, speculative verification) are bandwidth-bound in
+# both kernels; the wgmma kernel computes 64-row tiles for them.  0: never.  Measured:
+# BENCHMARKS.md, "Portable prefill".
+HOPPER_PORTABLE_MAX_ROWS = {"tma": 0, "gather": 0}
+
+
+def choose_prefill_backend(
+    arch: str,
+    packed_rows: float,
+    name: str | None = None,
+    needs_pass: bool = False,
+    batch_invariant: bool = False,
+    gathers: bool = False,
+) -> Backend:
+    """The prefill kernel of a batch: ``name`` if given (a backend of ``arch``), else the arch's
+    first prefill backend, except on Hopper for batches of at most HOPPER_PORTABLE_MAX_ROWS
+    mean packed rows per request (``packed_rows``; ``gathers``: the wgmma kernel would gather
+    the pages with cp.async), which take the portable kernel -- unless the plan needs the KV
+    pass (an fp8 cache, ``kv_pass=True``: it feeds only the wgmma kernel) or must not depend on
+    the batch (``fixed_split_size``)."""
+    if name is not None:
+        return backend_for("prefill", arch, name)
+    first = backend_for("prefill", arch)
+    limit = HOPPER_PORTABLE_MAX_ROWS["gather" if gathers else "tma"]
+    if first.name != PORTABLE_PREFILL and not needs_pass and not batch_invariant and 0 < packed_rows <= limit:
+        return backend_for("prefill", arch, PORTABLE_PREFILL)
+    return first
 
 
 def shipped_specs(arch: str) -> list:
