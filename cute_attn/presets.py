@@ -32,7 +32,12 @@ def _variants(arch: str) -> List[Spec]:
     of the same shapes included), the prefill bench's plain / soft-cap / window rows, the
     prefill merge for tile 128 and the RoPE passes over an fp8 cache of
     tests/test_fp8_prefill.py."""
-    from .testing.matrices import fp8_prefill_test_specs, variant_decode_specs, variant_prefill_specs
+    from .testing.matrices import (
+        fp8_prefill_test_specs,
+        portable_prefill_test_specs,
+        variant_decode_specs,
+        variant_prefill_specs,
+    )
 
     specs = (
         variant_decode_specs(arch)
@@ -40,6 +45,7 @@ def _variants(arch: str) -> List[Spec]:
         + [merge.merge_partials_spec(arch, "f16", 64, decode.TILE_Q)]
     )
     specs += variant_prefill_specs(arch) + prefill.merge_specs(arch, tiles=(128,)) + fp8_prefill_test_specs(arch)
+    specs += portable_prefill_test_specs(arch)
     specs += prefill.prefill_specs(
         arch,
         dtype_names=("bf16",),
@@ -49,6 +55,12 @@ def _variants(arch: str) -> List[Spec]:
         variants=((False, False), (True, False), (False, True)),
     )
     return list(dict.fromkeys(specs))
+
+
+def _portable(arch: str) -> List[Spec]:
+    from .testing.matrices import portable_prefill_test_specs
+
+    return portable_prefill_test_specs(arch)
 
 
 def _all(arch: str) -> List[Spec]:
@@ -69,6 +81,10 @@ PRESETS: Dict[str, Callable[[str], List[Spec]]] = {
     "all": _all,
     "decode": _backend("decode"),
     "prefill": _backend("prefill+kv_pass"),
+    # the portable prefill: what it ships plus what its GPU tests and bench load
+    "prefill_mma": lambda arch: list(
+        dict.fromkeys(backends.backend_for("prefill", arch, backends.PORTABLE_PREFILL).shipped(arch) + _portable(arch))
+    ),
     "mla": _backend("mla_decode"),
     "variants": _variants,
     "smoke": lambda arch: merge.shipped_specs(arch, ("bf16",), (128,)),

@@ -90,6 +90,8 @@ def interp(request, monkeypatch, ptx_of):  # noqa: F811
 
     def kernel(family, arch, **params):
         if family == "batch_prefill_mma":
+            if params["tile_q"] == 64:
+                params = dict(params, **TILE64_KNOBS)
             m = _Interpreted(params, ptx_of, request.param)
             mods.append(m)
             return m
@@ -106,6 +108,7 @@ def interp(request, monkeypatch, ptx_of):  # noqa: F811
 
 
 CPU = dict(device="cpu", seed=11)
+TILE64_KNOBS: dict = {}  # spec knobs the interpreted 64-row kernels get (test_warps_m_knob)
 
 # qo_lens, kv_lens, hq, hk, head_dim, dtype, page size (0: ragged), causal, soft_cap, window,
 # plan extras, the tile (the planner's rule: mean packed rows per request -> 16 / 32 / 64)
@@ -170,3 +173,12 @@ def test_compiled_variants_match_reference(interp, name, qo, kv, hq, hk, ps):
         **PORTABLE,
     )[0]
     assert w._state.family == "batch_prefill_mma" and any(m.steps > 0 for m in interp)  # (sinks: run()'s kernel)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[-1] == 64], ids=_id)
+def test_warps_m_knob(interp, case, monkeypatch):
+    """``warps_m=2`` at tile 64 (two warps of 32 rows per row group, their states merged in
+    registers: ``_merge_pair_store``) on the 64-row cases."""
+    monkeypatch.setitem(TILE64_KNOBS, "warps_m", 2)
+    test_compiled_kernel_matches_reference(interp, case)
+    assert any(m.params.get("warps_m") == 2 for m in interp)

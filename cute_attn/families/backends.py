@@ -13,7 +13,7 @@ from typing import Callable, Dict
 import numpy as np
 
 from ..abi import dtypes
-from ..abi.archs import ARCHS
+from ..abi.archs import ARCHS, HOPPER
 from . import decode, kv_pass, merge, mla, prefill, prefill_mma
 
 
@@ -36,6 +36,30 @@ class Backend:
 
 class NoBackend(RuntimeError):
     """No kernel serves this op on this arch (yet)."""
+
+
+# ---- which prefill kernel serves a batch ----------------------------------------------------
+PORTABLE_PREFILL = "prefill_mma_sync"
+# Hopper: the portable kernel serves batches whose mean packed query rows per request (qo_len x
+# group over the requests with queries) are at most this, by how the wgmma kernel would read
+# the KV: TMA ("tma": ragged, page sizes k*16) or its cp.async gather ("gather": other page
+# sizes).  Such batches (multi-token decode, speculative verification) are bandwidth-bound in
+# both kernels; the wgmma kernel computes 64-row tiles for them.  0: never.  Measured:
+# BENCHMARKS.md, "Portable prefill".
+HOPPER_PORTABLE_MAX_ROWS = {"tma": 0, "gather": 0}
+
+
+def portable_tiles(arch: str) -> tuple:
+    """The portable kernel's tiles an arch's plans may use (what it ships): all of them, and
+    on Hopper those of the batches ``choose_prefill_backend`` gives it (none while its limits
+    are 0; ``plan(prefill_backend=...)`` then compiles on first use)."""
+    tiles = prefill_mma.TILES
+    if arch != HOPPER:
+        return tiles
+    lim = max(HOPPER_PORTABLE_MAX_ROWS.values())
+    if not lim:
+        return ()
+    return tuple(t for t in tiles if t < lim) + (min([t for t in tiles if t >= lim] or [max(tiles)]),)
 
 
 BACKENDS = (
@@ -82,7 +106,7 @@ BACKENDS = (
         tiles=prefill_mma.TILES,
         ctas_per_sm=prefill_mma.CTAS_PER_SM,
         planner={"alpha": 8, "balance_tol": 0.01},
-        shipped=prefill_mma.shipped_specs,
+        shipped=lambda arch: prefill_mma.shipped_specs(arch, portable_tiles(arch)),
     ),  # fmt: skip
     Backend(
         "kv_pass",
@@ -130,17 +154,6 @@ def backend_for(op: str, arch: str, name: str | None = None) -> Backend:
 def backends_for(op: str, arch: str) -> list:
     """Every backend that serves ``op`` on ``arch``, in table order."""
     return [b for b in BACKENDS if b.op == op and arch in b.archs]
-
-
-# ---- which prefill kernel serves a batch ----------------------------------------------------
-PORTABLE_PREFILL = "prefill_mma_sync"
-# Hopper: the portable kernel serves batches whose mean packed query rows per request (qo_len x
-# group over the requests with queries) are at most this, by how the wgmma kernel would read
-# the KV: TMA ("tma": ragged, page sizes k*16) or its cp.async gather ("gather": other page
-# sizes).  Such batches (multi-token decode, speculative verification) are bandwidth-bound in
-# both kernels; the wgmma kernel computes 64-row tiles for them.  0: never.  Measured:
-# BENCHMARKS.md, "Portable prefill".
-HOPPER_PORTABLE_MAX_ROWS = {"tma": 0, "gather": 0}
 
 
 def choose_prefill_backend(

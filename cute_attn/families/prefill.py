@@ -19,6 +19,7 @@ from .spec import Spec
 ARCH = HOPPER
 HEAD_DIMS = (64, 128, 256)
 TILES = (64, 128)  # packed query rows per work item: one or two consumer warpgroups
+FIXED_SPLIT_TILE = 128  # fixed_split_size: a tile that does not depend on the batch
 PAGE_BOX = 16  # paged K/V by TMA, one box per 16 rows of a page (page sizes k*16)
 
 

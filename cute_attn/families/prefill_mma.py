@@ -6,15 +6,15 @@ hold, its specializations.
 Spec parameters: ``dtype``, ``head_dim``, ``tile_q`` (16, 32 or 64 packed rows: 1 x 4, 2 x 2
 or 4 x 1 warps by rows x keys), ``paged`` (the cache's pages gathered in-kernel, any page
 size; else ragged KV), the static flags ``causal`` / ``soft_cap`` / ``window``,
-``keys_transformed`` (K already rotated by the KV pass), ``stages`` (a knob: absent for the
-kernel's default) and the traced variant."""
+the knobs ``stages`` / ``warps_m`` (absent for the kernel's defaults) and the traced variant
+(an in-kernel key transform, RoPE, with 16-row tiles only)."""
 
 from __future__ import annotations
 
 from ..abi import dtypes
 from ..abi.archs import ARCHS
 from .base import KernelFamily, register, variant_params
-from .prefill import HEAD_DIMS, keys_pretransformed, prefill_abi
+from .prefill import HEAD_DIMS, prefill_abi
 from .spec import Spec
 
 TILES = (16, 32, 64)  # packed query rows per work item
@@ -51,15 +51,13 @@ def prefill_mma_spec(
     soft_cap: bool = False,
     window: bool = False,
     variant=None,
-    stages: int = 0,
+    **knobs,
 ) -> Spec:
     """One ``batch_prefill_mma`` specialization; ``variant``: the traced variant beyond the
-    static flags (None: the plain kernel); ``stages``: 0 for the kernel's default."""
+    static flags (None: the plain kernel); ``knobs``: ``stages`` / ``warps_m`` (absent: the
+    kernel's defaults)."""
     extra = variant_params(variant) if variant is not None else {}
-    if keys_pretransformed(paged, variant):
-        extra["keys_transformed"] = True
-    if stages:
-        extra["stages"] = int(stages)
+    extra.update({k: int(v) for k, v in knobs.items() if v})
     return Spec.make(
         "batch_prefill_mma",
         arch,
@@ -105,9 +103,11 @@ def merge_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=HEAD_DIMS, ti
     ]
 
 
-def shipped_specs(arch: str) -> list:
+def shipped_specs(arch: str, tiles=TILES) -> list:
     """Per dtype x head dim x tile x ragged/paged x causal: the plain kernel; soft-cap, window
     and both at head dim 128, ragged and paged; the merges of the tiles."""
+    if not tiles:
+        return []
     flags = ((True, False), (False, True), (True, True))
-    extra = prefill_mma_specs(arch, head_dims=(128,), variants=flags)
-    return prefill_mma_specs(arch) + extra + merge_specs(arch)
+    extra = prefill_mma_specs(arch, head_dims=(128,), tiles=tiles, variants=flags)
+    return prefill_mma_specs(arch, tiles=tiles) + extra + merge_specs(arch, tiles=tiles)

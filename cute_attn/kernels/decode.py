@@ -198,8 +198,10 @@ class PagedDecode:
         piece = self.o_region * self._atom_w(self.kv_width) * 2
         assert head_dim % 64 == 0 and piece % (head_dim * 4) == 0, head_dim
         self.o_rows_per_piece = piece // (head_dim * 4)
-        assert self.warps_n == 1 or (
-            self.o_rows_per_piece * (self.kv_width // self._atom_w(self.kv_width)) * 2 == self.warp_rows
+        assert (
+            self.warps_n == 1
+            or self.warp_rows > 16
+            or (self.o_rows_per_piece * (self.kv_width // self._atom_w(self.kv_width)) * 2 == self.warp_rows)
         ), f"the epilogue's buffers (_o_buf) do not tile head_dim {head_dim}"
 
     # ---- host side ----------------------------------------------------------------------

@@ -55,10 +55,15 @@ from ..variants.dsl import LOG2E
 from ..variants.trace import make_entry
 from .copy import cp_async_16
 from .decode import BLOCK_N, NUM_WARPS, THREADS, DecodeConfig, LoadCursor, LoadStream, Outputs, PagedDecode
-from .fragments import mma_acc_as_a, mma_mn_view, quad_sum
+from .fragments import mma_acc_as_a, mma_mn_view, quad_max, quad_sum
 from .work import ItemInfo, TraceCtx, item_row_values, tok_head
 
 TILES = (16, 32, 64)
+LAZY_RESCALE = 8.0  # base-2 units a row's block max may exceed its kept max by before O is rescaled
+# warp rows groups per tile (the rest of the 4 warps split a group's keys): 16 -> 1 x 4 (decode's
+# geometry), 32 -> 2 x 2, 64 -> 4 x 1; ``warps_m`` = 2 at tile 64 (a knob) gives each warp 32 rows
+# (two M tiles reusing every K / V fragment: half the shared-memory reads per MMA) and 32 keys
+WARPS_M = {16: 1, 32: 2, 64: 4}
 # K / V pipeline depth per (head dim, tile): what leaves two CTAs per SM room in 228 KB of
 # shared memory at head dims 64 / 128 (a stage: a Q tile + 64 tokens of K and V); one at 256
 STAGES = {
@@ -86,8 +91,8 @@ class PrefillMmaConfig:
     soft_cap: bool
     window: bool
     variant: Any = None
-    keys_transformed: bool = False
     stages: int = 0  # 0: STAGES
+    warps_m: int = 0  # 0: WARPS_M
 
     @classmethod
     def from_spec(cls, p: dict) -> PrefillMmaConfig:
@@ -103,8 +108,8 @@ class PrefillMmaConfig:
             p["soft_cap"],
             p["window"],
             spec_variant(p),
-            p.get("keys_transformed", False),
             p.get("stages", 0),
+            p.get("warps_m", 0),
         )
 
 
@@ -115,21 +120,23 @@ class PrefillMma(PagedDecode):
     def __init__(self, cfg: PrefillMmaConfig):
         assert cfg.tile_q in TILES, cfg.tile_q
         stages = cfg.stages or STAGES[cfg.head_dim, cfg.tile_q]
-        super().__init__(DecodeConfig(cfg.dtype, cfg.head_dim, stages, cfg.variant), cfg.tile_q, cfg.tile_q // 16)
+        warps_m = cfg.warps_m or WARPS_M[cfg.tile_q]
+        super().__init__(DecodeConfig(cfg.dtype, cfg.head_dim, stages, cfg.variant), cfg.tile_q, warps_m)
         self.pcfg = cfg
         self.paged = cfg.paged
         self.causal, self.soft_cap, self.window = cfg.causal, cfg.soft_cap, cfg.window
         H = self.hooks
-        if cfg.keys_transformed:  # K comes transformed by the KV pass (kv_pass.py): not again here
-            assert H.has_transform_k and not cfg.paged, "keys_transformed: a ragged spec whose variant has transform_k"
-            H.has_transform_k = False
         if H.has_transform_k and self.keys_per_warp != 16:
             raise NotImplementedError(
-                "the portable prefill transforms keys in-kernel (RoPE on a paged cache) only with 16-row "
-                "tiles (whole K fragments); larger tiles read keys the KV pass transformed"
+                "the portable prefill transforms keys (RoPE) in-kernel with whole K fragments: 16-row tiles only"
             )
+        self.m_tiles = self.warp_rows // 16
+        assert self.m_tiles == 1 or self.warps_n <= 2, "32-row warps: one or two warps per row group"
         # whole K / V fragments per block (decode) or one k16 step at a time next to its MMAs
         self.whole_frags = self.keys_per_warp == 16
+        # the row maxima of the flag path (``_softmax``) are kept in raw q·k units (the scale
+        # folds into the exponent's FFMA); the per-row variant path's (decode's) in base 2
+        self.raw_max = not H.per_row
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
@@ -329,6 +336,9 @@ class PrefillMma(PagedDecode):
             g = g + n_blocks
             if const_expr(WN == 1):
                 self._store_rows(outs, acc_O, row_m, row_l, tScS, tOcO, lane, info, tc)
+            elif const_expr(self.m_tiles > 1):
+                place = (rg, kg, lane)
+                self._merge_pair_store(outs, acc_O, row_m, row_l, (sM, sL), kv_ptr, g, place, tScS, tOcO, info, tc)
             else:
                 # decode's epilogue: unscaled O rows into the stage of this item's last block
                 # (``_o_buf``), the statistics into sM / sL, one barrier, the ⊕ of the warps_n
@@ -354,7 +364,7 @@ class PrefillMma(PagedDecode):
                         row_l[r] = w_item
                     j = tScS[r, 0][0]
                     if lane % 4 == 0:
-                        sM[j, kg] = row_m[r]
+                        sM[j, kg] = self._m_base2(row_m[r], tc)
                         sL[j, kg] = row_l[r]
                     if j < info.num_rows:  # rows past the tile's end are never stored
                         for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
@@ -420,9 +430,10 @@ class PrefillMma(PagedDecode):
 
     def _row_bounds(self, info: ItemInfo, tScS, n_rows: int, blk_end, tc: TraceCtx):
         """Per accumulator row: the key limit (the item's end; causal: min(end, q_pos + 1)) and,
-        with a window, the lowest visible key (q_pos - window_left; else None).  Once per item."""
+        with a window, the lowest visible key (q_pos - window_left; else ``lim`` itself, unread).
+        Once per item."""
         lim = cute.make_rmem_tensor((n_rows,), Int32)
-        lo = cute.make_rmem_tensor((n_rows,), Int32) if self.window else None
+        lo = cute.make_rmem_tensor((n_rows,), Int32) if self.window else lim
         for r in range(n_rows):
             lim[r] = blk_end
             if self.causal or self.window:
@@ -445,13 +456,21 @@ class PrefillMma(PagedDecode):
         return cute.arch.vote_any_sync(cut)
 
     def _softmax(self, acc_S_mn, acc_O_mn, row_m, row_l, blk, tc: TraceCtx, masked: bool):
-        """Logits (soft-cap: tanh in units of cap) in base 2, the static masks where ``masked``
-        (``blk`` = (key0, tScS, lim, lo)), and the online softmax of each row."""
+        """The flag path's online softmax of a block: the soft-cap's tanh (in units of cap), the
+        static masks where ``masked`` (``blk`` = (key0, tScS, lim, lo)), each row's max in raw
+        units -- kept while the block's exceeds it by at most LAZY_RESCALE in base 2, so most
+        blocks leave O alone (``_rescale``) -- and the weights 2^(s·scale - m·scale), one FFMA
+        and one ex2 per score.  Max and sum in 4 partial chains (shorter dependencies)."""
         key0, tScS, lim, lo = blk
-        for r in range(cute.size(acc_S_mn, mode=[0])):
-            m_blk = -Float32.inf
-            for c in range(cute.size(acc_S_mn, mode=[1])):
-                v = self._logit(acc_S_mn[r, c], tc)
+        scale = tc.scale_log2
+        n_rows, n_cols = cute.size(acc_S_mn, mode=[0]), cute.size(acc_S_mn, mode=[1])
+        corr = cute.make_rmem_tensor((n_rows,), Float32)
+        for r in range(n_rows):
+            part = [Float32(-Float32.inf)] * 4
+            for c in range(n_cols):
+                v = acc_S_mn[r, c]
+                if self.soft_cap:
+                    v = cute.math.tanh(v * tc.inv_cap, fastmath=True)
                 if masked:
                     kv_pos = key0 + tScS[0, c][1]
                     ok = kv_pos < lim[r]
@@ -459,8 +478,27 @@ class PrefillMma(PagedDecode):
                         ok = ok & (kv_pos >= lo[r])
                     v = cutlass.select_(ok, v, -Float32.inf)
                 acc_S_mn[r, c] = v
-                m_blk = cute.arch.fmax(m_blk, v)
-            self._online_row(acc_S_mn, acc_O_mn, r, m_blk, row_m, row_l)
+                part[c % 4] = cute.arch.fmax(part[c % 4], v)
+            m_blk = quad_max(cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3])))
+            m_old = row_m[r]
+            m_new = cute.arch.fmax(m_old, m_blk)
+            # (both -inf: NaN <= x is false, m_new stays -inf)
+            m_new = cutlass.select_((m_blk - m_old) * scale <= Float32(LAZY_RESCALE), m_old, m_new)
+            m_use = cutlass.select_(m_new == -Float32.inf, Float32(0.0), m_new)  # a row that saw nothing yet
+            m_scaled = m_use * scale
+            corr[r] = cute.math.exp2((m_old - m_use) * scale, fastmath=True)  # exactly 1 where the max was kept
+            psum = [Float32(0.0)] * 4
+            for c in range(n_cols):
+                p = cute.math.exp2(acc_S_mn[r, c] * scale - m_scaled, fastmath=True)
+                acc_S_mn[r, c] = p
+                psum[c % 4] = psum[c % 4] + p
+            row_l[r] = row_l[r] * corr[r] + ((psum[0] + psum[1]) + (psum[2] + psum[3]))
+            row_m[r] = m_new
+        _rescale(acc_O_mn, corr)
+
+    def _m_base2(self, m, tc: TraceCtx):
+        """A row max as the epilogue and the ⊕ want it: base 2 (the flag path keeps raw units)."""
+        return m * tc.scale_log2 if self.raw_max else m
 
     # the static flags in decode's per-row variant path (``_row_scores``)
     def _logit(self, s, tc: TraceCtx):
@@ -527,14 +565,15 @@ class PrefillMma(PagedDecode):
     def _store_rows(self, outs: Outputs, acc_O, row_m, row_l, tScS, tOcO, lane, info: ItemInfo, tc: TraceCtx):
         """Normalize this thread's rows (the variant's ``finalize`` / ``output``; no softmax:
         the state (0, w), ``_item_weight``) and store them: final rows in the value dtype with
-        their LSE, or a partial slot (fp32), two columns per store."""
+        their LSE, or a partial slot (fp32), two columns per store.  The row group's whole
+        state is in this warp (one warp per group, or ``_merge_pair_store`` merged it)."""
         mO, mLse, mPartO, mPartLse = outs
         H = self.hooks
         O = mma_mn_view(acc_O)
-        w_item = self._warp_weight(info)  # (one warp per row group)
+        w_item = self._item_weight(info) if const_expr(not H.softmax) else None
         for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
             j = tScS[r, 0][0]
-            m, l = self._row_state(row_m, row_l, r, w_item)
+            m, l = self._row_state(row_m, row_l, r, w_item, tc)
             fac = Float32(1.0)  # 2^(m - m') when finalize moves the max to m'
             if const_expr(H.has_finalize):
                 m_use = m if m != -Float32.inf else Float32(0.0)
@@ -575,18 +614,85 @@ class PrefillMma(PagedDecode):
                     if lane % 4 == 0:
                         mPartLse[slot_row] = lse
 
-    def _row_state(self, row_m, row_l, r, w_item):
-        """(m, l) of accumulator row r: the softmax's running max and its sum over the quad, or
-        the state (0, w) of summed weights."""
+    def _row_state(self, row_m, row_l, r, w_item, tc: TraceCtx):
+        """(m, l) of accumulator row r: the softmax's running max (base 2) and its sum over the
+        quad, or the state (0, w) of summed weights."""
         if self.hooks.softmax:
-            return row_m[r], quad_sum(row_l[r])
+            return self._m_base2(row_m[r], tc), quad_sum(row_l[r])
         return Float32(0.0), w_item
+
+    @cute.jit
+    def _merge_pair_store(self, outs, acc_O, row_m, row_l, stats, kv_ptr, g, place, tScS, tOcO, info, tc):
+        """Two warps per row group with 32 rows each (``warps_m`` = 2 at tile 64): the second
+        warp of a group leaves its O fragment in the stage of the item's last block (the K part
+        for group 0, the V part for group 1: D fp32 per lane, 16-byte vectors, conflict-free)
+        and its row statistics in sM / sL; the first warp ⊕-merges them into its own fragment,
+        register by register (the two warps' fragments have the same layout), and stores
+        (``_store_rows``).  Two barriers: every warp done with the stage's K / V rows, then the
+        exchange complete.  The next block into that stage is issued after the next item's
+        first barrier, which the first warps reach after their reads."""
+        sM, sL = stats
+        rg, kg, lane = place
+        H = self.hooks
+        D = self.head_dim
+        cute.arch.sync_threads()
+        xb = self._xbuf(kv_ptr, (g + self.stages - 1) % self.stages, rg, lane)
+        flat = cute.make_layout((4, D // 4))  # a fragment's registers in order: 16-byte vectors
+        if kg == 1:
+            cute.autovec_copy(cute.make_tensor(acc_O.iterator, flat), xb)
+            for r in cutlass.range_constexpr(cute.size(row_m)):
+                j = tScS[r, 0][0]
+                l_sum = quad_sum(row_l[r])
+                if lane % 4 == 0:
+                    sM[j, 1] = row_m[r]
+                    sL[j, 1] = l_sum
+        cute.arch.sync_threads()
+        if kg == 0:
+            other = cute.make_rmem_tensor(acc_O.layout, Float32)
+            cute.autovec_copy(xb, cute.make_tensor(other.iterator, flat))
+            O, P = mma_mn_view(acc_O), mma_mn_view(other)
+            sc = tc.scale_log2 if const_expr(self.raw_max) else Float32(1.0)
+            for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
+                a, b = Float32(1.0), Float32(1.0)  # summed weights (no softmax) just add
+                if const_expr(H.softmax):
+                    j = tScS[r, 0][0]
+                    m0, m1 = row_m[r], sM[j, 1]
+                    mn = cute.arch.fmax(m0, m1)
+                    mu = cutlass.select_(mn == -Float32.inf, Float32(0.0), mn)
+                    a = cute.math.exp2((m0 - mu) * sc, fastmath=True)
+                    b = cute.math.exp2((m1 - mu) * sc, fastmath=True)
+                    row_l[r] = row_l[r] * a + sL[j, 1] * b * 0.25  # a per-thread quarter: _store_rows sums the quad
+                    row_m[r] = mn
+                for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                    O[r, c] = O[r, c] * a + P[r, c] * b
+            self._store_rows(outs, acc_O, row_m, row_l, tScS, tOcO, lane, info, tc)
+
+    def _xbuf(self, kv_ptr, stage, rg, lane):
+        """Row group ``rg``'s exchange buffer (``_merge_pair_store``): the K (rg 0) or V (rg 1)
+        part of ``stage``, this lane's D fp32 as 16-byte vectors 512 bytes apart (D x 32 x 4
+        bytes: exactly the part)."""
+        base = kv_ptr + (rg * self.stages + stage) * (self.block_n * self.kv_width)
+        addr = cute.recast_ptr(base, dtype=Float32).toint() + lane * 16
+        ptr = cute.make_ptr(Float32, addr, cute.AddressSpace.smem, assumed_align=16)
+        return cute.make_tensor(ptr, cute.make_layout((4, self.head_dim // 4), stride=(1, 128)))
 
     def _output_cols(self, o, tOcO, info: ItemInfo, row, tc: TraceCtx):
         """The variant's ``output`` on this thread's columns of one row."""
         ctx = self._ctx(info, row, tc)
         for c in range(cute.size(o)):
             o[c] = self.hooks.output(ctx, tc.vargs, o[c], tOcO[0, c][1])
+
+
+@cute.jit
+def _rescale(O: cute.Tensor, corr: cute.Tensor):
+    """O *= corr per row, skipped where no row of the warp moved its max (``_softmax``)."""
+    moved = corr[0] != Float32(1.0)
+    for r in cutlass.range_constexpr(1, cute.size(corr)):
+        moved = moved | (corr[r] != Float32(1.0))
+    if cute.arch.vote_any_sync(moved):
+        for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                O[r, c] = O[r, c] * corr[r]
 
 
 def build_batch_prefill_mma(spec):

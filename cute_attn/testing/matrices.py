@@ -8,6 +8,7 @@ from ..families.decode import PACKED_HEADS, decode_spec
 from ..families.kv_pass import kv_pass_spec
 from ..families.prefill import ARCH as PREFILL_ARCH
 from ..families.prefill import page_box_for, prefill_spec
+from ..families.prefill_mma import prefill_mma_spec
 from ..variants.builtins import ALiBi, AttentionSink, Causal, CustomMask, FlashSigmoid, RoPE, SlidingWindow, SoftCap
 from ..variants.examples import RelativePositionBias
 from ..wrappers.options import resolve_variant
@@ -107,3 +108,41 @@ def fp8_prefill_test_specs(arch: str):
         return []
     _, _, _, rope = resolve_variant(pos_encoding_mode="ROPE_LLAMA")
     return [kv_pass_spec(arch, "bf16", 128, paged, rope, kv) for paged in (True, False) for kv in ("e4m3", "e5m2")]
+
+
+def portable_prefill_test_specs(arch: str):
+    """What tests/test_prefill_mma_gpu.py loads beyond the shipped portable specs (those ship on
+    every arch but Hopper): its grid at bf16 / d128 (tiles 16 / 32 / 64, ragged / paged,
+    causal or not), the head-dim 64 / 256 cases, soft-cap / window, its variants, and what the
+    bench of the portable kernel adds (the ``warps_m`` knob at tile 64).  The merges are the
+    shipped ones (tiles 16 and 64 ship with decode and the Hopper prefill) plus tile 32's."""
+    from ..families.merge import merge_partials_spec
+
+    flag = lambda **kw: resolve_variant(**kw)  # noqa: E731  (causal, soft_cap, window, variant)
+    out = [prefill_mma_spec(arch, "bf16", 128, t, p, c) for t in (16, 32, 64) for p in (False, True) for c in (0, 1)]
+    out += [
+        prefill_mma_spec(arch, "f16", 64, 64, False, True),
+        prefill_mma_spec(arch, "f16", 64, 64, True, False),
+        prefill_mma_spec(arch, "bf16", 256, 64, False, True),
+        prefill_mma_spec(arch, "bf16", 256, 32, True, True),
+        prefill_mma_spec(arch, "bf16", 64, 64, True, True),
+        prefill_mma_spec(arch, "bf16", 128, 64, False, True, True, True),
+        prefill_mma_spec(arch, "bf16", 128, 32, True, False, False, True),
+        prefill_mma_spec(arch, "bf16", 128, 16, True, True, True, False),
+        prefill_mma_spec(arch, "bf16", 128, 64, False, True, warps_m=2),
+    ]
+    cases = dict(variant_test_cases())
+    for name, tile, paged, causal in (
+        ("sink", 64, False, True),
+        ("custom_mask", 32, True, False),
+        ("alibi", 16, True, True),
+        ("rope", 16, False, True),
+    ):
+        kw = dict(cases[name])
+        for sinks in (False, True) if kw.get("sinks") else (False,):
+            c, cap, win, v = flag(causal=causal, **dict(kw, sinks=sinks))
+            out.append(prefill_mma_spec(arch, "bf16", 128, tile, paged, c, cap, win, v))
+    out += [merge_partials_spec(arch, "bf16", 128, t) for t in (16, 32, 64)] + [
+        merge_partials_spec(arch, "bf16", 256, 32)
+    ]
+    return list(dict.fromkeys(out))

@@ -42,7 +42,7 @@ from ..families.backends import NoBackend, backend_for, backends_for, choose_pre
 from ..families.base import variant_params
 from ..families.kv_pass import kv_pass_spec
 from ..families.merge import merge_partials_spec
-from ..families.prefill import keys_pretransformed, page_box_for
+from ..families.prefill import FIXED_SPLIT_TILE, keys_pretransformed, page_box_for
 from ..families.prefill_mma import BATCH_PREFILL_MMA
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import KernelNotAvailable, kernel
@@ -302,8 +302,8 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             page_box=page_box_for(self._PAGED and kv_name is None and not portable, int(page_size)),
         )
 
-        if batch_invariant:
-            tile = max(backend.tiles)  # batch-invariant: the tile may not depend on the batch either
+        if batch_invariant:  # the tile may not depend on the batch either
+            tile = min(FIXED_SPLIT_TILE, max(backend.tiles))
         elif portable and vbase.Hooks(var).has_transform_k:
             tile = min(backend.tiles)  # the portable kernel rotates keys in-kernel with whole K fragments only
         else:  # the planner's rule, onto the kernel's tiles
