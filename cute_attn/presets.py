@@ -81,10 +81,8 @@ PRESETS: Dict[str, Callable[[str], List[Spec]]] = {
     "all": _all,
     "decode": _backend("decode"),
     "prefill": _backend("prefill+kv_pass"),
-    # the portable prefill: what it ships plus what its GPU tests and bench load
-    "prefill_mma": lambda arch: list(
-        dict.fromkeys(backends.backend_for("prefill", arch, backends.PORTABLE_PREFILL).shipped(arch) + _portable(arch))
-    ),
+    # what the portable prefill's GPU tests, compile test and bench load (its shipped specs: default)
+    "prefill_mma": lambda arch: _portable(arch),
     "mla": _backend("mla_decode"),
     "variants": _variants,
     "smoke": lambda arch: merge.shipped_specs(arch, ("bf16",), (128,)),

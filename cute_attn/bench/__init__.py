@@ -6,7 +6,20 @@ import sys
 
 from .common import Results
 
-GROUPS = ("copy", "merge", "launch", "decode", "fp8", "prefill", "variants", "cascade", "sparse", "mla", "merge_sweep")
+GROUPS = (
+    "copy",
+    "merge",
+    "launch",
+    "decode",
+    "fp8",
+    "prefill",
+    "portable",
+    "variants",
+    "cascade",
+    "sparse",
+    "mla",
+    "merge_sweep",
+)
 
 
 def run_benchmarks(only=None, json_path=None, quick=False) -> int:
@@ -39,6 +52,10 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         fp8.bench_fp8(res, quick)
     if "prefill" in groups:
         prefill.bench_prefill(res, quick)
+    if "portable" in groups:
+        from . import portable
+
+        portable.bench_portable(res, quick)
     if "variants" in groups:
         from . import variants
 
