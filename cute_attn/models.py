@@ -39,7 +39,7 @@ from typing import Optional
 from .abi.archs import HOPPER
 from .abi.dtypes import ATTENTION, name_of
 from .families import decode, kv_pass, merge, prefill
-from .families.backends import portable_tiles
+from .families.backends import portable_paged, portable_tiles
 from .families.decode import decode_spec
 from .families.prefill import PAGE_BOX, page_box_for, prefill_spec
 from .families.prefill_mma import prefill_mma_spec
@@ -189,7 +189,7 @@ def _decode_variant(window: bool, soft_cap: bool):
 def _portable_prefill_specs(m: ModelAttention, arch: str) -> list:
     """The portable prefill's share of ``model_specs`` (its tiles on ``arch``; none for an fp8
     cache)."""
-    tiles = portable_tiles(arch)
+    tiles, paged = portable_tiles(arch), portable_paged(arch)
     if m.kv_dtype is not None or not tiles:
         return []
     dt, d, out = m.dtype, m.head_dim, []
@@ -198,7 +198,7 @@ def _portable_prefill_specs(m: ModelAttention, arch: str) -> list:
         for causal in (True, False):
             for sinks in (False, True) if m.sinks else (False,):
                 c, cap_flag, win, v = resolve_variant(causal=causal, sinks=sinks, **kw)
-                out += [prefill_mma_spec(arch, dt, d, t, p, c, cap_flag, win, v) for t in tiles for p in (False, True)]
+                out += [prefill_mma_spec(arch, dt, d, t, p, c, cap_flag, win, v) for t in tiles for p in paged]
         c, cap_flag, win, v = resolve_variant(custom_mask=True, **kw)  # speculative decoding's tree mask
         out += [prefill_mma_spec(arch, dt, d, t, True, c, cap_flag, win, v) for t in tiles]
     return out + [merge.merge_partials_spec(arch, dt, d, t) for t in tiles]

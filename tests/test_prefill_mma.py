@@ -19,13 +19,13 @@ CPU = dict(device="cpu", seed=3)
 def test_choose_prefill_backend(monkeypatch):
     pick = lambda arch, rows, **kw: B.choose_prefill_backend(arch, rows, **kw).name  # noqa: E731
     assert pick("sm_100a", 1) == pick("sm_100a", 5000) == B.PORTABLE_PREFILL
-    assert pick("sm_90a", 16) == "prefill_sm90"  # the Hopper limits are 0 (BENCHMARKS.md)
+    assert pick("sm_90a", 16) == "prefill_sm90"  # KV the wgmma kernel reads by TMA: limit 0 (BENCHMARKS.md)
     assert pick("sm_90a", 16, name=B.PORTABLE_PREFILL) == B.PORTABLE_PREFILL
     with pytest.raises(B.NoBackend, match="prefill_sm90 for sm_100a"):
         pick("sm_100a", 16, name="prefill_sm90")
-    monkeypatch.setitem(B.HOPPER_PORTABLE_MAX_ROWS, "gather", 16)
-    assert pick("sm_90a", 16, gathers=True) == B.PORTABLE_PREFILL
-    assert pick("sm_90a", 16) == "prefill_sm90"  # TMA-read KV: its own limit (0)
+    assert B.HOPPER_PORTABLE_MAX_ROWS == {"tma": 0, "gather": 16}
+    assert pick("sm_90a", 16, gathers=True) == B.PORTABLE_PREFILL  # page 1: 0.937x the wgmma time
+    assert pick("sm_90a", 0, gathers=True) == "prefill_sm90"  # no queries at all
     assert pick("sm_90a", 17, gathers=True) == "prefill_sm90"
     assert pick("sm_90a", 16, gathers=True, needs_pass=True) == "prefill_sm90"  # fp8 / kv_pass=True
     assert pick("sm_90a", 16, gathers=True, batch_invariant=True) == "prefill_sm90"
@@ -84,9 +84,11 @@ def test_shipped_and_models():
 
     fams = lambda specs: {s.family for s in specs}  # noqa: E731
     assert "batch_prefill_mma" in fams(preset_specs("default", "sm_100a"))
-    assert "batch_prefill_mma" not in fams(preset_specs("default", "sm_90a"))  # the Hopper limits are 0
+    hopper = [s for s in preset_specs("default", "sm_90a") if s.family == "batch_prefill_mma"]
+    assert {s.pdict["tile_q"] for s in hopper} == {16}  # the batches the Hopper rule gives it
     assert "batch_prefill_sm90" not in fams(preset_specs("default", "sm_100a"))
     llama = model_specs(BUILTIN["llama-3"], "sm_100a")
     tiles = {s.pdict["tile_q"] for s in llama if s.family == "batch_prefill_mma"}
     assert tiles == {16, 32, 64} and {s.pdict["tile_q"] for s in llama if s.family == "merge_partials"} >= tiles
-    assert not any(s.family == "batch_prefill_mma" for s in model_specs(BUILTIN["llama-3"], "sm_90a"))
+    hopper = {s.pdict["tile_q"] for s in model_specs(BUILTIN["llama-3"], "sm_90a") if s.family == "batch_prefill_mma"}
+    assert hopper == {16}

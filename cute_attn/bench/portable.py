@@ -6,15 +6,16 @@ Each case plans one wrapper per kernel (``plan(prefill_backend=...)``), checks t
 output against the wgmma one, and times all of them one call at a time in turns (CUDA events per
 call, medians: ``common.interleaved``; the H200's clocks drift by up to ~15 % within seconds).
 
-Cases (records as docs/design.md §10; the wgmma rows under ``prefill/...``, the portable ones
-under ``prefill_mma/...``; ``ratio`` under ``cute_attn`` on a portable row = its time over the
-wgmma kernel's, under ``flashinfer`` = FlashInfer's time over the portable kernel's):
+Cases (records as docs/design.md §10; the portable rows under ``prefill_mma/<case>``, the wgmma
+kernel's of the same turns under ``prefill_mma/<case>/wgmma``; ``ratio`` under ``cute_attn`` on a
+portable row = its time over the wgmma kernel's, under ``flashinfer`` = FlashInfer's time over
+the portable kernel's):
 
-* ``{prefill,prefill_mma}/hd128/gqa4/q{4,8,16}/bs64/kv4096/page{16,1}``: 64 requests of 4096 kv
+* ``prefill_mma/hd128/gqa4/q{4,8,16}/bs64/kv4096/page{16,1}``: 64 requests of 4096 kv
   tokens, 4 / 8 / 16 query tokens each (causal, bottom-right: speculative verification and short
   appends), 32 / 8 heads, pages in random order; ``TB/s`` = K and V bytes (64 x 4096 x 8 x 128 x
   2 x 2) over the time -- the 4-token batch is bandwidth-bound;
-* ``{prefill,prefill_mma}/hd128/causal/s8192``: 2 x 8192 causal, ragged, 16 heads (no GQA);
+* ``prefill_mma/hd128/causal/s8192``: 2 x 8192 causal, ragged, 16 heads (no GQA);
   ``TFLOP/s`` = 4·h·d·s²/2 per request; ``prefill_mma/.../warps_m2``: the ``warps_m=2``
   knob of the 64-row tile (32-row warps) on the same plan, its output checked against the
   default's.
@@ -81,8 +82,8 @@ def _paged_case(res, fi, qlen, page_size, gen):
     med = interleaved(fns)
     kv_bytes = BS * KV * HK * D * 2 * 2
     tw, tm = med["wgmma"], med["mma"]
-    res.add(f"prefill/{case}", "cute_attn", "us", tw)
-    res.add(f"prefill/{case}", "cute_attn", "TB/s", kv_bytes / tw / 1e6)
+    res.add(f"prefill_mma/{case}/wgmma", "cute_attn", "us", tw)
+    res.add(f"prefill_mma/{case}/wgmma", "cute_attn", "TB/s", kv_bytes / tw / 1e6)
     if ok:
         res.add(f"prefill_mma/{case}", "cute_attn", "us", tm)
         res.add(f"prefill_mma/{case}", "cute_attn", "TB/s", kv_bytes / tm / 1e6)
@@ -156,8 +157,8 @@ def _prefill_case(res, fi, gen):
     med = interleaved(fns, calls=15)
     flops = B * 4.0 * H * D * S * S * 0.5
     tw, tm = med["wgmma"], med["mma"]
-    res.add(f"prefill/{case}", "cute_attn", "us", tw)
-    res.add(f"prefill/{case}", "cute_attn", "TFLOP/s", flops / tw / 1e6)
+    res.add(f"prefill_mma/{case}/wgmma", "cute_attn", "us", tw)
+    res.add(f"prefill_mma/{case}/wgmma", "cute_attn", "TFLOP/s", flops / tw / 1e6)
     line = f"{case:<40} wgmma {tw:8.1f} us {flops / tw / 1e6:5.0f} TFLOP/s"
     if ok:
         res.add(f"prefill_mma/{case}", "cute_attn", "us", tm)

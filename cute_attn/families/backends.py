@@ -44,9 +44,12 @@ PORTABLE_PREFILL = "prefill_mma_sync"
 # group over the requests with queries) are at most this, by how the wgmma kernel would read
 # the KV: TMA ("tma": ragged, page sizes k*16) or its cp.async gather ("gather": other page
 # sizes).  Such batches (multi-token decode, speculative verification) are bandwidth-bound in
-# both kernels; the wgmma kernel computes 64-row tiles for them.  0: never.  Measured:
-# BENCHMARKS.md, "Portable prefill".
-HOPPER_PORTABLE_MAX_ROWS = {"tma": 0, "gather": 0}
+# both kernels; the wgmma kernel computes 64-row tiles for them.  Measured on the H200 (bs 64
+# x 4k, 32 / 8 heads, 4 query tokens = 16 packed rows; BENCHMARKS.md, "Portable prefill"):
+# page 1, portable 0.937x the wgmma kernel's time (its gather is the slow part there); page 16,
+# 0.992x (within the noise: not taken); 8 and 16 tokens (32 / 64 rows), page 16: 1.025x /
+# 1.131x.  0: never.
+HOPPER_PORTABLE_MAX_ROWS = {"tma": 0, "gather": 16}
 
 
 def portable_tiles(arch: str) -> tuple:
@@ -60,6 +63,12 @@ def portable_tiles(arch: str) -> tuple:
     if not lim:
         return ()
     return tuple(t for t in tiles if t < lim) + (min([t for t in tiles if t >= lim] or [max(tiles)]),)
+
+
+def portable_paged(arch: str) -> tuple:
+    """The ``paged`` spec values of the portable kernel's plans on ``arch``: both, and on Hopper
+    while only paged caches the wgmma kernel would gather take it, paged alone."""
+    return (True,) if arch == HOPPER and not HOPPER_PORTABLE_MAX_ROWS["tma"] else (False, True)
 
 
 BACKENDS = (
@@ -106,7 +115,7 @@ BACKENDS = (
         tiles=prefill_mma.TILES,
         ctas_per_sm=prefill_mma.CTAS_PER_SM,
         planner={"alpha": 8, "balance_tol": 0.01},
-        shipped=lambda arch: prefill_mma.shipped_specs(arch, portable_tiles(arch)),
+        shipped=lambda arch: prefill_mma.shipped_specs(arch, portable_tiles(arch), portable_paged(arch)),
     ),  # fmt: skip
     Backend(
         "kv_pass",

@@ -103,11 +103,12 @@ def merge_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=HEAD_DIMS, ti
     ]
 
 
-def shipped_specs(arch: str, tiles=TILES) -> list:
+def shipped_specs(arch: str, tiles=TILES, paged=(False, True)) -> list:
     """Per dtype x head dim x tile x ragged/paged x causal: the plain kernel; soft-cap, window
-    and both at head dim 128, ragged and paged; the merges of the tiles."""
+    and both at head dim 128; the merges of the tiles.  ``tiles`` / ``paged``: what the arch's
+    plans use (``families.backends``)."""
     if not tiles:
         return []
     flags = ((True, False), (False, True), (True, True))
-    extra = prefill_mma_specs(arch, head_dims=(128,), tiles=tiles, variants=flags)
-    return prefill_mma_specs(arch, tiles=tiles) + extra + merge_specs(arch, tiles=tiles)
+    extra = prefill_mma_specs(arch, head_dims=(128,), tiles=tiles, paged=paged, variants=flags)
+    return prefill_mma_specs(arch, tiles=tiles, paged=paged) + extra + merge_specs(arch, tiles=tiles)

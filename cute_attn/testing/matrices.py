@@ -114,8 +114,8 @@ def portable_prefill_test_specs(arch: str):
     """What tests/test_prefill_mma_gpu.py loads beyond the shipped portable specs (those ship on
     every arch but Hopper): its grid at bf16 / d128 (tiles 16 / 32 / 64, ragged / paged,
     causal or not), the head-dim 64 / 256 cases, soft-cap / window, its variants, and what the
-    bench of the portable kernel adds (the ``warps_m`` knob at tile 64).  The merges are the
-    shipped ones (tiles 16 and 64 ship with decode and the Hopper prefill) plus tile 32's."""
+    bench of the portable kernel adds (the ``warps_m`` knob at tile 64), and the merges of
+    those plans (the ``prefill_mma`` preset is all a GPU run of them needs)."""
     from ..families.merge import merge_partials_spec
 
     flag = lambda **kw: resolve_variant(**kw)  # noqa: E731  (causal, soft_cap, window, variant)
@@ -142,7 +142,7 @@ def portable_prefill_test_specs(arch: str):
         for sinks in (False, True) if kw.get("sinks") else (False,):
             c, cap, win, v = flag(causal=causal, **dict(kw, sinks=sinks))
             out.append(prefill_mma_spec(arch, "bf16", 128, tile, paged, c, cap, win, v))
-    out += [merge_partials_spec(arch, "bf16", 128, t) for t in (16, 32, 64)] + [
-        merge_partials_spec(arch, "bf16", 256, 32)
-    ]
+    merges = [("bf16", 128, 16), ("bf16", 128, 32), ("bf16", 128, 64), ("bf16", 256, 32), ("bf16", 256, 64)]
+    merges += [("f16", 64, 64), ("bf16", 64, 64)]
+    out += [merge_partials_spec(arch, dt, d, t) for dt, d, t in merges]
     return list(dict.fromkeys(out))
