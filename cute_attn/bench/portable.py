@@ -56,29 +56,8 @@ def _paged_case(res, fi, qlen, page_size, gen):
         )
     ok = _close(f"prefill_mma/{case}", run["mma"].out, run["wgmma"].out)
     fns = {"wgmma": run["wgmma"], "mma": run["mma"]}
-    fi_why = None
-    if fi is not None:
-        ws = fi.workspace(256)
-        call, fi_why = peers.fi_call(
-            peers.paged_prefill,
-            peers.Lib(fi.impl, fi.mod, prefill_kw=dict(backend="fa2"), prefill_page1_kw=dict(backend="fa2")),
-            ws,
-            qo,
-            indptr,
-            indices,
-            last,
-            q,
-            cache,
-            True,
-            D,
-            page_size,
-        )
-        if call is not None:
-            _, fi_ok = peers.check_output(f"flashinfer fa2 {case}", call.out, run["wgmma"].out)
-            if fi_ok:
-                fns["fi"] = call
-            else:
-                fi_why = peers.DIFFERS
+    fi_why = _fa2(fi, fns, case, run["wgmma"].out, peers.paged_prefill, qo, indptr, indices, last, q, cache, True, D,
+                  page_size)  # fmt: skip
     med = interleaved(fns)
     kv_bytes = BS * KV * HK * D * 2 * 2
     tw, tm = med["wgmma"], med["mma"]
@@ -96,6 +75,22 @@ def _paged_case(res, fi, qlen, page_size, gen):
         f"{case:<40} wgmma {tw:8.1f} us {kv_bytes / tw / 1e6:5.2f} TB/s | portable {tm:8.1f} us "
         f"{kv_bytes / tm / 1e6:5.2f} TB/s ({tm / tw:.3f}x) | {fi_txt}"
     )
+
+
+def _fa2(fi, fns, case, ref, runner, *args):
+    """FlashInfer's fa2 prefill (``runner``: ``peers.paged_prefill`` / ``ragged_prefill`` on
+    ``args`` after the workspace) into ``fns["fi"]`` where it runs and matches ``ref``; else why
+    not (None: it is in ``fns``)."""
+    if fi is None:
+        return "n/a (no flashinfer)"
+    lib = peers.Lib(fi.impl, fi.mod, prefill_kw=dict(backend="fa2"), prefill_page1_kw=dict(backend="fa2"))
+    call, why = peers.fi_call(runner, lib, fi.workspace(256), *args)
+    if call is None:
+        return why
+    if not peers.check_output(f"flashinfer fa2 {case}", call.out, ref)[1]:
+        return peers.DIFFERS
+    fns["fi"] = call
+    return None
 
 
 def _knob_module(w, **knob):
@@ -135,25 +130,7 @@ def _prefill_case(res, fi, gen):
         knob()
         if _close(f"prefill_mma/{case}/warps_m2", out2, run["wgmma"].out):
             fns["knob"] = knob
-    fi_why = None
-    if fi is not None:
-        call, fi_why = peers.fi_call(
-            peers.ragged_prefill,
-            peers.Lib(fi.impl, fi.mod, prefill_kw=dict(backend="fa2")),
-            fi.workspace(256),
-            ind,
-            q,
-            k,
-            v,
-            True,
-            D,
-        )
-        if call is not None:
-            _, fi_ok = peers.check_output(f"flashinfer fa2 {case}", call.out, run["wgmma"].out)
-            if fi_ok:
-                fns["fi"] = call
-            else:
-                fi_why = peers.DIFFERS
+    fi_why = _fa2(fi, fns, case, run["wgmma"].out, peers.ragged_prefill, ind, q, k, v, True, D)
     med = interleaved(fns, calls=15)
     flops = B * 4.0 * H * D * S * S * 0.5
     tw, tm = med["wgmma"], med["mma"]
