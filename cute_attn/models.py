@@ -12,6 +12,10 @@ What a serving step of such a model calls, and so what is compiled per arch:
   k*16, the cp.async gather for the others, the KV pass's gather), with the layer kinds' flags
   and sinks; the speculative-decoding tree mask (a custom mask over a paged cache); the
   partials' merges of the prefill tiles;
+* prefill on the portable kernel (every other arch, and Hopper's batches the backend table
+  gives it: ``families.backends.portable_tiles``): the same cases at its 16 / 32 / 64-row
+  tiles, ragged and paged (it reads any page size itself); a 16-bit cache only (an fp8 cache
+  needs the Hopper kernel's KV pass);
 * the ⊕ merges the cascade uses (``merge_pair``, masked or not, and ``merge_states``).
 
 An fp8 KV cache (``kv_dtype``: from a config's ``kv_cache_dtype`` -- vLLM's names ``fp8`` /
@@ -41,8 +45,10 @@ from typing import Optional
 from .abi.archs import HOPPER
 from .abi.dtypes import ATTENTION, name_of
 from .families import decode, kv_pass, merge, mla, prefill
+from .families.backends import portable_paged, portable_tiles
 from .families.decode import decode_spec
 from .families.prefill import PAGE_BOX, page_box_for, prefill_spec
+from .families.prefill_mma import prefill_mma_spec
 from .variants.builtins import AttentionSink, SlidingWindow, SoftCap
 from .wrappers.options import resolve_variant
 
@@ -217,6 +223,24 @@ def _decode_variant(window: bool, soft_cap: bool):
     return None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 
+def _portable_prefill_specs(m: ModelAttention, arch: str) -> list:
+    """The portable prefill's share of ``model_specs`` (its tiles on ``arch``; none for an fp8
+    cache)."""
+    tiles, paged = portable_tiles(arch), portable_paged(arch)
+    if m.kv_dtype is not None or not tiles:
+        return []
+    dt, d, out = m.dtype, m.head_dim, []
+    for window, cap in _layer_kinds(m):
+        kw = dict(window_left=1 if window else -1, logits_soft_cap=50.0 if cap else None)
+        for causal in (True, False):
+            for sinks in (False, True) if m.sinks else (False,):
+                c, cap_flag, win, v = resolve_variant(causal=causal, sinks=sinks, **kw)
+                out += [prefill_mma_spec(arch, dt, d, t, p, c, cap_flag, win, v) for t in tiles for p in paged]
+        c, cap_flag, win, v = resolve_variant(custom_mask=True, **kw)  # speculative decoding's tree mask
+        out += [prefill_mma_spec(arch, dt, d, t, True, c, cap_flag, win, v) for t in tiles]
+    return out + [merge.merge_partials_spec(arch, dt, d, t) for t in tiles]
+
+
 def model_specs(m: ModelAttention, arch: str) -> list:
     """The specializations a serving step of ``m`` may load on ``arch`` (see the module doc)."""
     _check(m)
@@ -232,6 +256,7 @@ def model_specs(m: ModelAttention, arch: str) -> list:
     specs.append(merge.merge_partials_spec(arch, dt, d, decode.TILE_Q))
     specs += [merge.merge_pair_spec(arch, dt, d, masked) for masked in (False, True)]
     specs.append(merge.merge_states_spec(arch, dt, d))
+    specs += _portable_prefill_specs(m, arch)
     if arch != HOPPER:
         return list(dict.fromkeys(specs))
     boxes = (page_box_for(True, PAGE_BOX), page_box_for(True, 1))

@@ -31,10 +31,12 @@ def _variants(arch: str) -> List[Spec]:
     arches, with the merge), and on sm_90a the prefill variant specs (tile 128; the plain specs
     of the same shapes included), the prefill bench's plain / soft-cap / window rows, the
     prefill merge for tile 128, the RoPE passes over an fp8 cache of
-    tests/test_fp8_prefill.py and the head-dim-96 prefill of tests/test_prefill_head_dims.py."""
+    tests/test_fp8_prefill.py, the head-dim-96 prefill of tests/test_prefill_head_dims.py and the
+    portable prefill's test grid."""
     from .testing.matrices import (
         fp8_prefill_test_specs,
         head_dim_test_specs,
+        portable_prefill_test_specs,
         variant_decode_specs,
         variant_prefill_specs,
     )
@@ -46,6 +48,7 @@ def _variants(arch: str) -> List[Spec]:
     )
     specs += variant_prefill_specs(arch) + prefill.merge_specs(arch, tiles=(128,)) + fp8_prefill_test_specs(arch)
     specs += head_dim_test_specs(arch)
+    specs += portable_prefill_test_specs(arch)
     specs += prefill.prefill_specs(
         arch,
         dtype_names=("bf16",),
@@ -55,6 +58,12 @@ def _variants(arch: str) -> List[Spec]:
         variants=((False, False), (True, False), (False, True)),
     )
     return list(dict.fromkeys(specs))
+
+
+def _portable(arch: str) -> List[Spec]:
+    from .testing.matrices import portable_prefill_test_specs
+
+    return portable_prefill_test_specs(arch)
 
 
 def _all(arch: str) -> List[Spec]:
@@ -75,6 +84,8 @@ PRESETS: Dict[str, Callable[[str], List[Spec]]] = {
     "all": _all,
     "decode": _backend("decode"),
     "prefill": _backend("prefill+kv_pass"),
+    # what the portable prefill's GPU tests, compile test and bench load (its shipped specs: default)
+    "prefill_mma": lambda arch: _portable(arch),
     "mla": _backend("mla_decode"),
     "variants": _variants,
     "smoke": lambda arch: merge.shipped_specs(arch, ("bf16",), (128,)),

@@ -8,8 +8,9 @@ tensors' bytes and a shared-memory array, and the warp-wide instructions (``mma.
 reached them.  ``cp.async`` copies land at the ``cp.async.wait_group`` that covers their group
 (not at issue), so a read of a stage before its wait sees stale bytes, as it could on a GPU.
 
-Only the instructions the MLA kernel uses are implemented (an unknown one raises); floats are
-fp32 with exact ``ex2`` / ``lg2`` / ``rcp`` standing in for the approximate ones.  Slow (pure
+Only the instructions the MLA and the portable prefill kernels use are implemented (an unknown
+one raises); floats are fp32 with exact ``ex2`` / ``lg2`` / ``rcp`` / ``tanh`` standing in for
+the approximate ones.  Slow (pure
 Python, ~1 us an instruction and thread): for small problems only."""
 
 from __future__ import annotations
@@ -270,9 +271,12 @@ class CTA:
                     th.pc += 1
                     continue
             base = ins.op.split(".")[0]
-            if base in ("mma", "ldmatrix", "shfl"):
+            if base in ("mma", "ldmatrix", "shfl", "vote"):
                 th.waiting = "warp"
                 return
+            if ins.op.startswith("bar.warp"):  # bar.warp.sync: the warp's lanes run to each warp-wide op together
+                th.pc += 1
+                continue
             if base == "bar":
                 th.waiting = "bar"
                 return
@@ -370,6 +374,11 @@ class CTA:
                 r = math.log2(x[0]) if x[0] > 0 else (-math.inf if x[0] == 0 else math.nan)
             elif base == "rcp":
                 r = 1.0 / x[0] if x[0] != 0 else math.inf
+            elif base == "tanh":
+                r = math.tanh(x[0])
+            elif base == "div":
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    r = np.float32(x[0]) / np.float32(x[1])
             elif base == "neg":
                 r = -x[0]
             elif base == "abs":
@@ -421,8 +430,8 @@ class CTA:
             r = v[0] - v[1]
         elif base == "mul":
             if parts[1] == "wide":
-                x, y = (s32(v[0]), s32(v[1])) if signed else (v[0] & M32, v[1] & M32)
-                R[d] = (x * y) & M64
+                x, y = (sx(v[0]), sx(v[1])) if signed else (v[0] & mask, v[1] & mask)
+                R[d] = (x * y) & (M64 if bits == 32 else M32)
                 return
             x, y = (sx(v[0]), sx(v[1])) if signed else (v[0] & mask, v[1] & mask)
             r = (x * y) >> bits if parts[1] == "hi" else x * y
@@ -488,6 +497,8 @@ class CTA:
         base = ins.op.split(".")[0]
         if base == "shfl":
             self._shfl(lanes, ins)
+        elif base == "vote":
+            self._vote(lanes, ins)
         elif base == "ldmatrix":
             self._ldmatrix(lanes, ins)
         else:
@@ -501,6 +512,14 @@ class CTA:
         for i, t in enumerate(lanes):
             src = {"bfly": i ^ bs[i], "idx": bs[i] & 31, "up": i - bs[i], "down": i + bs[i]}[mode]
             t.regs[d] = vals[src] if 0 <= src < 32 else vals[i]
+
+    def _vote(self, lanes, ins: Ins) -> None:
+        mode = ins.op.split(".")[2]  # vote.sync.any.pred d, p, membermask
+        d = ins.args[0]
+        ps = [bool(self.val(t, ins.args[1].lstrip("!"))) != ins.args[1].startswith("!") for t in lanes]
+        res = {"any": any(ps), "all": all(ps), "uni": len(set(ps)) == 1}[mode]
+        for t in lanes:
+            t.regs[d] = int(res)
 
     def _ldmatrix(self, lanes, ins: Ins) -> None:
         trans = ".trans" in ins.op

@@ -914,6 +914,7 @@ class _Emulated:
         self.pack = make_packer(get_family(family).abi(params))
         self.emulate = {
             "batch_prefill_sm90": prefill or _emulate_prefill,
+            "batch_prefill_mma": prefill or _emulate_prefill,  # the same contract (kernels/prefill_mma.py)
             "merge_partials": _emulate_merge,
             "kv_pass": _emulate_kv_pass,
         }[family]
@@ -1280,10 +1281,16 @@ def test_cpu_validation_errors(emu):
         BatchPrefillWithRaggedKVCacheWrapper(_fake_cuda(torch.empty(1 << 20, dtype=torch.uint8))).plan(
             torch.tensor([0, 1 << 19]), torch.tensor([0, 1 << 19]), 64, 8, 128, q_data_type=torch.bfloat16
         )
-    emu.state["arch"] = "sm_100a"
-    with pytest.raises(RuntimeError, match="Hopper"):
-        plan()
+    emu.state["arch"] = "sm_100a"  # Blackwell: the portable kernel; the wgmma one does not exist there
+    plan()
+    assert w._state.family == "batch_prefill_mma"
+    with pytest.raises(RuntimeError, match="prefill_sm90 for sm_100a"):
+        plan(prefill_backend="prefill_sm90")
+    with pytest.raises(NotImplementedError, match="fp8 KV cache"):
+        plan(kv_data_type=torch.float8_e4m3fn)
     emu.state["arch"] = "sm_90a"
+    with pytest.raises(RuntimeError, match="prefill_nothing"):
+        plan(prefill_backend="prefill_nothing")
     emu.state["capturing"] = True
     with pytest.raises(RuntimeError, match="captured"):
         plan()

@@ -131,13 +131,14 @@ def test_host_edits_change_no_key(tmp_path, base_keys, rel):
 @pytest.mark.parametrize(
     "rel, families",
     [
-        ("kernels/decode.py", {"paged_decode"}),
+        ("kernels/decode.py", {"paged_decode", "batch_prefill_mma"}),  # the portable prefill reuses its pieces
+        ("kernels/prefill_mma.py", {"batch_prefill_mma"}),
         ("kernels/prefill_sm90_softmax.py", {"batch_prefill_sm90", "batch_prefill_fp8_sm90"}),  # fp8: a subclass
         ("kernels/kv_pass.py", {"kv_pass"}),
         ("kernels/mla_decode.py", {"mla_decode"}),
         ("kernels/merge.py", {"merge_states", "merge_pair", "merge_partials"}),
         ("families/merge.py", {"merge_states", "merge_pair", "merge_partials"}),
-        ("families/decode.py", {"paged_decode", "batch_prefill_sm90", "batch_prefill_fp8_sm90"}),
+        ("families/decode.py", {"paged_decode", "batch_prefill_sm90", "batch_prefill_fp8_sm90", "batch_prefill_mma"}),
         ("kernels/vt_pass.py", {"vt_pass"}),
     ],
 )

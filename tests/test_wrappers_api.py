@@ -415,7 +415,9 @@ def test_cached_module_plan(demu):
 
 # ---- several query tokens per request -------------------------------------------------------------
 @pytest.mark.parametrize("graph", [False, True])
-def test_q_len_per_req(demu, graph):
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])  # Blackwell: the portable prefill kernel
+def test_q_len_per_req(demu, graph, arch):
+    demu.state["arch"] = arch
     n, kv_lens = 3, [9, 40, 3]
     bs = len(kv_lens)
     g = _gen(_seed())
@@ -433,7 +435,7 @@ def test_q_len_per_req(demu, graph):
     assert w._q_len_per_req == n and launches(demu, "paged_decode") == []
     q = torch.randn(bs * n, HQ, D, generator=g).to(BF16)
     out, lse = w.run(q, cache, return_lse=True)
-    fam, params, _ = launches(demu, "batch_prefill_sm90")[-1]
+    fam, params, _ = launches(demu, "batch_prefill_sm90" if arch == "sm_90a" else "batch_prefill_mma")[-1]
     assert params["causal"]
     qo = torch.arange(bs + 1, dtype=torch.int32) * n
     ro, rl = paged_reference(q, cache, qo, indptr, indices, last, causal=True)
@@ -464,16 +466,6 @@ def test_q_len_per_req(demu, graph):
         )
         out2 = w.run(q, cache)
         assert torch.equal(out2, out)
-
-
-def test_q_len_per_req_no_backend(demu):
-    from cute_attn.families.backends import NoBackend
-
-    demu.state["arch"] = "sm_100a"
-    q, cache, indptr, indices, last = _decode_setup([9, 9])
-    w = BatchDecodeWithPagedKVCacheWrapper(_cpu_ws(16))
-    with pytest.raises(NoBackend, match="prefill"):
-        w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=BF16, q_len_per_req=2)
 
 
 # ---- deprecated shared-prefix wrappers --------------------------------------------------------------

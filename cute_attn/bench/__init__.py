@@ -7,8 +7,8 @@ import sys
 from .common import Results
 
 GROUPS = (
-    "copy", "merge", "launch", "decode", "fp8", "fp8attn", "prefill", "head_dims", "variants", "cascade", "sparse",
-    "mla", "merge_sweep",
+    "copy", "merge", "launch", "decode", "fp8", "fp8attn", "prefill", "head_dims", "portable", "variants", "cascade",
+    "sparse", "mla", "merge_sweep",
 )  # fmt: skip
 
 
@@ -50,6 +50,10 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         from . import head_dims
 
         head_dims.bench_head_dims(res, quick)
+    if "portable" in groups:
+        from . import portable
+
+        portable.bench_portable(res, quick)
     if "variants" in groups:
         from . import variants
 

@@ -13,8 +13,8 @@ from typing import Callable, Dict
 import numpy as np
 
 from ..abi import dtypes
-from ..abi.archs import ARCHS
-from . import decode, kv_pass, merge, mla, prefill, prefill_fp8
+from ..abi.archs import ARCHS, HOPPER
+from . import decode, kv_pass, merge, mla, prefill, prefill_fp8, prefill_mma
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,39 @@ class Backend:
 
 class NoBackend(RuntimeError):
     """No kernel serves this op on this arch (yet)."""
+
+
+# ---- which prefill kernel serves a batch ----------------------------------------------------
+PORTABLE_PREFILL = "prefill_mma_sync"
+# Hopper: the portable kernel serves batches whose mean packed query rows per request (qo_len x
+# group over the requests with queries) are at most this, by how the wgmma kernel would read
+# the KV: TMA ("tma": ragged, page sizes k*16) or its cp.async gather ("gather": other page
+# sizes).  Such batches (multi-token decode, speculative verification) are bandwidth-bound in
+# both kernels; the wgmma kernel computes 64-row tiles for them.  Measured on the H200 (bs 64
+# x 4k, 32 / 8 heads, 4 query tokens = 16 packed rows; BENCHMARKS.md, "Portable prefill"):
+# page 1, portable 0.937x the wgmma kernel's time (its gather is the slow part there); page 16,
+# 0.992x (within the noise: not taken); 8 and 16 tokens (32 / 64 rows), page 16: 1.025x /
+# 1.131x.  0: never.
+HOPPER_PORTABLE_MAX_ROWS = {"tma": 0, "gather": 16}
+
+
+def portable_tiles(arch: str) -> tuple:
+    """The portable kernel's tiles an arch's plans may use (what it ships): all of them, and
+    on Hopper those of the batches ``choose_prefill_backend`` gives it (none while its limits
+    are 0; ``plan(prefill_backend=...)`` then compiles on first use)."""
+    tiles = prefill_mma.TILES
+    if arch != HOPPER:
+        return tiles
+    lim = max(HOPPER_PORTABLE_MAX_ROWS.values())
+    if not lim:
+        return ()
+    return tuple(t for t in tiles if t < lim) + (min([t for t in tiles if t >= lim] or [max(tiles)]),)
+
+
+def portable_paged(arch: str) -> tuple:
+    """The ``paged`` spec values of the portable kernel's plans on ``arch``: both, and on Hopper
+    while only paged caches the wgmma kernel would gather take it, paged alone."""
+    return (True,) if arch == HOPPER and not HOPPER_PORTABLE_MAX_ROWS["tma"] else (False, True)
 
 
 BACKENDS = (
@@ -92,6 +125,22 @@ BACKENDS = (
         shipped=prefill_fp8.shipped_specs,
     ),  # fmt: skip
     Backend("vt_pass", "vt_pass", "vt_pass", (prefill_fp8.ARCH,), prefill_fp8.HEAD_DIMS, prefill_fp8.QKV_DTYPES),
+    # the portable prefill (mma.sync + cp.async, every arch): the prefill of any arch without
+    # a faster one, and Hopper's where ``mma_prefill_pays`` says so.  The planner parameters are
+    # decode's: its 16-row tile is the decode kernel's geometry, and bandwidth-bound batches
+    # (multi-token decode) are where it runs on Hopper
+    Backend(
+        "prefill",
+        "prefill_mma_sync",
+        "batch_prefill_mma",
+        ARCHS,
+        prefill_mma.HEAD_DIMS,
+        dtypes.ATTENTION,
+        tiles=prefill_mma.TILES,
+        ctas_per_sm=prefill_mma.CTAS_PER_SM,
+        planner={"alpha": 8, "balance_tol": 0.01},
+        shipped=lambda arch: prefill_mma.shipped_specs(arch, portable_tiles(arch), portable_paged(arch)),
+    ),  # fmt: skip
     Backend(
         "kv_pass",
         "kv_pass",
@@ -122,20 +171,49 @@ BACKENDS = (
 )
 
 
-def backend_for(op: str, arch: str) -> Backend:
-    """The backend that serves ``op`` on ``arch``; :class:`NoBackend` naming what exists."""
+def backend_for(op: str, arch: str, name: str | None = None) -> Backend:
+    """The backend that serves ``op`` on ``arch`` (the first of the table: the fastest in
+    general; ``name``: that one); :class:`NoBackend` naming what exists."""
     for b in BACKENDS:
-        if b.op == op and arch in b.archs:
+        if b.op == op and arch in b.archs and name in (None, b.name):
             return b
     have = [f"{b.name} ({', '.join(b.archs)})" for b in BACKENDS if b.op == op]
     raise NoBackend(
-        f"no {op} kernel for {arch} yet; {op} runs on: {'; '.join(have) or 'nothing'}"
-        + (
-            " (the prefill kernel is built on Hopper's wgmma)"
-            if op in ("prefill", "prefill_fp8", "vt_pass", "kv_pass")
-            else ""
-        )
+        f"no {op} kernel{' ' + name if name else ''} for {arch} yet; {op} runs on: {'; '.join(have) or 'nothing'}"
+        + (" (the KV pass serves only the Hopper prefill)" if op == "kv_pass" else "")
+        + (" (fp8 attention is built on Hopper's fp8 wgmma)" if op in ("prefill_fp8", "vt_pass") else "")
     )
+
+
+def backends_for(op: str, arch: str) -> list:
+    """Every backend that serves ``op`` on ``arch``, in table order."""
+    return [b for b in BACKENDS if b.op == op and arch in b.archs]
+
+
+def choose_prefill_backend(
+    arch: str,
+    packed_rows: float,
+    name: str | None = None,
+    needs_pass: bool = False,
+    batch_invariant: bool = False,
+    gathers: bool = False,
+    head_dims: tuple | None = None,
+) -> Backend:
+    """The prefill kernel of a batch: ``name`` if given (a backend of ``arch``), else the arch's
+    first prefill backend, except on Hopper for batches of at most HOPPER_PORTABLE_MAX_ROWS
+    mean packed rows per request (``packed_rows``; ``gathers``: the wgmma kernel would gather
+    the pages with cp.async), which take the portable kernel -- unless the plan needs the KV
+    pass (an fp8 cache, ``kv_pass=True``: it feeds only the wgmma kernel) or must not depend on
+    the batch (``fixed_split_size``) or has head dims (``head_dims``: (qk, vo)) it does not serve."""
+    if name is not None:
+        return backend_for("prefill", arch, name)
+    first = backend_for("prefill", arch)
+    limit = HOPPER_PORTABLE_MAX_ROWS["gather" if gathers else "tma"]
+    if first.name != PORTABLE_PREFILL and not needs_pass and not batch_invariant and 0 < packed_rows <= limit:
+        portable = backend_for("prefill", arch, PORTABLE_PREFILL)
+        if head_dims is None or portable.serves_head_dims(*head_dims):
+            return portable
+    return first
 
 
 def shipped_specs(arch: str) -> list:

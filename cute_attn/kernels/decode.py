@@ -158,7 +158,10 @@ class PagedDecode:
     kv_bytes = 2
     block_n = BLOCK_N
 
-    def __init__(self, cfg: DecodeConfig):
+    def __init__(self, cfg: DecodeConfig, tile_q: int = TILE_Q, warps_m: int = 1):
+        """``tile_q`` / ``warps_m``: the query tile and its warp grid (the portable prefill,
+        ``prefill_mma.py``): warps_m groups of 16 x m_tiles rows, each split over warps_n =
+        4 / warps_m warps by keys.  Decode: one 16-row tile, 4 warps by keys."""
         dtype, head_dim, stages, heads_per_item = cfg.dtype, cfg.head_dim, cfg.stages, cfg.heads_per_item
         self.cfg = cfg
         self.dtype = dtype
@@ -167,7 +170,13 @@ class PagedDecode:
         self.stages = stages
         self.hooks = Hooks(cfg.variant)
         self.kv_width = head_dim * self.kv_bytes // 2
-        self.keys_per_warp = self.block_n // NUM_WARPS
+        self.tile_q = tile_q
+        self.warps_m = warps_m
+        self.warps_n = NUM_WARPS // warps_m
+        self.warp_rows = tile_q // warps_m  # a warp's query rows: 16 x m_tiles
+        assert warps_m in (1, 2, 4) and self.warp_rows % 16 == 0, (tile_q, warps_m)
+        self.keys_per_warp = self.block_n // self.warps_n
+        self.o_region = self.block_n // NUM_WARPS  # K / V rows per warp of the epilogue's buffers
         self.q_chunks = head_dim // 8  # 16-byte chunks per Q row
         self.chunks = self.kv_width // 8  # 16-byte chunks per KV row
         self.rows_per_thread = self.block_n * self.chunks // THREADS  # KV rows each thread gathers per block
@@ -184,14 +193,16 @@ class PagedDecode:
         self.tpb = self.block_n // heads_per_item  # tokens of each head per block
         self.warps_per_head = NUM_WARPS // heads_per_item
         self.n_lookups = self.tpb // self.row_step  # distinct tokens among a thread's rows of a block
-        # the epilogue gives each warp an fp32 [TILE_Q, D] buffer in the K and V rows it reads
+        # the epilogue gives each warp an fp32 [warp_rows, D] buffer in the K and V rows it reads
         # (``_o_buf``: pieces of rows_per_piece fp32 rows per atom column, K then V)
-        piece = self.keys_per_warp * self._atom_w(self.kv_width) * 2
+        piece = self.o_region * self._atom_w(self.kv_width) * 2
         assert head_dim % 64 == 0 and piece % (head_dim * 4) == 0, head_dim
         self.o_rows_per_piece = piece // (head_dim * 4)
-        assert self.o_rows_per_piece * (self.kv_width // self._atom_w(self.kv_width)) * 2 == TILE_Q, (
-            f"the epilogue's buffers (_o_buf) do not tile head_dim {head_dim}"
-        )
+        assert (
+            self.warps_n == 1
+            or self.warp_rows > 16
+            or (self.o_rows_per_piece * (self.kv_width // self._atom_w(self.kv_width)) * 2 == self.warp_rows)
+        ), f"the epilogue's buffers (_o_buf) do not tile head_dim {head_dim}"
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
@@ -217,26 +228,7 @@ class PagedDecode:
     ):
         """The host function behind the generated entry (``variants.trace.make_entry``): the
         family's arguments, then the variant's tensors and scalars as tuples."""
-        D = self.head_dim
-        sQ_layout = cute.tile_to_shape(self._swizzle_atom(D), (TILE_Q, D, self.stages), (0, 1, 2))  # a Q tile per stage
-        sKV_layout = cute.tile_to_shape(
-            self._swizzle_atom(self.kv_width), (self.block_n, self.kv_width, self.stages), (0, 1, 2)
-        )
-        self._check_smem_off(sQ_layout, TILE_Q, D)
-        self._check_smem_off(sKV_layout, self.block_n, self.kv_width)
-
-        @cute.struct
-        class Smem:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            # K stages then V stages; the epilogue's fp32 O buffers live in the stage of the
-            # item's last block (``_o_buf``), so two CTAs fit an SM at head_dim <= 128
-            sKV: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, 2 * cute.cosize(sKV_layout)], 1024]
-            sM: cute.struct.MemRange[Float32, NUM_WARPS * TILE_Q]
-            sL: cute.struct.MemRange[Float32, NUM_WARPS * TILE_Q]
-
-        tiled_mma = cute.make_tiled_mma(
-            warp.MmaF16BF16Op(self.mma_dtype, Float32, (16, 8, 16)), (1, 1, 1), permutation_mnk=(16, 16, 16)
-        )
+        sQ_layout, sKV_layout, Smem, tiled_mma = self._smem_and_mma()
         scale_log2 = sm_scale * LOG2E
         self.kernel(
             mQ,
@@ -260,6 +252,33 @@ class PagedDecode:
             tiled_mma,
             Smem,
         ).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    def _smem_and_mma(self):
+        """Host side: the Q and K / V stage layouts, the shared-memory struct and the
+        one-warp m16n8k16 MMA (a warp's 16 x m_tiles rows are its M modes)."""
+        D = self.head_dim
+        # a Q tile per stage
+        sQ_layout = cute.tile_to_shape(self._swizzle_atom(D), (self.tile_q, D, self.stages), (0, 1, 2))
+        sKV_layout = cute.tile_to_shape(
+            self._swizzle_atom(self.kv_width), (self.block_n, self.kv_width, self.stages), (0, 1, 2)
+        )
+        self._check_smem_off(sQ_layout, self.tile_q, D)
+        self._check_smem_off(sKV_layout, self.block_n, self.kv_width)
+
+        fields = {
+            "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024],
+            # K stages then V stages; the epilogue's fp32 O buffers live in the stage of the
+            # item's last block (``_o_buf``), so two CTAs fit an SM at head_dim <= 128
+            "sKV": cute.struct.Align[cute.struct.MemRange[self.mma_dtype, 2 * cute.cosize(sKV_layout)], 1024],
+            "sM": cute.struct.MemRange[Float32, NUM_WARPS * self.tile_q],
+            "sL": cute.struct.MemRange[Float32, NUM_WARPS * self.tile_q],
+        }
+        # (a class statement here would see string annotations: ``from __future__ import annotations``)
+        Smem = cute.struct(type("Smem", (), {"__annotations__": fields}))
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.mma_dtype, Float32, (16, 8, 16)), (1, 1, 1), permutation_mnk=(16, 16, 16)
+        )
+        return sQ_layout, sKV_layout, Smem, tiled_mma
 
     # ---- device side --------------------------------------------------------------------
     @cute.kernel
@@ -402,19 +421,7 @@ class PagedDecode:
                             acc_S_mn[r, c] = v
                             m_blk = cute.arch.fmax(m_blk, v)
                     if const_expr(self.hooks.softmax):
-                        m_blk = quad_max(m_blk)
-                        m_new = cute.arch.fmax(row_m[r], m_blk)
-                        m_use = m_new if m_new != -Float32.inf else Float32(0.0)
-                        corr = cute.math.exp2(row_m[r] - m_use, fastmath=True)
-                        l_blk = Float32(0.0)
-                        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                            p = cute.math.exp2(acc_S_mn[r, c] - m_use, fastmath=True)
-                            acc_S_mn[r, c] = p
-                            l_blk = l_blk + p
-                        row_l[r] = row_l[r] * corr + l_blk  # per-thread partial sum; quad-reduced at the end
-                        row_m[r] = m_new
-                        for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                            acc_O_mn[r, c] = acc_O_mn[r, c] * corr
+                        self._online_row(acc_S_mn, acc_O_mn, r, m_blk, row_m, row_l)
 
                 # O += P V_w
                 rP = cute.make_fragment_like(acc_S, self.mma_dtype)
@@ -462,6 +469,26 @@ class PagedDecode:
                         sO[j, self._o_col(tOcO[0, c][1])] = acc_O_mn[r, c]
             cute.arch.sync_threads()
             self._store(Outputs(mO, mLse, mPartO, mPartLse), kv_ptr, o_stage, (sM, sL), tidx, info, tc)
+
+    @cute.jit
+    def _online_row(self, acc_S_mn, acc_O_mn, r: cutlass.Constexpr, m_blk, row_m, row_l):
+        """Online softmax of accumulator row r for one block: ``m_blk`` = this thread's max of
+        the row's (base-2) logits; the row's scores become weights 2^(s - m), its partial sum
+        and O are rescaled to the new running max.  A row with nothing visible yet keeps m =
+        -inf and weights 0."""
+        m_blk = quad_max(m_blk)
+        m_new = cute.arch.fmax(row_m[r], m_blk)
+        m_use = m_new if m_new != -Float32.inf else Float32(0.0)
+        corr = cute.math.exp2(row_m[r] - m_use, fastmath=True)
+        l_blk = Float32(0.0)
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+            p = cute.math.exp2(acc_S_mn[r, c] - m_use, fastmath=True)
+            acc_S_mn[r, c] = p
+            l_blk = l_blk + p
+        row_l[r] = row_l[r] * corr + l_blk  # per-thread partial sum; quad-reduced at the end
+        row_m[r] = m_new
+        for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+            acc_O_mn[r, c] = acc_O_mn[r, c] * corr
 
     # ---- shared memory -> MMA fragments (``decode_fp8`` overrides these four) ----------------
     def _q_fragment(self, thr_mma, sQ_i):
@@ -538,14 +565,15 @@ class PagedDecode:
         """cp.async item ``item``'s Q tile into Q buffer ``buf``; rows past num_rows re-read row 0
         and are never written out."""
         info = ItemInfo(ld.mWork, item, ld.group)
-        for i in cutlass.range_constexpr((TILE_Q * self.q_chunks + THREADS - 1) // THREADS):
+        TQ = self.tile_q
+        for i in cutlass.range_constexpr((TQ * self.q_chunks + THREADS - 1) // THREADS):
             idx = ld.tidx + i * THREADS
-            if idx < TILE_Q * self.q_chunks:
+            if idx < TQ * self.q_chunks:
                 j = idx // self.q_chunks
                 c = idx % self.q_chunks
                 tok, head = tok_head(info, info.row_start + (j if j < info.num_rows else 0))
                 cp_async_16(
-                    ld.sQ.iterator.toint() + self._smem_off(j, c, buf, TILE_Q, self.head_dim) * 2,
+                    ld.sQ.iterator.toint() + self._smem_off(j, c, buf, TQ, self.head_dim) * 2,
                     ld.mQ[tok, head, None].iterator.toint() + c * 16,
                 )
 
@@ -561,17 +589,18 @@ class PagedDecode:
                         raise AssertionError(f"_smem_off({r}, {c}, {s}) = {got}, layout {want}")
 
     def _o_buf(self, kv_ptr, stage, wid):
-        """Warp ``wid``'s fp32 [TILE_Q, D] epilogue buffer in stage ``stage``: the K and V rows
-        [KW wid, KW wid + KW) that only this warp reads, one contiguous piece per atom column
-        (16-bit: 16 rows x 128 B = 2 KB per 64-column half; fp8: 32 rows of D bytes) of K then
-        of V: KW x D x kv_bytes x 2 = 16 x D x 4 B, so the buffer fills them exactly.  Row j is
+        """Warp ``wid``'s fp32 [16, D] epilogue buffer in stage ``stage``: the K and V rows
+        [R wid, R wid + R) (R = ``o_region``: in decode the KW keys that only this warp reads),
+        one contiguous piece per atom column (16-bit: 16 rows x 128 B = 2 KB per 64-column
+        half; fp8: 32 rows of D bytes) of K then of V: R x D x kv_bytes x 2 = 16 x D x 4 B, so
+        the buffer fills them exactly.  Row j is
         in piece j // rpp (rpp = fp32 rows per piece).  No padding fits there, so the
         accumulator stores see 4-way bank conflicts; a swizzle would avoid them but makes ptxas
         keep every element's swizzled column in registers (it spilled).  Once per item."""
         D, aw = self.head_dim, self._atom_w(self.kv_width)
         tile = self.block_n * self.kv_width  # elements of a stage's K (or V) tile; V stages follow K's
         halves, rpp = self.kv_width // aw, self.o_rows_per_piece
-        ptr = cute.recast_ptr(kv_ptr + stage * tile + wid * self.keys_per_warp * aw, dtype=Float32)
+        ptr = cute.recast_ptr(kv_ptr + stage * tile + wid * self.o_region * aw, dtype=Float32)
         layout = cute.make_layout(
             ((rpp, halves, 2), D), stride=((D, self.block_n * aw // 2, self.stages * tile // 2), 1)
         )
@@ -595,12 +624,15 @@ class PagedDecode:
             end = cutlass.select_(hi < info.kv_end, hi, info.kv_end)
         return start, cutlass.select_(end > start, end, start)
 
-    def _transform_q(self, tSrQ, thr_mma, info: ItemInfo, tc: TraceCtx):
+    def _transform_q(self, tSrQ, thr_mma, info: ItemInfo, tc: TraceCtx, row0=None):
+        """``transform_q`` on a warp's Q fragment; ``row0``: the tile row of the warp's first
+        row (None: 0)."""
+        first = info.row_start if row0 is None else info.row_start + row0
         transform_fragment(
             tSrQ,
-            thr_mma.partition_A(cute.make_identity_tensor((TILE_Q, self.head_dim))),
+            thr_mma.partition_A(cute.make_identity_tensor((self.warp_rows, self.head_dim))),
             lambda ctx, lo, hi, d: self.hooks.transform_q(ctx, tc.vargs, lo, hi, d),
-            lambda j: self._ctx(info, info.row_start + j, tc),
+            lambda j: self._ctx(info, first + j, tc),
             self.dtype,
         )
 
@@ -630,13 +662,13 @@ class PagedDecode:
             kv_pos = key0 + tScS[0, c][1]
             off = float(col_off[c])
             ectx = rctx.replace(kv_pos=kv_pos, kv_pos_f32=(kv_f0, off), rel_pos_f32=(rel_f0, off))
-            ok = kv_pos < blk_end
+            ok = self._flag_ok(kv_pos < blk_end, kv_pos, rctx, tc)
             if H.has_logits:
-                v = H.logits(ectx, va, acc_S_mn[r, c] * tc.sm_scale)
+                v = self._cap_logit(H.logits(ectx, va, acc_S_mn[r, c] * tc.sm_scale), tc)
                 if H.softmax:
                     v = v * LOG2E
             else:
-                v = acc_S_mn[r, c] * (tc.sm_scale * LOG2E)
+                v = self._logit(acc_S_mn[r, c], tc)
             if H.has_mask:
                 ok = H.mask(ectx, va, ok)
             for words in bitmaps:
@@ -650,6 +682,19 @@ class PagedDecode:
             if H.softmax:
                 m_blk = cute.arch.fmax(m_blk, v)
         return m_blk
+
+    # the portable prefill's static flags (``prefill_mma.py``) in the variant path: none here
+    def _logit(self, s, tc: TraceCtx):
+        """Raw q·k -> base-2 logit without a logits hook."""
+        return s * (tc.sm_scale * LOG2E)
+
+    def _cap_logit(self, v, tc: TraceCtx):
+        """A logits hook's result (natural units) -> the logit the softmax sees."""
+        return v
+
+    def _flag_ok(self, ok, kv_pos, rctx, tc: TraceCtx):
+        """``ok`` and the static masks at key ``kv_pos`` of the row of ``rctx``."""
+        return ok
 
     def _finalize(self, m, l, info: ItemInfo, row, tc: TraceCtx):
         ctx = self._ctx(info, row, tc)
@@ -719,25 +764,31 @@ class PagedDecode:
 
     @cute.jit
     def _store(self, outs: Outputs, kv_ptr: cute.Pointer, o_stage: Int32, stats, tidx: Int32, info, tc):
-        """⊕ of the four warps' states per row (max m, l = Σ l_w 2^(m_w - m), then the variant's
-        ``finalize``), and the store: final rows (value dtype) or a partial slot (fp32), 4
-        columns per thread-step.  A variant's ``output`` hook applies to final rows (the wrapper
-        does not split the KV of such variants).  ``stats``: the warps' (sM, sL)."""
+        """⊕ of the states of the warps that share a row (the warps_n warps of its row group:
+        max m, l = Σ l_w 2^(m_w - m), then the variant's ``finalize``), and the store: final rows
+        (value dtype) or a partial slot (fp32), 4 columns per thread-step.  A variant's
+        ``output`` hook applies to final rows (the wrapper does not split the KV of such
+        variants).  ``stats``: the warps' (sM, sL), sM[j, k] = row j of the k-th warp of its
+        group; warp w's O rows are in ``_o_buf(w)``."""
         sM, sL = stats
         mO, mLse, mPartO, mPartLse = outs
         row_start, num_rows, dest = info.row_start, info.num_rows, info.dest
         per_row = self.head_dim // 4
-        for i in cutlass.range_constexpr((TILE_Q * per_row + THREADS - 1) // THREADS):
+        TQ, WN = self.tile_q, self.warps_n
+        for i in cutlass.range_constexpr((TQ * per_row + THREADS - 1) // THREADS):
             idx = tidx + i * THREADS
             j = idx // per_row
             c4 = idx % per_row
-            if idx < TILE_Q * per_row and j < num_rows:
+            if idx < TQ * per_row and j < num_rows:
+                jb, w0 = j, 0  # the row in its warps' buffers, the group's first warp
+                if const_expr(self.warps_m > 1):
+                    jb, w0 = j % self.warp_rows, (j // self.warp_rows) * WN
                 m_all = -Float32.inf
-                for w in cutlass.range_constexpr(NUM_WARPS):
+                for w in cutlass.range_constexpr(WN):
                     m_all = cute.arch.fmax(m_all, sM[j, w])
                 m_use = m_all if m_all != -Float32.inf else Float32(0.0)
                 l_all = Float32(0.0)
-                for w in cutlass.range_constexpr(NUM_WARPS):
+                for w in cutlass.range_constexpr(WN):
                     l_all = l_all + sL[j, w] * cute.math.exp2(sM[j, w] - m_use, fastmath=True)
                 if const_expr(self.hooks.has_finalize):
                     m_all, l_all = self._finalize(m_all, l_all, info, row_start + j, tc)
@@ -746,9 +797,10 @@ class PagedDecode:
                 if l_all > Float32(0.0):
                     inv_l = cute.arch.rcp_approx(l_all)
                 acc = cute.zeros_like(cute.make_rmem_tensor((4,), Float32).load())
-                for w in cutlass.range_constexpr(NUM_WARPS):
+                for w in cutlass.range_constexpr(WN):
                     frag = cute.make_rmem_tensor((4,), Float32)
-                    cute.autovec_copy(cute.local_tile(self._o_buf(kv_ptr, o_stage, w)[j, None], (4,), (c4,)), frag)
+                    o_w = self._o_buf(kv_ptr, o_stage, w0 + w)
+                    cute.autovec_copy(cute.local_tile(o_w[jb, None], (4,), (c4,)), frag)
                     acc = acc + frag.load() * (cute.math.exp2(sM[j, w] - m_use, fastmath=True) * inv_l)
                 lse = -Float32.inf
                 if l_all > Float32(0.0):
@@ -770,7 +822,7 @@ class PagedDecode:
                 else:
                     out = cute.make_rmem_tensor((4,), Float32)
                     out.store(acc)
-                    slot_row = dest * TILE_Q + j
+                    slot_row = dest * TQ + j
                     cute.autovec_copy(out, cute.local_tile(mPartO[slot_row, None], (4,), (c4,)))
                     if c4 == 0:
                         mPartLse[slot_row] = lse

@@ -12,10 +12,11 @@ tokens against a fixed per-item overhead -- and that overhead is what makes spli
 tile into more chunks cost something. A causal tile is charged for the kv it loads: its
 extent up to its last row's diagonal, not the triangle it computes.
 
-Tile size rule (``choose_cta_tile_q``): from the mean packed query length over the
-requests with queries, p = sum(qo_len * group) / #requests: 16 if p <= 16 (decode-like:
-group heads of one or a few tokens), 64 if p <= 64, else 128. The caller may force any
-multiple of 16 up to 256.
+Tile size rule (``choose_cta_tile_q``, the FlashInfer paper's): from the mean packed query
+length over the requests with queries, p = sum(qo_len * group) / #requests: 16 if p <= 16
+(decode-like: group heads of one or a few tokens), 32 if p <= 32, 64 if p <= 64, else 128.
+A kernel maps it onto the tiles it is built for (the smallest that holds it; the Hopper
+prefill's are 64 and 128). The caller may force any multiple of 16 up to 256.
 
 Shortest chunk rule (``min_chunk_len``): a cut never leaves a kv chunk shorter than
 
@@ -59,7 +60,7 @@ def choose_cta_tile_q(total_packed_rows: int, num_requests_with_q: int) -> int:
     if num_requests_with_q == 0:
         return 16
     p = -(-total_packed_rows // num_requests_with_q)
-    return 16 if p <= 16 else 64 if p <= 64 else 128
+    return 16 if p <= 16 else 32 if p <= 32 else 64 if p <= 64 else 128
 
 
 def build_tiles(qo_len, kv_len, group: int, tile: int, causal: bool, qo_min=None, qo_max=None):

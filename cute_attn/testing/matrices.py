@@ -9,6 +9,7 @@ from ..families.kv_pass import kv_pass_spec
 from ..families.merge import merge_partials_spec
 from ..families.prefill import ARCH as PREFILL_ARCH
 from ..families.prefill import TILES, page_box_for, prefill_spec, prefill_specs
+from ..families.prefill_mma import prefill_mma_spec
 from ..variants.builtins import ALiBi, AttentionSink, Causal, CustomMask, FlashSigmoid, RoPE, SlidingWindow, SoftCap
 from ..variants.examples import RelativePositionBias
 from ..wrappers.options import resolve_variant
@@ -121,3 +122,41 @@ def head_dim_test_specs(arch: str):
     specs += prefill_specs(arch, dtype_names=("f16",), head_dims=(96,), tiles=(128,), paged=(False,))
     specs += [merge_partials_spec(arch, dt, 96, t) for dt in ("bf16", "f16") for t in TILES]
     return specs + [kv_pass_spec(arch, "bf16", 96, True, None)]
+
+
+def portable_prefill_test_specs(arch: str):
+    """What tests/test_prefill_mma_gpu.py loads beyond the shipped portable specs (those ship on
+    every arch but Hopper): its grid at bf16 / d128 (tiles 16 / 32 / 64, ragged / paged,
+    causal or not), the head-dim 64 / 256 cases, soft-cap / window, its variants, and what the
+    bench of the portable kernel adds (the ``warps_m`` knob at tile 64), and the merges of
+    those plans (the ``prefill_mma`` preset is all a GPU run of them needs)."""
+    from ..families.merge import merge_partials_spec
+
+    flag = lambda **kw: resolve_variant(**kw)  # noqa: E731  (causal, soft_cap, window, variant)
+    out = [prefill_mma_spec(arch, "bf16", 128, t, p, c) for t in (16, 32, 64) for p in (False, True) for c in (0, 1)]
+    out += [
+        prefill_mma_spec(arch, "f16", 64, 64, False, True),
+        prefill_mma_spec(arch, "f16", 64, 64, True, False),
+        prefill_mma_spec(arch, "bf16", 256, 64, False, True),
+        prefill_mma_spec(arch, "bf16", 256, 32, True, True),
+        prefill_mma_spec(arch, "bf16", 64, 64, True, True),
+        prefill_mma_spec(arch, "bf16", 128, 64, False, True, True, True),
+        prefill_mma_spec(arch, "bf16", 128, 32, True, False, False, True),
+        prefill_mma_spec(arch, "bf16", 128, 16, True, True, True, False),
+        prefill_mma_spec(arch, "bf16", 128, 64, False, True, warps_m=2),
+    ]
+    cases = dict(variant_test_cases())
+    for name, tile, paged, causal in (
+        ("sink", 64, False, True),
+        ("custom_mask", 32, True, False),
+        ("alibi", 16, True, True),
+        ("rope", 16, False, True),
+    ):
+        kw = dict(cases[name])
+        for sinks in (False, True) if kw.get("sinks") else (False,):
+            c, cap, win, v = flag(causal=causal, **dict(kw, sinks=sinks))
+            out.append(prefill_mma_spec(arch, "bf16", 128, tile, paged, c, cap, win, v))
+    merges = [("bf16", 128, 16), ("bf16", 128, 32), ("bf16", 128, 64), ("bf16", 256, 32), ("bf16", 256, 64)]
+    merges += [("f16", 64, 64), ("bf16", 64, 64)]
+    out += [merge_partials_spec(arch, dt, d, t) for dt, d, t in merges]
+    return list(dict.fromkeys(out))

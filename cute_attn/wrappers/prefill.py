@@ -1,6 +1,6 @@
 """Batch prefill / append attention, FlashInfer-compatible: ``BatchPrefillWithRaggedKVCacheWrapper``
-and ``BatchPrefillWithPagedKVCacheWrapper`` (their shared planning and launch:
-``prefill_base.BatchPrefillBase``).
+and ``BatchPrefillWithPagedKVCacheWrapper`` (their shared planning and launch, and the kernel
+choice -- wgmma on Hopper, the portable mma.sync kernel elsewhere: ``prefill_base``).
 
 Variants (docs/variants.md) as in decode: ``causal``, ``window_left`` and ``logits_soft_cap``
 are the kernel's static flags (its fast paths); ``pos_encoding_mode="ALIBI"`` / ``"ROPE_LLAMA"``
@@ -8,9 +8,8 @@ are the kernel's static flags (its fast paths); ``pos_encoding_mode="ALIBI"`` / 
 per-request row-major ``[qo_len, kv_len]`` layout, bits packed little-endian per request;
 a custom mask replaces ``causal``, as FlashInfer's MaskMode.CUSTOM), ``run(sinks=)`` and
 ``plan(variant=...)`` become a traced variant (spec params ``variant`` / ``variant_fp``), whose
-runtime arguments follow the fixed ones in the kernel ABI.  Soft-cap joins the variant (in
-decode's order: RoPE/ALiBi, soft-cap, ...) when another component transforms logits.
-"""
+runtime arguments follow the fixed ones in the kernel ABI; soft-cap joins the variant (in
+decode's order) when another component transforms logits."""
 
 from __future__ import annotations
 
@@ -109,16 +108,17 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
         o_indptr=None,
         uniform_q_len: Optional[int] = None,
         variant=None,
+        prefill_backend: Optional[str] = None,
     ) -> None:
         """FlashInfer's arguments.  Index arrays are best passed on the CPU (a CUDA one is read
         back, which synchronizes).  ``head_dim_vo`` (None: ``head_dim_qk``): v's and the output's
         head dim -- 192 / 128 (DeepSeek's prefill) besides equal ones (64, 96, 128, 256); run()'s v
-        and out are then ``[..., head_dim_vo]``.  ``fixed_split_size`` (kv tokens): every request's KV is cut
-        at multiples of it and nothing else, with a fixed 128-row tile, so a request's output is
-        bitwise the same whatever else is batched with it; ``disable_split_kv``: no request is
-        split.  ``use_fp16_qk_reduction`` and ``uniform_q_len`` are accepted and ignored (q·k is
-        always fp32; the planner sees the lengths);
-        ``max_token_per_sequence`` / ``max_sequence_kv`` are cuDNN hints, ignored.
+        and out are then ``[..., head_dim_vo]``.  ``fixed_split_size`` (kv tokens): every
+        request's KV is cut at multiples of it and nothing else, with the kernel's largest tile,
+        so a request's output is bitwise the same whatever else is batched with it;
+        ``disable_split_kv``: no request is split.  ``use_fp16_qk_reduction``, ``uniform_q_len``
+        (q·k is always fp32; the planner sees the lengths), ``max_token_per_sequence`` /
+        ``max_sequence_kv`` (cuDNN's) are ignored.
 
         Variants: ``pos_encoding_mode`` ``"ALIBI"`` (slopes as FlashInfer's ``get_alibi_slopes``)
         or ``"ROPE_LLAMA"`` (``rope_scale`` default 1, ``rope_theta`` default 1e4; query token i
@@ -135,7 +135,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
         ``kv_data_type`` ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` with fp16 / bf16
         queries: an fp8 K / V, dequantized to the query dtype by the KV pass before the kernel
         (``wrappers/kv_gather.py``: into the workspace when it has room, else a buffer of the
-        wrapper's own); the output is in the query dtype; run() applies its scales."""
+        wrapper's own); the output is in the query dtype; run() applies its scales.
+
+        ``prefill_backend`` (cute_attn's own): ``"prefill_sm90"`` (wgmma, Hopper) or
+        ``"prefill_mma_sync"`` (the portable kernel, every arch; a 16-bit cache only) instead of
+        the arch's choice (``families.backends.choose_prefill_backend``)."""
         fixed_split_size = compat.split_size(fixed_split_size)
         q_dtype, kv_dtype, d, dv, arch = self._check_common(
             num_qo_heads,
@@ -193,6 +197,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
             packed_custom_mask=packed_custom_mask,
             variant=variant,
             kv_dtype=kv_dtype,
+            prefill_backend=prefill_backend,
         )
         if self._use_cuda_graph:
             # the buffers' unused tail repeats the last offset (empty requests): the key-transform
@@ -465,6 +470,7 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         uniform_q_len: Optional[int] = None,
         variant=None,
         kv_pass: Optional[bool] = None,
+        prefill_backend: Optional[str] = None,
     ) -> None:
         """FlashInfer's arguments (see the ragged wrapper's ``plan``, variants included).
         ``fixed_split_size`` is in pages, as in FlashInfer.
@@ -482,7 +488,8 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         queries: an fp8 cache, always read by the KV pass, which dequantizes it to the query
         dtype (``wrappers/kv_gather.py``: in the workspace when it has room, else in a buffer of
         the wrapper's own; CUDA-graph mode included, where the first plan fixes the region);
-        ``kv_pass=False`` is then an error.  The output is in the query dtype."""
+        ``kv_pass=False`` is then an error.  The output is in the query dtype.
+        ``prefill_backend``: as in the ragged wrapper's plan."""
         fixed_split_size = compat.split_size(fixed_split_size)
         q_dtype, kv_dtype, d, dv, arch = self._check_common(
             num_qo_heads,
@@ -555,6 +562,7 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
             variant=variant,
             kv_pass=kv_pass,
             kv_dtype=kv_dtype,
+            prefill_backend=prefill_backend,
         )
         if self._use_cuda_graph:
             self._to_device(qo_indptr, self._qo_indptr_buf, "qo_indptr")  # FlashInfer's buffers (unused here)

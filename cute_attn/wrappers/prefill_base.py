@@ -1,11 +1,14 @@
 """What the ragged and paged prefill wrappers share: argument checks, planning (limits, the
 planner, the kernels, the KV pass), the custom mask's CUDA-graph buffers and the launch.
 
-The kernels come from the arch -> backend table (``families.backends``): the ``prefill``
-backend (on Hopper, ``kernels/prefill_sm90.py``: wgmma, which Blackwell does not have; a GPU
-without a prefill backend gets a ``NoBackend`` error from ``plan()``) and the ``kv_pass``
-backend.  ``plan()`` runs the CPU scheduler (``cute_attn.sched``) with query tiles of the
-backend's sizes (the planner's tile rule, its 16-row decode tile mapped to the smallest) and
+The kernels come from the arch -> backend table (``families.backends``): a ``prefill``
+backend per batch (``choose_prefill_backend``: on Hopper ``kernels/prefill_sm90.py``, wgmma,
+except where the portable kernel is faster; elsewhere ``kernels/prefill_mma.py``, mma.sync,
+which reads a 16-bit cache itself: an fp8 cache needs the Hopper kernel's KV pass; ``plan(
+prefill_backend=...)`` names one) and the ``kv_pass`` backend.  ``plan()`` runs the CPU
+scheduler (``cute_attn.sched``) with query tiles of the backend's sizes (the planner's tile
+rule, 16 / 32 / 64 / 128 packed rows, mapped onto the smallest tile of the kernel that holds
+it) and
 uploads the work lists into the user's ``float_workspace_buffer`` at fixed offsets.
 ``run()`` launches the prefill kernel and, when the plan split some KV (or in CUDA-graph mode,
 where a later plan may split), the persistent ⊕ merge kernel (``merge_partials``, the same one
@@ -35,11 +38,12 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..families.backends import NoBackend, backend_for, kv_pass_pays
+from ..families.backends import NoBackend, backend_for, choose_prefill_backend, kv_pass_pays
 from ..families.base import variant_params
 from ..families.kv_pass import kv_pass_spec
 from ..families.merge import merge_partials_spec
 from ..families.prefill import FIXED_SPLIT_TILE, keys_pretransformed, page_box_for, regular_gather
+from ..families.prefill_mma import BATCH_PREFILL_MMA
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import KernelNotAvailable, kernel
 from ..sched import Planner, WorkspaceLayout
@@ -54,6 +58,18 @@ from .options import check_options, resolve_variant
 from .plans import PrefillInputs, PrefillPlanState
 from .prefill_engine import PrefillEngineAPI
 from .prefill_sizes import check_head_dims, round_rows, rows_per_cta
+
+
+def _check_portable(backend, arch, kv_name, kv_pass) -> None:
+    """What the portable kernel cannot serve yet: it reads 16-bit K / V itself (the KV pass that
+    dequantizes an fp8 cache or gathers pages first runs only before the Hopper kernel)."""
+    if kv_name is not None:
+        raise NotImplementedError(
+            f"an fp8 KV cache in prefill on {arch} ({backend.name}): the dequantizing KV pass serves only the "
+            f"Hopper prefill kernel"
+        )
+    if kv_pass:
+        raise NotImplementedError(f"kv_pass=True with {backend.name}: it reads the pages itself")
 
 
 def _variant_kw(v) -> dict:
@@ -192,6 +208,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         variant=None,
         kv_pass=None,
         kv_dtype=None,
+        prefill_backend=None,
     ) -> PrefillPlanState:
         """Validate lengths, (re)make the planner, plan + upload, pick the kernels. Returns the
         plan's state without its device inputs (``_commit`` adds them once their copies are
@@ -200,7 +217,8 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         ragged: it dequantizes the cache for the 16-bit kernel).  ``head_dim_vo``: V's and the
         output's head dim (None: ``head_dim``); the kernels never transform keys or queries
         (RoPE) at other than the power-of-two head dims, and the KV pass gathers K / V only of
-        equal head dims."""
+        equal head dims.  ``prefill_backend``: the kernel by its backend name
+        (``families.backends``), None: ``choose_prefill_backend``."""
         if q_dtype in common.FP8:  # fp8 attention: its own kernels, pass and plan (wrappers/prefill_fp8.py)
             return prefill_fp8.plan_state(
                 self, qo_h, kv_lens, arch=arch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -210,7 +228,6 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             )  # fmt: skip
         hq, hk, d = int(num_qo_heads), int(num_kv_heads), head_dim
         dv = d if head_dim_vo is None else int(head_dim_vo)
-        backend = backend_for("prefill", arch)
         qo_len = np.diff(qo_h)
         batch = int(qo_len.shape[0])
         mask_v = None
@@ -248,7 +265,24 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         soft_cap = float(logits_soft_cap) if logits_soft_cap and cap_flag else 0.0
         window_left = int(window_left)
         kv_name = kv_gather.kv_name(kv_dtype or q_dtype, q_dtype)  # an fp8 cache's spec name, else None
+        batch_invariant = split_tokens is not None  # fixed_split_size: nothing may depend on the batch
+        with_q = int(np.count_nonzero(qo_len))
+        if self._use_cuda_graph and self._fixed is not None:  # the captured kernel's
+            prefill_backend = self._fixed["backend"]
+        backend = choose_prefill_backend(
+            arch,
+            total_q * group / max(with_q, 1),
+            name=prefill_backend,
+            needs_pass=kv_name is not None or bool(kv_pass),
+            batch_invariant=batch_invariant,
+            gathers=self._PAGED and not page_box_for(True, int(page_size)),
+            head_dims=(d, dv),
+        )
+        portable = backend.family == BATCH_PREFILL_MMA.name
+        if portable:
+            _check_portable(backend, arch, kv_name, kv_pass)
         launch = dict(
+            backend=backend.name,
             dtype=common.dtype_name(q_dtype),
             head_dim=d,
             head_dim_vo=dv,
@@ -264,15 +298,16 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             kv_dtype=kv_name,
             # the KV pass may change it; an fp8 cache always takes the pass, so the kernel never
             # reads its pages (CUDA-graph mode compares this with the first plan's, after the pass)
-            page_box=page_box_for(self._PAGED and kv_name is None, int(page_size)),
+            page_box=page_box_for(self._PAGED and kv_name is None and not portable, int(page_size)),
         )
 
-        batch_invariant = split_tokens is not None  # fixed_split_size: nothing may depend on the batch
-        if batch_invariant:
-            tile = FIXED_SPLIT_TILE  # batch-invariant: the tile may not depend on the batch either
-        else:
-            with_q = int(np.count_nonzero(qo_len))
-            tile = max(min(backend.tiles), choose_cta_tile_q(total_q * group, with_q))
+        if batch_invariant:  # the tile may not depend on the batch either
+            tile = min(FIXED_SPLIT_TILE, max(backend.tiles))
+        elif portable and vbase.Hooks(var).has_transform_k:
+            tile = min(backend.tiles)  # the portable kernel rotates keys in-kernel with whole K fragments only
+        else:  # the planner's rule, onto the kernel's tiles
+            want = choose_cta_tile_q(total_q * group, with_q)
+            tile = min([t for t in backend.tiles if t >= want] or [max(backend.tiles)])
         if disable_split_kv:
             split_tokens = common.NO_SPLIT
 
@@ -298,7 +333,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
                 )
         lim, grow = self._choose_limits(batch, total_q, hq, hk, dv, num_ctas)  # partial rows of dv
         gather = None  # kv_gather.Gather: where the KV pass writes contiguous K / V
-        if self._PAGED or launch["kv_dtype"] is not None:
+        if (self._PAGED or launch["kv_dtype"] is not None) and not portable:
             # batch-invariant plans take the pass only when asked: the model weighs the whole batch;
             # K and V of different head dims never (the pass has one)
             want = False if (kv_pass is None and batch_invariant) or dv != d else kv_pass
@@ -383,7 +418,8 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         itself), the KV pass's variant, the pass module or None, the pass's grid, the attention
         module); sets ``launch["page_box"]``."""
         paged = self._PAGED and gather is None  # the kernel reads the cache itself
-        launch["page_box"] = page_box_for(paged, int(page_size))
+        portable = backend.family == BATCH_PREFILL_MMA.name  # every page size; keys rotated in-kernel
+        launch["page_box"] = 0 if portable else page_box_for(paged, int(page_size))
         spec_kw = dict(
             dtype=launch["dtype"],
             head_dim=d,
@@ -397,9 +433,10 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             spec_kw["head_dim_vo"] = launch["head_dim_vo"]
         if launch["page_box"]:
             spec_kw["page_box"] = launch["page_box"]
-        if keys_pretransformed(paged, var):
+        pretransformed = keys_pretransformed(paged, var) and not portable
+        if pretransformed:
             spec_kw["keys_transformed"] = True
-        pass_var = var if keys_pretransformed(paged, var) else None  # the pass's variant: K's transform
+        pass_var = var if pretransformed else None  # the pass's variant: K's transform
         gathers = self._PAGED and gather is not None  # the pass reads the page table
         pass_spec = kv_pass_spec(arch, launch["dtype"], d, gathers, pass_var, launch["kv_dtype"])
         pass_module, pass_grid = None, 0

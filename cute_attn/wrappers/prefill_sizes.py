@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..families.backends import backend_for
+from ..families.backends import backend_for, backends_for
 from ..runtime.arch import sm_count_of_index
 from ..sched import WorkspaceLayout
 from ..sched.workspace import MIN_CTA_TILE_Q
@@ -53,7 +53,8 @@ def prefill_workspace_bytes(device_index, arch, batch, total_q, hq, hk, d, have,
     ``dv``: head_dim_vo (None: ``d``), the partial outputs' width."""
     backend = backend_for("prefill", arch)
     d, dv = check_head_dims(backend, hq, hk, d, dv)
-    num_ctas = sm_count_of_index(device_index) * backend.ctas_for(d)
+    # the most CTAs any of the arch's prefill kernels runs (the plan picks one per batch)
+    num_ctas = sm_count_of_index(device_index) * max(b.ctas_for(d) for b in backends_for("prefill", arch))
     lim = compat.partial_rows_that_fit(
         have,
         num_ctas,

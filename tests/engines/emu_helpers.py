@@ -102,6 +102,7 @@ class Emulated:
         self.emulate = {
             "paged_decode": emulate_decode,
             "batch_prefill_sm90": _emulate_prefill,
+            "batch_prefill_mma": _emulate_prefill,
             "merge_partials": _emulate_merge,
             "kv_pass": _emulate_kv_pass,
         }[family]
