@@ -18,7 +18,7 @@ import dataclasses
 import json
 import sys
 
-KNOBS = [dict(tile_n=128, stages=4), dict(lazy_rescale=0), dict(stages=3)]
+KNOBS = [dict(tile_n=128, stages=4), dict(lazy_rescale=1), dict(stages=3)]
 
 
 def specs():

@@ -37,7 +37,13 @@ gpu = pytest.mark.gpu
 DEV = "cuda"
 E4M3 = torch.float8_e4m3fn
 BF, F16 = torch.bfloat16, torch.float16
-LSE_TOL = 2e-3
+# LSE (base 2, absolute).  Not the 16-bit tests' 2e-3: Hopper's fp8 wgmma adds its products in
+# reduced precision before the fp32 accumulator (DeepSeek-V3's report: ~14 bits), so S -- and the
+# LSE, a weighted mean of it -- differ from the fp32 reference's by up to a few 1e-3 at head dim
+# 128.  Measured on the H200 over this grid, three kernel settings (128 / 192 keys, lazy rescale
+# on / off): every case below 2e-3 but one per run, at 2.05e-3, 2.09e-3 and 2.76e-3, each time a
+# different case of the random inputs (no layout pattern).
+LSE_TOL = 5e-3
 OUT_SLACK = 4e-3
 
 

@@ -128,8 +128,9 @@ def prefill_fp8_spec(
     arch: str, dtype: str, head_dim: int, tile_q: int, causal: bool, qkv_dtype: str = "e4m3", **knobs
 ) -> Spec:
     """``knobs`` (tuning, absent by default): ``tile_n`` (keys per block, a multiple of
-    VT_GROUP), ``stages`` (K / V^T stages), ``pingpong`` (0 / 1), ``lazy_rescale`` (0: the
-    running max follows every new maximum, so each row's largest weight is exactly 1 in e4m3)."""
+    VT_GROUP), ``stages`` (K / V^T stages), ``pingpong`` (0 / 1), ``lazy_rescale`` (1: the 16-bit
+    kernel's lazy running max; the default follows every new maximum, so each row's largest
+    weight is exactly 1 in e4m3)."""
     assert set(knobs) <= {"tile_n", "stages", "pingpong", "lazy_rescale"}, knobs
     assert knobs.get("tile_n", VT_GROUP) % VT_GROUP == 0
     return Spec.make(
