@@ -285,7 +285,8 @@ class Planner:
             p.work_items = locality_order(p.work_items, p.work_indptr)
         self._stage(p, b, total_q, hq, hk)
         decode = one_each and qmax == 1 and kv_split_size is None
-        self._keep_args = (p, kv_len, self.alpha * tile // h) if decode else None
+        # kv_len may be the caller's array (read in place): the kept plan's ranks need this step's
+        self._keep_args = (p, kv_len.copy(), self.alpha * tile // h) if decode else None
         self._kept = None
         if workspace is not None:
             self.upload(workspace)

@@ -292,8 +292,7 @@ class DecodeEngineAPI:
             var, binding = self._same_kernel_binding(st, window, cap, sm)
         split_tokens = self._split_tokens(fixed_split_size, disable_split_kv, page_size)
         self._step_split = split_tokens
-        backend = backend_for("decode", st.arch)
-        plan = self._replan_lengths(kv_lens, batch, split_tokens, st, backend)
+        plan = self._replan_lengths(kv_lens, batch, split_tokens, st)
         if self._use_cuda_graph:
             kv_indptr, kv_indices = self._indptr_buf, self._indices_buf
         else:
@@ -334,27 +333,22 @@ class DecodeEngineAPI:
                 f"the batch size is fixed in CUDA-graph mode: got {kv_lens.shape[0]}, the buffers hold {self._fixed_bs}"
             )
         st = self._state
-        plan = self._planner.replan(kv_lens, upper)
-        if plan is not None:
-            self._planner.upload(self._plan_buf)
-        else:
-            split = self._step_split
-            plan = self._schedule(kv_lens, st.batch, st.hq, st.hk, st.head_dim, st.page_size, split, st.hpi,
-                                  backend_for("decode", st.arch), st.arch)  # fmt: skip
+        plan = self._replan_lengths(kv_lens, st.batch, self._step_split, st, upper)
         self._state = _replaced(st, plan=plan, kv_lens=kv_lens)
         self._step = (self._step[0], self._state)
 
-    def _replan_lengths(self, kv_lens, batch, split_tokens, st, backend):
+    def _replan_lengths(self, kv_lens, batch, split_tokens, st, upper=None):
         """THE planner call of a fast re-plan (``fast_decode_plan``, ``_cached_module.plan``):
-        new kv lengths (host int64 ``[batch]``), the current plan's heads, page size, head
-        packing and kernels: the last plan's items on the new lengths where they stay balanced
-        (``sched.reuse``), else the wrapper's own planner (``_schedule``).  Returns the
-        ``sched.Plan`` (uploaded)."""
+        new kv lengths (host int64 ``[batch]``; ``upper``: a bound on them, or None), the
+        current plan's heads, page size, head packing and kernels: the last plan's items on the
+        new lengths where they stay balanced (``sched.reuse``), else the wrapper's own planner
+        (``_schedule``).  Returns the ``sched.Plan`` (uploaded)."""
         if split_tokens is None and self._planner is not None and self._views is not None:
-            plan = self._planner.replan(kv_lens)
+            plan = self._planner.replan(kv_lens, upper)
             if plan is not None:
                 self._planner.upload(self._plan_buf)
                 return plan
+        backend = backend_for("decode", st.arch)
         return self._schedule(
             kv_lens, batch, st.hq, st.hk, st.head_dim, st.page_size, split_tokens, st.hpi, backend, st.arch
         )

@@ -48,7 +48,6 @@ from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import KernelNotAvailable, kernel
 from ..sched import Planner, WorkspaceLayout
 from ..sched.cost import choose_cta_tile_q
-from ..sched.workspace import MIN_CTA_TILE_Q
 from ..variants import base as vbase
 from ..variants.binding import VariantBinding
 from ..variants.builtins import CustomMask, mask_kv_bounds
@@ -57,7 +56,7 @@ from .masks import device_mask, packed_mask
 from .options import check_options, resolve_variant
 from .plans import PrefillInputs, PrefillPlanState
 from .prefill_engine import PrefillEngineAPI
-from .prefill_sizes import check_head_dims, round_rows, rows_per_cta
+from .prefill_sizes import check_head_dims, partial_limits, round_rows
 
 
 def _check_portable(backend, arch, kv_name, kv_pass) -> None:
@@ -303,7 +302,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
 
         if batch_invariant:  # the tile may not depend on the batch either
             tile = min(FIXED_SPLIT_TILE, max(backend.tiles))
-        elif portable and vbase.Hooks(var).has_transform_k:
+        elif portable and hooks.has_transform_k:
             tile = min(backend.tiles)  # the portable kernel rotates keys in-kernel with whole K fragments only
         else:  # the planner's rule, onto the kernel's tiles
             want = choose_cta_tile_q(total_q * group, with_q)
@@ -337,7 +336,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             # batch-invariant plans take the pass only when asked: the model weighs the whole batch;
             # K and V of different head dims never (the pass has one)
             want = False if (kv_pass is None and batch_invariant) or dv != d else kv_pass
-            transform = var is not None and vbase.Hooks(var).has_transform_k
+            transform = hooks.has_transform_k
             boxes = bool(page_box_for(True, int(page_size)))  # else the kernel's cp.async gather
             pays = lambda: kv_pass_pays(  # noqa: E731
                 qo_len, kv_lens, hq, hk, d, bool(causal), transform, q_dtype.itemsize, window_left, boxes
@@ -497,17 +496,8 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         have = self._workspace.numel()
 
         def limits(max_batch, max_q):
-            return compat.partial_rows_that_fit(
-                1 << 62 if self.grows_workspace or not self.fit_partials else have,
-                num_ctas,
-                max_batch=max(max_batch, 1),
-                max_total_q_tokens=max(max_q, 1),
-                num_qo_heads=hq,
-                num_kv_heads=hk,
-                head_dim=d,
-                rows=rows_per_cta(d) * num_ctas,
-                min_rows=num_ctas * MIN_CTA_TILE_Q,
-            )
+            room = 1 << 62 if self.grows_workspace or not self.fit_partials else have
+            return partial_limits(room, num_ctas, max_batch, max_q, hq, hk, d)
 
         if self._use_cuda_graph:  # fixed by the buffers and the first plan: offsets never move
             cands = [limits(self._batch_capacity(batch), self._max_rows)]

@@ -55,15 +55,21 @@ def prefill_workspace_bytes(device_index, arch, batch, total_q, hq, hk, d, have,
     d, dv = check_head_dims(backend, hq, hk, d, dv)
     # the most CTAs any of the arch's prefill kernels runs (the plan picks one per batch)
     num_ctas = sm_count_of_index(device_index) * max(b.ctas_for(d) for b in backends_for("prefill", arch))
-    lim = compat.partial_rows_that_fit(
+    return WorkspaceLayout(partial_limits(have, num_ctas, batch, total_q, hq, hk, dv), num_ctas).total_bytes
+
+
+def partial_limits(have: int, num_ctas: int, max_batch: int, max_q: int, hq: int, hk: int, dv: int):
+    """The planner limits of a prefill plan in a workspace of ``have`` bytes: ``rows_per_cta``
+    partial-output rows of width ``dv`` per CTA, shrunk to fit (at least one smallest tile per
+    CTA)."""
+    return compat.partial_rows_that_fit(
         have,
         num_ctas,
-        max_batch=max(batch, 1),
-        max_total_q_tokens=max(total_q, 1),
+        max_batch=max(max_batch, 1),
+        max_total_q_tokens=max(max_q, 1),
         num_qo_heads=hq,
         num_kv_heads=hk,
         head_dim=dv,
         rows=rows_per_cta(dv) * num_ctas,
         min_rows=num_ctas * MIN_CTA_TILE_Q,
     )
-    return WorkspaceLayout(lim, num_ctas).total_bytes
