@@ -70,22 +70,31 @@ def graph_buffers(b: int, cap: int, on=on_gpu):
     )
 
 
-def time_steps(call, steps, sync=None, passes: int = 3):
+def time_steps(call, steps, sync=None, passes: int = 3, prep=None, after=None):
     """Per-step host times (s) of ``call(indptr, last)`` over the steps, after a warm-up pass
     over the first 8: the quietest of ``passes`` passes over the trace (lowest median; the
-    lent machines' host cores are shared)."""
+    lent machines' host cores are shared).  ``prep(indptr, last)`` / ``after()``: the engine's
+    work before / after the re-plan (untimed: writing the device buffers, the step's launch)."""
     args = [paged_args(kv) for kv in steps]
     for a in args[:8]:
+        if prep:
+            prep(*a)
         call(*a)
+        if after:
+            after()
     if sync:
         sync()
     best = None
     for _ in range(passes):
         ts = []
         for a in args:
+            if prep:
+                prep(*a)
             t0 = time.perf_counter()
             call(*a)
             ts.append(time.perf_counter() - t0)
+            if after:
+                after()
         if sync:
             sync()
         if best is None or statistics.median(ts) < statistics.median(best):
@@ -145,9 +154,63 @@ def ours(b, steps, on=on_gpu, calls=("fast_decode_plan", "cached_module_plan", "
                 w, ip, idx, last, HQ, HK, D, PS, q_data_type=torch.bfloat16, global_override_indptr_cpu=ip
             )
         sync = torch.cuda.synchronize if on is on_gpu else None
-        ts = time_steps(call, steps, sync)
+        prep = after = None
+        if on is on_gpu:  # the engine's step: the device buffers, then (after the re-plan) the
+            # graph replay, of which the kept-plan update (wrappers/kept_device.py) is what the
+            # plan reads back: the status that sends a step to a full re-plan
+
+            def prep(ip, last):
+                bufs["paged_kv_indptr_buffer"].copy_(ip, non_blocking=True)
+                bufs["paged_kv_last_page_len_buffer"].copy_(last, non_blocking=True)
+
+            def after():
+                dk = w._dev_keep
+                if dk is not None and w._state is not None:
+                    dk.before_run(w._indptr_buf, w._last_buf, w._views)
+
+        ts = time_steps(call, steps, sync, prep=prep, after=after)
         out[name] = (ts, full[0] / (3 * len(steps) + 8))
     return out
+
+
+def update_cost(b: int, trace: str = "churn", reps: int = 200) -> float:
+    """GPU time (us) of one kept-plan update (``kernels/kept_update.py``) on this batch: CUDA
+    events around ``reps`` launches after a per-step re-plan."""
+    from cute_attn import BatchDecodeWithPagedKVCacheWrapper
+    from cute_attn.decode import fast_decode_plan
+
+    steps = traces(b)[trace][:2]
+    cap = int(max(((kv + PS - 1) // PS).sum() for kv in steps))
+    bufs = graph_buffers(b, cap)
+    w = BatchDecodeWithPagedKVCacheWrapper(
+        on_gpu(torch.empty(256 << 20, dtype=torch.uint8)), use_cuda_graph=True, **bufs
+    )
+    idx = bufs["paged_kv_indices_buffer"]
+    for i, kv in enumerate(steps):
+        ip, last = paged_args(kv)
+        bufs["paged_kv_indptr_buffer"].copy_(ip)
+        bufs["paged_kv_last_page_len_buffer"].copy_(last)
+        if i == 0:
+            w.plan(ip, idx, last, HQ, HK, D, PS, q_data_type=torch.bfloat16)
+        else:
+            fast_decode_plan(w, ip, idx, last, HQ, HK, D, PS, q_data_type=torch.bfloat16, global_override_indptr_cpu=ip)
+    dk = w._dev_keep
+    assert dk is not None and dk.on
+
+    def launch():
+        dk.pending = True
+        dk.before_run(w._indptr_buf, w._last_buf, w._views)
+
+    for _ in range(20):
+        launch()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    e0.record()
+    for _ in range(reps):
+        launch()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) * 1e3 / reps
 
 
 def flashinfer_fast(b, steps):
@@ -276,6 +339,10 @@ def main() -> None:
 
     fi_ok = not a.no_flashinfer
     for b in [int(x) for x in a.batches.split(",")]:
+        if b <= 2048:
+            us = update_cost(b)
+            print(json.dumps(dict(impl="cute_attn", kept_update_gpu_us=round(us, 2), batch=b)), flush=True)
+            records.append((f"host/kept_update_gpu/bs{b}", "cute_attn", "us_per_launch", us))
         for trace, steps in traces(b).items():
             for call, (ts, full) in ours(b, steps).items():
                 emit("cute_attn", call, trace, b, ts, full)

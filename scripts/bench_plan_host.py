@@ -67,6 +67,43 @@ def stub_gpu() -> None:
     torch.cuda.Event = _Event
 
 
+class _FakeKeep:
+    """``kept_device.DeviceKeep`` without a device: every update found its plan balanced, so
+    the host's per-step work is what it is on a GPU (the status read included)."""
+
+    def __init__(self):
+        import numpy as np
+
+        self.on = self.pending = False
+        self.epoch = 0
+        self._status_np = np.zeros(1, np.int32)
+
+    def load(self, kept, page_size, max_kv_len):
+        self.on = kept is not None and kept.device_records(1, page_size, max_kv_len) is not None
+        return self.on
+
+    def off(self):
+        self.on = False
+
+    def bad_lengths(self):
+        return bool(int(self._status_np[0]) & 2)
+
+    def unbalanced(self):
+        return bool(int(self._status_np[0]) & 1)
+
+
+def stub_device_keep() -> None:
+    """Kept plans followed on the device (``wrappers/kept_device.py``), as on a GPU host."""
+    import cute_attn.wrappers.decode as dec
+
+    def keep(self, page_size, arch):
+        if self._dev_keep is None:
+            self._dev_keep = _FakeKeep()
+        self._dev_keep.load(self._planner.kept(), page_size, self._planner.limits.max_kv_len)
+
+    dec.BatchDecodeWithPagedKVCacheWrapper._keep_on_device = keep
+
+
 def fake_cuda(t):
     return torch.Tensor._make_subclass(_FakeCuda, t)
 
@@ -75,11 +112,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="64,256,1024")
     ap.add_argument("--traces", default="steady,churn,random")
+    ap.add_argument("--host-keep", action="store_true", help="kept plans updated on the host (no device update)")
     a = ap.parse_args()
     # one core: torch's intra-op threads would make the host copy wait on a thread pool (a
     # pinned H2D copy on a GPU host is a cudaMemcpyAsync, no pool)
     torch.set_num_threads(1)
     stub_gpu()
+    if not a.host_keep:
+        stub_device_keep()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_host import ours, summary, traces
 

@@ -223,9 +223,11 @@ def test_fast_decode_plan_steps_emulated(demu):
 
 
 @pytest.mark.gpu
-def test_fast_decode_plan_steps_graph_replay():
+def test_fast_decode_plan_steps_graph_replay(monkeypatch):
     """One captured graph replayed over steps re-planned by ``fast_decode_plan`` (kept items,
-    empty chunks, full re-plans) on the real kernels; a long-batch split plan included."""
+    empty chunks, full re-plans) on the real kernels; a long-batch split plan included.  The
+    host-kept path: the device update is off (``test_device_kept_plans_graph_replay`` has it)."""
+    monkeypatch.setattr(BatchDecodeWithPagedKVCacheWrapper, "_keep_on_device", lambda *a: None)
     hq, hk, d, ps, bs = 32, 8, 128, 16, 16
     rng = np.random.default_rng(random.randrange(1 << 30))
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
@@ -348,3 +350,115 @@ def test_uploads_in_stream_order_while_the_gpu_lags():
         v = pl.layout.views(c)
         assert torch.equal(v["work_items"][: w.shape[0]].cpu(), torch.from_numpy(w))
         assert torch.equal(v["merge_tasks"][: m.shape[0]].cpu(), torch.from_numpy(m))
+
+
+def _expected_records(kept, kv):
+    """The kept items on lengths ``kv`` as the device update must write them (an independent
+    reading of ``kernels/kept_update.py``'s doc): rank r -> the r-th longest request (ties by
+    index), ranges clamped, each pair's last chunk stretched, and a chunk that does not start its
+    pair, emptied by a length 0, left empty at its start."""
+    order = np.lexsort((np.arange(kv.shape[0]), -kv))
+    req = order[kept.rank]
+    n = kv[req]
+    s0, e0 = kept.bounds[:, 0], kept.bounds[:, 1]
+    s = np.minimum(s0, n)
+    e = np.minimum(e0, n)
+    zero = (s0 > 0) & (n == 0)
+    s[zero] = e[zero] = s0[zero]
+    items = np.stack([req, req, s, e, n], axis=1)
+    return items, order[kept.merge_rank]
+
+
+def _fill_step(bufs, kv, ps, max_pages, gen):
+    pages = (kv + ps - 1) // ps
+    indptr = torch.tensor(np.concatenate([[0], np.cumsum(pages)]), dtype=torch.int32)
+    indices = torch.randperm(max_pages, generator=gen)[: int(indptr[-1])].to(torch.int32)
+    last = torch.tensor(np.where(pages > 0, kv - (pages - 1) * ps, 0), dtype=torch.int32)
+    bufs["paged_kv_indptr_buffer"].copy_(indptr)
+    bufs["paged_kv_indices_buffer"][: indices.numel()].copy_(indices)
+    bufs["paged_kv_last_page_len_buffer"].copy_(last)
+    return indptr, indices, last
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [16, 64])
+def test_device_kept_plans_graph_replay(bs):
+    """Kept plans updated on the device (``wrappers/kept_device.py``): one captured graph
+    replayed over steps whose re-plan the host leaves to the update (grow, re-order, swap,
+    halve, zero a length), against the fp32 reference; the records the update wrote equal the
+    kept items' on the new lengths; a step the update found out of balance is planned anew on
+    the host at the next step; eager runs after a per-step re-plan update first too."""
+    hq, hk, d, ps = 32, 8, 128, 16
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    kv0 = rng.integers(2000, 12000, size=bs)
+    lens = [kv0] + _steps(rng, kv0, 20)
+    max_pages = max(int(((k + ps - 1) // ps).sum()) for k in lens) + 8
+    bufs = _graph_wrapper(bs, max_pages, lambda t: t.cuda())
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
+                                           use_cuda_graph=True, **bufs)  # fmt: skip
+    k = torch.randn(max_pages, ps, hk, d, generator=gen).to(BF16).cuda()
+    v = torch.randn(max_pages, ps, hk, d, generator=gen).to(BF16).cuda()
+    q = torch.randn(bs, hq, d, generator=gen).to(BF16).cuda()
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((bs, hq), float("nan"), device="cuda")
+    graph, full, on_device, checked = None, [], 0, 0
+    for t, kv in enumerate(lens):
+        indptr, indices, last = _fill_step(bufs, kv, ps, max_pages, gen)
+        if t == 0:
+            w.plan(indptr, indices, last, hq, hk, d, ps, q_data_type=BF16)
+            assert w._dev_keep is not None and w._dev_keep.on, "the kept_update kernel is not in the cache"
+            inner = w._planner.plan
+            w._planner.plan = lambda *a, **kw: full.append(t) or inner(*a, **kw)
+            w.run(q, (k, v), out=out, lse=lse)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                w.run(q, (k, v), out=out, lse=lse)
+        else:
+            n_full = len(full)
+            fast_decode_plan(w, indptr, indices, last, hq, hk, d, ps, q_data_type=BF16,
+                             global_override_indptr_cpu=indptr)  # fmt: skip
+            device_step = w._dev_keep.pending and len(full) == n_full
+            on_device += device_step
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        if t % 4 == 3:
+            w.run(q, (k, v), out=out, lse=lse)  # eager: the update runs first (records stale)
+        else:
+            graph.replay()
+        torch.cuda.synchronize()
+        ref_o, ref_lse = paged_reference(q.float(), (k.float(), v.float()), None, indptr, indices, last,
+                                         sm_scale=1 / math.sqrt(d))  # fmt: skip
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any(), t
+        err = ((out.float() - ref_o).norm() / ref_o.norm().clamp_min(1e-6)).item()
+        assert err < 2e-2, (t, err)
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), fin), t
+        if fin.any():
+            assert (lse[fin] - ref_lse[fin]).abs().max().item() < 2e-3, t
+        assert (out[~fin] == 0).all()
+        kept = w._planner.kept()
+        if t and device_step:
+            items, merge_req = _expected_records(kept, kv.astype(np.int64))
+            n, m = items.shape[0], merge_req.shape[0]
+            got = w._views["work_items"][:n].cpu().numpy()
+            assert np.array_equal(got[:, list(REQUEST_FIELDS)], items), t
+            kept_cols = [c for c in range(ws.WORK_FIELDS) if c not in REQUEST_FIELDS]
+            assert np.array_equal(got[:, kept_cols], kept.records[:, kept_cols]), t
+            mt = w._views["merge_tasks"][:m].cpu().numpy()
+            assert np.array_equal(mt[:, ws.M_REQ], merge_req) and np.array_equal(mt[:, ws.M_QO_OFFSET], merge_req)
+            checked += 1
+        assert w._dev_keep.status() in (0, 1), t  # no invalid length was read
+    assert on_device >= 8 and checked >= 8, (on_device, checked)
+    assert len(full) >= 1, "no step was found out of balance (the halving / zeroing steps should be)"
+    # an invalid length on the device (the host's arrays are fine): reported at the next step
+    indptr, indices, last = _fill_step(bufs, lens[-1] + 1, ps, max_pages, gen)
+    fast_decode_plan(w, indptr, indices, last, hq, hk, d, ps, q_data_type=BF16, global_override_indptr_cpu=indptr)
+    if w._dev_keep.pending:
+        bufs["paged_kv_last_page_len_buffer"][1] = ps + 3
+        graph.replay()
+        torch.cuda.synchronize()
+        with pytest.raises(ValueError, match="held an invalid length"):
+            fast_decode_plan(w, indptr, indices, last, hq, hk, d, ps, q_data_type=BF16,
+                             global_override_indptr_cpu=indptr)  # fmt: skip

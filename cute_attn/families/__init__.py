@@ -6,6 +6,6 @@ A leaf: it imports ``abi`` and ``variants`` only, never the wrappers, the loader
 the planner, so a family's cache key (``spec.Spec.key``) hashes just what shapes its binary.
 Importing the package registers every family."""
 
-from . import decode, kv_pass, merge, mla, prefill, prefill_fp8, prefill_mma  # noqa: F401  (registers the families)
+from . import decode, kept, kv_pass, merge, mla, prefill, prefill_fp8, prefill_mma  # noqa: F401  (registers the families)
 from .base import KernelFamily, family_names, get_family, spec_variant, variant_params  # noqa: F401
 from .spec import Spec  # noqa: F401

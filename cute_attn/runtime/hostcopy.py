@@ -33,6 +33,9 @@ def _rt():
         rt.cudaEventSynchronize.argtypes = [ctypes.c_void_p]
         rt.cudaEventDestroy.argtypes = [ctypes.c_void_p]
         rt.cudaEventCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        # (stream, status*, id*, then CUDA 13's optional graph / dependency outputs: NULL)
+        rt.cudaStreamGetCaptureInfo.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
+                                                ctypes.POINTER(ctypes.c_ulonglong)] + [ctypes.c_void_p] * 4  # fmt: skip
         _RT = rt
     return _RT
 
@@ -77,3 +80,13 @@ def copy_h2d(dst_ptr: int, src_ptr: int, nbytes: int, device_index: int) -> int:
     stream = current_stream(device_index)
     _check(_rt().cudaMemcpyAsync(dst_ptr, src_ptr, nbytes, _H2D, stream), "cudaMemcpyAsync")
     return stream
+
+
+def capture_id(device_index: int) -> int:
+    """The id of the capture under way on torch's current stream of ``device_index`` (unique per
+    capture in the process), or 0 where none is."""
+    status, cid = ctypes.c_int(0), ctypes.c_ulonglong(0)
+    code = _rt().cudaStreamGetCaptureInfo(current_stream(device_index), ctypes.byref(status), ctypes.byref(cid),
+                                          None, None, None, None)  # fmt: skip
+    _check(code, "cudaStreamGetCaptureInfo")
+    return int(cid.value) if status.value else 0

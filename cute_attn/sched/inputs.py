@@ -147,6 +147,31 @@ def step_kv_lens(kv_indptr, last_page_len, page_size: int, batch: int):
     return kv_lens_from_paged(kv_indptr, last if last is not None else last_page_len, page_size), None
 
 
+def paged_lengths_valid(kv_indptr, last_page_len, page_size: int, batch: int) -> bool:
+    """Whether a decode step's host ``kv_indptr`` / ``kv_last_page_len`` (``batch`` requests)
+    are plainly valid -- pages >= 0 and every last page in [1, page_size] -- in the fewest
+    whole-array operations (False also for what needs a closer look: the full checks name it)."""
+    ip = _host_view(kv_indptr)
+    if ip is None or ip.dtype.kind not in "iu" or ip.shape != (batch + 1,) or batch == 0 or ip[0] != 0:
+        return False
+    if (ip[1:] - ip[:-1]).min() < 0:
+        return False
+    if page_size == 1:
+        return True
+    last = _host_view(last_page_len)
+    if last is None or last.dtype.kind != "i" or last.shape != (batch,):
+        return False
+    tail = last - 1  # in [0, page_size): one unsigned compare
+    return bool(tail.view(np.uint32 if tail.dtype.itemsize == 4 else np.uint64).max() < page_size)
+
+
+def lengths_valid(kv_lens, batch: int) -> bool:
+    """Whether a decode step's host kv lengths (vLLM's ``seq_lens_cpu``) are plainly valid:
+    ``batch`` non-negative integers (False also for what needs a closer look)."""
+    a = _host_view(kv_lens)
+    return a is not None and a.dtype.kind in "iu" and a.shape == (batch,) and batch > 0 and a.min() >= 0
+
+
 def step_lengths(kv_lens, batch: int) -> np.ndarray:
     """kv lengths given directly (vLLM's ``seq_lens_cpu``) for a per-step re-plan: a host
     array read in place and checked in one reduction, else ``as_index_array``'s checks."""

@@ -632,6 +632,16 @@ class Planner:
         p.meta[ws.META_NUM_KV_HEADS] = hk
         self._staging.stage(p)
 
+    def kept(self) -> Optional[KeptPlan]:
+        """The last full plan's ``KeptPlan`` (None where it is not a decode plan, or a
+        batch-invariant one: those are never kept)."""
+        if self._keep_args is None:
+            return None
+        if self._kept is None:
+            p, kv, per_item = self._keep_args
+            self._kept = KeptPlan(p, kv, per_item, self.beta, self.keep_tol)
+        return self._kept
+
     def replan(self, kv_lens, upper: Optional[int] = None) -> Optional[Plan]:
         """The last full decode plan's items on new kv lengths (``reuse`` module doc), staged
         for ``upload`` like a plan (its work items and merge tasks are views of the staging
@@ -640,13 +650,8 @@ class Planner:
         requests or its items would be out of balance (then ``plan()`` anew). ``kv_lens``:
         int64 [batch], non-negative (checked by the caller); ``upper``: a bound on them the
         caller knows (saves a pass over them)."""
-        if self._keep_args is None:
-            return None
-        kept = self._kept
-        if kept is None:
-            p, kv, per_item = self._keep_args
-            kept = self._kept = KeptPlan(p, kv, per_item, self.beta, self.keep_tol)
-        if kv_lens.shape[0] != kept.batch:
+        kept = self.kept()
+        if kept is None or kv_lens.shape[0] != kept.batch:
             return None
         lim = self.limits.max_kv_len
         if (upper is None or upper > lim) and kv_lens.shape[0] and int(kv_lens.max()) > lim:

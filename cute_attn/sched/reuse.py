@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..abi import kept as kp
 from . import workspace as ws
 from .assign import ids
 
@@ -87,6 +88,32 @@ class KeptPlan:
         total = int(loads.sum())
         q0 = self.num_ctas * int(loads.max()) / total if total else 1.0
         self.bound = (1.0 + tol) * max(1.0, q0)  # C * max load may be up to bound * total
+        self.per_item = per_item
+
+    def device_records(self, epoch: int, page_size: int, max_kv_len: int):
+        """What ``kernels/kept_update.py`` reads to follow this plan on the device: (params
+        int32[KEPT_PARAMS], items int32[items, KEPT_ITEM_FIELDS], merge ranks int32[tasks]), or
+        None where it cannot (more requests than it sorts)."""
+        b = self.batch
+        if not 0 < b <= kp.MAX_BATCH:
+            return None
+        p = np.zeros(kp.KEPT_PARAMS, np.int32)
+        p[kp.K_ON] = 1
+        p[kp.K_BATCH] = b
+        p[kp.K_SORT_LOG2] = max(1, (b - 1).bit_length())
+        p[kp.K_PAGE_SIZE] = page_size
+        p[kp.K_NUM_CTAS] = self.num_ctas
+        p[kp.K_NUM_MERGES] = self.merge_rank.shape[0]
+        p[kp.K_EPOCH] = epoch
+        p[kp.K_PER_ITEM] = self.per_item
+        p[kp.K_BETA] = self.beta
+        p[kp.K_BOUND_Q20] = min(int(self.bound * (1 << 20)), np.iinfo(np.int32).max)
+        p[kp.K_MAX_KV_LEN] = min(max_kv_len, np.iinfo(np.int32).max)
+        items = np.zeros((self.rank.shape[0], kp.KEPT_ITEM_FIELDS), np.int32)
+        items[:, kp.KI_RANK] = self.rank
+        items[:, kp.KI_START] = self.bounds[:, 0]
+        items[:, kp.KI_END] = np.where(self.bounds[:, 1] == _BIG, -1, self.bounds[:, 1])
+        return p, items, self.merge_rank.astype(np.int32)
 
     def _tokens(self, span):
         """kv tokens of every CTA's items (``span``: of every item, CTA-major)."""

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..sched import Limits, WorkspaceLayout
-from ..sched.inputs import step_lengths
+from ..sched.inputs import lengths_valid, step_lengths
 
 # decode plan()'s positional arguments after page_size, in FlashInfer 0.7.2's legacy order
 # (``_BATCH_DECODE_PLAN_LEGACY_POS_ARGS``)
@@ -227,7 +227,8 @@ class CachedModule:
         step = getattr(w, "_step", None)
         if step is not None and step[1] is w._state and step[0] == ("cached", args):
             # vLLM's per-step call: the arguments of the last one but the arrays (its checks held)
-            w._step_lengths(step_lengths(kv_lens_host, int(batch_size)), None)
+            if not (w._device_step() and lengths_valid(kv_lens_host, int(batch_size))):
+                w._step_lengths(step_lengths(kv_lens_host, int(batch_size)), None)
             return PlanInfo((int(batch_size), int(total_num_rows)))
         if head_dim_vo != head_dim_qk:
             raise NotImplementedError(

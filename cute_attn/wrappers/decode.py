@@ -24,9 +24,10 @@ from ..families.backends import backend_for
 from ..families.base import variant_params
 from ..families.decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from ..families.decode import PACKED_HEADS, SHIPPED_VARIANTS, decode_spec
+from ..families.kept import kept_update_spec
 from ..families.merge import merge_partials_spec
 from ..runtime.arch import arch_of_index, sm_count_of_index
-from ..runtime.loader import kernel
+from ..runtime.loader import KernelNotAvailable, kernel
 from ..sched import Limits, kv_lens_from_paged
 from ..sched.inputs import as_index_array, check_indptr
 from ..variants import base as vbase
@@ -35,6 +36,7 @@ from ..variants.builtins import CustomMask, mask_kv_bounds
 from . import common, compat, guards
 from .compiled import compilable_run
 from .decode_engine import DecodeEngineAPI, fast_decode_plan  # noqa: F401
+from .kept_device import DeviceKeep
 from .masks import device_mask, packed_mask
 from .options import check_options, decode_variant
 from .plans import DecodePlanState
@@ -114,6 +116,8 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         self._used_pages = 0  # indptr[-1] of the current plan: the page ids the kernel reads
         self._mask_bufs = None  # CUDA-graph mode: the custom mask's tensors, sized by the first plan
         self._sched_key = None  # what the planner's limits were made from (_schedule)
+        self._dev_keep = None  # CUDA-graph mode: kept plans updated on the device (kept_device)
+        self._step_keep = True  # False: the next per-step re-plan plans anew (the device said so)
 
     @property
     def _hpi(self) -> int:
@@ -409,7 +413,27 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             heads_per_item=hpi,
         )
         self._planner.upload(self._plan_buf)
+        if self._use_cuda_graph:
+            self._keep_on_device(int(page_size), arch)
         return plan
+
+    def _keep_on_device(self, page_size: int, arch: str) -> None:
+        """Hand the plan just made to the device's per-step update (``kept_device``; off where
+        the plan is not kept, or where the update's kernel is not in the cache: then the host
+        re-plans every step)."""
+        if self._plan_buf.device.type != "cuda":
+            return
+        dk = self._dev_keep
+        if dk is None or dk.plan_buf is not self._plan_buf:
+            sp = kept_update_spec(arch)
+            try:
+                module = kernel(sp.family, arch, **sp.pdict)
+            except KernelNotAvailable:
+                self._dev_keep = None
+                return
+            lay = self._planner.layout
+            dk = self._dev_keep = DeviceKeep(self._plan_buf, lay.max_work_items, lay.max_merge_tasks, module)
+        dk.load(self._planner.kept(), page_size, self._planner.limits.max_kv_len)
 
     def _heads_per_item(self, want, kv_lens, hq, hk, num_ctas, invariant, packable, variant, tile) -> int:
         """kv heads per work item for this plan (``plan()``'s ``heads_per_item``; the default
@@ -603,6 +627,8 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             vw = self._views
             group = st.plan.group_size  # packed rows per token and kv head (group) of the plan
             module, vvals = (binding or st.binding).select(args, sinks)
+            if self._dev_keep is not None:
+                self._dev_keep.before_run(st.kv_indptr, self._last_buf, vw)
             module(
                 q,
                 k,

@@ -21,7 +21,7 @@ from ..families.decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from ..families.decode import decode_spec
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..sched import WorkspaceLayout, kv_lens_from_paged
-from ..sched.inputs import as_index_array, check_indptr, step_kv_lens
+from ..sched.inputs import as_index_array, check_indptr, paged_lengths_valid, step_kv_lens
 from ..variants.binding import VariantBinding
 from . import common, compat, guards
 from .options import decode_variant
@@ -321,7 +321,30 @@ class DecodeEngineAPI:
         n = indices.shape[0] if isinstance(indices, torch.Tensor) else 0 if indices is None else len(indices)
         if n > self._indices_buf.numel():
             raise ValueError(f"indices has {n} entries, paged_kv_indices_buffer only {self._indices_buf.numel()}")
+        if self._device_step() and paged_lengths_valid(indptr_host, last_page_len, page_size, self._fixed_bs):
+            return
         self._step_lengths(*step_kv_lens(indptr_host, last_page_len, page_size, self._fixed_bs))
+
+    def _device_step(self) -> bool:
+        """Whether this step's re-plan can be left to the device (``kept_device``): a kept plan
+        is on the device and its last update found it balanced.  The caller then checks the
+        step's host arrays (a failed check takes the host path, which names the error) and
+        returns: nothing else is done on the host."""
+        dk = self._dev_keep
+        if dk is None or not dk.on or self._q_len != 1 or self._step_split is not None:
+            return False
+        if dk.bad_lengths():
+            dk.off()  # the host path re-plans (and names the error if the host arrays hold it)
+            raise ValueError(
+                "an earlier step's kv_indptr / kv_last_page_len buffers on the device held an invalid "
+                "length (pages < 0, or a last page outside [1, page_size]); it was read as 0"
+            )
+        if dk.unbalanced():
+            self._step_keep = False  # the host path plans anew
+            return False
+        common.check_plan_not_captured()
+        dk.pending = True
+        return True
 
     def _step_lengths(self, kv_lens, upper) -> None:
         """A per-step re-plan of a CUDA-graph wrapper (``fast_decode_plan``'s and
@@ -333,17 +356,18 @@ class DecodeEngineAPI:
                 f"the batch size is fixed in CUDA-graph mode: got {kv_lens.shape[0]}, the buffers hold {self._fixed_bs}"
             )
         st = self._state
-        plan = self._replan_lengths(kv_lens, st.batch, self._step_split, st, upper)
+        keep, self._step_keep = self._step_keep, True
+        plan = self._replan_lengths(kv_lens, st.batch, self._step_split, st, upper, keep)
         self._state = _replaced(st, plan=plan, kv_lens=kv_lens)
         self._step = (self._step[0], self._state)
 
-    def _replan_lengths(self, kv_lens, batch, split_tokens, st, upper=None):
+    def _replan_lengths(self, kv_lens, batch, split_tokens, st, upper=None, keep=True):
         """THE planner call of a fast re-plan (``fast_decode_plan``, ``_cached_module.plan``):
         new kv lengths (host int64 ``[batch]``; ``upper``: a bound on them, or None), the
         current plan's heads, page size, head packing and kernels: the last plan's items on the
-        new lengths where they stay balanced (``sched.reuse``), else the wrapper's own planner
-        (``_schedule``).  Returns the ``sched.Plan`` (uploaded)."""
-        if split_tokens is None and self._planner is not None and self._views is not None:
+        new lengths where they stay balanced (``sched.reuse``; not with ``keep`` False), else
+        the wrapper's own planner (``_schedule``).  Returns the ``sched.Plan`` (uploaded)."""
+        if keep and split_tokens is None and self._planner is not None and self._views is not None:
             plan = self._planner.replan(kv_lens, upper)
             if plan is not None:
                 self._planner.upload(self._plan_buf)
