@@ -47,6 +47,7 @@ from .abi.dtypes import ATTENTION, name_of
 from .families import decode, kv_pass, merge, mla, prefill
 from .families.backends import portable_paged, portable_tiles
 from .families.decode import decode_spec
+from .families.kept import kept_update_spec
 from .families.prefill import PAGE_BOX, page_box_for, prefill_spec
 from .families.prefill_mma import prefill_mma_spec
 from .variants.builtins import AttentionSink, SlidingWindow, SoftCap
@@ -254,6 +255,7 @@ def model_specs(m: ModelAttention, arch: str) -> list:
         for v in [base] + ([AttentionSink() if base is None else base + AttentionSink()] if m.sinks else []):
             specs += [decode_spec(arch, dt, d, v, h, kv) for h in heads]
     specs.append(merge.merge_partials_spec(arch, dt, d, decode.TILE_Q))
+    specs.append(kept_update_spec(arch))  # CUDA-graph decode's per-step re-plan
     specs += [merge.merge_pair_spec(arch, dt, d, masked) for masked in (False, True)]
     specs.append(merge.merge_states_spec(arch, dt, d))
     specs += _portable_prefill_specs(m, arch)

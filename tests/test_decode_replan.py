@@ -462,3 +462,94 @@ def test_device_kept_plans_graph_replay(bs):
         with pytest.raises(ValueError, match="held an invalid length"):
             fast_decode_plan(w, indptr, indices, last, hq, hk, d, ps, q_data_type=BF16,
                              global_override_indptr_cpu=indptr)  # fmt: skip
+
+
+class _StatusKeep:
+    """A device update stand-in whose status word the test sets (``kept_device.DeviceKeep``'s
+    host interface)."""
+
+    def __init__(self):
+        self.on = self.pending = False
+        self.bits = 0
+        self.loads = 0
+
+    def load(self, kept, page_size, max_kv_len):
+        self.on = kept is not None and kept.device_records(1, page_size, max_kv_len) is not None
+        self.loads += 1
+        return self.on
+
+    def off(self):
+        self.on = False
+
+    def bad_lengths(self):
+        return bool(self.bits & 2)
+
+    def unbalanced(self):
+        return bool(self.bits & 1)
+
+
+def test_device_step_paths(demu, monkeypatch):
+    """The host side of device-updated kept plans: a per-step re-plan marks the records stale
+    and changes nothing else while the update reports balance; an unbalanced report sends the
+    next step to a full plan; an invalid-length report raises (and switches the update off);
+    host arrays that fail the quick check take the host path, which names the error."""
+    keep = _StatusKeep()
+
+    def install(self, page_size, arch):
+        self._dev_keep = keep
+        keep.load(self._planner.kept(), page_size, self._planner.limits.max_kv_len)
+
+    monkeypatch.setattr(BatchDecodeWithPagedKVCacheWrapper, "_keep_on_device", install)
+    bs, ps = 4, 16
+    g = _gen(random.randrange(1 << 30))
+    kv = [100, 300, 17, 64]
+    cache, indptr, indices, last = paged_batch(kv, ps, HK, D, BF16, g)
+    bufs = _graph_wrapper(bs, 64, _fake_cuda)
+    w = BatchDecodeWithPagedKVCacheWrapper(_cpu_ws(64), use_cuda_graph=True, **bufs)
+    w.plan(indptr, indices, last, HQ, HK, D, ps, q_data_type=BF16)
+    assert keep.on and keep.loads == 1
+    step = lambda ip, lp: fast_decode_plan(w, ip, indices, lp, HQ, HK, D, ps, q_data_type=BF16)
+    step(indptr, last)
+    st = w._state
+    keep.pending = False
+    nxt = last.clone()
+    nxt[0] += 1
+    step(indptr, nxt)  # the device's: nothing on the host changes
+    assert w._state is st and keep.pending and keep.loads == 1
+    keep.bits = 1
+    step(indptr, nxt)  # unbalanced: a full plan on the host
+    assert keep.loads == 2 and w._state is not st
+    keep.bits = 0
+    bad = nxt.clone()
+    bad[2] = ps + 1
+    with pytest.raises(ValueError, match=r"last_page_len\[2\] = 17"):
+        step(indptr, bad)  # the quick check fails: the host path's error
+    keep.bits = 2
+    with pytest.raises(ValueError, match="held an invalid length"):
+        step(indptr, nxt)
+    assert not keep.on
+
+
+def test_device_records_of_a_kept_plan():
+    """``KeptPlan.device_records``: the parameters the update reads and one record per item
+    (rank, start, end or -1 for a pair's last chunk); None past ``MAX_BATCH`` requests."""
+    from cute_attn.abi import kept as kp
+
+    lim = Limits(max_batch=4096, max_total_q_tokens=4096, num_qo_heads=32, num_kv_heads=8, head_dim=128)
+    pl = Planner(lim, 132, 2, alpha=8, beta=1, balance_tol=0.01, keep_tol=0.03)
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    kv = rng.integers(1, 8000, size=48)
+    p = pl.plan(None, kv, page_size=16, num_qo_heads=32, num_kv_heads=8, cta_tile_q=16)
+    params, items, merge_rank = pl.kept().device_records(7, 16, lim.max_kv_len)
+    assert params[kp.K_ON] == 1 and params[kp.K_BATCH] == 48 and 2 ** params[kp.K_SORT_LOG2] >= 48
+    assert params[kp.K_EPOCH] == 7 and params[kp.K_NUM_CTAS] == 264 and params[kp.K_NUM_MERGES] == p.num_merge_tasks
+    w = p.work_items
+    last = w[:, ws.W_CHUNK] == w[:, ws.W_NUM_CHUNKS] - 1
+    assert np.array_equal(items[:, kp.KI_START], w[:, ws.W_KV_START])
+    assert np.array_equal(items[:, kp.KI_END], np.where(last, -1, w[:, ws.W_KV_END]))
+    order = np.lexsort((np.arange(48), -kv))
+    assert np.array_equal(order[items[:, kp.KI_RANK]], w[:, ws.W_REQ])
+    assert np.array_equal(order[merge_rank], p.merge_tasks[:, ws.M_REQ])
+    kv = rng.integers(1, 100, size=kp.MAX_BATCH + 1)
+    pl.plan(None, kv, page_size=16, num_qo_heads=32, num_kv_heads=8, cta_tile_q=16)
+    assert pl.kept().device_records(1, 16, lim.max_kv_len) is None

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..abi import dtypes
 from ..abi.archs import ARCHS, HOPPER
-from . import decode, kv_pass, merge, mla, prefill, prefill_fp8, prefill_mma
+from . import decode, kept, kv_pass, merge, mla, prefill, prefill_fp8, prefill_mma
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ BACKENDS = (
         tiles=(decode.TILE_Q,),
         ctas_per_sm=decode.CTAS_PER_SM,
         planner={"alpha": 8, "balance_tol": 0.01, "keep_tol": 0.03},
-        shipped=decode.shipped_specs,
+        shipped=lambda arch: decode.shipped_specs(arch) + [kept.kept_update_spec(arch)],
     ),  # fmt: skip
     Backend(
         "prefill",
