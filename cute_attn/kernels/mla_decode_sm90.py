@@ -24,7 +24,10 @@ One CTA per SM, two warpgroups of 128 threads, 64 query rows and 64 keys per blo
 Synchronization per block: one CTA barrier (the block's copies have landed -- WG 1 waited for
 its groups and fenced them for the async proxy -- and both warpgroups are done with the block
 before, whose stage the next copies overwrite and whose P the next scores overwrite), and one
-named barrier (P and the factors are in shared memory: WG 0 arrives, WG 1 waits).  The
+named barrier (P and the factors are in shared memory: WG 0 arrives, WG 1 waits).  WG 0 leaves
+its P V of block j in flight while it issues the scores of block j + 1 (the tensor cores go from
+one to the other without a drain); a second named barrier tells WG 1 when that P V is done, so
+that it may copy block j + 2 into the stage.  The
 epilogue: one CTA barrier, WG 0 publishes 1 / l per row behind the named barrier, each
 warpgroup normalizes and stores its 256 columns (value-dtype rows + LSE by WG 0, or an fp32
 partial slot for the merge kernel).
@@ -58,6 +61,7 @@ TILE_Q = 64  # packed query rows per item: one wgmma M
 BLOCK_N = 64  # keys per block
 HALF = D_CKV // 2  # output columns per warpgroup: 256
 BAR_P = 1  # named barrier: P and the row factors are in shared memory (0 is __syncthreads)
+BAR_FREE = 2  # named barrier: WG 0's P V of the block before is done (its stage may be reloaded)
 LOAD_ROWS = WG // THREADS_PER_ROW  # rows WG 1 copies per pass: 16
 
 
@@ -66,6 +70,8 @@ class MlaSm90Config:
     """What an ``mla_decode_sm90`` specialization fixes: the value dtype (DSL type)."""
 
     dtype: Any
+    overlap: bool = True  # WG 0 issues the scores of block j + 1 before its P V of block j is done
+    no_loads: bool = False  # diagnostic knob only (wrong output): no KV copies after block 0
 
     @classmethod
     def from_spec(cls, p: dict) -> MlaSm90Config:
@@ -73,13 +79,14 @@ class MlaSm90Config:
 
         assert p["head_dim_ckv"] == D_CKV and p["head_dim_kpe"] == D_KPE, p
         assert p["tile_q"] == TILE_Q and p["stages"] == 2, p
-        return cls(to_dsl(p["dtype"]))
+        return cls(to_dsl(p["dtype"]), bool(p.get("overlap", 1)), bool(p.get("no_loads", 0)))
 
 
 class MlaDecodeSm90:
     def __init__(self, cfg: MlaSm90Config):
         self.cfg = cfg
         self.dtype = cfg.dtype
+        self.overlap = cfg.overlap
         self.stages = 2
         self.threads = 2 * WG
 
@@ -276,31 +283,41 @@ class MlaDecodeSm90:
             for nb in cutlass.range(n_blocks, unroll=1):
                 stage = nb % self.stages
                 key0 = info.kv_start + nb * BLOCK_N
-                cute.arch.sync_threads()  # the block landed; block nb - 1 is done everywhere
+                cute.arch.sync_threads()  # the block landed; WG 1 is done with block nb - 1
                 warpgroup.fence()
                 atom = cute.make_mma_atom(mma_qk.op)
                 for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
                     atom.set(warpgroup.Field.ACCUMULATE, k != 0)
                     cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
                 warpgroup.commit_group()
+                if const_expr(self.overlap):
+                    # P V of block nb - 1 (issued before these scores) is done: WG 1 may reload
+                    # its stage with block nb + 1
+                    if (nb > 0) & (nb + 1 < n_blocks):
+                        warpgroup.wait_group(1)
+                        cute.arch.barrier_arrive(barrier_id=BAR_FREE, number_of_threads=2 * WG)
                 warpgroup.wait_group(0)
 
                 S = wgmma_mn_view(acc_S)
+                lim_lo = row_lim[0]
+                for r in cutlass.range_constexpr(1, n_rows):
+                    lim_lo = cutlass.min(lim_lo, row_lim[r])
+                if key0 + BLOCK_N > lim_lo:  # a row of this thread ends in this block: mask it
+                    for r in cutlass.range_constexpr(n_rows):
+                        for c in cutlass.range_constexpr(n_cols):
+                            S[r, c] = S[r, c] if key0 + tScS[0, c][1] < row_lim[r] else -Float32.inf
                 corr = cute.make_rmem_tensor((n_rows,), Float32)
                 for r in cutlass.range_constexpr(n_rows):
                     m_blk = -Float32.inf
                     for c in cutlass.range_constexpr(n_cols):
-                        v = S[r, c] * scale_log2
-                        v = v if key0 + tScS[0, c][1] < row_lim[r] else -Float32.inf
-                        S[r, c] = v
-                        m_blk = cute.arch.fmax(m_blk, v)
-                    m_blk = quad_max(m_blk)
+                        m_blk = cute.arch.fmax(m_blk, S[r, c])
+                    m_blk = quad_max(m_blk) * scale_log2  # a positive scale: the max commutes
                     m_new = cute.arch.fmax(row_m[r], m_blk)
                     m_use = m_new if m_new != -Float32.inf else Float32(0.0)
                     corr[r] = cute.math.exp2(row_m[r] - m_use, fastmath=True)
                     l_blk = Float32(0.0)
                     for c in cutlass.range_constexpr(n_cols):
-                        p = cute.math.exp2(S[r, c] - m_use, fastmath=True)
+                        p = cute.math.exp2(S[r, c] * scale_log2 - m_use, fastmath=True)
                         S[r, c] = p
                         l_blk = l_blk + p
                     row_l[r] = row_l[r] * corr[r] + l_blk  # per-thread partial sum, quad-reduced at the end
@@ -323,7 +340,9 @@ class MlaDecodeSm90:
                 for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
                     cute.gemm(atom_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
                 warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                if const_expr(not self.overlap):
+                    warpgroup.wait_group(0)
+            warpgroup.wait_group(0)
 
             # epilogue: 1 / l per row for WG 1 (after every read of sRow by WG 1: a CTA barrier)
             inv = cute.make_rmem_tensor((n_rows,), Float32)
@@ -378,10 +397,14 @@ class MlaDecodeSm90:
                 cute.arch.fence_view_async_shared()  # cp.async writes -> read by wgmma (async proxy)
                 cute.arch.sync_threads()
                 if nb + 1 < n_blocks:
+                    if const_expr(self.overlap):
+                        if nb > 0:  # WG 0's P V of block nb - 1 still reads the stage
+                            cute.arch.barrier(barrier_id=BAR_FREE, number_of_threads=2 * WG)
                     blk = info.kv_start + (nb + 1) * BLOCK_N
-                    self._issue_kv(
-                        mCkv, mKpe, mKvIndices, page_base, blk, info.kv_end, page_size, kv_base, 1 - stage, tw
-                    )
+                    if const_expr(not self.cfg.no_loads):
+                        self._issue_kv(
+                            mCkv, mKpe, mKvIndices, page_base, blk, info.kv_end, page_size, kv_base, 1 - stage, tw
+                        )
                     cute.arch.cp_async_commit_group()
                 cute.arch.barrier(barrier_id=BAR_P, number_of_threads=2 * WG)
                 corr = cute.make_rmem_tensor((n_rows,), Float32)
