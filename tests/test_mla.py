@@ -37,7 +37,7 @@ class _Emulated:
         args = [_plain(a) for a in args]
         self.pack(*args)  # the real ABI checks: shapes, strides, alignment
         self.calls.append((self.family, self.params, args))
-        if self.family == "mla_decode":
+        if self.family in ("mla_decode", "mla_decode_sm90"):
             emulate_mla(self.params, *args)
         else:
             _emulate_merge(self.params, *args)
@@ -132,14 +132,25 @@ def test_reference_matches_a_naive_loop(causal):
 def test_specs_backend_and_abi():
     from cute_attn.families.backends import backend_for
     from cute_attn.families.base import get_family
-    from cute_attn.families.mla import STAGES, TILES, mla_spec, shipped_specs
+    from cute_attn.families.mla import STAGES, TILES, mla_sm90_spec, mla_spec, shipped_specs, shipped_specs_sm90
     from cute_attn.presets import preset_specs
 
     for arch in ("sm_90a", "sm_100a"):
         b = backend_for("mla_decode", arch)
         assert b.family == "mla_decode" and b.tiles == TILES and b.ctas_for(CKV) == 1
         specs = set(shipped_specs(arch))
-        assert specs <= set(preset_specs("default", arch)) and specs == set(preset_specs("mla", arch))
+        wg = set(shipped_specs_sm90(arch))
+        assert specs | wg <= set(preset_specs("default", arch)) and specs | wg == set(preset_specs("mla", arch))
+        # the wgmma kernel (64-row items) ships on Hopper only, with its merge
+        if arch == "sm_90a":
+            assert backend_for("mla_decode", arch, "mla_wgmma").family == "mla_decode_sm90"
+            for dt in ("f16", "bf16"):
+                assert mla_sm90_spec(arch, dt) in wg
+                assert mla_sm90_spec(arch, dt).pdict == dict(dtype=dt, head_dim_ckv=CKV, head_dim_kpe=KPE, tile_q=64,
+                                                              stages=2)  # fmt: skip
+                assert any(m.family == "merge_partials" and m.pdict["tile_q"] == 64 for m in wg)
+        else:
+            assert not wg
         for dt in ("f16", "bf16"):
             for t in TILES:
                 s = mla_spec(arch, dt, t)
@@ -187,9 +198,11 @@ def test_emulated_matches_reference(memu, qo_lens, kv_lens, heads, page_size, ca
     w, b, out, lse = _run(qo_lens, kv_lens, heads, page_size, causal)
     ref_o, ref_lse = reference(b, SM, causal)
     check(out, lse, ref_o, ref_lse, BF16)
-    fam = [c for c in memu.loads if c[0] == "mla_decode"]
+    fam = [c for c in memu.loads if c[0].startswith("mla_decode")]
     rows = max(q * heads for q in qo_lens)
-    assert fam[-1][1]["tile_q"] == (32 if rows > 16 else 16)
+    # past 32 rows, Hopper's wgmma kernel (64-row items)
+    want = ("mla_decode_sm90", 64) if rows > 32 else ("mla_decode", 32 if rows > 16 else 16)
+    assert (fam[-1][0], fam[-1][1]["tile_q"]) == want
 
 
 def test_split_kv_is_merged(memu):

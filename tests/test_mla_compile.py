@@ -29,7 +29,8 @@ def mla_cache(tmp_path_factory):
 def test_mla_compiles_without_spills(mla_cache, arch):
     assert find_tool("cuobjdump"), "cuobjdump is needed to check SASS (pip install nvidia-cuda-cuobjdump)"
     specs = preset_specs("mla", arch)
-    assert {s.family for s in specs} == {"mla_decode", "merge_partials"}
+    want = {"mla_decode", "merge_partials"} | ({"mla_decode_sm90"} if arch == "sm_90a" else set())
+    assert {s.family for s in specs} == want
     for spec in specs:
         found = lookup(spec, mla_cache)
         assert found.meta is not None, f"{spec.describe()}: {found.problem}"
@@ -42,3 +43,9 @@ def test_mla_compiles_without_spills(mla_cache, arch):
             sass = (found.path / "kernel.sass").read_text()
             # per block: 36 score MMAs (9 k16 steps x 4 n8 tiles) + 32 output MMAs (2 x 16) per warp
             assert sass.count("HMMA.16816") >= 68, spec.describe()
+        if spec.family == "mla_decode_sm90":
+            sass = (found.path / "kernel.sass").read_text()
+            # per block: 36 score wgmmas (m64n64k16) + 4 output wgmmas (m64n256k16) per warpgroup,
+            # asynchronous (ptxas serializes wgmma by one WARPGROUP.ARRIVE per HGMMA)
+            assert sass.count("HGMMA.64x64x16") >= 36 and sass.count("HGMMA.64x256x16") >= 8, spec.describe()
+            assert sass.count("HGMMA") >= 3 * sass.count("WARPGROUP.ARRIVE"), spec.describe()

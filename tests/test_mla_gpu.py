@@ -103,14 +103,14 @@ def test_mla_sharp_softmax():
     check(out, lse, *reference(b, SM, True), BF16)
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_mla_sglang_views(page_size):
+@pytest.mark.parametrize("page_size,heads", [(1, 16), (16, 16), (64, 16), (1, 128), (64, 128)])
+def test_mla_sglang_views(page_size, heads):
     """q and the caches as views of 576-wide buffers (SGLang: q[..., :512], k_buffer[..., :512])."""
-    w, b, out, lse = run_case([1] * 9 + [2], _lens(10, random.Random()), 16, page_size, True, packed=True)
+    w, b, out, lse = run_case([1] * 9 + [2], _lens(10, random.Random()), heads, page_size, True, packed=True)
     assert all(t.stride(-2) == CKV + KPE for t in b[:4])
     assert b[1].data_ptr() == b[0].data_ptr() + 2 * CKV and b[3].data_ptr() == b[2].data_ptr() + 2 * CKV
     check(out, lse, *reference(b, SM, True), BF16)
-    out2 = w.run(query=torch.as_strided(b[0], (b[0].shape[0], 16, CKV + KPE), b[0].stride()), kv_cache=(b[2], b[3]))
+    out2 = w.run(query=torch.as_strided(b[0], (b[0].shape[0], heads, CKV + KPE), b[0].stride()), kv_cache=(b[2], b[3]))
     assert torch.equal(out2, out)
 
 
@@ -128,11 +128,12 @@ def test_mla_lse_base_e():
     assert torch.allclose(lse_e, lse * math.log(2.0))
 
 
+@pytest.mark.parametrize("heads", [16, 128])  # 128: Hopper's wgmma kernel (64-row items)
 @pytest.mark.parametrize("q_len", [1, 2])
-def test_mla_cuda_graph_replay_with_new_plans(q_len):
+def test_mla_cuda_graph_replay_with_new_plans(q_len, heads):
     """Capture once, re-plan with other lengths (and fewer requests), replay: each replay gives
     the new plan's result, twice in a row the same bits."""
-    heads, ps, max_b, max_pages = 16, 16, 8, 8192
+    ps, max_b, max_pages = 16, 8, 8192
     g = gen()
     bufs = dict(
         qo_indptr=torch.zeros(max_b + 1, dtype=torch.int32, device=DEV),

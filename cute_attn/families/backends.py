@@ -168,7 +168,23 @@ BACKENDS = (
         planner={"alpha": 8, "balance_tol": 0.05},
         shipped=mla.shipped_specs,
     ),  # fmt: skip
+    # Hopper's wgmma MLA kernel: 64-row items (one wgmma M), for plans whose requests have more
+    # packed rows than the mma.sync kernel's largest tile (the wrapper picks it by name:
+    # ``MLA_WGMMA``); the same planner parameters
+    Backend(
+        "mla_decode",
+        "mla_wgmma",
+        "mla_decode_sm90",
+        (HOPPER,),
+        (mla.HEAD_DIM_CKV,),
+        dtypes.ATTENTION,
+        tiles=(mla.TILE_SM90,),
+        ctas_per_sm={mla.HEAD_DIM_CKV: mla.CTAS_PER_SM},
+        planner={"alpha": 8, "balance_tol": 0.05},
+        shipped=mla.shipped_specs_sm90,
+    ),  # fmt: skip
 )
+MLA_WGMMA = "mla_wgmma"
 
 
 def backend_for(op: str, arch: str, name: str | None = None) -> Backend:

@@ -1,6 +1,7 @@
-"""The paged MLA family (``kernels/mla_decode.py``: absorbed multi-head latent attention on
-``mma.sync`` + ``cp.async``, both arches): its ABI, the instructions its binary must hold,
-and the specializations that ship.
+"""The paged MLA families: ``mla_decode`` (``kernels/mla_decode.py``: absorbed multi-head latent
+attention on ``mma.sync`` + ``cp.async``, both arches, 16 / 32-row items) and ``mla_decode_sm90``
+(``kernels/mla_decode_sm90.py``: both GEMMs on ``wgmma``, Hopper, 64-row items); their ABI (one
+for both), the instructions their binaries must hold, and the specializations that ship.
 
 Spec parameters: ``dtype`` (queries, caches and output: ``f16`` / ``bf16``), ``head_dim_ckv``
 (512) and ``head_dim_kpe`` (64) -- the only widths the kernel is built for, named in the spec
@@ -12,7 +13,7 @@ scalars: one module serves both."""
 from __future__ import annotations
 
 from ..abi import dtypes
-from ..abi.archs import ARCHS
+from ..abi.archs import ARCHS, HOPPER
 from ..abi.args import ScalarArg, TensorArg
 from ..abi.records import WORK_FIELDS
 from .base import KernelFamily, i32_arg, register
@@ -23,6 +24,8 @@ HEAD_DIM_KPE = 64  # the RoPE width of the key (qk_rope_head_dim)
 TILES = (16, 32)  # packed query rows per work item: one or two warp groups of 16 rows
 STAGES = {16: 5, 32: 4}  # 36 KB stages + Q staging (18 / 36 KB) + scores (8 / 16 KB): 206 / 196 KB
 CTAS_PER_SM = 1  # what shared memory allows
+TILE_SM90 = 64  # the wgmma kernel's packed query rows per item (one wgmma M)
+STAGES_SM90 = 2  # its 64-key stages: Q (72 KB) + 2 x 72 KB + P (8 KB) = 224 KB
 MAX_HEADS = 128  # DeepSeek-V3's 128 query heads (16 / 32 / 64 at tensor-parallel 8 / 4 / 2)
 
 
@@ -73,6 +76,47 @@ MLA_DECODE = register(
         },
     )
 )
+
+
+MLA_DECODE_SM90 = register(
+    KernelFamily(
+        name="mla_decode_sm90",
+        builder="cute_attn.kernels.mla_decode_sm90:build_mla_decode_sm90",
+        abi=mla_abi,
+        expect={
+            HOPPER: {
+                "wgmma (PTX)": r"ptx:wgmma\.mma_async",
+                "cp.async (PTX)": r"ptx:cp\.async\.c[ag]\.shared",
+                "HGMMA (SASS)": r"sass:HGMMA",
+                "LDGSTS (SASS)": r"sass:LDGSTS",
+                "griddepcontrol.launch_dependents (PTX)": r"ptx:griddepcontrol\.launch_dependents",
+            }
+        },
+    )
+)
+
+
+def mla_sm90_spec(arch: str, dtype: str) -> Spec:
+    """The ``mla_decode_sm90`` specialization for a dtype (64-row items, 2 stages)."""
+    return Spec.make(
+        "mla_decode_sm90",
+        arch,
+        dtype=dtype,
+        head_dim_ckv=HEAD_DIM_CKV,
+        head_dim_kpe=HEAD_DIM_KPE,
+        tile_q=TILE_SM90,
+        stages=STAGES_SM90,
+    )
+
+
+def shipped_specs_sm90(arch: str, dtype_names=dtypes.ATTENTION) -> list:
+    """The wgmma kernel for fp16 and bf16 on Hopper, and the merge of its 64-row tile."""
+    if arch != HOPPER:
+        return []
+    out = []
+    for dt in dtype_names:
+        out += [mla_sm90_spec(arch, dt), mla_merge_spec(arch, dt, TILE_SM90)]
+    return out
 
 
 def mla_spec(arch: str, dtype: str, tile_q: int = TILES[0]) -> Spec:

@@ -30,8 +30,8 @@ from typing import Any, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from ..families.backends import backend_for
-from ..families.mla import HEAD_DIM_CKV, HEAD_DIM_KPE, TILES, mla_merge_spec, mla_spec
+from ..families.backends import MLA_WGMMA, backend_for, backends_for
+from ..families.mla import HEAD_DIM_CKV, HEAD_DIM_KPE, TILE_SM90, TILES, mla_merge_spec, mla_sm90_spec, mla_spec
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import kernel
 from ..sched import Limits
@@ -277,18 +277,26 @@ class BatchMLAPagedAttentionWrapper:
         """The kernels (loaded first: a missing one fails before the buffers are touched), the
         schedule, the index arrays on the device, the state."""
         arch = arch_of_index(self._dev)
-        backend = backend_for("mla_decode", arch)
         qo_len = np.diff(b.qo_indptr)
         rows = int(qo_len.max()) * heads if b.batch else 0
         # two warp groups (32 rows) where a request has more rows than one: each latent block
-        # read from L2 then serves twice the rows
+        # read from L2 then serves twice the rows; past 32 rows, on Hopper, the wgmma kernel's
+        # 64-row items (compute-bound: 128 heads x 2 tokens are 4 of them per request)
         tile = TILES[1] if rows > TILES[0] else TILES[0]
+        wgmma = [b_ for b_ in backends_for("mla_decode", arch) if b_.name == MLA_WGMMA]
+        if rows > TILES[-1] and wgmma:
+            tile = TILE_SM90
         if self._use_cuda_graph and self._graph_fixed is not None:
             tile = self._graph_fixed["tile"]  # the captured launch keeps its kernel
         fixed = dict(heads=heads, page_size=page_size, causal=causal, sm_scale=sm_scale, dtype=dtype, tile=tile)
         self._check_graph_fixed(b, fixed)
         dt = common.dtype_name(dtype)
-        attn = kernel(backend.family, arch, **mla_spec(arch, dt, tile).pdict)
+        if tile == TILE_SM90:
+            backend = wgmma[0]
+            attn = kernel(backend.family, arch, **mla_sm90_spec(arch, dt).pdict)
+        else:
+            backend = backend_for("mla_decode", arch)
+            attn = kernel(backend.family, arch, **mla_spec(arch, dt, tile).pdict)
         ms = mla_merge_spec(arch, dt, tile)
         merge = kernel(ms.family, arch, **ms.pdict)
         plan = self._schedule(b, heads, page_size, causal, tile, backend)

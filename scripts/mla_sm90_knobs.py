@@ -1,0 +1,85 @@
+"""A/B of the Hopper wgmma MLA kernel (``kernels/mla_decode_sm90.py``) on the GPU machine: each
+variant runs through its own CUDA-graph-captured wrapper on the same inputs, is checked against the
+fp32 reference (the diagnostic ``no_loads`` knob excepted: it computes on stale stages), and all
+are timed in turns (``bench.common.interleaved``).
+
+    python scripts/mla_sm90_knobs.py      # needs the mla preset and the knob specs in the cache:
+    # mla_decode_sm90:dtype=bf16,head_dim_ckv=512,head_dim_kpe=64,tile_q=64,stages=2,overlap=0
+    # mla_decode_sm90:dtype=bf16,head_dim_ckv=512,head_dim_kpe=64,tile_q=64,stages=2,no_loads=1
+
+Cases: the compute-bound bench case (default against ``overlap=0`` and ``no_loads=1``), and two
+memory-bound decodes with the kernel choice forced both ways (16 heads: the mma.sync kernel's
+16-row items against the wgmma kernel's 64-row items; 64 heads: wgmma against mma.sync's 32)."""
+
+from __future__ import annotations
+
+import torch
+
+import cute_attn.wrappers.mla as M
+from cute_attn import mla as ours_mla
+from cute_attn.bench.common import interleaved
+from cute_attn.bench.mla import REF_TOL, MlaRun, latent_bytes, make_inputs, mla_flops, reference_error
+from cute_attn.families.spec import Spec
+
+
+def knobs(**kn):
+    orig = M.mla_sm90_spec
+
+    def spec(arch, dt):
+        s = orig(arch, dt)
+        return Spec.make(s.family, arch, **s.pdict, **kn)
+
+    return {"mla_sm90_spec": spec}
+
+
+FORCE_WGMMA = {"TILES": (16, 8)}  # every plan past 8 rows takes the wgmma kernel
+NO_WGMMA = {"backends_for": lambda op, arch: []}
+
+
+def case(name, heads, q_len, kv_lens, ps, variants):
+    causal = q_len > 1
+    inputs = make_inputs(kv_lens, q_len, heads, ps)
+    runs = {}
+    for label, patch in variants.items():
+        saved = {k: getattr(M, k) for k in patch}
+        for k, v in patch.items():
+            setattr(M, k, v)
+        try:
+            ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")  # a workspace per wrapper
+            runs[label] = MlaRun(ours_mla, ws, inputs, heads, ps, causal)
+        finally:
+            for k, v in saved.items():
+                setattr(M, k, v)
+    fns = {}
+    for label, r in runs.items():
+        r.replay()
+        torch.cuda.synchronize()
+        err = reference_error(inputs, r.out, q_len, causal)
+        ok = err < REF_TOL
+        st = r.wrapper._state
+        items = len(st.plan.work_items)
+        print(f"  {label:<14} tile {st.tile}, {items} items, split {st.plan.has_split}, rel err {err:.2e} {ok}")
+        if ok or label == "no_loads":
+            fns[label] = r.replay
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    times = interleaved(fns, calls=20)
+    nbytes, flops = latent_bytes(kv_lens, ps), mla_flops(kv_lens, q_len, heads, causal)
+    base = next(iter(times.values()))
+    for label, t in times.items():
+        print(f"{name:<40} {label:<14} {t:9.1f} us {nbytes / t / 1e6:6.3f} TB/s {flops / t / 1e6:7.1f} TFLOP/s "
+              f"{t / base:5.3f}x the first")  # fmt: skip
+    del runs, fns, inputs
+    torch.cuda.empty_cache()
+
+
+def main():
+    case("h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64,
+         {"default": {}, "overlap=0": knobs(overlap=0), "no_loads": knobs(no_loads=1)})  # fmt: skip
+    case("h16/bs128/kv4096/page64", 16, 1, [4096] * 128, 64, {"mma.sync": {}, "wgmma": FORCE_WGMMA})
+    case("h64/bs128/kv4096/page64", 64, 1, [4096] * 128, 64, {"wgmma": {}, "mma.sync": NO_WGMMA})
+
+
+if __name__ == "__main__":
+    main()
