@@ -44,7 +44,7 @@ from typing import Optional
 
 from .abi.archs import HOPPER
 from .abi.dtypes import ATTENTION, name_of
-from .families import decode, kv_pass, merge, mla, prefill
+from .families import decode, kv_pass, merge, mla, prefill, prefill_mma
 from .families.backends import portable_paged, portable_tiles
 from .families.decode import decode_spec
 from .families.kept import kept_update_spec
@@ -88,7 +88,9 @@ BUILTIN = {
     "gemma-2": ModelAttention("gemma-2", 16, 8, 256, sliding_window=4096, logits_soft_cap=50.0),
     "gemma-3": ModelAttention("gemma-3", 16, 8, 256, sliding_window=1024),
     "gpt-oss": ModelAttention("gpt-oss", 64, 8, 64, sliding_window=128, sinks=True),
-    "phi-3": ModelAttention("phi-3", 40, 10, 128),  # Phi-3-medium (Phi-3-mini's head dim 96: no decode yet)
+    "phi-3": ModelAttention("phi-3", 40, 10, 128),  # Phi-3-medium
+    # head dim 96: decode runs on the prefill kernel (Hopper only)
+    "phi-3-mini": ModelAttention("phi-3-mini", 32, 32, 96, sliding_window=2047, global_layers=False),
     "phi-4": ModelAttention("phi-4", 40, 10, 128),
     # MLA: prefill over the decompressed K / V (128 heads, q/k 128 nope + 64 rope, v 128)
     "deepseek-v3": ModelAttention("deepseek-v3", 128, 128, 192, head_dim_vo=128, mla=True),
@@ -200,8 +202,11 @@ def _check(m: ModelAttention) -> None:
             )
         if m.kv_dtype is not None:
             raise ValueError(f"{m.name}: an fp8 KV cache with MLA is not served yet")
-    elif m.head_dim not in decode.HEAD_DIMS or m.dv != m.head_dim:
-        raise ValueError(f"{m.name}: head_dim {m.head_dim} is not served yet (kernels: {decode.HEAD_DIMS})")
+    elif m.head_dim not in decode.HEAD_DIMS + prefill.HEAD_DIMS or m.dv != m.head_dim:
+        raise ValueError(
+            f"{m.name}: head_dim {m.head_dim} is not served yet (decode: {decode.HEAD_DIMS}; "
+            f"on the prefill kernel, Hopper only: {prefill.HEAD_DIMS})"
+        )
     if m.num_qo_heads % m.num_kv_heads:
         raise ValueError(f"{m.name}: {m.num_qo_heads} query heads are not a multiple of {m.num_kv_heads} kv heads")
     if m.dtype not in ATTENTION:
@@ -250,15 +255,17 @@ def model_specs(m: ModelAttention, arch: str) -> list:
     dt, d, kv = m.dtype, m.head_dim, m.kv_dtype
     heads = [1] + [h for h in decode.PACKED_HEADS if m.num_kv_heads % h == 0 and h * m.group <= decode.TILE_Q]
     specs = []
-    for window, cap in _layer_kinds(m):
-        base = _decode_variant(window, cap)
-        for v in [base] + ([AttentionSink() if base is None else base + AttentionSink()] if m.sinks else []):
-            specs += [decode_spec(arch, dt, d, v, h, kv) for h in heads]
-    specs.append(merge.merge_partials_spec(arch, dt, d, decode.TILE_Q))
-    specs.append(kept_update_spec(arch))  # CUDA-graph decode's per-step re-plan
+    if d in decode.HEAD_DIMS:  # else decode runs on the prefill kernel (its specs below)
+        for window, cap in _layer_kinds(m):
+            base = _decode_variant(window, cap)
+            for v in [base] + ([AttentionSink() if base is None else base + AttentionSink()] if m.sinks else []):
+                specs += [decode_spec(arch, dt, d, v, h, kv) for h in heads]
+        specs.append(merge.merge_partials_spec(arch, dt, d, decode.TILE_Q))
+        specs.append(kept_update_spec(arch))  # CUDA-graph decode's per-step re-plan
     specs += [merge.merge_pair_spec(arch, dt, d, masked) for masked in (False, True)]
     specs.append(merge.merge_states_spec(arch, dt, d))
-    specs += _portable_prefill_specs(m, arch)
+    if d in prefill_mma.HEAD_DIMS:
+        specs += _portable_prefill_specs(m, arch)
     if arch != HOPPER:
         return list(dict.fromkeys(specs))
     boxes = (page_box_for(True, PAGE_BOX), page_box_for(True, 1))

@@ -173,9 +173,10 @@ def ours(b, steps, on=on_gpu, calls=("fast_decode_plan", "cached_module_plan", "
     return out
 
 
-def update_cost(b: int, trace: str = "churn", reps: int = 200) -> float:
-    """GPU time (us) of one kept-plan update (``kernels/kept_update.py``) on this batch: CUDA
-    events around ``reps`` launches after a per-step re-plan."""
+def update_cost(b: int, trace: str = "churn", reps: int = 32, replays: int = 20) -> float:
+    """GPU time (us) of one kept-plan update (``kernels/kept_update.py``) on this batch: ``reps``
+    updates captured in one CUDA graph (what a replay runs once per step), the replays timed
+    with CUDA events; per update."""
     from cute_attn import BatchDecodeWithPagedKVCacheWrapper
     from cute_attn.decode import fast_decode_plan
 
@@ -196,21 +197,26 @@ def update_cost(b: int, trace: str = "churn", reps: int = 200) -> float:
             fast_decode_plan(w, ip, idx, last, HQ, HK, D, PS, q_data_type=torch.bfloat16, global_override_indptr_cpu=ip)
     dk = w._dev_keep
     assert dk is not None and dk.on
-
-    def launch():
-        dk.pending = True
-        dk.before_run(w._indptr_buf, w._last_buf, w._views)
-
-    for _ in range(20):
-        launch()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    launch = lambda: dk._module(w._indptr_buf, w._last_buf, dk._params,  # noqa: E731
+                                dk._items, dk._merge_rank, w._views["work_items"], w._views["work_indptr"],
+                                w._views["merge_tasks"], dk._status)  # fmt: skip
+    launch()
     torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            for _ in range(reps):
+                launch()
+    graph.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
-    for _ in range(reps):
-        launch()
+    for _ in range(replays):
+        graph.replay()
     e1.record()
     torch.cuda.synchronize()
-    return e0.elapsed_time(e1) * 1e3 / reps
+    return e0.elapsed_time(e1) * 1e3 / (reps * replays)
 
 
 def flashinfer_fast(b, steps):

@@ -401,3 +401,79 @@ def test_cpu_models_deepseek():
         model_specs(from_config(dict(cfg, qk_nope_head_dim=192)), "sm_90a")
     with pytest.raises(ValueError, match="head_dim 96 is not served"):
         model_specs(from_config(dict(num_attention_heads=32, hidden_size=3072)), "sm_90a")
+
+
+@gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_decode_hd96(graph):
+    """Decode at head dim 96 (Phi-3-mini: 32 / 32 heads, a 2047-token window) on the prefill
+    kernel, one causal query row per request: lengths 0 / 1 / odd / past the window, and in
+    graph mode one captured run() replayed over re-plans by ``fast_decode_plan``; against the
+    fp32 reference (relative L2 2e-2, LSE 2e-3, -inf where the reference has it).  Its specs
+    are ``compile --model phi-3-mini``'s."""
+    import numpy as np
+
+    from cute_attn import BatchDecodeWithPagedKVCacheWrapper
+    from cute_attn.decode import fast_decode_plan
+    from cute_attn.testing import paged_reference
+
+    hq = hk = 32
+    d, ps, window = 96, 16, 2046
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    steps = [np.array([0, 1, 37, 3001, 700, 2047, 5000, 16])]
+    for _ in range(4):
+        steps.append(rng.permutation(steps[-1] + rng.integers(0, 3, size=8)))
+    bs = steps[0].shape[0]
+    max_pages = max(int(((k + ps - 1) // ps).sum()) for k in steps) + 4
+    k = torch.randn(max_pages, ps, hk, d, generator=gen).to(BF).to(DEV)
+    v = torch.randn(max_pages, ps, hk, d, generator=gen).to(BF).to(DEV)
+    q = torch.randn(bs, hq, d, generator=gen).to(BF).to(DEV)
+    bufs = {}
+    if graph:
+        bufs = dict(
+            use_cuda_graph=True,
+            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=DEV),
+            paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=DEV),
+            paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=DEV),
+        )
+    w = BatchDecodeWithPagedKVCacheWrapper(_ws(DEV), "NHD", **bufs)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((bs, hq), float("nan"), device=DEV)
+    g = None
+    for t, kv in enumerate(steps):
+        pages = (kv + ps - 1) // ps
+        indptr = torch.tensor(np.concatenate([[0], np.cumsum(pages)]), dtype=torch.int32)
+        indices = torch.randperm(max_pages, generator=gen)[: int(indptr[-1])].to(torch.int32)
+        last = torch.tensor(np.where(pages > 0, kv - (pages - 1) * ps, 0), dtype=torch.int32)
+        if graph:
+            bufs["paged_kv_indptr_buffer"].copy_(indptr)
+            bufs["paged_kv_indices_buffer"][: indices.numel()].copy_(indices)
+            bufs["paged_kv_last_page_len_buffer"].copy_(last)
+        if t == 0 or not graph:
+            w.plan(indptr, indices, last, hq, hk, d, ps, q_data_type=BF, window_left=window)
+        else:
+            fast_decode_plan(w, indptr, bufs["paged_kv_indices_buffer"], last, hq, hk, d, ps, q_data_type=BF,
+                             window_left=window, global_override_indptr_cpu=indptr)  # fmt: skip
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        if graph and g is None:
+            w.run(q, (k, v), out=out, lse=lse)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                w.run(q, (k, v), out=out, lse=lse)
+        if graph:
+            g.replay()
+        else:
+            w.run(q, (k, v), out=out, lse=lse)
+        torch.cuda.synchronize()
+        ref_o, ref_lse = paged_reference(q.float(), (k.float(), v.float()), torch.arange(bs + 1, dtype=torch.int32),
+                                         indptr, indices, last, causal=True, window_left=window)  # fmt: skip
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any(), t
+        err = ((out.float() - ref_o).norm() / ref_o.norm().clamp_min(1e-6)).item()
+        assert err < 2e-2, (t, err)
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), fin), t
+        assert (lse[fin] - ref_lse[fin]).abs().max().item() < 2e-3, t
+        assert (out[~fin] == 0).all(), t

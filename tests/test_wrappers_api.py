@@ -468,6 +468,53 @@ def test_q_len_per_req(demu, graph, arch):
         assert torch.equal(out2, out)
 
 
+# ---- head dim 96: decode on the prefill kernel ----------------------------------------------------
+@pytest.mark.parametrize("graph", [False, True])
+def test_decode_head_dim_96(demu, graph):
+    """Decode at a head dim the decode kernel lacks but the prefill kernel serves: one causal
+    query row per request on the paged prefill kernel (a length-0 request gives out 0, LSE
+    -inf), re-planned by fast_decode_plan in graph mode; on Blackwell a clear error."""
+    d, kv_lens = 96, [9, 40, 0, 70]
+    bs = len(kv_lens)
+    g = _gen(_seed())
+    cache, indptr, indices, last = paged_batch(kv_lens, PS, HK, d, BF16, g)
+    ctor = {}
+    if graph:
+        ctor = dict(
+            use_cuda_graph=True,
+            paged_kv_indptr_buffer=_fake_cuda(torch.zeros(bs + 1, dtype=torch.int32)),
+            paged_kv_indices_buffer=_fake_cuda(torch.zeros(32, dtype=torch.int32)),
+            paged_kv_last_page_len_buffer=_fake_cuda(torch.zeros(bs, dtype=torch.int32)),
+        )
+    w = BatchDecodeWithPagedKVCacheWrapper(_cpu_ws(32), "NHD", **ctor)
+    w.plan(indptr, indices, last, HQ, HK, d, PS, q_data_type=BF16, logits_soft_cap=30.0)
+    assert w._q_len_per_req == 1 and launches(demu, "paged_decode") == []
+    q = torch.randn(bs, HQ, d, generator=g).to(BF16)
+    out, lse = w.run(q, cache, return_lse=True)
+    fam, params, _ = launches(demu, "batch_prefill_sm90")[-1]
+    assert params["head_dim"] == d and params["paged"] and params["soft_cap"]
+    qo = torch.arange(bs + 1, dtype=torch.int32)
+    ro, rl = paged_reference(q, cache, qo, indptr, indices, last, causal=True, logits_soft_cap=30.0)
+    _close(out, ro)
+    assert torch.equal(out[2].float(), torch.zeros_like(out[2].float())) and torch.isinf(lse[2]).all()
+    if graph:
+        kv2 = [10, 41, 1, 71]
+        cache2, indptr2, indices2, last2 = paged_batch(kv2, PS, HK, d, BF16, g)
+        for buf, t in ((w._paged_kv_indptr_buf, indptr2), (w._paged_kv_last_page_len_buf, last2)):
+            buf.copy_(t)  # in graph mode the engine writes the index buffers in place
+        w._paged_kv_indices_buf[: indices2.numel()].copy_(indices2)
+        fast_decode_plan(w, indptr2, w._paged_kv_indices_buf, last2, HQ, HK, d, PS, q_data_type=BF16,
+                         logits_soft_cap=30.0, global_override_indptr_cpu=indptr2)  # fmt: skip
+        ro2, _ = paged_reference(q, cache2, qo, indptr2, indices2, last2, causal=True, logits_soft_cap=30.0)
+        _close(w.run(q, cache2), ro2)
+    with pytest.raises(NotImplementedError, match="head_dim 96"):
+        w.plan(indptr, indices, last, HQ, HK, d, PS, q_data_type=BF16, heads_per_item=2)
+    if not graph:
+        demu.state["arch"] = "sm_100a"
+        with pytest.raises((ValueError, NotImplementedError), match="96"):
+            w.plan(indptr, indices, last, HQ, HK, d, PS, q_data_type=BF16)
+
+
 # ---- deprecated shared-prefix wrappers --------------------------------------------------------------
 def test_shared_prefix_wrappers(demu, monkeypatch):
     import cute_attn.wrappers.single as S

@@ -247,6 +247,6 @@ class CachedModule:
             disable_split_kv=bool(disable_split_kv),
             q_len_per_req=int(uniform_q_len) or max(int(total_num_rows) // max(int(batch_size), 1), 1),
         )
-        if w._use_cuda_graph and w._q_len == 1:
+        if w._use_cuda_graph and not w._routed:
             w._step = (("cached", args), w._state)
         return PlanInfo((int(batch_size), int(total_num_rows)))

@@ -26,6 +26,7 @@ from ..families.decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from ..families.decode import PACKED_HEADS, SHIPPED_VARIANTS, decode_spec
 from ..families.kept import kept_update_spec
 from ..families.merge import merge_partials_spec
+from ..families.prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import KernelNotAvailable, kernel
 from ..sched import Limits, kv_lens_from_paged
@@ -110,6 +111,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         self._mt = None  # the paged prefill wrapper that runs plans of q_len_per_req > 1
         self._mt_qo_buf = None
         self._q_len = 1  # the current plan's query tokens per request
+        self._routed = False  # the current plan runs on the paged prefill kernel (_plan_multi)
         self._frozen_q_len = None  # CUDA-graph mode: the first plan's q_len_per_req
         self._graph_hpi = None  # CUDA-graph mode: the first plan's, kept (the captured kernel's)
         self._graph_fixed = None  # CUDA-graph mode: the first plan's scale and variant (_check_graph_fixed)
@@ -241,7 +243,9 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
                 f"use_cuda_graph=True: q_len_per_req is part of the captured shape; this wrapper was planned "
                 f"with {self._frozen_q_len}, got {q_len_per_req} (use a wrapper per q_len_per_req)"
             )
-        if q_len_per_req > 1:
+        # several query tokens per request, or a head dim only the prefill kernel serves (96):
+        # a causal paged prefill of q_len_per_req rows per request (FlashInfer's tensor-core decode)
+        if q_len_per_req > 1 or (head_dim not in SUPPORTED_HEAD_DIMS and head_dim in PREFILL_HEAD_DIMS):
             return self._plan_multi(
                 indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, q_len_per_req,
                 pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
@@ -359,6 +363,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             kv_lens=kv_lens,
         )
         self._q_len = 1
+        self._routed = False
         if self._use_cuda_graph and self._frozen_q_len is None:
             self._frozen_q_len = 1
         if not self._use_cuda_graph:
@@ -591,7 +596,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         compat.check_kv_cache_sf(kv_cache_sf)
         common.reject_unsupported(extra=(("skip_softmax_threshold_scale_factor", skip_softmax),))
         paged_kv_cache = compat.expand_3d(paged_kv_cache, self._kv_layout)
-        if self._q_len > 1 and self._mt is not None:
+        if self._routed:
             if q_len_per_req is not None and q_len_per_req != self._q_len:
                 raise ValueError(f"run(q_len_per_req={q_len_per_req}) differs from plan()'s {self._q_len}")
             self._check_q_len(q, self._mt._state.batch)

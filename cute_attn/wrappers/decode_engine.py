@@ -101,7 +101,7 @@ class DecodeEngineAPI:
 
     @property
     def _qo_indptr_buf(self):
-        if self._mt is not None and self._q_len > 1:
+        if self._routed:
             return self._mt._qo_indptr_buf if self._use_cuda_graph else self._mt._qo_indptr_dev
         return None
 
@@ -129,8 +129,8 @@ class DecodeEngineAPI:
     def _set_options(self, st, window=None, cap=None, sm=None) -> None:
         """Later runs with this window / soft-cap / softmax scale: the plan's kernel (the values
         are launch scalars or runtime values), else a ValueError (another kernel: call plan())."""
-        if self._q_len > 1:
-            raise ValueError("a q_len_per_req > 1 plan's options are set by plan()")
+        if self._routed:
+            raise ValueError("a plan on the prefill kernel (q_len_per_req > 1, head dim 96) sets its options in plan()")
         window = st.window_left if window is None else window
         cap = st.logits_soft_cap if cap is None else cap
         sm = st.sm_scale if sm is None else sm
@@ -193,7 +193,7 @@ class DecodeEngineAPI:
 
     @property
     def _cached_kv_data_type(self):
-        return self.dtype if self._state is None or self._q_len > 1 else self._state.kv_dtype
+        return self.dtype if self._state is None or self._routed else self._state.kv_dtype
 
     _cached_o_data_type = _cached_q_data_type
 
@@ -266,7 +266,7 @@ class DecodeEngineAPI:
                 raise ValueError(
                     f"indices has {len(indices)} entries, paged_kv_indices_buffer only {self._indices_buf.numel()}"
                 )
-        if self._q_len > 1:
+        if self._routed:
             return self._replan_multi(indptr_host, kv_lens, batch, page_size, fixed_split_size, disable_split_kv,
                                       indices)  # fmt: skip
         if (num_qo_heads, num_kv_heads, head_dim, page_size) != (st.hq, st.hk, st.head_dim, st.page_size):
@@ -331,7 +331,7 @@ class DecodeEngineAPI:
         step's host arrays (a failed check takes the host path, which names the error) and
         returns: nothing else is done on the host."""
         dk = self._dev_keep
-        if dk is None or not dk.on or self._q_len != 1 or self._step_split is not None:
+        if dk is None or not dk.on or self._routed or self._step_split is not None:
             return False
         if dk.bad_lengths():
             dk.off()  # the host path re-plans (and names the error if the host arrays hold it)
@@ -397,10 +397,12 @@ class DecodeEngineAPI:
         return self._mt
 
     def _plan_multi(self, indptr, indices, last_page_len, hq, hk, d, page_size, n, **kw):
-        """plan(q_len_per_req=n > 1): a causal paged prefill with qo_indptr = arange(batch + 1) * n."""
+        """plan(q_len_per_req=n > 1), and decode at a head dim only the prefill kernel serves (96,
+        n = 1): a causal paged prefill with qo_indptr = arange(batch + 1) * n."""
         for k in ("variant", "custom_mask", "packed_custom_mask", "heads_per_item"):
             if kw.pop(k) is not None:
-                raise NotImplementedError(f"{k} with q_len_per_req > 1 is not supported")
+                why = f"q_len_per_req={n}" if n > 1 else f"head_dim {d} (decode on the prefill kernel)"
+                raise NotImplementedError(f"{k} with {why} is not supported")
         if kw.pop("block_tables") is not None or kw.pop("seq_lens") is not None:
             raise NotImplementedError("block_tables / seq_lens (the trtllm-gen backend's inputs) are not supported")
         common.check_plan_not_captured()
@@ -415,8 +417,8 @@ class DecodeEngineAPI:
         self._mt_plan(indptr, indices, last_page_len, kv_lens, batch, hq, hk, d, page_size, n, kw)
 
     def _mt_plan(self, indptr, indices, last_page_len, kv_lens, batch, hq, hk, d, page_size, n, kw):
-        short = np.flatnonzero(kv_lens < n)
-        if short.size:
+        short = np.flatnonzero(kv_lens < n) if n > 1 else ()  # one token: kv_len 0 gives out 0, LSE -inf
+        if len(short):
             i = int(short[0])
             raise ValueError(
                 f"q_len_per_req={n} needs kv_len >= {n} for every request (as FlashInfer); request {i} "
@@ -430,6 +432,7 @@ class DecodeEngineAPI:
         self._mt_kw = dict(kw, hq=hq, hk=hk, d=d, page_size=page_size)
         self._state = None
         self._q_len = n
+        self._routed = True
         if self._use_cuda_graph and self._frozen_q_len is None:
             self._frozen_q_len = n
         if self._cached is None:
@@ -543,13 +546,13 @@ class DecodeEngineAPI:
                              logits_soft_cap, sm_scale, rope_scale, rope_theta, True)  # fmt: skip
 
     def _window_left_planned(self) -> int:
-        if self._q_len > 1 and self._mt is not None:
+        if self._routed:
             return self._mt._state.window_left
         return self._require_plan().window_left
 
     def _forward(self, q, kv, pos_encoding_mode, q_scale, k_scale, v_scale, window_left, logits_soft_cap,
                  sm_scale, rope_scale, rope_theta, return_lse):  # fmt: skip
-        if self._q_len > 1 and self._mt is not None:
+        if self._routed:
             self._check_q_len(q, self._mt._state.batch)
             kv = (compat.expand_3d(kv, self._kv_layout),)
             return self._mt._forward(q, kv, True, pos_encoding_mode, q_scale, k_scale, v_scale, window_left,
@@ -654,12 +657,12 @@ def fast_decode_plan(
     if data_type is not None:
         q_data_type = data_type if q_data_type is None else q_data_type
         kv_data_type = data_type if kv_data_type is None else kv_data_type
-    planned_q = self.dtype if self._q_len == 1 else self._mt.dtype
-    planned_kv = self._state.kv_dtype if self._q_len == 1 else planned_q
+    planned_q = self._mt.dtype if self._routed else self.dtype
+    planned_kv = planned_q if self._routed else self._state.kv_dtype
     for name, dt, planned in (("q_data_type", q_data_type, planned_q), ("kv_data_type", kv_data_type, planned_kv)):
         if dt is not None and common.as_dtype(dt, name) != planned:
             raise ValueError(f"fast_decode_plan: {name} {dt} differs from the first plan()'s {planned}; call plan()")
-    if self._q_len == 1:
+    if not self._routed:
         o = self._state.options
         if pos_encoding_mode != o["pos_encoding_mode"]:
             raise ValueError("fast_decode_plan: pos_encoding_mode differs from the first plan()'s; call plan()")
@@ -691,5 +694,5 @@ def fast_decode_plan(
         indices=indices,
         last_page_len=last_page_len,
     )
-    if self._use_cuda_graph and self._q_len == 1:
+    if self._use_cuda_graph and not self._routed:
         self._step = (args, self._state)
