@@ -8,8 +8,8 @@ tensors' bytes and a shared-memory array, and the warp-wide instructions (``mma.
 reached them.  ``cp.async`` copies land at the ``cp.async.wait_group`` that covers their group
 (not at issue), so a read of a stage before its wait sees stale bytes, as it could on a GPU.
 
-Only the instructions the MLA and the portable prefill kernels use are implemented (an unknown
-one raises); floats are fp32 with exact ``ex2`` / ``lg2`` / ``rcp`` / ``tanh`` standing in for
+Only the instructions the MLA, the portable prefill and the kept-plan update kernels use are
+implemented (an unknown one raises); floats are fp32 with exact ``ex2`` / ``lg2`` / ``rcp`` / ``tanh`` standing in for
 the approximate ones.  Slow (pure
 Python, ~1 us an instruction and thread): for small problems only."""
 
@@ -312,6 +312,20 @@ class CTA:
                 raise NotImplementedError(op)
             for i, d in enumerate(dsts):
                 R[d] = int.from_bytes(data[i * width : (i + 1) * width], "little")
+            return
+        if base in ("atom", "red") and "add" in parts and ty in ("u32", "s32"):
+            # threads run one at a time between synchronizations: a read-modify-write is atomic
+            dst, where, v = (None, a[0], a[1]) if base == "red" else (a[0], a[1], a[2])
+            addr = self.addr(th, where)
+            shared = "shared" in parts or any(p.startswith("shared") for p in parts)
+            old = int.from_bytes(bytes(self.smem[addr : addr + 4]) if shared else self.mem.read(addr, 4), "little")
+            new = ((old + self.val(th, v)) & M32).to_bytes(4, "little")
+            if shared:
+                self.smem[addr : addr + 4] = new
+            else:
+                self.mem.write(addr, new)
+            if dst is not None:
+                R[dst] = old
             return
         if base == "st":
             space = parts[1]

@@ -63,20 +63,24 @@ def _run(ptx, params, items, merge_rank, records, work_indptr, merges, kv, last_
     return work, mt, int(status[0])
 
 
-@pytest.mark.parametrize("order", ["forward", "reverse"])
-def test_kept_update_interpreted(ptx_of, order):  # noqa: F811
+@pytest.mark.parametrize("b, order", [(12, "forward"), (12, "reverse"), (300, "forward")])
+def test_kept_update_interpreted(ptx_of, b, order):  # noqa: F811
+    """Batch 12 (one item per thread) and 300 (600+ items: two per thread, in one load batch)."""
     from cute_attn.families.kept import kept_update_spec
 
     ptx = ptx_of(kept_update_spec("sm_90a"))
     rng = np.random.default_rng(random.randrange(1 << 30))
-    b, hk = 12, 2
-    lim = Limits(max_batch=64, max_total_q_tokens=64, num_qo_heads=8, num_kv_heads=hk, head_dim=64)
+    hk = 2
+    lim = Limits(max_batch=512, max_total_q_tokens=512, num_qo_heads=8, num_kv_heads=hk, head_dim=64)
     pl = Planner(lim, 4, 2, alpha=8, beta=1, balance_tol=0.01, keep_tol=0.03)  # 8 CTAs: long requests split
     kv0 = rng.integers(1, 3000, size=b)
     kv0[3] = 9000
     p = pl.plan(None, kv0, page_size=PS, num_qo_heads=8, num_kv_heads=hk, cta_tile_q=16)
     kept = pl.kept()
-    assert (p.work_items[:, ws.W_NUM_CHUNKS] > 1).any() and p.num_merge_tasks > 0
+    if b < 100:  # split pairs and merges
+        assert (p.work_items[:, ws.W_NUM_CHUNKS] > 1).any() and p.num_merge_tasks > 0
+    else:  # more items than threads
+        assert p.num_work_items > 512
     params, items, merge_rank = kept.device_records(5, PS, lim.max_kv_len)
     full = p.work_items.copy()
     steps = [kv0 + 1, rng.permutation(kv0 + rng.integers(0, 9, size=b)), np.where(np.arange(b) == 3, 0, kv0 // 2)]

@@ -13,9 +13,10 @@ balance it says so in a status word in host memory, which the next ``fast_decode
 late re-plan costs time, never correctness.
 
 One CTA: a bitonic sort of ``(INT32_MAX - length) << 32 | request`` keys in shared memory
-(ascending = longest first, ties by request index, the host planner's order); then one thread
-per plan CTA walks that CTA's items (CTA-major, as planned) and sums its kv tokens.  Plain SIMT
-loads and stores, the same code for sm_90a and sm_100a.
+(ascending = longest first, ties by request index, the host planner's order); then a thread per
+item (each record names its CTA) rewrites it and adds its kv tokens to its CTA's count in shared
+memory, and a thread per CTA models that CTA's load.  Plain SIMT loads and stores, the same
+code for sm_90a and sm_100a.
 """
 
 from __future__ import annotations
@@ -32,22 +33,26 @@ from ..abi.kept import (
     K_EPOCH,
     K_MAX_KV_LEN,
     K_NUM_CTAS,
+    K_NUM_ITEMS,
     K_NUM_MERGES,
     K_ON,
     K_PAGE_SIZE,
     K_PER_ITEM,
     K_SORT_LOG2,
+    KI_CTA,
     KI_END,
     KI_RANK,
     KI_START,
     KS_BAD_LENGTHS,
     KS_UNBALANCED,
     MAX_BATCH,
+    MAX_CTAS,
 )
 from ..abi.records import M_QO_OFFSET, M_REQ, W_KV_END, W_KV_LEN, W_KV_START, W_QO_OFFSET, W_REQ
 
 THREADS = 512
 NUM_WARPS = THREADS // 32
+ITEM_BATCH = 4  # items per thread whose records are loaded together
 _LAST_KEY = 0x7FFFFFFFFFFFFFFF  # sorts after every request: the padding up to a power of two
 
 
@@ -72,6 +77,7 @@ class KeptUpdate:
         sLen = st.sLen.get_tensor(cute.make_layout(MAX_BATCH))
         sRed = st.sRed.get_tensor(cute.make_layout((2, NUM_WARPS), stride=(NUM_WARPS, 1)))
         sBad = st.sBad.get_tensor(cute.make_layout(1))
+        sTok = st.sTok.get_tensor(cute.make_layout(MAX_CTAS))
         if mParams[K_ON] != 0:
             batch, page_size = mParams[K_BATCH], mParams[K_PAGE_SIZE]
             max_len = mParams[K_MAX_KV_LEN]
@@ -100,7 +106,7 @@ class KeptUpdate:
                 sKey[r] = key
             cute.arch.sync_threads()
             self._sort(sKey, lg, tidx)
-            mx, total = self._items(mParams, mItems, mWork, mWorkIndptr, sKey, sLen, tidx)
+            mx, total = self._items(mParams, mItems, mWork, mWorkIndptr, sKey, sLen, sTok, tidx)
             for m in cutlass.range(tidx, mParams[K_NUM_MERGES], THREADS, unroll=1):
                 req = Int32(sKey[mMergeRank[m]] & Int64(0xFFFFFFFF))
                 mMerges[m, M_REQ] = req
@@ -140,34 +146,55 @@ class KeptUpdate:
                 cute.arch.sync_threads()
 
     @cute.jit
-    def _items(self, mParams, mItems, mWork, mWorkIndptr, sKey, sLen, tidx: Int32):
-        """Every item on its rank's request and length, CTA by CTA; returns this thread's
-        (largest, summed) modelled CTA loads."""
+    def _items(self, mParams, mItems, mWork, mWorkIndptr, sKey, sLen, sTok, tidx: Int32):
+        """Every item on its rank's request and length, ``ITEM_BATCH`` items per thread at a
+        time (their records loaded before any is written: the stores would otherwise keep the
+        next loads from starting); each CTA's kv tokens summed in ``sTok``.  Returns this
+        thread's (largest, summed) modelled CTA loads."""
+        n_ctas = mParams[K_NUM_CTAS]
+        for c in cutlass.range(tidx, n_ctas, THREADS, unroll=1):
+            sTok[c] = Int32(0)
+        cute.arch.sync_threads()
+        n_items = mParams[K_NUM_ITEMS]
+        for i0 in cutlass.range(tidx, n_items, THREADS * ITEM_BATCH, unroll=1):
+            rec = cute.make_rmem_tensor((ITEM_BATCH, 4), Int32)
+            for j in cutlass.range_constexpr(ITEM_BATCH):
+                i = i0 + j * THREADS
+                rec[j, 0] = Int32(0)
+                rec[j, 1] = Int32(0)
+                rec[j, 2] = Int32(0)
+                rec[j, 3] = Int32(0)
+                if i < n_items:
+                    rec[j, 0] = mItems[i, KI_RANK]
+                    rec[j, 1] = mItems[i, KI_START]
+                    rec[j, 2] = mItems[i, KI_END]
+                    rec[j, 3] = mItems[i, KI_CTA]
+            for j in cutlass.range_constexpr(ITEM_BATCH):
+                i = i0 + j * THREADS
+                if i < n_items:
+                    req = Int32(sKey[rec[j, 0]] & Int64(0xFFFFFFFF))
+                    n = sLen[req]
+                    s0, e0 = rec[j, 1], rec[j, 2]
+                    s = cutlass.min(s0, n)
+                    e = n
+                    if e0 >= 0:
+                        e = cutlass.min(e0, n)
+                    # a chunk that does not start the pair must not start at kv 0 (variants run
+                    # ``finalize`` on the chunk that does): emptied by a length 0, it stays at s0
+                    if s0 > 0 and n == 0:
+                        s = s0
+                        e = s0
+                    mWork[i, W_REQ] = req
+                    mWork[i, W_QO_OFFSET] = req  # one query token per request
+                    mWork[i, W_KV_START] = s
+                    mWork[i, W_KV_END] = e
+                    mWork[i, W_KV_LEN] = n
+                    cute.arch.atomic_add((sTok.iterator + rec[j, 3]).llvm_ptr, e - s)
+        cute.arch.sync_threads()
         per_item, beta = Float32(mParams[K_PER_ITEM]), Float32(mParams[K_BETA])
         mx, total = Float32(0.0), Float32(0.0)
-        for c in cutlass.range(tidx, mParams[K_NUM_CTAS], THREADS, unroll=1):
-            first, end = mWorkIndptr[c], mWorkIndptr[c + 1]
-            tokens = Int32(0)
-            for i in cutlass.range(first, end, unroll=1):
-                req = Int32(sKey[mItems[i, KI_RANK]] & Int64(0xFFFFFFFF))
-                n = sLen[req]
-                s0, e0 = mItems[i, KI_START], mItems[i, KI_END]
-                s = cutlass.min(s0, n)
-                e = n
-                if e0 >= 0:
-                    e = cutlass.min(e0, n)
-                # a chunk that does not start the pair must not start at kv 0 (variants run
-                # ``finalize`` on the chunk that does): emptied by a length 0, it stays at s0
-                if s0 > 0 and n == 0:
-                    s = s0
-                    e = s0
-                mWork[i, W_REQ] = req
-                mWork[i, W_QO_OFFSET] = req  # one query token per request
-                mWork[i, W_KV_START] = s
-                mWork[i, W_KV_END] = e
-                mWork[i, W_KV_LEN] = n
-                tokens = tokens + (e - s)
-            load = per_item * Float32(end - first) + beta * Float32(tokens)
+        for c in cutlass.range(tidx, n_ctas, THREADS, unroll=1):
+            load = per_item * Float32(mWorkIndptr[c + 1] - mWorkIndptr[c]) + beta * Float32(sTok[c])
             mx = cute.arch.fmax(mx, load)
             total = total + load
         return mx, total
@@ -189,6 +216,7 @@ class KeptUpdate:
         fields = {
             "sKey": cute.struct.Align[cute.struct.MemRange[Int64, MAX_BATCH], 16],
             "sLen": cute.struct.Align[cute.struct.MemRange[Int32, MAX_BATCH], 16],
+            "sTok": cute.struct.Align[cute.struct.MemRange[Int32, MAX_CTAS], 16],
             "sRed": cute.struct.MemRange[Float32, 2 * NUM_WARPS],
             "sBad": cute.struct.MemRange[Int32, 4],
         }

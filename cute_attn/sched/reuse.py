@@ -95,7 +95,7 @@ class KeptPlan:
         int32[KEPT_PARAMS], items int32[items, KEPT_ITEM_FIELDS], merge ranks int32[tasks]), or
         None where it cannot (more requests than it sorts)."""
         b = self.batch
-        if not 0 < b <= kp.MAX_BATCH:
+        if not 0 < b <= kp.MAX_BATCH or self.num_ctas > kp.MAX_CTAS:
             return None
         p = np.zeros(kp.KEPT_PARAMS, np.int32)
         p[kp.K_ON] = 1
@@ -109,7 +109,9 @@ class KeptPlan:
         p[kp.K_BETA] = self.beta
         p[kp.K_BOUND_Q20] = min(int(self.bound * (1 << 20)), np.iinfo(np.int32).max)
         p[kp.K_MAX_KV_LEN] = min(max_kv_len, np.iinfo(np.int32).max)
+        p[kp.K_NUM_ITEMS] = self.rank.shape[0]
         items = np.zeros((self.rank.shape[0], kp.KEPT_ITEM_FIELDS), np.int32)
+        items[:, kp.KI_CTA] = np.repeat(np.arange(self.num_ctas), np.diff(self.ip))
         items[:, kp.KI_RANK] = self.rank
         items[:, kp.KI_START] = self.bounds[:, 0]
         items[:, kp.KI_END] = np.where(self.bounds[:, 1] == _BIG, -1, self.bounds[:, 1])
