@@ -328,6 +328,7 @@ def main() -> None:
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--kept-ab", action="store_true", help="also: GPU time of kept vs full plans (churn trace)")
     ap.add_argument("--profile", action="store_true", help="only: cProfile of fast_decode_plan, steady, batch 64")
+    ap.add_argument("--update-only", action="store_true", help="only: the GPU time of the kept-plan update")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.profile:
@@ -349,6 +350,8 @@ def main() -> None:
             us = update_cost(b)
             print(json.dumps(dict(impl="cute_attn", kept_update_gpu_us=round(us, 2), batch=b)), flush=True)
             records.append((f"host/kept_update_gpu/bs{b}", "cute_attn", "us_per_launch", us))
+        if a.update_only:
+            continue
         for trace, steps in traces(b).items():
             for call, (ts, full) in ours(b, steps).items():
                 emit("cute_attn", call, trace, b, ts, full)
