@@ -1,12 +1,16 @@
-"""Head-dim-64 decode (the gpt-oss shape: 64 q / 8 kv heads, bf16, 64 x 4k, page 16): pipeline
-depth x CTAs per SM x head packing, CUDA-graph replays timed in turns, outputs compared with
-the first setting's.  Bytes in flight per SM are stages-1 blocks of 16 KB per CTA at hd64 (half
-of hd128's), so depth and residency are the first suspects of its lower bandwidth.
+"""Head-dim-64 decode (issue 24): stage size x pipeline depth x CTAs per SM x kv heads per item,
+CUDA-graph replays timed in turns with FlashInfer 0.7.2's tensor-core decode, outputs compared
+with the first setting's.  Shapes: the gpt-oss one (64 q / 8 kv heads, 64 x 4k, page 16) and
+the GQA-4 one of the head-dims table (32 / 8 heads, 256 x 1k), and hd128's 64 x 4k default as a
+check that it is unchanged.
 
-    # compile the stage variants first (CPU machine):
-    python scripts/decode_hd64_sweep.py specs | xargs python -m cute_attn compile --arch sm_90a
-    # GPU:
-    PYTHONPATH=. CUTE_ATTN_CACHE_DIR=... python scripts/decode_hd64_sweep.py run
+Settings are (block_n, stages, CTAs per SM, heads per item): block_n = KV rows per stage (64:
+16 KB stages at hd64; 128: 32 KB, hd128's stage bytes), heads per item None = the default rule.
+Four heads per item at GQA 8 is the 32-row tile (``PagedDecode.head_split``).
+
+    python scripts/decode_hd64_sweep.py specs | xargs python -m cute_attn compile --arch sm_90a --jobs 1
+    # GPU (FlashInfer: shared/tools/flashinfer's setup.sh, plus the hd64 module overlay):
+    PYTHONPATH=. CUTE_ATTN_CACHE_DIR=... python scripts/decode_hd64_sweep.py run [--json out.json]
 """
 
 from __future__ import annotations
@@ -14,67 +18,156 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
+D = 64
+# (block_n, stages, CTAs per SM, heads per item); shared memory per CTA ~ block_n x 256 B x stages
+GPTOSS = [
+    (64, 4, 2, 1),  # the default before issue 24 (its rule packs nothing here)
+    (64, 4, 2, None),  # what the default rule picks
+    (64, 3, 4, 2),  # the best setting before (BENCHMARKS.md)
+    (64, 4, 2, 4),
+    (64, 3, 3, 4),
+    (64, 5, 2, 4),
+    (128, 3, 2, 2),
+    (128, 2, 3, 2),
+    (128, 3, 2, 4),
+    (128, 2, 3, 4),
+    (128, 3, 2, 1),
+]
+# the old default rule packs four heads here (512 items of 4k head-tokens)
+GQA4 = [(64, 4, 2, 4), (64, 4, 2, None), (128, 3, 2, 4), (128, 2, 3, 4), (64, 3, 3, 4), (128, 3, 2, 2)]
+SHAPES = {  # name: (head dim, hq, hk, batch, kv, settings)
+    "decode/hd64/gqa8/bs64/kv4096/page16": (64, 64, 8, 64, 4096, GPTOSS),
+    "decode/hd64/gqa4/bs256/kv1024/page16": (64, 32, 8, 256, 1024, GQA4),
+    "decode/hd128/gqa4/bs64/kv4096/page16": (128, 32, 8, 64, 4096, [(64, 3, 2, None)]),  # unchanged: a check
+}
+OLD = {"block_n": 64, "stages": {64: 4, 128: 3}, "ctas": {64: 2, 128: 2}}
 
-HQ, HK, D, PS, B, KV = 64, 8, 64, 16, 64, 4096
-# (stages, CTAs per SM): shared memory per CTA is about 18 KB x stages
-CONFIGS = [(4, 2), (4, 3), (3, 4), (5, 2), (6, 2)]
-HEADS = (1, 2)
+
+def _set(d, bn, stages):
+    from cute_attn.families import decode
+
+    decode.BLOCK_N[d], decode.STAGES[d] = bn, stages
 
 
 def specs() -> None:
-    from cute_attn.families import decode
+    from cute_attn.families import decode, merge
 
     out = []
-    for s, _ in CONFIGS:
-        for h in HEADS:
-            decode.STAGES[D] = s
-            sp = decode.decode_spec("sm_90a", "bf16", D, None, h)
-            out.append("--spec " + sp.describe().split("@")[0].replace("[", ":").rstrip("]"))
+    for d, hq, hk, _, _, settings in SHAPES.values():
+        for bn, s, _, h in settings:
+            _set(d, bn, s)
+            for hh in [h] if h is not None else [1, 2, 4]:
+                if not decode.packed_ok(hh, hq // hk):
+                    continue
+                sp = decode.decode_spec("sm_90a", "bf16", d, None, hh, None, decode.decode_tile(hh, hq // hk))
+                out.append("--spec " + sp.cli())
+        for t in (16, 32):
+            out.append("--spec " + merge.merge_partials_spec("sm_90a", "bf16", d, t).cli())
     print(" ".join(dict.fromkeys(out)))
 
 
-def run() -> None:
-    from cute_attn import BatchDecodeWithPagedKVCacheWrapper
-    from cute_attn.bench.common import interleaved
-    from cute_attn.bench.decode import paged_cache
-    from cute_attn.families import decode
+def run(json_path=None) -> None:
+    import torch
 
-    gen = torch.Generator().manual_seed(0)
-    cache, indptr, indices, last = paged_cache([KV] * B, PS, gen, HK, D)
-    q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
-    runs, ref = {}, None
-    for s, c in CONFIGS:
-        for h in HEADS:
-            decode.STAGES[D] = s
+    from cute_attn import BatchDecodeWithPagedKVCacheWrapper
+    from cute_attn.bench import peers
+    from cute_attn.bench.common import Results, interleaved
+    from cute_attn.bench.decode import paged_cache
+
+    res = Results()
+    fi = peers.flashinfer()
+    for case, (D, hq, hk, b, kv, settings) in SHAPES.items():
+        gen = torch.Generator().manual_seed(0)
+        cache, indptr, indices, last = paged_cache([kv] * b, 16, gen, hk, D)
+        q = torch.randn(b, hq, D, device="cuda", dtype=torch.bfloat16)
+        graphs, outs, names = {}, {}, {}
+        for bn, s, c, h in settings:
+            _set(D, bn, s)
             w = BatchDecodeWithPagedKVCacheWrapper(
                 torch.zeros(256 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
                 paged_kv_indptr_buffer=indptr.cuda(), paged_kv_indices_buffer=indices.cuda(),
                 paged_kv_last_page_len_buffer=last.cuda(), ctas_per_sm=c,
             )  # fmt: skip
+            key = (bn, s, c, h)
             try:
-                w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=torch.bfloat16, heads_per_item=h)
+                w.plan(indptr, indices, last, hq, hk, D, 16, q_data_type=torch.bfloat16, heads_per_item=h)
                 out = torch.empty_like(q)
-                w.run(q, cache, out=out)
+                lse = torch.empty(b, hq, device="cuda")
+                w.run(q, cache, out=out, lse=lse)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
-                    w.run(q, cache, out=out)
+                    w.run(q, cache, out=out, lse=lse)
             except Exception as e:
-                print(f"stages {s} ctas {c} heads {h}: {type(e).__name__}: {str(e)[:120]}")
+                print(f"{case} {key}: {type(e).__name__}: {str(e)[:160]}")
                 continue
-            g.replay()
-            torch.cuda.synchronize()
-            if ref is None:
-                ref = out.clone()
-            diff = (out.float() - ref.float()).abs().max().item()
-            runs[(s, c, h)] = (g, w, out, diff)
-    t = interleaved({k: v[0].replay for k, v in runs.items()}, calls=40)
-    kv_bytes = B * KV * HK * D * 2 * 2
-    for k, us in t.items():
-        s, c, h = k
-        print(json.dumps({"stages": s, "ctas_per_sm": c, "heads_per_item": h, "us": round(us, 1),
-                          "TB/s": round(kv_bytes / us / 1e6, 3), "maxdiff": runs[k][3]}))  # fmt: skip
+            plan = w._state.plan
+            names[key] = f"bn{bn}_s{s}_c{c}_h{w._hpi}" + ("_default" if h is None else "")
+            print(f"{case} {names[key]}: {len(plan.work_items)} items, {len(plan.merge_tasks)} merges")
+            graphs[key], outs[key] = (g, w), out
+        if fi is not None:
+            run_fi, why = peers.fi_call(
+                peers.DecodeRun, fi, fi.workspace(256), q, cache, indptr, indices, last, hq, hk, D, 16
+            )
+            if run_fi is None:
+                print(f"{case} flashinfer: {why}")
+            else:
+                graphs["fi"], outs["fi"], names["fi"] = (run_fi, None), run_fi.out, "flashinfer"
+        torch.cuda.synchronize()
+        ref = outs[next(iter(outs))]
+        fns = {k: g.replay for k, (g, _) in graphs.items()}
+        for f in fns.values():
+            f()
+        torch.cuda.synchronize()
+        diffs = {k: (o.float() - ref.float()).abs().max().item() for k, o in outs.items()}
+        t = interleaved(fns, calls=40)
+        t2 = interleaved(fns, calls=40)  # a second round: drift shows as a difference between the two
+        kv_bytes = b * kv * hk * D * 2 * 2
+        tfi = min(t.get("fi", 0), t2.get("fi", 0)) or None
+        for k in fns:
+            us = min(t[k], t2[k])
+            rounds = [round(t[k], 1), round(t2[k], 1)]
+            row = {"case": case, "setting": names[k], "us": round(us, 1), "us_rounds": rounds,
+                   "TB/s": round(kv_bytes / us / 1e6, 3), "maxdiff": diffs[k]}  # fmt: skip
+            if tfi and k != "fi":
+                row["fi_over_ours"] = round(tfi / us, 3)
+            print(json.dumps(row))
+            impl = "flashinfer" if k == "fi" else "cute_attn"
+            sub = case if k == "fi" else f"{case}/{names[k]}"
+            res.add(sub, impl, "us", us)
+            res.add(sub, impl, "TB/s", kv_bytes / us / 1e6)
+            if tfi and k != "fi":
+                res.add(sub, "flashinfer", "ratio", tfi / us)
+        del graphs, fns
+        torch.cuda.empty_cache()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res.records, f, indent=1)
+
+
+def profile(bn: int, stages: int, ctas: int, h: int, iters: int = 4) -> None:
+    """One setting on the gpt-oss shape, run eagerly ``iters`` times (for ncu: ``-k
+    regex:PagedDecode --launch-skip 2 --launch-count 1``)."""
+    import torch
+
+    from cute_attn import BatchDecodeWithPagedKVCacheWrapper
+    from cute_attn.bench.decode import paged_cache
+
+    d, hq, hk, b, kv, _ = SHAPES["decode/hd64/gqa8/bs64/kv4096/page16"]
+    _set(d, bn, stages)
+    cache, indptr, indices, last = paged_cache([kv] * b, 16, torch.Generator().manual_seed(0), hk, d)
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.zeros(256 << 20, dtype=torch.uint8, device="cuda"), ctas_per_sm=ctas)
+    w.plan(indptr, indices, last, hq, hk, d, 16, q_data_type=torch.bfloat16, heads_per_item=h)
+    out = torch.empty_like(q)
+    for _ in range(iters):
+        w.run(q, cache, out=out)
+    torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
-    specs() if sys.argv[1] == "specs" else run()
+    if sys.argv[1] == "specs":
+        specs()
+    elif sys.argv[1] == "profile":
+        profile(*map(int, sys.argv[2:6]))
+    else:
+        run(sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None)

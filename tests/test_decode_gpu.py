@@ -204,6 +204,42 @@ def test_decode_head_packing_batch(h):
     run_case(len(kv), kv, 16, 32, 8, 128, torch.bfloat16, heads_per_item=h)
 
 
+# Head dim 64 geometries (issue 24, families/decode.BLOCK_N / STAGES; scripts/decode_hd64_sweep.py):
+# 128-row stages and four kv heads per item at GQA 8 (32-row tiles, one kv head per warp), on
+# the gpt-oss heads (64 / 8) and GQA 4, with the mixed lengths above (split requests included).
+HD64_GEOMETRIES = [
+    # block_n, stages, heads per item, hq, hk, page size, soft-cap, window
+    (64, 4, 4, 64, 8, 16, None, -1),
+    (64, 4, 4, 64, 8, 1, 30.0, -1),
+    (64, 4, 4, 64, 8, 16, None, 100),
+    (64, 3, 4, 64, 8, 16, None, -1),
+    (128, 3, 2, 64, 8, 16, None, -1),
+    (128, 2, 2, 64, 8, 1, None, -1),
+    (128, 3, 4, 64, 8, 16, None, -1),
+    (128, 3, 4, 64, 8, 16, 30.0, -1),
+    (128, 3, 4, 64, 8, 16, None, 100),
+    (128, 2, 4, 64, 8, 16, None, -1),
+    (128, 3, 1, 64, 8, 16, None, -1),
+    (128, 3, 4, 32, 8, 16, None, -1),  # GQA 4: four heads in one 16-row tile
+    (128, 2, 4, 32, 8, 1, None, -1),
+]
+
+
+@pytest.mark.parametrize("bn,stages,h,hq,hk,page_size,soft_cap,window", HD64_GEOMETRIES)
+def test_decode_hd64_geometries(bn, stages, h, hq, hk, page_size, soft_cap, window, monkeypatch):
+    from cute_attn.families import decode
+
+    monkeypatch.setitem(decode.BLOCK_N, 64, bn)
+    monkeypatch.setitem(decode.STAGES, 64, stages)
+    rng = random.Random()
+    kv = [0, 1, 17, 300, 64, 129, 5, 2048 + rng.randrange(64), 1000 + rng.randrange(64), 33000]
+    rng.shuffle(kv)
+    w = run_case(
+        len(kv), kv, page_size, hq, hk, 64, torch.bfloat16, soft_cap=soft_cap, window_left=window, heads_per_item=h
+    )[0]
+    assert w._state.decode is not None and w._state.plan.has_split  # the 33k request is split
+
+
 def test_decode_head_packing_errors():
     gen = torch.Generator().manual_seed(0)
     cache, indptr, indices, last = make_paged([10, 20], 16, 2, 128, torch.bfloat16, "NHD", False, gen)

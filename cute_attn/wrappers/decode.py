@@ -23,7 +23,7 @@ import torch
 from ..families.backends import backend_for
 from ..families.base import variant_params
 from ..families.decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
-from ..families.decode import PACKED_HEADS, SHIPPED_VARIANTS, decode_spec
+from ..families.decode import PACKED_HEADS, SHIPPED_VARIANTS, decode_spec, decode_tile, packed_ok
 from ..families.merge import merge_partials_spec
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import kernel
@@ -289,16 +289,16 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             disable_split_kv = True  # an output transform must see the whole row (not a partial state)
         arch = arch_of_index(self._dev)
         backend = backend_for("decode", arch)
-        (tile,) = backend.tiles
         split_tokens = self._split_tokens(fixed_split_size, disable_split_kv, page_size)
         num_ctas = sm_count_of_index(self._dev) * (self._ctas_per_sm or backend.ctas_for(head_dim))
         hpi = self._heads_per_item(
-            heads_per_item, kv_lens, hq, hk, num_ctas, split_tokens is not None, hooks.packs_heads, var, tile
+            heads_per_item, kv_lens, hq, hk, num_ctas, split_tokens is not None, hooks.packs_heads, var, kv_name
         )
+        tile = decode_tile(hpi, hq // hk)
         dt = common.dtype_name(q_dtype)
 
         def load(v):
-            sp = decode_spec(arch, dt, head_dim, v, hpi, kv_name)
+            sp = decode_spec(arch, dt, head_dim, v, hpi, kv_name, tile)
             return kernel(backend.family, arch, **sp.pdict)
 
         # modules first: a missing one fails before the workspace is overwritten
@@ -384,7 +384,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
     def _schedule(self, kv_lens, batch, hq, hk, head_dim, page_size, split_tokens, hpi, backend, arch):
         """The planner call of a decode plan: (re)make the planner for the limits, plan the
         lengths and upload the work lists into the workspace; returns the ``sched.Plan``."""
-        (tile,) = backend.tiles
+        tile = decode_tile(hpi, hq // hk)
         per_sm = self._ctas_per_sm or backend.ctas_for(head_dim)
         num_sms = sm_count_of_index(self._dev)
         num_ctas = num_sms * per_sm
@@ -411,9 +411,10 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         self._planner.upload(self._plan_buf)
         return plan
 
-    def _heads_per_item(self, want, kv_lens, hq, hk, num_ctas, invariant, packable, variant, tile) -> int:
+    def _heads_per_item(self, want, kv_lens, hq, hk, num_ctas, invariant, packable, variant, kv_name=None) -> int:
         """kv heads per work item for this plan (``plan()``'s ``heads_per_item``; the default
-        rule: ``MIN_PACKED_ITEMS_PER_CTA``).  ``packable``: the variant's ``Hooks.packs_heads``."""
+        rule: ``MIN_PACKED_ITEMS_PER_CTA``).  ``packable``: the variant's ``Hooks.packs_heads``;
+        ``kv_name``: an fp8 cache's dtype (None: the query's)."""
         group, batch = hq // hk, kv_lens.shape[0]
 
         def why_not(h):
@@ -421,8 +422,10 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
                 return f"must be one of {(1,) + PACKED_HEADS}"
             if h > 1 and not packable:
                 return "head packing needs a softmax variant without query/key transforms (RoPE has them)"
-            if hk % h or h * group > tile:
-                return f"needs num_kv_heads ({hk}) % h == 0 and h * group ({group}) <= {tile}"
+            if hk % h or not packed_ok(h, group):
+                return f"needs num_kv_heads ({hk}) % h == 0 and h * group ({group}) <= 16 (or h = 4 at group 8)"
+            if kv_name is not None and decode_tile(h, group) != 16:
+                return f"an fp8 cache packs only h * group ({group}) <= 16"
             return None
 
         fixed = self._graph_hpi if self._use_cuda_graph else None
