@@ -74,11 +74,13 @@ def run_case(
     window_left=-1,
     seed=None,
     heads_per_item=None,
+    ctas_per_sm=None,
 ):
     gen = torch.Generator().manual_seed(seed if seed is not None else random.randrange(1 << 30))
     cache, indptr, indices, last = make_paged(kv_lens, page_size, hk, d, dtype, layout, single_tensor, gen)
     q = torch.randn(batch, hq, d, generator=gen).to(dtype).cuda()
-    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), kv_layout=layout)
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    w = BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout=layout, ctas_per_sm=ctas_per_sm)
     w.plan(
         indptr,
         indices,
@@ -222,11 +224,19 @@ HD64_GEOMETRIES = [
     (128, 3, 1, 64, 8, 16, None, -1),
     (128, 3, 4, 32, 8, 16, None, -1),  # GQA 4: four heads in one 16-row tile
     (128, 2, 4, 32, 8, 1, None, -1),
+    # one CTA per SM, deep pipelines (the fifth field of the sweep's settings: CTAs per SM)
+    (128, 6, 4, 64, 8, 16, None, -1, 1),
+    (128, 5, 4, 64, 8, 1, None, -1, 1),
+    (64, 8, 4, 64, 8, 16, None, -1, 1),
+    (128, 4, 2, 64, 8, 16, None, -1, 1),
+    (128, 4, 4, 32, 8, 16, None, -1, 1),
 ]
 
 
-@pytest.mark.parametrize("bn,stages,h,hq,hk,page_size,soft_cap,window", HD64_GEOMETRIES)
-def test_decode_hd64_geometries(bn, stages, h, hq, hk, page_size, soft_cap, window, monkeypatch):
+@pytest.mark.parametrize(
+    "bn,stages,h,hq,hk,page_size,soft_cap,window,ctas", [g + (None,) * (9 - len(g)) for g in HD64_GEOMETRIES]
+)
+def test_decode_hd64_geometries(bn, stages, h, hq, hk, page_size, soft_cap, window, ctas, monkeypatch):
     from cute_attn.families import decode
 
     monkeypatch.setitem(decode.BLOCK_N, 64, bn)
@@ -235,7 +245,17 @@ def test_decode_hd64_geometries(bn, stages, h, hq, hk, page_size, soft_cap, wind
     kv = [0, 1, 17, 300, 64, 129, 5, 2048 + rng.randrange(64), 1000 + rng.randrange(64), 33000]
     rng.shuffle(kv)
     w = run_case(
-        len(kv), kv, page_size, hq, hk, 64, torch.bfloat16, soft_cap=soft_cap, window_left=window, heads_per_item=h
+        len(kv),
+        kv,
+        page_size,
+        hq,
+        hk,
+        64,
+        torch.bfloat16,
+        soft_cap=soft_cap,
+        window_left=window,
+        heads_per_item=h,
+        ctas_per_sm=ctas,
     )[0]
     assert w._state.decode is not None and w._state.plan.has_split  # the 33k request is split
 

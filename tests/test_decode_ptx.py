@@ -135,6 +135,9 @@ CASES = [
     ([90, 260], 16, 64, 8, 2, 128, 2),  # 128-row stages, two heads per item
     ([100, 3], 16, 16, 8, 1, 128, 3),  # 128-row stages, unpacked (GQA 2)
     ([70, 40], 16, 32, 8, 4, 64, 4),  # GQA 4: four heads in one 16-row tile (shipped geometry)
+    ([300, 90, 7], 16, 32, 8, 4, 128, 2, 3),  # GQA 4, 128-row stages, 3 CTAs per SM
+    ([200, 64, 129], 1, 32, 8, 2, 128, 3),  # GQA 4, two heads per item: 8 rows of 16
+    ([260, 33], 16, 32, 8, 4, 64, 3, 3),  # GQA 4, 3 stages, 3 CTAs per SM
 ]
 
 
@@ -144,10 +147,10 @@ CASES = [
 def test_compiled_decode_matches_reference(interp, case, monkeypatch):
     from cute_attn.families import decode
 
-    kv, ps, hq, hk, hpi, bn, stages = case
+    kv, ps, hq, hk, hpi, bn, stages = case[:7]
     monkeypatch.setitem(decode.BLOCK_N, 64, bn)
     monkeypatch.setitem(decode.STAGES, 64, stages)
-    w = run_decode(kv, ps, hq, hk, 64, hpi, seed=len(kv) * 7 + hpi)
+    w = run_decode(kv, ps, hq, hk, 64, hpi, seed=len(kv) * 7 + hpi, ctas_per_sm=(case[7:] or (2,))[0])
     assert interp and all(m.steps > 0 for m in interp)
     p = interp[0].params
     assert p.get("block_n", 64) == bn and p.get("tile_q", 16) == (32 if hpi * hq // hk > 16 else 16)
