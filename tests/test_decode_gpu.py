@@ -260,6 +260,19 @@ def test_decode_hd64_geometries(bn, stages, h, hq, hk, page_size, soft_cap, wind
     assert w._state.decode is not None and w._state.plan.has_split  # the 33k request is split
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_properties(0).multi_processor_count != 132,
+    reason="the rule's thresholds below are for a 132-SM GPU",
+)
+def test_decode_hd64_default_packs_one_item_per_cta():
+    """gpt-oss decode (64 / 8 heads, hd64, 64 x 4040-4096): the default rule packs two heads per item
+    (``decode.ONE_ITEM_HEAD_DIMS``) and the head-dim-64 balance tolerance keeps the 256 items whole."""
+    rng = random.Random()
+    kv = [rng.randrange(4040, 4097) for _ in range(64)]
+    w = run_case(64, kv, 16, 64, 8, 64, torch.bfloat16)[0]
+    assert w._hpi == 2 and not w._state.plan.has_split
+
+
 def test_decode_head_packing_errors():
     gen = torch.Generator().manual_seed(0)
     cache, indptr, indices, last = make_paged([10, 20], 16, 2, 128, torch.bfloat16, "NHD", False, gen)

@@ -45,6 +45,14 @@ from .plans import DecodePlanState
 # loads).  Where packing would make the planner cut items instead, it costs more than it
 # saves (BENCHMARKS.md: lognormal batch of 128 +1.4 %, batch 128 x 2k at h = 4 +3 %).
 MIN_PACKED_ITEMS_PER_CTA = 1.9
+# Head dim 64 also packs where the packed items are about one per CTA (at least this share of
+# the grid, at most the grid) and none is longer than ONE_ITEM_SLACK above a CTA's share: each
+# CTA then streams one item whole (the backend's head-dim-64 balance tolerance keeps it unsplit).
+# A 128-byte row per token and head reads DRAM worse than packed heads' 256 contiguous bytes:
+# gpt-oss (64 / 8 heads) at 64 x 4k ran 143.7 -> 131.6 us on the H200 (BENCHMARKS.md, issue 24).
+ONE_ITEM_HEAD_DIMS = (64,)
+MIN_ONE_ITEM_PER_CTA = 0.95
+ONE_ITEM_SLACK = 0.05
 _SHIPPED_PACKED: Optional[set] = None  # SHIPPED_VARIANTS' spec parameters, made on first use
 
 
@@ -292,7 +300,16 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         split_tokens = self._split_tokens(fixed_split_size, disable_split_kv, page_size)
         num_ctas = sm_count_of_index(self._dev) * (self._ctas_per_sm or backend.ctas_for(head_dim))
         hpi = self._heads_per_item(
-            heads_per_item, kv_lens, hq, hk, num_ctas, split_tokens is not None, hooks.packs_heads, var, kv_name
+            heads_per_item,
+            kv_lens,
+            hq,
+            hk,
+            num_ctas,
+            split_tokens is not None,
+            hooks.packs_heads,
+            var,
+            kv_name,
+            head_dim,
         )
         tile = decode_tile(hpi, hq // hk)
         dt = common.dtype_name(q_dtype)
@@ -396,7 +413,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             limits = self._limits(batch, hq, hk, head_dim, num_ctas, tile)
             # the backend's cost parameters (alpha, balance_tol: families/backends.py says why)
             desc = f"batch {batch}, {hq} qo heads, head_dim {head_dim}"
-            common.install_planner(self, limits, num_sms, per_sm, backend.planner, desc)
+            common.install_planner(self, limits, num_sms, per_sm, backend.planner_for(head_dim), desc)
         self._sched_key = key
         plan = self._planner.plan(
             None,  # one query token per request
@@ -411,10 +428,12 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         self._planner.upload(self._plan_buf)
         return plan
 
-    def _heads_per_item(self, want, kv_lens, hq, hk, num_ctas, invariant, packable, variant, kv_name=None) -> int:
+    def _heads_per_item(
+        self, want, kv_lens, hq, hk, num_ctas, invariant, packable, variant, kv_name=None, head_dim=0
+    ) -> int:
         """kv heads per work item for this plan (``plan()``'s ``heads_per_item``; the default
-        rule: ``MIN_PACKED_ITEMS_PER_CTA``).  ``packable``: the variant's ``Hooks.packs_heads``;
-        ``kv_name``: an fp8 cache's dtype (None: the query's)."""
+        rule: ``MIN_PACKED_ITEMS_PER_CTA``, and ``ONE_ITEM_HEAD_DIMS``).  ``packable``: the
+        variant's ``Hooks.packs_heads``; ``kv_name``: an fp8 cache's dtype (None: the query's)."""
         group, batch = hq // hk, kv_lens.shape[0]
 
         def why_not(h):
@@ -444,9 +463,18 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             want = 1
             # only where the kernel ships in the compile presets (plain, soft-cap, window), and no
             # packed item longer than one CTA's fair share (in head-tokens)
-            if cands and _packed_kernel_ships(variant):
+            if batch and _packed_kernel_ships(variant):
                 share, longest = hk * int(kv_lens.sum()) / num_ctas, int(kv_lens.max())
                 want = next((h for h in cands if h * longest <= share), 1)
+                if want == 1 and head_dim in ONE_ITEM_HEAD_DIMS and kv_name is None:  # (measured on 16-bit caches)
+                    one = [
+                        h
+                        for h in PACKED_HEADS
+                        if MIN_ONE_ITEM_PER_CTA * num_ctas <= batch * (hk // h) <= num_ctas
+                        and h * longest <= (1 + ONE_ITEM_SLACK) * share
+                        and why_not(h) is None
+                    ]
+                    want = next(iter(one), 1)
         if fixed is not None and want != fixed:
             raise ValueError(
                 f"heads_per_item={want}: with use_cuda_graph=True the first plan fixed it at {fixed} "
