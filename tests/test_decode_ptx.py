@@ -138,6 +138,10 @@ CASES = [
     ([300, 90, 7], 16, 32, 8, 4, 128, 2, 3),  # GQA 4, 128-row stages, 3 CTAs per SM
     ([200, 64, 129], 1, 32, 8, 2, 128, 3),  # GQA 4, two heads per item: 8 rows of 16
     ([260, 33], 16, 32, 8, 4, 64, 3, 3),  # GQA 4, 3 stages, 3 CTAs per SM
+    # lognormal-like batches at 128-row stages, one head per item: many items per CTA, 1-token
+    # and split requests (a device run read a wrong output for bn128 h1 on the bench's lognormal batch)
+    ([1, 5, 300, 40, 1000, 2, 129, 64, 700, 33], 16, 16, 2, 1, 128, 3),
+    ([3, 900, 1, 17, 128, 257, 1, 2000], 16, 16, 2, 1, 128, 3, 1),
 ]
 
 

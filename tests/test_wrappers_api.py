@@ -610,6 +610,7 @@ def test_gpu_causal_qo_longer_than_kv(kind):
         ([4096] * 64, 64, 8, 64, "e4m3", 1),  # fp8 caches: the rule before
         ([1024] * 256, 32, 8, 64, None, 4),  # 512 items of four heads: the 1.9-per-CTA rule
         ([4096] * 63 + [6000], 64, 8, 64, None, 1),  # one item 1.5x a CTA's share
+        ([1024] * 256, 64, 8, 64, None, 2),  # GQA 8: four heads (32-row tiles) only when asked for
     ],
 )
 def test_head_dim_64_packs_one_whole_item_per_cta(lens, hq, hk, d, kv, want):

@@ -217,10 +217,12 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
 
         ``heads_per_item`` (an extension): kv heads per work item, 1, 2 or 4 (head packing,
         ``kernels/decode.py``; more than 1 only for softmax variants without query/key
-        transforms -- not RoPE -- and with ``heads_per_item * group <= 16``).  Default: 4 or 2
+        transforms -- not RoPE -- and with ``heads_per_item * group <= 16``, or 4 at group 8
+        on a 16-bit cache: 32-row tiles, never picked by default -- their kernels do not ship).  Default: 4 or 2
         where the batch keeps ``MIN_PACKED_ITEMS_PER_CTA`` items per CTA with it and no packed
         item exceeds a CTA's share, for the plain kernel, soft-cap and window (the kernels the
-        presets ship), else 1; 1 with ``fixed_split_size`` / ``disable_split_kv`` (packing
+        presets ship), at head dim 64 also where the packed items are about one per CTA
+        (``ONE_ITEM_HEAD_DIMS``), else 1; 1 with ``fixed_split_size`` / ``disable_split_kv`` (packing
         changes the summation order).  With ``use_cuda_graph=True`` the first plan's choice
         holds for every later plan, ``fixed_split_size`` ones included (the captured launch
         keeps its kernel): give the first plan ``heads_per_item=1`` for outputs bitwise equal
@@ -455,10 +457,13 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         elif invariant:
             want = 1
         else:
+            # (32-row tiles -- four heads of GQA 8 -- only when asked for: they do not ship)
             cands = [
                 h
                 for h in PACKED_HEADS
-                if batch * (hk // h) >= MIN_PACKED_ITEMS_PER_CTA * num_ctas and why_not(h) is None
+                if batch * (hk // h) >= MIN_PACKED_ITEMS_PER_CTA * num_ctas
+                and why_not(h) is None
+                and decode_tile(h, group) == 16
             ]
             want = 1
             # only where the kernel ships in the compile presets (plain, soft-cap, window), and no
@@ -473,6 +478,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
                         if MIN_ONE_ITEM_PER_CTA * num_ctas <= batch * (hk // h) <= num_ctas
                         and h * longest <= (1 + ONE_ITEM_SLACK) * share
                         and why_not(h) is None
+                        and decode_tile(h, group) == 16
                     ]
                     want = next(iter(one), 1)
         if fixed is not None and want != fixed:

@@ -18,7 +18,7 @@ import torch
 from ..families.backends import backend_for
 from ..families.base import variant_params
 from ..families.decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
-from ..families.decode import decode_spec, decode_tile, packed_ok
+from ..families.decode import decode_spec, decode_tile
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..sched import WorkspaceLayout, kv_lens_from_paged
 from ..sched.inputs import as_index_array, check_indptr, step_kv_lens
@@ -467,8 +467,7 @@ class DecodeEngineAPI:
             have = self._workspace.numel()
             return prefill_workspace_bytes(self._dev, arch, batch, batch * int(q_len_per_req), hq, hk, d, have), 0
         backend = backend_for("decode", arch)
-        # the largest tile a plan may use (four packed heads of GQA 8: 32 rows)
-        tile = decode_tile(4, hq // hk) if hk % 4 == 0 and packed_ok(4, hq // hk) else 16
+        (tile,) = backend.tiles  # (a plan asked for 32-row tiles fits fewer partial slots in it)
         per_sm = self._ctas_per_sm or backend.ctas_for(d)
         num_ctas = sm_count_of_index(self._dev) * per_sm
         lim = self._limits(batch, hq, hk, d, num_ctas, tile)
