@@ -74,11 +74,13 @@ def run_case(
     window_left=-1,
     seed=None,
     heads_per_item=None,
+    ctas_per_sm=None,
 ):
     gen = torch.Generator().manual_seed(seed if seed is not None else random.randrange(1 << 30))
     cache, indptr, indices, last = make_paged(kv_lens, page_size, hk, d, dtype, layout, single_tensor, gen)
     q = torch.randn(batch, hq, d, generator=gen).to(dtype).cuda()
-    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), kv_layout=layout)
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    w = BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout=layout, ctas_per_sm=ctas_per_sm)
     w.plan(
         indptr,
         indices,
@@ -202,6 +204,73 @@ def test_decode_head_packing_batch(h):
     rng = random.Random()
     kv = [rng.randrange(1, 1500) for _ in range(300)] + [20000]
     run_case(len(kv), kv, 16, 32, 8, 128, torch.bfloat16, heads_per_item=h)
+
+
+# Head dim 64 geometries (issue 24, families/decode.BLOCK_N / STAGES; scripts/decode_hd64_sweep.py):
+# 128-row stages and four kv heads per item at GQA 8 (32-row tiles, one kv head per warp), on
+# the gpt-oss heads (64 / 8) and GQA 4, with the mixed lengths above (split requests included).
+HD64_GEOMETRIES = [
+    # block_n, stages, heads per item, hq, hk, page size, soft-cap, window
+    (64, 4, 4, 64, 8, 16, None, -1),
+    (64, 4, 4, 64, 8, 1, 30.0, -1),
+    (64, 4, 4, 64, 8, 16, None, 100),
+    (64, 3, 4, 64, 8, 16, None, -1),
+    (128, 3, 2, 64, 8, 16, None, -1),
+    (128, 2, 2, 64, 8, 1, None, -1),
+    (128, 3, 4, 64, 8, 16, None, -1),
+    (128, 3, 4, 64, 8, 16, 30.0, -1),
+    (128, 3, 4, 64, 8, 16, None, 100),
+    (128, 2, 4, 64, 8, 16, None, -1),
+    (128, 3, 1, 64, 8, 16, None, -1),
+    (128, 3, 4, 32, 8, 16, None, -1),  # GQA 4: four heads in one 16-row tile
+    (128, 2, 4, 32, 8, 1, None, -1),
+    # one CTA per SM, deep pipelines (the fifth field of the sweep's settings: CTAs per SM)
+    (128, 6, 4, 64, 8, 16, None, -1, 1),
+    (128, 5, 4, 64, 8, 1, None, -1, 1),
+    (64, 8, 4, 64, 8, 16, None, -1, 1),
+    (128, 4, 2, 64, 8, 16, None, -1, 1),
+    (128, 4, 4, 32, 8, 16, None, -1, 1),
+]
+
+
+@pytest.mark.parametrize(
+    "bn,stages,h,hq,hk,page_size,soft_cap,window,ctas", [g + (None,) * (9 - len(g)) for g in HD64_GEOMETRIES]
+)
+def test_decode_hd64_geometries(bn, stages, h, hq, hk, page_size, soft_cap, window, ctas, monkeypatch):
+    from cute_attn.families import decode
+
+    monkeypatch.setitem(decode.BLOCK_N, 64, bn)
+    monkeypatch.setitem(decode.STAGES, 64, stages)
+    rng = random.Random()
+    kv = [0, 1, 17, 300, 64, 129, 5, 2048 + rng.randrange(64), 1000 + rng.randrange(64), 33000]
+    rng.shuffle(kv)
+    w = run_case(
+        len(kv),
+        kv,
+        page_size,
+        hq,
+        hk,
+        64,
+        torch.bfloat16,
+        soft_cap=soft_cap,
+        window_left=window,
+        heads_per_item=h,
+        ctas_per_sm=ctas,
+    )[0]
+    assert w._state.decode is not None and w._state.plan.has_split  # the 33k request is split
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_properties(0).multi_processor_count != 132,
+    reason="the rule's thresholds below are for a 132-SM GPU",
+)
+def test_decode_hd64_default_packs_one_item_per_cta():
+    """gpt-oss decode (64 / 8 heads, hd64, 64 x 4040-4096): the default rule packs two heads per item
+    (``decode.ONE_ITEM_HEAD_DIMS``) and the head-dim-64 balance tolerance keeps the 256 items whole."""
+    rng = random.Random()
+    kv = [rng.randrange(4040, 4097) for _ in range(64)]
+    w = run_case(64, kv, 16, 64, 8, 64, torch.bfloat16)[0]
+    assert w._hpi == 2 and not w._state.plan.has_split
 
 
 def test_decode_head_packing_errors():

@@ -643,3 +643,29 @@ def test_gpu_causal_qo_longer_than_kv(kind):
     assert dead.any() and torch.equal(torch.isinf(lse), dead)
     assert (out[dead[:, :, None].expand_as(out)] == 0).all()
     _close(out, ro)
+
+
+@pytest.mark.parametrize(
+    "lens,hq,hk,d,kv,want",
+    [
+        ([4096] * 64, 64, 8, 64, None, 2),  # gpt-oss 64 x 4k: 256 items of two heads, about one per CTA
+        ([4096] * 63, 64, 8, 64, None, 2),
+        ([4096] * 60, 64, 8, 64, None, 1),  # 240 items: under 0.95 of the 264 CTAs
+        ([4096] * 66, 64, 8, 64, None, 2),  # 264 items: one each
+        ([4096] * 67, 64, 8, 64, None, 1),  # 268: more items than CTAs (and under 1.9 per CTA)
+        ([4096] * 64, 64, 8, 128, None, 1),  # head dim 128: the rule before (not measured there)
+        ([4096] * 64, 64, 8, 64, "e4m3", 1),  # fp8 caches: the rule before
+        ([1024] * 256, 32, 8, 64, None, 4),  # 512 items of four heads: the 1.9-per-CTA rule
+        ([4096] * 63 + [6000], 64, 8, 64, None, 1),  # one item 1.5x a CTA's share
+        ([1024] * 256, 64, 8, 64, None, 2),  # GQA 8: four heads (32-row tiles) only when asked for
+    ],
+)
+def test_head_dim_64_packs_one_whole_item_per_cta(lens, hq, hk, d, kv, want):
+    """The default head packing at head dim 64 (``decode.ONE_ITEM_HEAD_DIMS``): also where the
+    packed items are 0.95-1 per CTA and none is longer than 5 % over a CTA's share (264 CTAs)."""
+    from cute_attn.wrappers.decode import BatchDecodeWithPagedKVCacheWrapper as W
+
+    w = W.__new__(W)
+    w._use_cuda_graph, w._graph_hpi = False, None
+    got = w._heads_per_item(None, np.array(lens), hq, hk, 264, False, True, None, kv, d)
+    assert got == want

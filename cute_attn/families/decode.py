@@ -5,8 +5,10 @@ the specializations that ship.
 Spec parameters: ``dtype`` (query and output), ``kv_dtype`` (an fp8 cache, ``e4m3`` /
 ``e5m2``; absent for a cache of ``dtype``: ``kernels/decode_fp8.py``), ``head_dim``, ``stages``
 (the KV pipeline depth, fixed by the head dim: an fp8 stage holds twice the tokens in the same
-bytes), ``heads_per_item`` (head packing: kv heads per work item; absent for one) and the
-variant (``variant`` / ``variant_fp``)."""
+bytes), ``heads_per_item`` (head packing: kv heads per work item; absent for one),
+``block_n`` (KV rows per stage of a 16-bit cache; absent for 64), ``tile_q`` (packed rows per
+item: 32 for four kv heads of GQA 8, one per warp; absent for 16) and the variant (``variant`` /
+``variant_fp``)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ HEAD_DIMS = (64, 128, 256)
 TILE_Q = 16  # packed rows per work item: the kernel's m16 MMA tile
 PACKED_HEADS = (4, 2)  # kv heads per work item the kernel is built for, besides 1
 STAGES = {64: 4, 128: 3, 256: 2}  # KV pipeline depth that fits shared memory
+BLOCK_N = {64: 64, 128: 64, 256: 64}  # KV rows (tokens x packed heads) per stage, 16-bit caches
 CTAS_PER_SM = {64: 2, 128: 2, 256: 1}  # what shared memory (and 248 registers/thread) allow
 # the variants whose kernels ship for FlashInfer's plain / soft-cap / window options, packed
 # and unpacked (so the wrapper's default packing rule packs only those)
@@ -81,6 +84,18 @@ def packing_params(heads_per_item: int) -> dict:
     return {"heads_per_item": heads_per_item} if heads_per_item != 1 else {}
 
 
+def decode_tile(heads_per_item: int, group: int) -> int:
+    """Packed rows per item of a plan with ``heads_per_item`` kv heads of GQA group ``group``:
+    16 (one m16 tile) where they fit, else 32 (``tile_q``: four heads of GQA 8, one per warp)."""
+    return 16 if heads_per_item * group <= TILE_Q else 2 * TILE_Q
+
+
+def packed_ok(heads_per_item: int, group: int) -> bool:
+    """Whether the kernel packs ``heads_per_item`` kv heads of GQA ``group``: all rows in one
+    16-row tile, or four heads of 8 rows each, two per 16-row group (``tile_q`` 32)."""
+    return heads_per_item * group <= TILE_Q or (heads_per_item == 4 and group == 8)
+
+
 def kv_params(dtype: str, kv_dtype: str | None) -> dict:
     """The spec parameter of the cache dtype: absent for a cache of the query dtype."""
     if kv_dtype is None or kv_dtype == dtype:
@@ -91,19 +106,35 @@ def kv_params(dtype: str, kv_dtype: str | None) -> dict:
 
 
 def decode_spec(
-    arch: str, dtype: str, head_dim: int, variant=None, heads_per_item: int = 1, kv_dtype: str | None = None
+    arch: str,
+    dtype: str,
+    head_dim: int,
+    variant=None,
+    heads_per_item: int = 1,
+    kv_dtype: str | None = None,
+    tile_q: int = TILE_Q,
 ) -> Spec:
     """The ``paged_decode`` specialization for a query dtype (``"f16"``/``"bf16"``), head dim,
     variant, head packing (kv heads per work item; > 1 only for a variant with
-    ``Hooks.packs_heads``) and cache dtype (``kv_dtype``: None or ``dtype``, or fp8)."""
+    ``Hooks.packs_heads``), cache dtype (``kv_dtype``: None or ``dtype``, or fp8) and packed
+    rows per item (``decode_tile``)."""
+    kvp = kv_params(dtype, kv_dtype)
+    extra = {}
+    if not kvp and BLOCK_N[head_dim] != 64:
+        extra["block_n"] = BLOCK_N[head_dim]
+    if tile_q != TILE_Q:
+        if kvp or tile_q != 2 * TILE_Q or heads_per_item != 4:
+            raise ValueError(f"paged_decode: tile_q {tile_q} is for 4 kv heads per item of a 16-bit cache")
+        extra["tile_q"] = tile_q
     return Spec.make(
         "paged_decode",
         arch,
         dtype=dtype,
         head_dim=head_dim,
         stages=STAGES[head_dim],
-        **kv_params(dtype, kv_dtype),
+        **kvp,
         **packing_params(heads_per_item),
+        **extra,
         **variant_params(variant),
     )
 

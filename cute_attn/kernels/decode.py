@@ -79,6 +79,8 @@ class DecodeConfig:
     variant: Any = None
     heads_per_item: int = 1
     kv_dtype: Any = None  # the cache's DSL type where it differs from ``dtype`` (fp8)
+    block_n: Any = None  # KV rows per stage of a 16-bit cache (None: BLOCK_N)
+    tile_q: int = TILE_Q  # packed rows per item: 32 = two row groups of 16, one kv head per warp
 
     @classmethod
     def from_spec(cls, p: dict) -> DecodeConfig:
@@ -86,7 +88,8 @@ class DecodeConfig:
         from ..families.base import spec_variant
 
         kv = to_dsl(p["kv_dtype"]) if "kv_dtype" in p else None
-        return cls(to_dsl(p["dtype"]), p["head_dim"], p["stages"], spec_variant(p), p.get("heads_per_item", 1), kv)
+        hpi, bn, tq = p.get("heads_per_item", 1), p.get("block_n"), p.get("tile_q", TILE_Q)
+        return cls(to_dsl(p["dtype"]), p["head_dim"], p["stages"], spec_variant(p), hpi, kv, bn, tq)
 
 
 class Outputs(NamedTuple):
@@ -164,6 +167,9 @@ class PagedDecode:
         4 / warps_m warps by keys.  Decode: one 16-row tile, 4 warps by keys."""
         dtype, head_dim, stages, heads_per_item = cfg.dtype, cfg.head_dim, cfg.stages, cfg.heads_per_item
         self.cfg = cfg
+        if cfg.block_n is not None:
+            assert self.kv_bytes == 2 and cfg.block_n in (64, 128), cfg.block_n
+            self.block_n = cfg.block_n
         self.dtype = dtype
         self.mma_dtype = dtype  # the MMA's A / B type
         self.head_dim = head_dim
@@ -176,6 +182,14 @@ class PagedDecode:
         self.warp_rows = tile_q // warps_m  # a warp's query rows: 16 x m_tiles
         assert warps_m in (1, 2, 4) and self.warp_rows % 16 == 0, (tile_q, warps_m)
         self.keys_per_warp = self.block_n // self.warps_n
+        # Packed decode with two row groups (tile_q 32, ``heads_per_item`` 4 at GQA 8): the warps
+        # of a row group split it by kv head, not by keys -- warp w reads kv head w of the item
+        # (its block rows [w tpb, (w+1) tpb)) and the Q rows [16 (w // warps_n), +16) that hold
+        # its head's 8 rows (the wrapper packs so only where each head's rows lie in one group).
+        self.head_split = heads_per_item > 1 and warps_m > 1
+        if self.head_split:
+            self.keys_per_warp = self.block_n // NUM_WARPS
+            assert heads_per_item == NUM_WARPS and warps_m == 2, (heads_per_item, warps_m)
         self.o_region = self.block_n // NUM_WARPS  # K / V rows per warp of the epilogue's buffers
         self.q_chunks = head_dim // 8  # 16-byte chunks per Q row
         self.chunks = self.kv_width // 8  # 16-byte chunks per KV row
@@ -201,7 +215,7 @@ class PagedDecode:
         assert (
             self.warps_n == 1
             or self.warp_rows > 16
-            or (self.o_rows_per_piece * (self.kv_width // self._atom_w(self.kv_width)) * 2 == self.warp_rows)
+            or (self.o_rows_per_piece * (self.kv_width // self._atom_w(self.kv_width)) * 2 >= self.warp_rows)
         ), f"the epilogue's buffers (_o_buf) do not tile head_dim {head_dim}"
 
     # ---- host side ----------------------------------------------------------------------
@@ -320,8 +334,14 @@ class PagedDecode:
         kv_ptr = st.sKV.data_ptr()
         sK = cute.make_tensor(kv_ptr, sKV_layout)
         sV = cute.make_tensor(kv_ptr + cute.cosize(sKV_layout), sKV_layout)
-        sM = st.sM.get_tensor(cute.make_layout((TILE_Q, NUM_WARPS), stride=(1, TILE_Q)))
-        sL = st.sL.get_tensor(cute.make_layout((TILE_Q, NUM_WARPS), stride=(1, TILE_Q)))
+        # sM[j, k]: tile row j's statistics from the k-th warp of its row group (``_store``)
+        TQ, WN = self.tile_q, self.warps_n
+        sM = st.sM.get_tensor(cute.make_layout((TQ, WN), stride=(1, TQ)))
+        sL = st.sL.get_tensor(cute.make_layout((TQ, WN), stride=(1, TQ)))
+        # head-split warps (``head_split``): the tile row of this warp's first row
+        rg0 = None
+        if const_expr(self.head_split):
+            rg0 = (wid // WN) * 16
 
         thr_mma = tiled_mma.get_slice(lane)
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.mma_dtype)
@@ -363,9 +383,11 @@ class PagedDecode:
             blk_start, blk_end = self._kv_blocks(info, tc)
             n_blocks = (blk_end - blk_start + self.tpb - 1) // self.tpb
             sQ_i = sQ[None, None, q_cnt % self.stages]
+            if const_expr(self.head_split):
+                sQ_i = cute.local_tile(sQ_i, (16, D), (wid // WN, 0))  # 16 rows: two 8-row atoms
             row_vals = None
             if const_expr(self.hooks.per_row):
-                row_vals = item_row_values(self.hooks, info, tc, tScS, n_rows_thr, self.head_dim, self.hpi)
+                row_vals = self._row_values(info, tc, tScS, n_rows_thr, rg0)
 
             acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_Q, D)), Float32)
             acc_O.fill(0.0)
@@ -379,7 +401,10 @@ class PagedDecode:
             for r in cutlass.range_constexpr(n_rows_thr):
                 row_lim[r] = blk_end
                 if const_expr(self.hpi > 1):
-                    u = (info.row_start + tScS[r, 0][0]) % group  # index among the token's packed rows
+                    row = info.row_start + tScS[r, 0][0]
+                    if const_expr(self.head_split):
+                        row = row + rg0
+                    u = row % group  # index among the token's packed rows
                     own = u // (group // self.hpi) == wid // self.warps_per_head
                     row_lim[r] = cutlass.select_(own, blk_end, blk_start)
             tSrQ = self._q_fragment(thr_mma, sQ_i)
@@ -461,10 +486,13 @@ class PagedDecode:
                     row_m[r] = Float32(0.0)
                     row_l[r] = w_item * 0.25
                 j = tScS[r, 0][0]
+                jt, wk = j, wid  # the tile row and the warp's place in its row group
+                if const_expr(self.head_split):
+                    jt, wk = rg0 + j, wid % WN
                 if lane % 4 == 0:
-                    sM[j, wid] = row_m[r]
-                    sL[j, wid] = row_l[r]
-                if j < info.num_rows:  # rows past the tile's end are never stored
+                    sM[jt, wk] = row_m[r]
+                    sL[jt, wk] = row_l[r]
+                if jt < info.num_rows:  # rows past the tile's end are never stored
                     for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                         sO[j, self._o_col(tOcO[0, c][1])] = acc_O_mn[r, c]
             cute.arch.sync_threads()
@@ -607,6 +635,17 @@ class PagedDecode:
         return cute.make_tensor(cute.make_ptr(Float32, ptr.toint(), cute.AddressSpace.smem, assumed_align=16), layout)
 
     # ---- variant hook helpers: plain Python, called while the kernel is traced --------------
+    def _row_values(self, info: ItemInfo, tc: TraceCtx, tScS, n_rows: int, rg0):
+        """``work.item_row_values`` for this warp's rows; ``rg0`` (head-split warps): the tile
+        row of its first row."""
+        if rg0 is None:
+            return item_row_values(self.hooks, info, tc, tScS, n_rows, self.head_dim, self.hpi)
+        out = []
+        for r in range(n_rows):
+            ctx = self._ctx(info, info.row_start + rg0 + tScS[r, 0][0], tc)
+            out.append((ctx, *self.hooks.row_values(ctx, tc.vargs)))
+        return out
+
     def _ctx(self, info: ItemInfo, row, tc: TraceCtx) -> Ctx:
         """The hook context of packed query row ``row`` (``row_ctx``: with head packing the
         row's own kv head)."""

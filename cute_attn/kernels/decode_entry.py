@@ -17,5 +17,8 @@ def build_paged_decode(spec):
     from ..variants.base import abi_args
 
     cfg = DecodeConfig.from_spec(spec.pdict)
-    kernel = PagedDecodeFp8(cfg) if cfg.kv_dtype is not None else PagedDecode(cfg)
+    if cfg.kv_dtype is not None:
+        kernel = PagedDecodeFp8(cfg)
+    else:  # tile_q 32: two row groups of 16 (``PagedDecode.head_split``)
+        kernel = PagedDecode(cfg, cfg.tile_q, cfg.tile_q // 16)
     return make_entry(kernel, decode_abi_fixed(spec.pdict), abi_args(cfg.variant))

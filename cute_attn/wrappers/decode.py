@@ -23,7 +23,7 @@ import torch
 from ..families.backends import backend_for
 from ..families.base import variant_params
 from ..families.decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
-from ..families.decode import PACKED_HEADS, SHIPPED_VARIANTS, decode_spec
+from ..families.decode import decode_spec, decode_tile
 from ..families.kept import kept_update_spec
 from ..families.merge import merge_partials_spec
 from ..families.prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
@@ -37,26 +37,11 @@ from ..variants.builtins import CustomMask, mask_kv_bounds
 from . import common, compat, guards
 from .compiled import compilable_run
 from .decode_engine import DecodeEngineAPI, fast_decode_plan  # noqa: F401
+from .decode_packing import MIN_PACKED_ITEMS_PER_CTA, heads_per_item  # noqa: F401  (re-exported)
 from .kept_device import DeviceKeep
 from .masks import device_mask, packed_mask
 from .options import check_options, decode_variant
 from .plans import DecodePlanState
-
-# Head packing (h kv heads per work item) is chosen where, with it, the batch still has at
-# least this many items per CTA and no item is longer than a CTA's fair share: the items
-# then balance whole, and packing only saves item boundaries (fewer epilogues and record
-# loads).  Where packing would make the planner cut items instead, it costs more than it
-# saves (BENCHMARKS.md: lognormal batch of 128 +1.4 %, batch 128 x 2k at h = 4 +3 %).
-MIN_PACKED_ITEMS_PER_CTA = 1.9
-_SHIPPED_PACKED: Optional[set] = None  # SHIPPED_VARIANTS' spec parameters, made on first use
-
-
-def _packed_kernel_ships(variant) -> bool:
-    """Whether the compile presets hold packed kernels of ``variant`` (``SHIPPED_VARIANTS``)."""
-    global _SHIPPED_PACKED
-    if _SHIPPED_PACKED is None:
-        _SHIPPED_PACKED = {tuple(variant_params(v).items()) for v in SHIPPED_VARIANTS}
-    return tuple(variant_params(variant).items()) in _SHIPPED_PACKED
 
 
 class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
@@ -215,10 +200,12 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
 
         ``heads_per_item`` (an extension): kv heads per work item, 1, 2 or 4 (head packing,
         ``kernels/decode.py``; more than 1 only for softmax variants without query/key
-        transforms -- not RoPE -- and with ``heads_per_item * group <= 16``).  Default: 4 or 2
+        transforms -- not RoPE -- and with ``heads_per_item * group <= 16``, or 4 at group 8
+        on a 16-bit cache: 32-row tiles, never picked by default -- their kernels do not ship).  Default: 4 or 2
         where the batch keeps ``MIN_PACKED_ITEMS_PER_CTA`` items per CTA with it and no packed
         item exceeds a CTA's share, for the plain kernel, soft-cap and window (the kernels the
-        presets ship), else 1; 1 with ``fixed_split_size`` / ``disable_split_kv`` (packing
+        presets ship), at head dim 64 also where the packed items are about one per CTA
+        (``ONE_ITEM_HEAD_DIMS``), else 1; 1 with ``fixed_split_size`` / ``disable_split_kv`` (packing
         changes the summation order).  With ``use_cuda_graph=True`` the first plan's choice
         holds for every later plan, ``fixed_split_size`` ones included (the captured launch
         keeps its kernel): give the first plan ``heads_per_item=1`` for outputs bitwise equal
@@ -297,16 +284,25 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             disable_split_kv = True  # an output transform must see the whole row (not a partial state)
         arch = arch_of_index(self._dev)
         backend = backend_for("decode", arch)
-        (tile,) = backend.tiles
         split_tokens = self._split_tokens(fixed_split_size, disable_split_kv, page_size)
         num_ctas = sm_count_of_index(self._dev) * (self._ctas_per_sm or backend.ctas_for(head_dim))
         hpi = self._heads_per_item(
-            heads_per_item, kv_lens, hq, hk, num_ctas, split_tokens is not None, hooks.packs_heads, var, tile
+            heads_per_item,
+            kv_lens,
+            hq,
+            hk,
+            num_ctas,
+            split_tokens is not None,
+            hooks.packs_heads,
+            var,
+            kv_name,
+            head_dim,
         )
+        tile = decode_tile(hpi, hq // hk)
         dt = common.dtype_name(q_dtype)
 
         def load(v):
-            sp = decode_spec(arch, dt, head_dim, v, hpi, kv_name)
+            sp = decode_spec(arch, dt, head_dim, v, hpi, kv_name, tile)
             return kernel(backend.family, arch, **sp.pdict)
 
         # modules first: a missing one fails before the workspace is overwritten
@@ -393,7 +389,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
     def _schedule(self, kv_lens, batch, hq, hk, head_dim, page_size, split_tokens, hpi, backend, arch):
         """The planner call of a decode plan: (re)make the planner for the limits, plan the
         lengths and upload the work lists into the workspace; returns the ``sched.Plan``."""
-        (tile,) = backend.tiles
+        tile = decode_tile(hpi, hq // hk)
         per_sm = self._ctas_per_sm or backend.ctas_for(head_dim)
         num_sms = sm_count_of_index(self._dev)
         num_ctas = num_sms * per_sm
@@ -405,7 +401,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             limits = self._limits(batch, hq, hk, head_dim, num_ctas, tile)
             # the backend's cost parameters (alpha, balance_tol: families/backends.py says why)
             desc = f"batch {batch}, {hq} qo heads, head_dim {head_dim}"
-            common.install_planner(self, limits, num_sms, per_sm, backend.planner, desc)
+            common.install_planner(self, limits, num_sms, per_sm, backend.planner_for(head_dim), desc)
         self._sched_key = key
         plan = self._planner.plan(
             None,  # one query token per request
@@ -440,56 +436,12 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             dk = self._dev_keep = DeviceKeep(self._plan_buf, lay.max_work_items, lay.max_merge_tasks, module)
         dk.load(self._planner.kept(), page_size, self._planner.limits.max_kv_len)
 
-    def _heads_per_item(self, want, kv_lens, hq, hk, num_ctas, invariant, packable, variant, tile) -> int:
-        """kv heads per work item for this plan (``plan()``'s ``heads_per_item``; the default
-        rule: ``MIN_PACKED_ITEMS_PER_CTA``).  ``packable``: the variant's ``Hooks.packs_heads``."""
-        group, batch = hq // hk, kv_lens.shape[0]
-
-        def why_not(h):
-            if not isinstance(h, int) or h not in (1,) + PACKED_HEADS:
-                return f"must be one of {(1,) + PACKED_HEADS}"
-            if h > 1 and not packable:
-                return "head packing needs a softmax variant without query/key transforms (RoPE has them)"
-            if hk % h or h * group > tile:
-                return f"needs num_kv_heads ({hk}) % h == 0 and h * group ({group}) <= {tile}"
-            return None
-
+    def _heads_per_item(
+        self, want, kv_lens, hq, hk, num_ctas, invariant, packable, variant, kv_name=None, head_dim=0
+    ) -> int:
+        """``decode_packing.heads_per_item`` with this wrapper's CUDA-graph fixed value."""
         fixed = self._graph_hpi if self._use_cuda_graph else None
-        if want is not None:
-            want = int(want) if isinstance(want, (int, np.integer)) else want
-        elif fixed is not None:
-            want = fixed
-        elif invariant:
-            want = 1
-        else:
-            cands = [
-                h
-                for h in PACKED_HEADS
-                if batch * (hk // h) >= MIN_PACKED_ITEMS_PER_CTA * num_ctas and why_not(h) is None
-            ]
-            want = 1
-            # only where the kernel ships in the compile presets (plain, soft-cap, window), and no
-            # packed item longer than one CTA's fair share (in head-tokens)
-            if cands and _packed_kernel_ships(variant):
-                share, longest = hk * int(kv_lens.sum()) / num_ctas, int(kv_lens.max())
-                want = next((h for h in cands if h * longest <= share), 1)
-        if fixed is not None and want != fixed:
-            raise ValueError(
-                f"heads_per_item={want}: with use_cuda_graph=True the first plan fixed it at {fixed} "
-                "(the captured run() keeps that kernel)"
-            )
-        err = why_not(want)
-        if err:
-            how = (
-                (
-                    f" (use_cuda_graph=True: the first plan fixed heads_per_item={fixed}; pass heads_per_item=1 to "
-                    "the first plan of a wrapper whose later plans change the variant)"
-                )
-                if fixed is not None
-                else ""
-            )
-            raise ValueError(f"heads_per_item={want}: {err}{how}")
-        return want
+        return heads_per_item(want, fixed, kv_lens, hq, hk, num_ctas, invariant, packable, variant, kv_name, head_dim)
 
     def _custom_mask(self, custom_mask, packed, kv_lens) -> CustomMask:
         """The plan's ``CustomMask``: one query row per request (``masks``: FlashInfer's layout)."""

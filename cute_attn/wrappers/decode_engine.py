@@ -18,7 +18,7 @@ import torch
 from ..families.backends import backend_for
 from ..families.base import variant_params
 from ..families.decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
-from ..families.decode import decode_spec
+from ..families.decode import decode_spec, decode_tile
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..sched import WorkspaceLayout, kv_lens_from_paged
 from ..sched.inputs import as_index_array, check_indptr, paged_lengths_valid, step_kv_lens
@@ -494,7 +494,7 @@ class DecodeEngineAPI:
             have = self._workspace.numel()
             return prefill_workspace_bytes(self._dev, arch, batch, batch * int(q_len_per_req), hq, hk, d, have), 0
         backend = backend_for("decode", arch)
-        (tile,) = backend.tiles
+        (tile,) = backend.tiles  # (a plan asked for 32-row tiles fits fewer partial slots in it)
         per_sm = self._ctas_per_sm or backend.ctas_for(d)
         num_ctas = sm_count_of_index(self._dev) * per_sm
         lim = self._limits(batch, hq, hk, d, num_ctas, tile)
@@ -593,7 +593,8 @@ class DecodeEngineAPI:
         if variant_params(var) == variant_params(st.variant):
             return var, st.decode
         dt = common.dtype_name(st.dtype)
-        sp = decode_spec(st.arch, dt, st.head_dim, var, st.hpi, common.kv_dtype_name(st.kv_dtype, st.dtype))
+        kv = common.kv_dtype_name(st.kv_dtype, st.dtype)
+        sp = decode_spec(st.arch, dt, st.head_dim, var, st.hpi, kv, decode_tile(st.hpi, st.hq // st.hk))
         key = (st.family, st.arch, tuple(sorted((k, str(v)) for k, v in sp.pdict.items())))
         return var, compat.run_module(lambda: o["load"](var), key)
 

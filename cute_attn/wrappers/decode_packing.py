@@ -1,0 +1,103 @@
+"""How many kv heads a decode work item carries (head packing): the default rule and the
+checks of a requested value (``BatchDecodeWithPagedKVCacheWrapper.plan(heads_per_item=)``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ..families.base import variant_params
+from ..families.decode import PACKED_HEADS, SHIPPED_VARIANTS, decode_tile, packed_ok
+
+# Head packing (h kv heads per work item) is chosen where, with it, the batch still has at
+# least this many items per CTA and no item is longer than a CTA's fair share: the items
+# then balance whole, and packing only saves item boundaries (fewer epilogues and record
+# loads).  Where packing would make the planner cut items instead, it costs more than it
+# saves (BENCHMARKS.md: lognormal batch of 128 +1.4 %, batch 128 x 2k at h = 4 +3 %).
+MIN_PACKED_ITEMS_PER_CTA = 1.9
+# Head dim 64 also packs where the packed items are about one per CTA (at least this share of
+# the grid, at most the grid) and none is longer than ONE_ITEM_SLACK above a CTA's share: each
+# CTA then streams one item whole (the backend's head-dim-64 balance tolerance keeps it unsplit).
+# A 128-byte row per token and head reads DRAM worse than packed heads' 256 contiguous bytes:
+# gpt-oss (64 / 8 heads) at 64 x 4k ran 143.7 -> 131.6 us on the H200 (BENCHMARKS.md, issue 24).
+ONE_ITEM_HEAD_DIMS = (64,)
+MIN_ONE_ITEM_PER_CTA = 0.95
+ONE_ITEM_SLACK = 0.05
+_SHIPPED_PACKED: Optional[set] = None  # SHIPPED_VARIANTS' spec parameters, made on first use
+
+
+def _packed_kernel_ships(variant) -> bool:
+    """Whether the compile presets hold packed kernels of ``variant`` (``SHIPPED_VARIANTS``)."""
+    global _SHIPPED_PACKED
+    if _SHIPPED_PACKED is None:
+        _SHIPPED_PACKED = {tuple(variant_params(v).items()) for v in SHIPPED_VARIANTS}
+    return tuple(variant_params(variant).items()) in _SHIPPED_PACKED
+
+
+def heads_per_item(want, fixed, kv_lens, hq, hk, num_ctas, invariant, packable, variant, kv_name=None, head_dim=0):
+    """kv heads per work item for this plan (``plan()``'s ``heads_per_item``; the default
+    rule: ``MIN_PACKED_ITEMS_PER_CTA``, and ``ONE_ITEM_HEAD_DIMS``).  ``packable``: the
+    variant's ``Hooks.packs_heads``; ``kv_name``: an fp8 cache's dtype (None: the query's);
+    ``fixed``: the value a CUDA-graph wrapper's first plan fixed (None: none)."""
+    group, batch = hq // hk, kv_lens.shape[0]
+
+    def why_not(h):
+        if not isinstance(h, int) or h not in (1,) + PACKED_HEADS:
+            return f"must be one of {(1,) + PACKED_HEADS}"
+        if h > 1 and not packable:
+            return "head packing needs a softmax variant without query/key transforms (RoPE has them)"
+        if hk % h or not packed_ok(h, group):
+            return f"needs num_kv_heads ({hk}) % h == 0 and h * group ({group}) <= 16 (or h = 4 at group 8)"
+        if kv_name is not None and decode_tile(h, group) != 16:
+            return f"an fp8 cache packs only h * group ({group}) <= 16"
+        return None
+
+    if want is not None:
+        want = int(want) if isinstance(want, (int, np.integer)) else want
+    elif fixed is not None:
+        want = fixed
+    elif invariant:
+        want = 1
+    else:
+        # (32-row tiles -- four heads of GQA 8 -- only when asked for: they do not ship)
+        cands = [
+            h
+            for h in PACKED_HEADS
+            if batch * (hk // h) >= MIN_PACKED_ITEMS_PER_CTA * num_ctas
+            and why_not(h) is None
+            and decode_tile(h, group) == 16
+        ]
+        want = 1
+        # only where the kernel ships in the compile presets (plain, soft-cap, window), and no
+        # packed item longer than one CTA's fair share (in head-tokens)
+        if batch and _packed_kernel_ships(variant):
+            share, longest = hk * int(kv_lens.sum()) / num_ctas, int(kv_lens.max())
+            want = next((h for h in cands if h * longest <= share), 1)
+            if want == 1 and head_dim in ONE_ITEM_HEAD_DIMS and kv_name is None:  # (measured on 16-bit caches)
+                one = [
+                    h
+                    for h in PACKED_HEADS
+                    if MIN_ONE_ITEM_PER_CTA * num_ctas <= batch * (hk // h) <= num_ctas
+                    and h * longest <= (1 + ONE_ITEM_SLACK) * share
+                    and why_not(h) is None
+                    and decode_tile(h, group) == 16
+                ]
+                want = next(iter(one), 1)
+    if fixed is not None and want != fixed:
+        raise ValueError(
+            f"heads_per_item={want}: with use_cuda_graph=True the first plan fixed it at {fixed} "
+            "(the captured run() keeps that kernel)"
+        )
+    err = why_not(want)
+    if err:
+        how = (
+            (
+                f" (use_cuda_graph=True: the first plan fixed heads_per_item={fixed}; pass heads_per_item=1 to "
+                "the first plan of a wrapper whose later plans change the variant)"
+            )
+            if fixed is not None
+            else ""
+        )
+        raise ValueError(f"heads_per_item={want}: {err}{how}")
+    return want
