@@ -429,3 +429,16 @@ def test_fixed_split_size_is_batch_invariant_and_disable_split_kv():
         out2, lse2 = w.run(q, (k, v), return_lse=True)
         check(out2, lse2, ref_o, ref_lse, torch.bfloat16)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_single_decode_fp8(kv_dtype):
+    """single_decode_with_kv_cache on an fp8 K / V with k_scale / v_scale (FlashInfer's
+    semantics), against the fp32 reference on the dequantized K / V."""
+    hq, hk, d, kv_len = 32, 8, 128, 3001
+    q = torch.randn(hq, d, dtype=torch.bfloat16, device="cuda")
+    k = (torch.randn(kv_len, hk, d, device="cuda") * 2).to(kv_dtype)
+    v = (torch.randn(kv_len, hk, d, device="cuda") * 2).to(kv_dtype)
+    out, lse = single_decode_with_kv_cache(q, k, v, k_scale=0.25, v_scale=3.0, return_lse=True)
+    ref_o, ref_lse = single_reference(q, k.float() * 0.25, v.float() * 3.0)
+    check(out.unsqueeze(0), lse.unsqueeze(0), ref_o.unsqueeze(0), ref_lse.unsqueeze(0), torch.bfloat16)

@@ -669,3 +669,25 @@ def test_head_dim_64_packs_one_whole_item_per_cta(lens, hq, hk, d, kv, want):
     w._use_cuda_graph, w._graph_hpi = False, None
     got = w._heads_per_item(None, np.array(lens), hq, hk, 264, False, True, None, kv, d)
     assert got == want
+
+
+# ---- fp8 KV in the single-request functions ---------------------------------------------------------
+def test_single_decode_fp8_kv(demu, monkeypatch):
+    """single_decode_with_kv_cache on an e4m3 K / V: plans the fp8 decode kernel (kv_data_type
+    from k) and applies k_scale to the logits and v_scale to the output, as FlashInfer; against
+    the reference on the dequantized K / V."""
+    import cute_attn.wrappers.single as S
+    from cute_attn import single_decode_with_kv_cache
+
+    cpu = torch.device("cpu")  # its private wrapper, on a fake-CUDA workspace
+    monkeypatch.setattr(S, "_DECODE", {(cpu, BF16): BatchDecodeWithPagedKVCacheWrapper(_cpu_ws(16))})
+    g = _gen(_seed())
+    kv_len, hq, hk = 77, HQ, HK
+    q = _fake_cuda(torch.randn(hq, D, generator=g).to(BF16))
+    k8 = (torch.randn(kv_len, hk, D, generator=g) * 2).to(torch.float8_e4m3fn)
+    v8 = (torch.randn(kv_len, hk, D, generator=g) * 2).to(torch.float8_e4m3fn)
+    out, lse = single_decode_with_kv_cache(q, k8, v8, k_scale=0.5, v_scale=1.5, return_lse=True)
+    fam, params, _ = launches(demu, "paged_decode")[-1]
+    assert params.get("kv_dtype") == "e4m3"
+    ro, rl = single_reference(q.float(), k8.float() * 0.5, v8.float() * 1.5)
+    _close(out.unsqueeze(0), ro.unsqueeze(0))

@@ -79,6 +79,7 @@ def single_decode_with_kv_cache(
         window_left=window_left,
         logits_soft_cap=logits_soft_cap,
         q_data_type=q.dtype,
+        kv_data_type=k.dtype,  # an fp8 cache: the fp8 decode kernel
         sm_scale=sm_scale,
         rope_scale=rope_scale,
         rope_theta=rope_theta,
