@@ -26,9 +26,9 @@ What changes, and why:
   on logits of ~+-60 (``tests/test_fp8_attention.py``).  Rescaling on every new max would
   remove it, at the cost of the O rescales the lazy rule saves (not measured for fp8).
 - **Exponentials.**  The fp8 GEMMs of a block take half the 16-bit ones' time, about what its
-  exponentials need at MUFU's 16 per clock per SM, so the softmax is no longer hidden under the
-  other warpgroup's GEMMs.  In mask-free blocks, ``EXP_EMUL`` of every 8 columns take 2^x from an
-  FMA-pipe polynomial (``exp2_poly``, relative error < 1e-4) instead of MUFU.EX2.
+  exponentials need at MUFU's 16 per clock per SM (768 / 776 clk per 64 x 192 block), so the
+  softmax is no longer hidden under the other warpgroup's GEMMs.  The ``exp_emul`` knob moves
+  part of them to an FMA-pipe polynomial (``exp2_poly``); measured slower (``EXP_EMUL``).
 - **Scales.** ``sm_scale`` arrives with q_scale and k_scale folded in; v_scale multiplies O once
   per item, before the epilogue.
 - **Alignment.** A block starts ``kv_start + tile_n i`` keys into its request; the plan cuts
@@ -67,11 +67,13 @@ from .work import ItemInfo, TraceCtx, tok_head
 # 64-byte swizzle.  hd64: 128 x 4 (not measured otherwise).
 KV_TILES = {64: (128, 4), 128: (192, 2)}
 # Of every 8 columns of a row's scores in a mask-free block, how many take 2^x from the FMA-pipe
-# polynomial (``exp2_poly``) instead of MUFU.EX2, per head dim.  The fp8 GEMMs are half the
-# 16-bit ones' time, so a block's exponentials (16 per clock per SM) take as long as its two
-# GEMMs: moving a share to the idle FMA pipe shortens the softmax the other warpgroup's GEMMs
-# must cover (scripts/microbench/fp8_softmax_floor.cu: per 64 x 192 block and warp).
-EXP_EMUL = {64: 0, 128: 2}
+# polynomial (``exp2_poly``) instead of MUFU.EX2: 0 (a knob).  Measured on the H200 (2 x 8k, hd128,
+# scripts/fp8_knobs.py, f53ff88): 1 / 2 / 3 / 4 of 8 made the kernel 13 / 13 / 12 / 15 % slower
+# causal, 6 / 8 / 11 / 13 % non-causal.  Alone (scripts/microbench/fp8_softmax_floor.cu) a
+# 64 x 192 block's softmax is MUFU-bound only with two warps per scheduler (840 clk per warp,
+# 0/8; 870-910 with 1-3/8 emulated); the polynomial's 8 FMA / ALU instructions per score cost
+# more issue slots than the MUFU time they free.
+EXP_EMUL = {64: 0, 128: 0}
 
 
 @dsl_user_op
