@@ -25,9 +25,9 @@ try:
 except ImportError:  # the compile step needs no torch
     FP8_T = None
 
-# exp_emul: of every 8 columns of a mask-free block, how many take 2^x from the FMA-pipe polynomial
-# (default 0: 1-4 measured 6-15 % slower at f53ff88, kernels/prefill_fp8.EXP_EMUL)
-KNOBS = [dict(exp_emul=2), dict(lazy_rescale=1), dict(pingpong=0)]
+# not yet measured with the default kernel: 3 stages, 224 keys (256 serializes the wgmmas), the
+# lazy max and no ping-pong (exp_emul: 1-4 measured 6-15 % slower at f53ff88, EXP_EMUL)
+KNOBS = [dict(stages=3), dict(tile_n=224), dict(lazy_rescale=1), dict(pingpong=0)]
 
 
 def specs():
