@@ -74,7 +74,7 @@ def run(json_path=None) -> int:
         for n in set(errs) - ok:
             print(f"{tag:<10} {n:<24} WRONG: rel err {errs[n]:.3e}")
     out.update(peaked(lib, kernel))
-    for step in (lambda: test_checks(kernel), large_logits):
+    for step in (lambda: pass_knobs(lib, kernel), lambda: test_checks(kernel), large_logits):
         try:
             out.update(step())
         except Exception as e:  # report and go on: the timings above are kept
@@ -114,6 +114,61 @@ def peaked(lib, kernel) -> dict:
         name = ",".join(f"{k}={v}" for k, v in kn.items()) or "default"
         out[f"peaked/{name}"] = dict(err=err)
         print(f"peaked     {name:<24} rel err vs fp32 reference {err:.3e}")
+    return out
+
+
+PASS_GROUPS = (1, 2, 4)  # kernels/vt_pass.VtPassPrmt: groups of 32 keys per CTA
+
+
+def pass_knobs(lib, kernel) -> dict:
+    """The V^T pass variants (``vt_pass`` spec knob ``groups``) on the bench case's V (ragged
+    2 x 8192, 16 heads, hd128): each one's V^T checked bytewise against the default pass's, then
+    all timed in turns."""
+    import torch
+
+    from cute_attn.bench.common import interleaved
+    from cute_attn.bench.fp8_attention import D, _fp8_run
+    from cute_attn.bench.prefill import DT, B, H, S, _indptr
+    from cute_attn.families.prefill_fp8 import vt_pass_spec
+
+    gen = torch.Generator().manual_seed(3)
+    q8, k8, v8 = (torch.randn(B * S, H, D, generator=gen).to(DT).to(FP8_T).cuda() for _ in range(3))
+    w, _ = _fp8_run(lib, _indptr([S] * B), q8, k8, v8, False)
+    st = w._state
+    f = st.fp8
+    vt, _ = f.views(st.hk, st.head_dim)
+    ind = st.inputs.kv_indptr
+
+    def runner(mod, buf):
+        return lambda: mod(
+            k8[None], v8[None], k8[None], buf, ind, ind, st.inputs.kv_indices, f.groups, f.groups.shape[0]
+        )
+
+    runs = {"default": runner(f.vt_pass, vt)}
+    runs["default"]()
+    torch.cuda.synchronize()
+    want = vt.view(torch.uint8).clone()
+    out = {}
+    for g in PASS_GROUPS:
+        s = vt_pass_spec("sm_90a", D, False, groups=g)
+        try:
+            mod = kernel(s.family, "sm_90a", **s.pdict)
+        except Exception as e:  # not compiled
+            print(f"pass       groups={g}  n/a: {type(e).__name__}")
+            continue
+        buf = torch.full_like(vt.view(torch.uint8), 0x7F).view(vt.dtype)  # e4m3 NaN everywhere first
+        runs[f"groups={g}"] = runner(mod, buf)
+        runs[f"groups={g}"]()
+        torch.cuda.synchronize()
+        same = torch.equal(buf.view(torch.uint8), want)
+        print(f"pass       groups={g}  V^T {'identical to' if same else 'DIFFERS from'} the default pass's")
+        if not same:
+            del runs[f"groups={g}"]
+    t = interleaved(runs, calls=25)
+    mb = 2 * v8.numel() / 1e6
+    for n, us in t.items():
+        out[f"pass/{n}"] = dict(us=us, tb_s=mb / us)
+        print(f"pass       {n:<10} {us:7.1f} us  {mb / us:5.2f} TB/s ({mb:.0f} MB read + written)")
     return out
 
 
