@@ -27,8 +27,9 @@ What changes, and why:
   remove it, at the cost of the O rescales the lazy rule saves (not measured for fp8).
 - **Exponentials.**  The fp8 GEMMs of a block take half the 16-bit ones' time, about what its
   exponentials need at MUFU's 16 per clock per SM (768 / 776 clk per 64 x 192 block), so the
-  softmax is no longer hidden under the other warpgroup's GEMMs.  The ``exp_emul`` knob moves
-  part of them to an FMA-pipe polynomial (``exp2_poly``); measured slower (``EXP_EMUL``).
+  softmax is no longer hidden under the other warpgroup's GEMMs.  Moving 1-4 of every 8 columns'
+  2^x to an FMA-pipe polynomial (FA4's trick; commit ``08ca950``) made the kernel 6-15 % slower
+  on the H200 (BENCHMARKS.md); ``scripts/microbench/fp8_softmax_floor.cu`` measures why.
 - **Scales.** ``sm_scale`` arrives with q_scale and k_scale folded in; v_scale multiplies O once
   per item, before the epilogue.
 - **Alignment.** A block starts ``kv_start + tile_n i`` keys into its request; the plan cuts
@@ -66,14 +67,6 @@ from .work import ItemInfo, TraceCtx, tok_head
 # wgmmas asynchronous (S 96 + P 24 + O 64 registers of 240).  V^T's 192-byte rows take the
 # 64-byte swizzle.  hd64: 128 x 4 (not measured otherwise).
 KV_TILES = {64: (128, 4), 128: (192, 2)}
-# Of every 8 columns of a row's scores in a mask-free block, how many take 2^x from the FMA-pipe
-# polynomial (``exp2_poly``) instead of MUFU.EX2: 0 (a knob).  Measured on the H200 (2 x 8k, hd128,
-# scripts/fp8_knobs.py, f53ff88): 1 / 2 / 3 / 4 of 8 made the kernel 13 / 13 / 12 / 15 % slower
-# causal, 6 / 8 / 11 / 13 % non-causal.  Alone (scripts/microbench/fp8_softmax_floor.cu) a
-# 64 x 192 block's softmax is MUFU-bound only with two warps per scheduler (840 clk per warp,
-# 0/8; 870-910 with 1-3/8 emulated); the polynomial's 8 FMA / ALU instructions per score cost
-# more issue slots than the MUFU time they free.
-EXP_EMUL = {64: 0, 128: 0}
 
 
 @dsl_user_op
@@ -91,36 +84,6 @@ def e4m3x4(a, b, c, d, *, loc=None, ip=None) -> Int32:
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     return Int32(res)
-
-
-# 2^f on [0, 1) as 1 + f (C1 + f (C2 + f C3)): a relative-error fit (max 8.6e-5, p(0) = 1; the
-# weights' row sums and their e4m3 roundings see < 1e-4 of it), as fp32 bit patterns for the asm
-EXP2_POLY = ("0f3F31F315", "0f3E691D67", "0f3D9DD255")  # 0.69511539, 0.22765123, 0.07706133
-
-
-@dsl_user_op
-def exp2_poly(x, *, loc=None, ip=None) -> Float32:
-    """2^x on the FMA / ALU pipes (no MUFU), for x <= 8 (finite): t = max(x, -127), its floor n
-    from a round-down add of 1.5 * 2^23 (the integer lands in j's low mantissa bits), the
-    polynomial on f = t - n in [0, 1), and n added to the exponent field as an integer (j << 23
-    is n << 23: the constant's bits above 2^23 shift out).  Below -127 the result is a denormal
-    of at most 2^-126 instead of 0 -- only mask-free blocks take this path, whose rows have a
-    finite max (so such a weight is < 2^-126 of the row's largest).  8 instructions (FMNMX,
-    FADD.RM, 2 FADD, 3 FFMA, LEA) against one MUFU.EX2 at 16 per clock per SM."""
-    c1, c2, c3 = EXP2_POLY
-    res = llvm.inline_asm(
-        T.f32(),
-        [Float32(x).ir_value(loc=loc, ip=ip)],
-        "{ .reg .f32 t, j, n, f, p; .reg .b32 e, q; "
-        "max.f32 t, $1, 0fC2FE0000; add.rm.f32 j, t, 0f4B400000; sub.f32 n, j, 0f4B400000; sub.f32 f, t, n; "
-        f"fma.rn.f32 p, f, {c3}, {c2}; fma.rn.f32 p, p, f, {c1}; fma.rn.f32 p, p, f, 0f3F800000; "
-        "mov.b32 e, j; shl.b32 e, e, 23; mov.b32 q, p; add.s32 q, q, e; mov.b32 $0, q; }",
-        "=f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Float32(res)
 
 
 def _p_sources(mma_qk, mma_pv, TQ: int, TN: int, threads: int) -> tuple:
@@ -153,11 +116,9 @@ class BatchPrefillFp8(BatchPrefillSm90):
     """The fp8 kernel (see the module docstring): the base's configuration with fp8 operands,
     its own host / kernel / producer / consumer loop, the base's softmax and epilogue."""
 
-    def __init__(self, cfg: PrefillConfig, qkv_dtype, exp_emul: int = -1):
+    def __init__(self, cfg: PrefillConfig, qkv_dtype):
         assert not (cfg.paged or cfg.soft_cap or cfg.window or cfg.variant is not None)
         tn, stages = KV_TILES[cfg.head_dim]
-        self.exp_emul = EXP_EMUL[cfg.head_dim] if exp_emul < 0 else exp_emul
-        assert 0 <= self.exp_emul <= 8
         assert (cfg.tile_n or tn) % VT_GROUP == 0
         super().__init__(dataclasses.replace(cfg, tile_n=cfg.tile_n or tn, stages=cfg.stages or stages))
         self.qkv = qkv_dtype
@@ -470,14 +431,6 @@ class BatchPrefillFp8(BatchPrefillSm90):
             self._scale_o(acc_O, corr)
             self._epilogue(acc_O, st, tOcO, sO, gm, thr, info, tc)
 
-    def _exp2_score(self, x, c: int, masked: bool):
-        """Columns c % 8 < ``exp_emul`` of a mask-free block on the polynomial (interleaved with
-        the MUFU ones, so both pipes stay fed); masked blocks keep MUFU.EX2 (2^-inf = 0 exactly:
-        rows with nothing visible keep l = 0)."""
-        if self.exp_emul and not masked and c % 8 < self.exp_emul:
-            return exp2_poly(x)
-        return cute.math.exp2(x, fastmath=True)
-
     def _rescale_o(self, acc_O, corr):
         """With ``lazy_rescale=0`` (the fp8 default: the max is raised on every new maximum, so a
         row's largest weight is exactly 1 and e4m3 holds it exactly, as FA3's; the base's lazy
@@ -545,5 +498,4 @@ def build_batch_prefill_fp8(spec):
         pingpong=p.get("pingpong", -1),
         lazy_rescale=p.get("lazy_rescale", 0),
     )
-    kern = BatchPrefillFp8(cfg, to_dsl(p["qkv_dtype"]), p.get("exp_emul", -1))
-    return make_entry(kern, prefill_fp8_abi(p), [], host="host_fp8")
+    return make_entry(BatchPrefillFp8(cfg, to_dsl(p["qkv_dtype"])), prefill_fp8_abi(p), [], host="host_fp8")

@@ -147,18 +147,12 @@ class PrefillSoftmax:
                 # (row_m - m_use) first: exactly 0 when the max was kept, so corr is exactly 1
                 corr[r] = cute.math.exp2((row_m[r] - m_use) * scale, fastmath=True)
                 for c in cutlass.range_constexpr(ncol):
-                    S[r, c] = self._exp2_score(S[r, c] * scale - m_scaled, c, masked)
+                    S[r, c] = cute.math.exp2(S[r, c] * scale - m_scaled, fastmath=True)
                 part = [S[r, c] for c in range(4)]
                 for c in cutlass.range_constexpr(4, ncol):
                     part[c % 4] = part[c % 4] + S[r, c]
                 row_l[r] = row_l[r] * corr[r] + ((part[0] + part[1]) + (part[2] + part[3]))  # quad-reduced at the end
                 row_m[r] = m_new
-
-    def _exp2_score(self, x, c: int, masked: bool):
-        """2^x of a score in column ``c`` of its row (``masked``: the block takes the masked
-        path).  A plain helper, inlined at trace time; the fp8 kernel moves some columns off the
-        MUFU."""
-        return cute.math.exp2(x, fastmath=True)
 
     def _block_max(self, S, r, ncol):
         """Row r's maximum over the block (4 partial maxima: shorter dependency chains)."""
