@@ -209,18 +209,59 @@ def test_fp8_attention_scales_and_determinism(kind):
     c.run()
 
 
+def tensor_core_lse(q8, k8, qo, kv, causal, sm_scale):
+    """Base-2 LSE of the scores Hopper's fp8 tensor cores give: S = q k^T by cuBLAS's fp8 GEMM
+    (``torch._scaled_mm``, unit scales, fp32 out) per request and q head, the softmax in fp32.
+    ``q8`` / ``k8``: e4m3, [tokens, heads, d]."""
+    hq, hk, d = q8.shape[1], k8.shape[1], q8.shape[2]
+    out = torch.full((q8.shape[0], hq), -math.inf, device=q8.device)
+    one = torch.ones((), device=q8.device)
+    qo, kv = qo.tolist(), kv.tolist()
+    for b in range(len(qo) - 1):
+        m, n = qo[b + 1] - qo[b], kv[b + 1] - kv[b]
+        if m == 0 or n == 0:
+            continue
+        qa = torch.zeros(-(-m // 16) * 16, d, dtype=E4M3, device=q8.device)
+        ka = torch.zeros(-(-n // 16) * 16, d, dtype=E4M3, device=q8.device)
+        for h in range(hq):
+            qa[:m] = q8[qo[b] : qo[b + 1], h]
+            ka[:n] = k8[kv[b] : kv[b + 1], h // (hq // hk)]
+            s = torch._scaled_mm(qa, ka.t(), one, one, out_dtype=torch.float32)[:m, :n] * (sm_scale * math.log2(math.e))
+            if causal:
+                qpos = torch.arange(m, device=q8.device)[:, None] + (n - m)
+                s = s.masked_fill(torch.arange(n, device=q8.device)[None, :] > qpos, -math.inf)
+            out[qo[b] : qo[b + 1], h] = torch.logsumexp(s * math.log(2), -1) / math.log(2)
+    return out
+
+
+# The large-logits case's LSE: the tensor cores' own fp8 products-and-sums differ from exact fp32
+# ones (Hopper's fp8 MMA accumulates with ~14 significant bits), by an amount that grows with the
+# logits.  Measured on the H200 at f53ff88 (scripts/fp8_knobs.py, this case): the LSE of cuBLAS's
+# fp8 GEMM scores is up to 5.98e-2 from the fp32 reference's (mean 7.0e-3; every row's largest
+# logit above 40 in base 2), and the kernel's LSE is within 1.4e-4 of cuBLAS's (full and fast
+# accumulation alike: one 128-deep k-chunk).  So the kernel's LSE is checked against the tensor
+# cores' scores at LSE_TOL, and against the fp32 reference for gross errors only (LARGE_LSE_FP32:
+# 2.5x the tensor cores' own distance).  The output passes the usual bound (4.5e-3 against 1.16e-2).
+LARGE_LSE_FP32 = 0.15
+
+
 @gpu
-@pytest.mark.xfail(
-    reason="open: peaked rows (logits ~ +-60). H200 at 2b77bf4 (lazy running max): relative error 1.43e-2 against "
-    "a bound of 1.18e-2 (exact-max P rounding 5.2e-3); at da2adfc, with the max raised on every new maximum "
-    "(fp8_knobs' peaked case: 4.5e-3), this test still fails -- which of its checks was not recorded",
-    strict=False,
-)
 def test_fp8_attention_large_logits():
-    """Logits of up to ~+-60 (q, k ~ 4 N(0, 1)): weights span the whole lazy-rescale range; P
-    still within e4m3's 448."""
+    """Logits of ~+-60 (q, k ~ 4 N(0, 1); every row's max above 40 in base 2): rows dominated by
+    one key, the max raised on every new maximum so each row's largest weight is exactly 1 in
+    e4m3.  Output against the fp32 reference with the usual bound; LSE against the tensor cores'
+    scores (see above)."""
     c = plan_case("ragged", [500, 1000], [700, 3000], 16, 4, 128, causal=True, scale=4.0)
-    c.run()
+    out, lse = c.run(check=False)
+    qf, kf, vf = c.ref
+    ref_o, ref_lse = ragged_reference(qf, kf, vf, c.qo, c.kv_tok, causal=True, sm_scale=c.sm_scale)
+    pq = pq_reference(qf, kf, vf, c.qo, c.kv_tok, True, c.sm_scale)
+    tc = tensor_core_lse(c.q, kf.to(E4M3), c.qo, c.kv_tok, True, c.sm_scale)
+    check_fp8(out, lse, ref_o, tc, pq, BF)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(tc), fin)
+    e = (lse[fin] - ref_lse[fin]).abs().max().item()
+    assert e < LARGE_LSE_FP32, f"LSE error against the fp32 reference {e:.3e}"
 
 
 # =========================================================================== CPU tests

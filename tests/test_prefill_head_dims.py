@@ -399,8 +399,14 @@ def test_cpu_models_deepseek():
         model_specs(replace(m, kv_dtype="e4m3"), "sm_90a")
     with pytest.raises(ValueError, match="head_dim_qk 256 / head_dim_vo 128"):
         model_specs(from_config(dict(cfg, qk_nope_head_dim=192)), "sm_90a")
-    with pytest.raises(ValueError, match="head_dim 96 is not served"):
-        model_specs(from_config(dict(num_attention_heads=32, hidden_size=3072)), "sm_90a")
+    with pytest.raises(ValueError, match="head_dim 80 is not served"):
+        model_specs(from_config(dict(num_attention_heads=32, hidden_size=2560)), "sm_90a")
+    # head dim 96 (Phi-3-mini): decode on the paged prefill kernel, on Hopper only
+    hd96 = model_specs(from_config(dict(num_attention_heads=32, hidden_size=3072)), "sm_90a")
+    assert "paged_decode" not in {s.family for s in hd96}
+    assert any(s.family == "batch_prefill_sm90" and s.pdict["paged"] and s.pdict["causal"] for s in hd96)
+    assert not any(s.family.startswith("batch_prefill") for s in model_specs(from_config(dict(
+        num_attention_heads=32, hidden_size=3072)), "sm_100a"))  # fmt: skip
 
 
 @gpu

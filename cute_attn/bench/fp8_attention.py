@@ -10,8 +10,9 @@ prefill bench), ``x_bf16`` = bf16 time / fp8 time (the TFLOP/s ratio), ``pass_us
 time as ``.../fp8/bf16_same_run``.  Our fp8 output is checked against our bf16 one first (relative
 L2 error < 5e-2: P is rounded to e4m3, ~3 % on random data); nothing is recorded otherwise.
 FlashInfer's fp8 prefill (``fa3`` ragged wrapper, q / k / v e4m3, bf16 output; not among the
-prebuilt modules: JIT with ``CUTE_ATTN_BENCH_FI_JIT=1``) beside it, its output checked against
-ours, ``ratio`` = its time / ours.
+prebuilt modules: JIT with ``CUTE_ATTN_BENCH_FI_JIT=1``, or unpack ``scripts/fi_fp8_overlay.py``'s
+prebuilt module over the trimmed tree) beside it, its output checked against ours, ``ratio`` = its
+time / ours.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ def _rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6)).item()
 
 
-def _fp8_run(lib, ind, q8, k8, v8, causal, ctor_kw=None):
+def _fp8_run(lib, ind, q8, k8, v8, causal, ctor_kw=None, run_args=()):
     w = lib.mod.BatchPrefillWithRaggedKVCacheWrapper(
         torch.empty(512 << 20, dtype=torch.uint8, device="cuda"), kv_layout="NHD", **(ctor_kw or {})
     )
     w.plan(ind, ind, q8.shape[1], k8.shape[1], D, causal=causal, q_data_type=FP8, kv_data_type=FP8, o_data_type=DT)
     out = torch.empty(q8.shape, dtype=DT, device="cuda")
-    call = peers.Call(lambda: w.run(q8, k8, v8, out=out), out)
+    call = peers.Call(lambda: w.run(q8, k8, v8, *run_args, out=out), out)
     call()
     return w, call
 
@@ -69,7 +70,11 @@ def bench_fp8_attention(res, quick: bool) -> None:
             )
             continue
         if fi is not None:
-            run, why = peers.fi_call(lambda: _fp8_run(fi, ind, q8, k8, v8, causal, fi.prefill_kw)[1])
+            # FlashInfer's ragged run() takes its fp8 scales as positional arguments after v and
+            # picks its fp8 argument list only when they are given (without them: "Mismatched
+            # number of arguments" from its module, H200 run at f53ff88); unit scales, as ours
+            fi_scales = (1.0, 1.0, 1.0)
+            run, why = peers.fi_call(lambda: _fp8_run(fi, ind, q8, k8, v8, causal, fi.prefill_kw, fi_scales)[1])
             if run is None:
                 peers.say("flashinfer", why, f"{name} fp8")
             elif peers.check_output("flashinfer fp8 prefill", run.out, runs["fp8"].out)[1]:

@@ -145,8 +145,18 @@ def prefill_fp8_spec(
     )
 
 
-def vt_pass_spec(arch: str, head_dim: int, paged: bool, qkv_dtype: str = "e4m3") -> Spec:
-    return Spec.make("vt_pass", arch, qkv_dtype=qkv_dtype, head_dim=int(head_dim), paged=bool(paged))
+def vt_pass_spec(arch: str, head_dim: int, paged: bool, qkv_dtype: str = "e4m3", **knobs) -> Spec:
+    """``knobs``: ``groups`` (1 / 2 / 4: the PRMT variant with that many groups per CTA; absent:
+    the default pass)."""
+    assert set(knobs) <= {"groups"}, knobs
+    return Spec.make(
+        "vt_pass",
+        arch,
+        qkv_dtype=qkv_dtype,
+        head_dim=int(head_dim),
+        paged=bool(paged),
+        **{k: int(v) for k, v in knobs.items()},
+    )
 
 
 def shipped_specs(arch: str, dtype_names=OUT_DTYPES, head_dims=HEAD_DIMS, tiles=TILES) -> list:

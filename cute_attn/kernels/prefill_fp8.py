@@ -25,6 +25,11 @@ What changes, and why:
   with an exact max (FA3 rescales on every new max): measured 1.4e-2 against 5.2e-3 relative
   on logits of ~+-60 (``tests/test_fp8_attention.py``).  Rescaling on every new max would
   remove it, at the cost of the O rescales the lazy rule saves (not measured for fp8).
+- **Exponentials.**  The fp8 GEMMs of a block take half the 16-bit ones' time, about what its
+  exponentials need at MUFU's 16 per clock per SM (768 / 776 clk per 64 x 192 block), so the
+  softmax is no longer hidden under the other warpgroup's GEMMs.  Moving 1-4 of every 8 columns'
+  2^x to an FMA-pipe polynomial (FA4's trick; commit ``08ca950``) made the kernel 6-15 % slower
+  on the H200 (BENCHMARKS.md); ``scripts/microbench/fp8_softmax_floor.cu`` measures why.
 - **Scales.** ``sm_scale`` arrives with q_scale and k_scale folded in; v_scale multiplies O once
   per item, before the epilogue.
 - **Alignment.** A block starts ``kv_start + tile_n i`` keys into its request; the plan cuts
