@@ -155,8 +155,9 @@ def _single_decode_impl(q, k, v, sinks, kv_layout, pos_encoding_mode, window_lef
     kv_len, hk = k.shape[0], k.shape[1]
     if kv_len == 0:
         return torch.zeros_like(q), torch.full((q.shape[0],), -float("inf"), device=q.device)
-    key = ("decode", q.device, q.dtype, k.dtype, q.shape[0], hk, q.shape[1], kv_len, pos_encoding_mode, window_left,
-           logits_soft_cap, sm_scale, rope_scale, rope_theta, None if variant is None else id(variant))  # fmt: skip
+    key = ("decode", q.device, q.dtype, q.shape[0], hk, q.shape[1], kv_len, pos_encoding_mode, window_left,
+           logits_soft_cap, sm_scale, rope_scale, rope_theta, None if variant is None else id(variant),
+           k.dtype)  # fmt: skip
 
     def plan(w):
         w.plan(
