@@ -121,6 +121,11 @@ def interp(request, monkeypatch, ptx_of):
     monkeypatch.setattr(M, "arch_of_index", lambda i: "sm_90a")
     monkeypatch.setattr(M, "sm_count_of_index", lambda i: 3)  # three CTAs: splits where kv is long
     monkeypatch.setattr(M, "kernel", kernel)
+    # the mma.sync kernel is the one interpreted (wgmma is not): keep the wrapper off the sm_90a
+    # wgmma kernel it picks for requests of more than 32 packed rows
+    from cute_attn.families.backends import MLA_WGMMA, backends_for
+
+    monkeypatch.setattr(M, "backends_for", lambda op, arch: [b for b in backends_for(op, arch) if b.name != MLA_WGMMA])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
