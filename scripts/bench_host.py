@@ -197,9 +197,7 @@ def update_cost(b: int, trace: str = "churn", reps: int = 32, replays: int = 20)
             fast_decode_plan(w, ip, idx, last, HQ, HK, D, PS, q_data_type=torch.bfloat16, global_override_indptr_cpu=ip)
     dk = w._dev_keep
     assert dk is not None and dk.on
-    launch = lambda: dk._module(w._indptr_buf, w._last_buf, dk._params,  # noqa: E731
-                                dk._items, dk._merge_rank, w._views["work_items"], w._views["work_indptr"],
-                                w._views["merge_tasks"], dk._status)  # fmt: skip
+    launch = lambda: dk.launch(w._indptr_buf, w._last_buf, w._views)  # noqa: E731
     launch()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()

@@ -85,11 +85,8 @@ class _FakeKeep:
     def off(self):
         self.on = False
 
-    def bad_lengths(self):
-        return bool(int(self._status_np[0]) & 2)
-
-    def unbalanced(self):
-        return bool(int(self._status_np[0]) & 1)
+    def status(self):
+        return int(self._status_np[0])
 
 
 def stub_device_keep() -> None:

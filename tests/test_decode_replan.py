@@ -481,11 +481,8 @@ class _StatusKeep:
     def off(self):
         self.on = False
 
-    def bad_lengths(self):
-        return bool(self.bits & 2)
-
-    def unbalanced(self):
-        return bool(self.bits & 1)
+    def status(self):
+        return self.bits
 
 
 def test_device_step_paths(demu, monkeypatch):

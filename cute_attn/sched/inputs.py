@@ -118,51 +118,55 @@ def _host_view(x):
         return None
 
 
+def _step_indptr(kv_indptr, batch: int):
+    """A decode step's host ``kv_indptr`` read in place where it is plainly one (``batch + 1``
+    integers from 0), else None."""
+    ip = _host_view(kv_indptr)
+    ok = ip is not None and ip.dtype.kind in "iu" and ip.shape == (batch + 1,) and batch > 0 and ip[0] == 0
+    return ip if ok else None
+
+
+def _step_tails(last_page_len, page_size: int, batch: int):
+    """``kv_last_page_len - 1`` of a decode step's host array where every value is in [1,
+    page_size] (checked in one unsigned reduction), else None."""
+    last = _host_view(last_page_len)
+    if last is None or last.dtype.kind != "i" or last.shape != (batch,):
+        return None
+    tail = last - 1
+    return tail if tail.view(np.uint32 if tail.dtype.itemsize == 4 else np.uint64).max() < page_size else None
+
+
 def step_kv_lens(kv_indptr, last_page_len, page_size: int, batch: int):
     """``kv_lens_from_paged`` for the per-step re-plan of a decode batch: host arrays of
     ``batch`` requests read in place, valid input checked in two whole-array reductions;
     anything else (a CUDA tensor, a list, an error to name) takes ``kv_lens_from_paged``. Page
     size 1 ignores ``last_page_len`` (every last page holds its one token), as FlashInfer.
     Returns (kv lengths int64, a bound on them or None)."""
-    ip, last = _host_view(kv_indptr), _host_view(last_page_len)
-    ok = ip is not None and ip.dtype.kind in "iu" and ip.shape == (batch + 1,) and batch > 0 and ip[0] == 0
-    if ok and page_size == 1:
-        pages = ip[1:] - ip[:-1]
-        if pages.min() >= 0:
-            return pages.astype(np.int64), int(ip[-1])
-        ok = False
-    elif ok:
-        ok = last is not None and last.dtype.kind == "i" and last.shape == (batch,)
-    if ok:
+    ip = _step_indptr(kv_indptr, batch)
+    if ip is not None:
         pages = (ip[1:] - ip[:-1]).astype(np.int64)
-        tail = last - 1  # in [0, page_size) where a request has pages: one unsigned compare
-        unsigned = np.uint32 if tail.dtype.itemsize == 4 else np.uint64
-        if pages.min() > 0 and tail.view(unsigned).max() < page_size:
-            pages *= page_size
-            pages += tail
-            pages += 1 - page_size
-            return pages, int(ip[-1]) * page_size
-    if page_size == 1:
-        last = np.ones(batch, dtype=np.int64)
-    return kv_lens_from_paged(kv_indptr, last if last is not None else last_page_len, page_size), None
+        if page_size == 1:
+            if pages.min() >= 0:
+                return pages, int(ip[-1])
+        else:
+            tail = _step_tails(last_page_len, page_size, batch)
+            if tail is not None and pages.min() > 0:
+                pages *= page_size
+                pages += tail
+                pages += 1 - page_size
+                return pages, int(ip[-1]) * page_size
+    last = np.ones(batch, dtype=np.int64) if page_size == 1 else last_page_len
+    return kv_lens_from_paged(kv_indptr, last, page_size), None
 
 
 def paged_lengths_valid(kv_indptr, last_page_len, page_size: int, batch: int) -> bool:
     """Whether a decode step's host ``kv_indptr`` / ``kv_last_page_len`` (``batch`` requests)
     are plainly valid -- pages >= 0 and every last page in [1, page_size] -- in the fewest
     whole-array operations (False also for what needs a closer look: the full checks name it)."""
-    ip = _host_view(kv_indptr)
-    if ip is None or ip.dtype.kind not in "iu" or ip.shape != (batch + 1,) or batch == 0 or ip[0] != 0:
+    ip = _step_indptr(kv_indptr, batch)
+    if ip is None or (ip[1:] - ip[:-1]).min() < 0:
         return False
-    if (ip[1:] - ip[:-1]).min() < 0:
-        return False
-    if page_size == 1:
-        return True
-    last = _host_view(last_page_len)
-    if last is None or last.dtype.kind != "i" or last.shape != (batch,):
-        return False
-    tail = last - 1  # in [0, page_size): one unsigned compare
-    return bool(tail.view(np.uint32 if tail.dtype.itemsize == 4 else np.uint64).max() < page_size)
+    return page_size == 1 or _step_tails(last_page_len, page_size, batch) is not None
 
 
 def lengths_valid(kv_lens, batch: int) -> bool:

@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
+from ..abi.kept import KS_BAD_LENGTHS, KS_UNBALANCED
 from ..families.backends import backend_for
 from ..families.base import variant_params
 from ..families.decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
@@ -333,13 +334,14 @@ class DecodeEngineAPI:
         dk = self._dev_keep
         if dk is None or not dk.on or self._routed or self._step_split is not None:
             return False
-        if dk.bad_lengths():
+        status = dk.status()
+        if status & KS_BAD_LENGTHS:
             dk.off()  # the host path re-plans (and names the error if the host arrays hold it)
             raise ValueError(
                 "an earlier step's kv_indptr / kv_last_page_len buffers on the device held an invalid "
                 "length (pages < 0, or a last page outside [1, page_size]); it was read as 0"
             )
-        if dk.unbalanced():
+        if status & KS_UNBALANCED:
             self._step_keep = False  # the host path plans anew
             return False
         common.check_plan_not_captured()

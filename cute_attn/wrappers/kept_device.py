@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..abi.kept import K_ON, KEPT_ITEM_FIELDS, KEPT_PARAMS, KS_BAD_LENGTHS, KS_UNBALANCED
+from ..abi.kept import K_ON, KEPT_ITEM_FIELDS, KEPT_PARAMS
 from ..runtime.hostcopy import Event, capture_id, copy_h2d
 
 _EPOCHS = 1 << 29  # the status word holds epoch * 4 + bits in an int32
@@ -99,12 +99,6 @@ class DeviceKeep:
         v = int(self._status_np[0])
         return v & 3 if v >= 0 and v >> 2 == self.epoch else 0
 
-    def bad_lengths(self) -> bool:
-        return bool(self.status() & KS_BAD_LENGTHS)
-
-    def unbalanced(self) -> bool:
-        return bool(self.status() & KS_UNBALANCED)
-
     def before_run(self, kv_indptr, last_page_len, views) -> None:
         """Launch the update where the records may be stale for what runs next: after a
         per-step re-plan, and once in every capture."""
@@ -117,6 +111,11 @@ class DeviceKeep:
             self._capture = cid
         elif not self.pending:
             return
+        self.launch(kv_indptr, last_page_len, views)
+        self.pending = False
+
+    def launch(self, kv_indptr, last_page_len, views) -> None:
+        """One update on the current stream (``before_run`` decides when)."""
         self._module(
             kv_indptr,
             last_page_len,
@@ -128,7 +127,6 @@ class DeviceKeep:
             views["merge_tasks"],
             self._status,
         )
-        self.pending = False
 
     def __del__(self):
         for ev in self._events:  # the pinned stagings must outlive their copies
