@@ -680,22 +680,12 @@ def fast_decode_plan(
         last = as_index_array("last_page_len", last_page_len, batch)
     kv_lens = kv_lens_from_paged(ip, last, int(page_size))
     self._replan_fast(
-        ip,
-        kv_lens,
-        batch,
-        int(num_qo_heads),
-        int(num_kv_heads),
-        int(head_dim),
-        int(page_size),
+        ip, kv_lens, batch, int(num_qo_heads), int(num_kv_heads), int(head_dim), int(page_size),
         window_left=int(window_left),
         logits_soft_cap=float(logits_soft_cap or 0.0),  # as FlashInfer: None is off, 0.0
         sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(int(head_dim)),
-        fixed_split_size=fixed_split_size,
-        disable_split_kv=bool(disable_split_kv),
-        q_len_per_req=int(q_len_per_req),
-        indptr=indptr,
-        indices=indices,
-        last_page_len=last_page_len,
-    )
+        fixed_split_size=fixed_split_size, disable_split_kv=bool(disable_split_kv),
+        q_len_per_req=int(q_len_per_req), indptr=indptr, indices=indices, last_page_len=last_page_len,
+    )  # fmt: skip
     if self._use_cuda_graph and not self._routed:
         self._step = (args, self._state)
