@@ -678,7 +678,39 @@ case(
 case("run_window_left_differs", DEC, dec_run(window_left=8), raises(ValueError, r"run\(window_left=...\) differs"))
 case("run_q_scale_nan", DEC, dec_run(q_scale=NAN), raises(ValueError, "q_scale must be a finite positive"))
 case("run_k_scale_0", DEC, dec_run(k_scale=0.0), raises(ValueError, "k_scale must be a finite positive"))
-case("run_v_scale_tensor_of_2", DEC, dec_run(v_scale=torch.ones(2)), raises(ValueError, "v_scale must be a float"))
+case("run_v_scale_tensor_of_3", DEC, dec_run(v_scale=torch.ones(3)), raises(ValueError, r"one per kv head \(\[2\]\)"))
+case("run_q_scale_per_kv_head", DEC, dec_run(q_scale=torch.ones(HK)), raises(ValueError, r"one per query head"))
+case("run_k_scale_2d", DEC, dec_run(k_scale=torch.ones(1, HK)), raises(ValueError, "k_scale must be a float"))
+case("run_k_scale_int", DEC, dec_run(k_scale=torch.ones(HK, dtype=torch.int32)), raises(ValueError, "float32"))
+case(
+    "run_k_scale_per_head_other_device",
+    DEC,
+    dec_run(k_scale=X(lambda x, env: torch.ones(HK, device=env.other))),
+    raises(ValueError, "per-head k_scale must be on"),
+)
+case(
+    "run_v_scale_per_head_nan",
+    DEC,
+    dec_run(v_scale=X(lambda x, env: torch.tensor([1.0, NAN], device=env.dev))),
+    raises(ValueError, "finite and positive in every head"),
+)
+case(
+    "run_k_scale_per_head_zero",
+    DEC,
+    dec_run(k_scale=X(lambda x, env: torch.tensor([0.0, 1.0], device=env.dev))),
+    raises(ValueError, "finite and positive in every head"),
+)
+case(
+    "run_per_head_scales_accepted",
+    DEC,
+    dec_run(
+        to_launch=True,
+        q_scale=X(lambda x, env: torch.rand(HQ, device=env.dev) + 0.5),
+        k_scale=X(lambda x, env: torch.rand(HK, device=env.dev) + 0.5),
+        v_scale=X(lambda x, env: torch.rand(HK, device=env.dev) + 0.5),
+    ),
+    ok(_launched("paged_decode", sm_scale=1.0 / D**0.5)),  # per-head scales stay out of the launch scalar
+)
 case("graph_batch_beyond_buffers", DEC, _dec_graph_batch_beyond, raises(ValueError, "exceeds paged_kv_indptr_buffer"))
 case(
     "graph_replan_changes_sm_scale",
@@ -1258,7 +1290,8 @@ _BAD_SCALES = (
     ("negative", -1.0),
     ("zero", 0.0),
     ("zero_tensor", torch.tensor(0.0)),
-    ("two_elements", X(lambda x, env: torch.ones(2, device=env.dev))),
+    ("three_elements", X(lambda x, env: torch.ones(3, device=env.dev))),
+    ("per_head_negative", X(lambda x, env: torch.tensor([1.0, -1.0], device=env.dev))),
     ("other_device", X(lambda x, env: torch.ones(1, device=env.other))),
 )
 

@@ -207,6 +207,14 @@ def test_fp8_attention_scales_and_determinism(kind):
     assert torch.equal(a, b) and torch.equal(la, lb)  # bitwise the same run to run
     c.run(q_scale=torch.tensor([1.5]), k_scale=torch.tensor([0.5], device=DEV), v_scale=None)
     c.run()
+    # per-kv-head v scales multiply the output's heads; per-head q / k scales are refused
+    vs = torch.rand(8, device=DEV) + 0.25
+    o, lo = c.run(q_scale=2.0, k_scale=0.75, v_scale=vs, check=False)
+    heads = torch.arange(32, device=DEV) // 4
+    torch.testing.assert_close(o.float(), (a.float() / 3.0) * vs[heads][:, None], rtol=1e-2, atol=1e-3)
+    assert torch.equal(lo, la)
+    with pytest.raises(ValueError, match="fp8 queries"):
+        c.run(k_scale=torch.ones(8, device=DEV))
 
 
 def tensor_core_lse(q8, k8, qo, kv, causal, sm_scale):

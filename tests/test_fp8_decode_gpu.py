@@ -59,6 +59,19 @@ def make_cache(kv_lens, page_size, hk, d, kv_dtype, layout="NHD", single=False, 
     return cache, deq, torch.tensor(indptr, dtype=torch.int32), indices, last_t
 
 
+def _scaled(k_scale, v_scale, deq, layout):
+    """(scalar k scale, scalar v scale, the dequantized cache with the per-head scales applied):
+    a per-head scale multiplies its kv head's K or V in the reference (what it means)."""
+    out, flat = list(deq), []
+    for i, x in enumerate((k_scale, v_scale)):
+        if isinstance(x, torch.Tensor) and x.numel() > 1:
+            shape = (1, 1, -1, 1) if layout == "NHD" else (1, -1, 1, 1)
+            out[i] = out[i] * x.float().view(shape)
+            x = None
+        flat.append(1.0 if x is None else float(x))
+    return flat[0], flat[1], tuple(out)
+
+
 def run_case(kv_lens, page_size, hq, hk, d, q_dtype, kv="e4m3", layout="NHD", single=False, soft_cap=None,
              window_left=-1, heads_per_item=None, k_scale=None, v_scale=None, seed=None):  # fmt: skip
     gen = torch.Generator().manual_seed(seed if seed is not None else random.randrange(1 << 30))
@@ -71,8 +84,7 @@ def run_case(kv_lens, page_size, hq, hk, d, q_dtype, kv="e4m3", layout="NHD", si
     out = torch.full_like(q, float("nan"))
     lse = torch.full((batch, hq), float("nan"), device="cuda")
     w.run(q, cache, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
-    ks = 1.0 if k_scale is None else float(k_scale)
-    vs = 1.0 if v_scale is None else float(v_scale)
+    ks, vs, deq = _scaled(k_scale, v_scale, deq, layout)
     ref_o, ref_lse = paged_reference(q.float(), deq, None, indptr, indices, last, kv_layout=layout,
                                      sm_scale=ks / math.sqrt(d), logits_soft_cap=soft_cap,
                                      window_left=window_left)  # fmt: skip
@@ -125,14 +137,28 @@ def test_fp8_decode_scales(k_scale, v_scale):
     run_case([5, 700, 2100], 16, 32, 8, 128, torch.bfloat16, k_scale=k_scale, v_scale=v_scale)
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("which", ["k", "v", "kv"])
+def test_fp8_decode_per_head_scales(layout, which):
+    """Per-kv-head k_scale / v_scale tensors (cute_attn's extension: ``wrappers/scales.py``)."""
+    hk = 8
+    # k: powers of 2, exact when multiplied into the query (test_fp8_prefill._per_head says why)
+    ks = 2.0 ** torch.randint(-2, 3, (hk,), device="cuda").float() if "k" in which else 0.8
+    vs = torch.rand(hk, device="cuda") * 1.5 + 0.25 if "v" in which else None
+    run_case([5, 700, 2100, 1], 16, 32, hk, 128, torch.bfloat16, layout=layout, k_scale=ks, v_scale=vs)
+
+
 def test_fp8_decode_deterministic():
     w, q, cache, out, lse = run_case([5000, 17, 40000, 800], 16, 32, 8, 128, torch.bfloat16)
     out2, lse2 = w.run(q, cache, return_lse=True)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
+@pytest.mark.parametrize("scales", ["float", "per_head"])
 @pytest.mark.parametrize("replan", ["plan", "fast_decode_plan"])
-def test_fp8_cuda_graph_replay_with_new_plans(replan):
+def test_fp8_cuda_graph_replay_with_new_plans(replan, scales):
+    """Per-head scale tensors are captured by address: new values written into them take
+    effect at the next replay."""
     hq, hk, d, ps, max_b, max_pages = 32, 8, 128, 16, 8, 4096
     gen = torch.Generator().manual_seed(random.randrange(1 << 30))
     bufs = dict(
@@ -163,20 +189,29 @@ def test_fp8_cuda_graph_replay_with_new_plans(replan):
                              kv_data_type=torch.float8_e4m3fn)  # fmt: skip
         return indptr, indices, last
 
+    if scales == "float":
+        ks, vs = 0.5, 2.0
+    else:
+        ks, vs = torch.full((hk,), 0.5, device="cuda"), torch.full((hk,), 2.0, device="cuda")
     plan([100] * max_b, first=True)
-    w.run(q, (k, v), out=out, k_scale=0.5, v_scale=2.0)
+    w.run(q, (k, v), out=out, k_scale=ks, v_scale=vs)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        w.run(q, (k, v), out=out, k_scale=0.5, v_scale=2.0)
-    deq = (k.float(), v.float())
-    for kv_lens in ([3000, 1, 17, 20000, 64, 5, 900, 2], [1] * max_b, [8000] * max_b, [0, 5, 0, 9, 0, 1, 2, 3]):
+        w.run(q, (k, v), out=out, k_scale=ks, v_scale=vs)
+    for i, kv_lens in enumerate(
+        ([3000, 1, 17, 20000, 64, 5, 900, 2], [1] * max_b, [8000] * max_b, [0, 5, 0, 9, 0, 1, 2, 3])
+    ):
         indptr, indices, last = plan(kv_lens)
-        ref_o, _ = paged_reference(q.float(), deq, None, indptr, indices, last, sm_scale=0.5 / math.sqrt(d))
+        if scales == "per_head" and i % 2:  # new values, same tensors
+            ks.copy_(2.0 ** torch.randint(-2, 3, (hk,), generator=gen).float())
+            vs.copy_(torch.rand(hk, generator=gen) + 0.25)
+        k_s, v_s, deq = _scaled(ks, vs, (k.float(), v.float()), "NHD")
+        ref_o, _ = paged_reference(q.float(), deq, None, indptr, indices, last, sm_scale=k_s / math.sqrt(d))
         for _ in range(2):
             out.fill_(float("nan"))
             g.replay()
-            err = ((out.float() - 2.0 * ref_o).norm() / ref_o.norm().clamp_min(1e-6)).item()
+            err = ((out.float() - v_s * ref_o).norm() / ref_o.norm().clamp_min(1e-6)).item()
             assert not torch.isnan(out).any() and err < TOL[torch.bfloat16], (kv_lens, err)
 
 

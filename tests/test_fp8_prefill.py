@@ -47,7 +47,20 @@ FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
 def _scale(x) -> float:
-    return 1.0 if x is None else float(x)
+    """A scalar scale's value (a per-head one is applied to the reference's K / V: ``_per_head``)."""
+    return 1.0 if x is None or (isinstance(x, torch.Tensor) and x.numel() > 1) else float(x)
+
+
+def _per_head(x, t):
+    """The reference's ``[tokens, kv_heads, dim]`` K or V with a per-kv-head scale applied.  A
+    per-head k scale reaches the kernel multiplied into the 16-bit query, one more rounding of
+    q (``wrappers/scales.py``; ``test_wrappers_api`` checks it is exactly one): the value tests
+    draw k scales that are powers of 2, exact in that product, so they measure the kernel and
+    the head mapping at the usual tolerances; v scales are any values (a multiply of the output)."""
+    if isinstance(x, torch.Tensor) and x.numel() > 1:
+        assert t.shape[1] == x.numel()
+        return t * x.float().to(t.device).view(1, -1, 1)
+    return t
 
 
 class Fp8Case:
@@ -65,7 +78,8 @@ class Fp8Case:
         if check_values:
             kw = dict(self.ref_kw)
             kw["sm_scale"] = _scale(k_scale) * kw.pop("sm_scale", 1.0 / math.sqrt(q.shape[2]))
-            ref_o, ref_lse = ragged_reference(q, *self.ref_kv, self.qo, self.kv_tok, **kw)
+            ref_kv = (_per_head(k_scale, self.ref_kv[0]), _per_head(v_scale, self.ref_kv[1]))
+            ref_o, ref_lse = ragged_reference(q, *ref_kv, self.qo, self.kv_tok, **kw)
             check(out, lse, ref_o * _scale(v_scale), ref_lse, self.dtype)
         return out, lse
 
@@ -187,11 +201,15 @@ def test_fp8_prefill(case):
 
 @gpu
 @pytest.mark.parametrize("kind", ["paged", "ragged"])
-@pytest.mark.parametrize("k_scale,v_scale", [(0.5, 2.0), (3.0, None), (None, 0.25), ("t", "t")])
+@pytest.mark.parametrize("k_scale,v_scale", [(0.5, 2.0), (3.0, None), (None, 0.25), ("t", "t"), ("h", "h"), ("h", 2.0)])
 def test_fp8_scales(kind, k_scale, v_scale):
-    """Float scales and 1-element tensors (vLLM's layer._k_scale); a CPU tensor too."""
+    """Float scales and 1-element tensors (vLLM's layer._k_scale); a CPU tensor too; per-kv-head
+    tensors (cute_attn's extension)."""
     if k_scale == "t":
         k_scale, v_scale = torch.tensor([0.7], device=DEV), torch.tensor(1.3)
+    if k_scale == "h":
+        k_scale = 2.0 ** torch.randint(-2, 3, (8,), device=DEV).float()  # why powers of 2: _per_head
+        v_scale = torch.rand(8, device=DEV) * 1.5 + 0.25 if v_scale == "h" else v_scale
     c = plan_case(kind, *LENS, 32, 8, 128, causal=True)
     c.run(k_scale, v_scale)
     c.run(k_scale, v_scale)  # the scales are not sticky
@@ -333,10 +351,12 @@ def test_fp8_cuda_graph_ragged_replay_with_new_plans():
 
 
 @gpu
+@pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("decode_kernel", [None, False])
-def test_fp8_cascade(decode_kernel):
+def test_fp8_cascade(decode_kernel, per_head):
     """A shared prefix + each request's own tokens, one query per request, fp8 cache: the prefix
-    level through the KV pass, the own level on the fp8 decode kernel (or the prefill one)."""
+    level through the KV pass, the own level on the fp8 decode kernel (or the prefill one);
+    float scales or per-kv-head ones."""
     from test_cascade import _two_level, make_cascade, plan_args
 
     from cute_attn import MultiLevelCascadeAttentionWrapper
@@ -350,10 +370,13 @@ def test_fp8_cascade(decode_kernel):
     w = MultiLevelCascadeAttentionWrapper(2, torch.empty(256 << 20, dtype=torch.uint8, device=DEV))
     w.plan(*plan_args(levels), hq, hk, d, ps, q_data_type=BF, kv_data_type=torch.float8_e4m3fn,
            decode_kernel=decode_kernel)  # fmt: skip
-    out, lse = w.run(q, cache, return_lse=True, k_scale=0.5, v_scale=2.0)
-    deq = [t.to(torch.float8_e4m3fn).float().cuda() for t in (k_cat, v_cat)]
-    ref_o, ref_lse = ragged_reference(q, *deq, torch.arange(batch + 1), cat_tok, sm_scale=0.5 / math.sqrt(d))
-    check(out, lse, 2.0 * ref_o, ref_lse, BF)
+    ks, vs = 0.5, 2.0
+    if per_head:
+        ks, vs = 2.0 ** torch.randint(-2, 3, (hk,), device=DEV).float(), torch.rand(hk, device=DEV) + 0.25
+    out, lse = w.run(q, cache, return_lse=True, k_scale=ks, v_scale=vs)
+    deq = [_per_head(x, t.to(torch.float8_e4m3fn).float().cuda()) for x, t in ((ks, k_cat), (vs, v_cat))]
+    ref_o, ref_lse = ragged_reference(q, *deq, torch.arange(batch + 1), cat_tok, sm_scale=_scale(ks) / math.sqrt(d))
+    check(out, lse, _scale(vs) * ref_o, ref_lse, BF)
 
 
 # =========================================================================== CPU tests
@@ -419,7 +442,8 @@ def test_cpu_fp8_scales(emu, kind):
     """k_scale (and q_scale) fold into the kernel's softmax scale, v_scale multiplies the output;
     a float, a 0-d or 1-element tensor."""
     c = plan_case(kind, [5, 30], [20, 30], 8, 2, 64, device="cpu", workspace=_cpu_ws(), seed=5)
-    for ks, vs in ((0.5, 2.0), (torch.tensor(0.25), torch.tensor([3.0])), (None, 0.5), (2.0, None)):
+    per_head = 2.0 ** torch.randint(-2, 3, (2,)).float(), torch.rand(2, generator=_gen(None)) + 0.25
+    for ks, vs in ((0.5, 2.0), (torch.tensor(0.25), torch.tensor([3.0])), (None, 0.5), (2.0, None), per_head):
         emu.calls.clear()
         c.run(ks, vs)
     out, _ = c.run(0.5, None)

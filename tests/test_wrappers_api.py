@@ -195,6 +195,77 @@ def test_scales(demu, kind):
         demu.state["capturing"] = False
 
 
+@pytest.mark.parametrize("kind", ["decode", "paged", "decode_fp8", "paged_fp8"])
+def test_per_head_scales(demu, kind):
+    """Per-head q_scale [HQ] and k_scale / v_scale [HK] (cute_attn's extension, wrappers/scales.py)
+    against the reference on the per-head-scaled q and cache (fp64), with scalars beside them;
+    the launch's softmax scale holds only the scalar part."""
+    q, cache, indptr, indices, last = _decode_setup()
+    g = _gen(_seed())
+    qs, ks, vs = (torch.rand(n, generator=g) * 1.5 + 0.25 for n in (HQ, HK, HK))
+    qo = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    kv_dtype = torch.float8_e4m3fn if kind.endswith("fp8") else BF16
+    cache = tuple(c.to(kv_dtype) for c in cache)  # the reference reads the same (dequantized) values
+    if kind.startswith("decode"):
+        w = BatchDecodeWithPagedKVCacheWrapper(_cpu_ws(16))
+        w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=BF16, kv_data_type=kv_dtype)
+        fam = "paged_decode"
+    else:
+        w = BatchPrefillWithPagedKVCacheWrapper(_cpu_ws(16))
+        w.plan(qo, indptr, indices, last, HQ, HK, D, PS, q_data_type=BF16, kv_data_type=kv_dtype)
+        fam = "batch_prefill_sm90"
+    heads = torch.arange(HQ) // (HQ // HK)
+    q_ref = (q.double() * (qs.double() * ks.double()[heads])[:, None]).float()
+    out, lse = w.run(q, cache, q_scale=qs, k_scale=ks, v_scale=vs, return_lse=True)
+    assert launches(demu, fam)[-1][2][12] == pytest.approx(1 / math.sqrt(D))
+    ref, rl = _ref_decode(q_ref, cache, indptr, indices, last)
+    _close(out.float() / vs[heads][:, None], ref)
+    assert torch.allclose(lse, rl, atol=2e-2), (lse - rl).abs().max()  # the logits' scales, not v's
+    # a scalar q scale with per-head k / v ones: a factor 2 on the logits, 3 on the output
+    o2 = w.run(q, cache, q_scale=2.0, k_scale=ks, v_scale=vs * 3.0)
+    q_k = (q.double() * ks.double()[heads][:, None]).float()
+    ref2, _ = _ref_decode(q_k, cache, indptr, indices, last, sm_scale=2.0 / math.sqrt(D))
+    _close(o2.float() / (3.0 * vs[heads][:, None]), ref2)
+    assert launches(demu, fam)[-1][2][12] == pytest.approx(2.0 / math.sqrt(D))
+    o3 = w.run(q, cache, q_scale=qs, k_scale=ks, v_scale=torch.tensor(3.0))  # no per-head v scale
+    _close(o3.float() / 3.0, ref)
+
+
+def test_per_head_scales_refused_with_fp8_queries(demu):
+    from cute_attn.wrappers import scales
+
+    sc = scales.resolve(torch.device("cpu"), HQ, HK, k_scale=torch.ones(HK))
+    with pytest.raises(ValueError, match="fp8 queries"):
+        sc.query(torch.zeros(3, HQ, D).to(torch.float8_e4m3fn))
+    assert scales.resolve(torch.device("cpu"), HQ, HK, v_scale=torch.ones(HK)).query(q := torch.ones(2, HQ, D)) is q
+
+
+def test_per_head_scales_under_capture(monkeypatch):
+    """Per-head tensors need no synchronization: under a capture nothing is read back (a
+    1-element tensor still is, and is refused)."""
+    from cute_attn.wrappers import scales
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+    def no_sync(*a):
+        raise AssertionError("synchronized under a capture")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_sync)
+    monkeypatch.setattr(torch.Tensor, "__bool__", no_sync)
+    g = _gen(_seed())
+    ks, vs = torch.rand(HK, generator=g) + 0.5, torch.rand(HK, generator=g) + 0.5
+    sc = scales.resolve(torch.device("cpu"), HQ, HK, k_scale=ks, v_scale=vs)
+    q = torch.randn(3, HQ, D, generator=g).to(BF16)
+    heads = torch.arange(HQ) // (HQ // HK)
+    assert torch.equal(sc.query(q), (q.float() * ks[heads][:, None]).to(BF16))  # one rounding, from fp32
+    out = torch.randn(3, HQ, D, generator=g)
+    want = out * vs[heads][:, None]
+    sc.output(out)
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="pass a Python float"):
+        scales.resolve(torch.device("cpu"), HQ, HK, k_scale=torch.tensor(2.0))
+
+
 def test_ragged_ignores_scales(demu):
     """FlashInfer 0.7.2's fa2/fa3 ragged run ignores q/k/v scales for fp16/bf16 K/V."""
     g = _gen(_seed())

@@ -6,7 +6,6 @@ own fast decode path calls.  FlashInfer 0.7.2 is the reference (``build/dev/engi
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Optional
 
@@ -86,56 +85,6 @@ def partial_rows_that_fit(have: int, num_ctas: int, rows: int, min_rows: int, **
 
 
 # ---- scales -----------------------------------------------------------------------------------
-def scale_value(x, name: str) -> Optional[float]:
-    """A q / k / v scale as a Python float (None stays None): a float or a 0-d / 1-element
-    tensor (read with ``.item()``, which a CUDA-graph capture forbids); NaN, inf and <= 0 are
-    errors."""
-    if x is None:
-        return None
-    if isinstance(x, torch.Tensor):
-        if x.numel() != 1:
-            raise ValueError(f"{name} must be a float or a 1-element tensor, got shape {tuple(x.shape)}")
-        if torch.cuda.is_current_stream_capturing():
-            raise ValueError(
-                f"{name} is a tensor: reading it (.item()) would synchronize, which a CUDA-graph capture "
-                "forbids; pass a Python float"
-            )
-        x = x.item()
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a float or a 1-element tensor, got {type(x).__name__}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be a finite positive number, got {v}")
-    return v
-
-
-def folded_sm_scale(sm_scale: float, q_scale=None, k_scale=None) -> float:
-    """FlashInfer's ``sm_scale * q_scale * k_scale`` (each if given): one launch scalar."""
-    q = scale_value(q_scale, "q_scale")
-    k = scale_value(k_scale, "k_scale")
-    return sm_scale * (1.0 if q is None else q) * (1.0 if k is None else k)
-
-
-def single_scales(sm_scale, head_dim: int, q_scale=None, k_scale=None, v_scale=None):
-    """The single-request functions' scales as FlashInfer applies them for fp16 / bf16 KV:
-    (softmax scale with q_scale and k_scale folded in, or None when no scale is given and the
-    default applies; the factor for the output, or None)."""
-    if q_scale is None and k_scale is None:
-        sm = sm_scale
-    else:
-        sm = folded_sm_scale(1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale), q_scale, k_scale)
-    return sm, v_scale_factor(v_scale)
-
-
-def v_scale_factor(v_scale) -> Optional[float]:
-    """The factor run() multiplies the output by after the kernel: None for no multiply (no
-    ``v_scale``, or the Python float 1.0, as FlashInfer skips it; the LSE is never scaled)."""
-    if v_scale is None or (isinstance(v_scale, float) and v_scale == 1.0):
-        return None
-    return scale_value(v_scale, "v_scale")
-
-
 def check_kv_cache_sf(kv_cache_sf) -> None:
     if kv_cache_sf is not None:
         raise NotImplementedError("kv_cache_sf (NVFP4 KV-cache scale factors) is not supported yet")

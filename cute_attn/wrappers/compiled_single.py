@@ -339,17 +339,17 @@ def compiled_single_decode(
 ):
     """``single_decode_with_kv_cache`` under dynamo (its caller, same signature): the op
     ``cute_attn::single_decode``, the scales applied around it as the eager function does."""
-    from . import compat
+    from . import common, scales
 
-    sm_scale, v_fac = compat.single_scales(sm_scale, q.shape[-1], q_scale, k_scale, v_scale)
+    hk = common.single_kv_nhd(q, k, v, kv_layout, 2, "[heads, dim]")[0].shape[1]  # the checks first
+    sm_scale, sc = scales.for_single(sm_scale, q, hk, q_scale, k_scale, v_scale)
     extra_tensors: list = []
     extra = _encode({"variant": _flat(variant, extra_tensors)})
     out, lse = torch.ops.cute_attn.single_decode(
-        q, k, v, sinks, kv_layout, pos_encoding_mode, int(window_left), _none_or_float(logits_soft_cap),
+        sc.query(q), k, v, sinks, kv_layout, pos_encoding_mode, int(window_left), _none_or_float(logits_soft_cap),
         _none_or_float(sm_scale), _none_or_float(rope_scale), _none_or_float(rope_theta), extra_tensors, extra,
     )  # fmt: skip
-    if v_fac is not None:
-        out = out * v_fac
+    sc.output(out)
     return (out, lse) if return_lse else out
 
 
@@ -384,7 +384,7 @@ def compiled_single_prefill(
     """``single_prefill_with_kv_cache`` under dynamo (its caller, same signature): the op
     ``cute_attn::single_prefill``, the scales applied around it as the eager function does; the
     fp8 scales, ``o_dtype`` other than q's and ``kv_cache_sf`` are refused at trace time, as there."""
-    from . import common, compat
+    from . import common, scales
 
     _check_eager_only(
         q_dtype=q.dtype,
@@ -393,16 +393,16 @@ def compiled_single_prefill(
         fp8_scales=(scale_q, scale_k, scale_v),
         extra=(("kv_cache_sf", kv_cache_sf),),
     )
-    sm_scale, v_fac = compat.single_scales(sm_scale, q.shape[-1], None, k_scale, v_scale)
+    hk = common.single_kv_nhd(q, k, v, kv_layout, 3, "[qo_len, heads, dim]")[0].shape[1]  # the checks first
+    sm_scale, sc = scales.for_single(sm_scale, q, hk, None, k_scale, v_scale)
     extra_tensors: list = []
     extra = _encode(
         {"variant": _flat(variant, extra_tensors), "variant_args": _flat(tuple(variant_args), extra_tensors)}
     )
     out, lse = torch.ops.cute_attn.single_prefill(
-        q, k, v, sinks, custom_mask, packed_custom_mask, bool(causal), kv_layout, pos_encoding_mode,
+        sc.query(q), k, v, sinks, custom_mask, packed_custom_mask, bool(causal), kv_layout, pos_encoding_mode,
         _none_or_float(sm_scale), int(window_left), _none_or_float(logits_soft_cap), _none_or_float(rope_scale),
         _none_or_float(rope_theta), extra_tensors, extra,
     )  # fmt: skip
-    if v_fac is not None:
-        out = out * v_fac
+    sc.output(out)
     return (out, lse) if return_lse else out

@@ -34,7 +34,7 @@ from ..sched.inputs import as_index_array, check_indptr
 from ..variants import base as vbase
 from ..variants.binding import VariantBinding
 from ..variants.builtins import CustomMask, mask_kv_bounds
-from . import common, compat, guards
+from . import common, compat, guards, scales
 from .compiled import compilable_run
 from .decode_engine import DecodeEngineAPI, fast_decode_plan  # noqa: F401
 from .decode_packing import MIN_PACKED_ITEMS_PER_CTA, heads_per_item  # noqa: F401  (re-exported)
@@ -558,10 +558,9 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         if q_len_per_req is not None and q_len_per_req != 1:
             raise ValueError(f"run(q_len_per_req={q_len_per_req}) differs from plan()'s 1")
         base = st.sm_scale if sm_scale is None else guards.launch_sm_scale(sm_scale, st.head_dim)
-        sm = compat.folded_sm_scale(base, q_scale, k_scale)
-        v_fac = compat.v_scale_factor(v_scale)
-        k, v = common.kv_views(paged_kv_cache, self._kv_layout)
         b, hq, hk, d = st.batch, st.hq, st.hk, st.head_dim
+        sc = scales.resolve(self._device, hq, hk, q_scale, k_scale, v_scale)
+        k, v = common.kv_views(paged_kv_cache, self._kv_layout)
         # CUDA-graph mode: q may hold more rows than this plan's batch (captured at the largest
         # batch, as the prefill wrappers allow); rows past the batch are neither read nor written
         common.check_q(q, b, hq, d, st.dtype, self._device, self._use_cuda_graph)
@@ -587,7 +586,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             if self._dev_keep is not None:
                 self._dev_keep.before_run(st.kv_indptr, self._last_buf, vw)
             module(
-                q,
+                sc.query(q),
                 k,
                 v,
                 st.kv_indptr,
@@ -599,7 +598,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
                 vw["partial_o"],
                 vw["partial_lse"],
                 group,
-                sm,
+                sc.sm_scale(base),
                 st.num_ctas,
                 *vvals,
             )
@@ -607,8 +606,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
                 st.merge(
                     vw["partial_o"], vw["partial_lse"], vw["merge_tasks"], vw["meta"], out, lse, group, st.num_ctas
                 )
-            if v_fac is not None:
-                out.mul_(v_fac)
+            sc.output(out)
         return (out, lse) if return_lse else out
 
 

@@ -18,9 +18,7 @@ Where the pass writes (a :class:`Gather`, 256-byte aligned, K then V):
   (0 x NaN); later plans leave only earlier plans' finite rows behind.  Outside graph mode the
   views hold exactly the plan's tokens, so such a block reads TMA's zero fill.
 
-Scales of an fp8 cache (FlashInfer's / vLLM's semantics): ``k_scale`` (and ``q_scale``) folded
-into the softmax scale, ``v_scale`` multiplied into the output after the kernel; a float or a
-1-element tensor on the CPU or the wrapper's device, finite and positive.
+The scales of an fp8 cache are the run's (``wrappers/scales.py``), not the pass's.
 """
 
 from __future__ import annotations
@@ -54,17 +52,6 @@ def kv_name(kv_dtype, q_dtype) -> Optional[str]:
             f"kv_data_type {kv_dtype}: the fp8 KV caches served are float8_e4m3fn and float8_e5m2"
         )
     return name
-
-
-def check_scale_device(x, name: str, device) -> None:
-    """A tensor scale must be on the CPU or the wrapper's device (it is read with ``.item()``)."""
-    if isinstance(x, torch.Tensor) and x.device.type != "cpu" and x.device != device:
-        raise ValueError(f"{name} must be a float or a 1-element tensor on the CPU or {device}, got one on {x.device}")
-
-
-def check_scales(device, **scales) -> None:
-    for name, x in scales.items():
-        check_scale_device(x, name, device)
 
 
 # ---- where the pass writes ------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..sched.inputs import as_index_array, check_indptr, kv_lens_from_paged, kv_lens_from_ragged
-from . import common, compat, guards, kv_gather
+from . import common, compat, guards, kv_gather, scales
 from .compiled import compilable_run
 from .plans import PrefillInputs
 from .prefill_base import BatchPrefillBase
@@ -249,15 +249,13 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
         compat.check_kv_cache_sf(kv_cache_sf)
         compat.check_lse_format(lse_base, lse_layout)
         st = self._require_plan()
-        q_s = k_s = v_fac = None
-        if st.kv_dtype != st.dtype or st.fp8 is not None:  # fp8 K / V: the scales apply (the scales first, once)
-            kv_gather.check_scales(self._device, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
-            q_s, k_s = compat.scale_value(q_scale, "q_scale"), compat.scale_value(k_scale, "k_scale")
-            v_fac = compat.v_scale_factor(v_scale)
+        sc = scales.NONE
+        if st.kv_dtype != st.dtype or st.fp8 is not None:  # fp8 K / V: the scales apply (the scales first)
+            sc = scales.resolve(self._device, st.hq, st.hk, q_scale, k_scale, v_scale)
         out, lse = self._check_run(q, out, lse, args)
-        return self._run_ragged(q, k, v, args, out, lse, sinks, None, return_lse, q_s, k_s, v_fac)
+        return self._run_ragged(q, k, v, args, out, lse, sinks, None, return_lse, sc)
 
-    def _run_ragged(self, q, k, v, args, out, lse, sinks, ov, return_lse, q_scale=None, k_scale=None, v_fac=None):
+    def _run_ragged(self, q, k, v, args, out, lse, sinks, ov, return_lse, sc=scales.NONE):
         st = self._state
         n = st.inputs.kv_total
         k, v = self._ragged_kv(k, v, n)
@@ -265,8 +263,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
             # exactly the planned tokens: a KV block that runs past the last request's end then
             # reads TMA's zero fill, never what lies beyond in the caller's tensor (0 * NaN = NaN)
             k, v = k[:n], v[:n]
-        self._launch(q, k.unsqueeze(0), v.unsqueeze(0), st.kv_indptr, st.kv_indices, out, lse, args, sinks, ov,
-                     q_scale, k_scale, v_fac)  # fmt: skip
+        self._launch(q, k.unsqueeze(0), v.unsqueeze(0), st.kv_indptr, st.kv_indices, out, lse, args, sinks, ov, sc)
         return (out, lse) if return_lse else out
 
     def _run_kv(self, q, kv, ov, q_scale, k_scale, v_scale, return_lse):
@@ -613,19 +610,18 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         caches is a page-size-1 cache."""
         compat.check_kv_cache_sf(kv_cache_sf)
         compat.check_lse_format(lse_base, lse_layout)
-        # the scales first (a tensor one under capture is refused with its own message), once
-        kv_gather.check_scales(self._device, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
-        q_scale, k_scale = compat.scale_value(q_scale, "q_scale"), compat.scale_value(k_scale, "k_scale")
-        v_fac = compat.v_scale_factor(v_scale)
+        # the scales first (a 1-element tensor under capture is refused with its own message)
+        st = self._require_plan()
+        sc = scales.resolve(self._device, st.hq, st.hk, q_scale, k_scale, v_scale)
         out, lse = self._check_run(
             q, out, lse, args, skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor
         )
         if window_left is not None and window_left != self._state.window_left:
             raise ValueError("run(window_left=...) differs from plan(); pass it to plan()")
-        return self._run_paged(q, paged_kv_cache, args, out, lse, sinks, None, q_scale, k_scale, v_fac, return_lse)
+        return self._run_paged(q, paged_kv_cache, args, out, lse, sinks, None, sc, return_lse)
 
-    def _run_paged(self, q, paged_kv_cache, args, out, lse, sinks, ov, q_scale, k_scale, v_fac, return_lse):
-        """``q_scale`` / ``k_scale``: floats or None; ``v_fac``: ``compat.v_scale_factor``'s."""
+    def _run_paged(self, q, paged_kv_cache, args, out, lse, sinks, ov, sc, return_lse):
+        """``sc``: the run's ``scales.Scales``."""
         st = self._state
         inp = st.inputs
         d, dv = st.head_dim, st.head_dim_vo
@@ -642,14 +638,14 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
                 f"paged_kv_indices reference page {max(inp.max_page, 0)}, the cache has {k.shape[0]} pages"
             )
         guards.check_device_page_ids(inp.kv_indices, inp.used_pages, k.shape[0], "paged_kv_indices")
-        self._launch(q, k, v, inp.kv_indptr, inp.kv_indices, out, lse, args, sinks, ov, q_scale, k_scale, v_fac)
+        self._launch(q, k, v, inp.kv_indptr, inp.kv_indices, out, lse, args, sinks, ov, sc)
         return (out, lse) if return_lse else out
 
     def _run_kv(self, q, kv, ov, q_scale, k_scale, v_scale, return_lse):
-        q_scale, k_scale = compat.scale_value(q_scale, "q_scale"), compat.scale_value(k_scale, "k_scale")
-        v_fac = compat.v_scale_factor(v_scale)
+        st = self._require_plan()
+        sc = scales.resolve(self._device, st.hq, st.hk, q_scale, k_scale, v_scale)
         out, lse = self._check_run(q, None, None, ())
-        return self._run_paged(q, kv[0], (), out, lse, None, ov, q_scale, k_scale, v_fac, return_lse)
+        return self._run_paged(q, kv[0], (), out, lse, None, ov, sc, return_lse)
 
     def run_return_lse(self, q, paged_kv_cache, *args, **kw):
         return self.run(q, paged_kv_cache, *args, **dict(kw, return_lse=True))

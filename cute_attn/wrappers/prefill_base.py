@@ -51,7 +51,7 @@ from ..sched.cost import choose_cta_tile_q
 from ..variants import base as vbase
 from ..variants.binding import VariantBinding
 from ..variants.builtins import CustomMask, mask_kv_bounds
-from . import common, compat, guards, kv_gather, prefill_fp8
+from . import common, compat, guards, kv_gather, prefill_fp8, scales
 from .masks import device_mask, packed_mask
 from .options import check_options, resolve_variant
 from .plans import PrefillInputs, PrefillPlanState
@@ -605,17 +605,15 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             )
         return k, v
 
-    def _launch(self, q, k4, v4, kv_indptr, kv_indices, out, lse, args=(), sinks=None, ov=None, q_scale=None,
-                k_scale=None, v_fac=None):  # fmt: skip
-        """K/V are 4-D views; a cache without any token (so no request has kv) gets o = 0,
-        lse = -inf without a kernel (TMA descriptors cannot describe an empty tensor; with
-        sinks: lse = the sink)."""
+    def _launch(self, q, k4, v4, kv_indptr, kv_indices, out, lse, args=(), sinks=None, ov=None, sc=scales.NONE):
+        """K/V are 4-D views; ``sc``: the run's ``scales.Scales``.  A cache without any token
+        (so no request has kv) gets o = 0, lse = -inf without a kernel (TMA descriptors cannot
+        describe an empty tensor; with sinks: lse = the sink)."""
         st = self._state
         if st.fp8 is not None:  # fp8 attention: the V^T pass, its kernel, the merge
-            return prefill_fp8.launch(self, st, q, k4, v4, kv_indptr, kv_indices, out, lse, sinks, ov, q_scale,
-                                      k_scale, v_fac)  # fmt: skip
+            return prefill_fp8.launch(self, st, q, k4, v4, kv_indptr, kv_indices, out, lse, sinks, ov, sc)
         ov = ov or {}
-        sm = compat.folded_sm_scale(ov.get("sm_scale", st.sm_scale), q_scale, k_scale)
+        sm = sc.sm_scale(ov.get("sm_scale", st.sm_scale))
         sinks = common.check_sinks(sinks, st.hq, self._device)
         module, vvals = ov.get("binding", st.binding).select(args, sinks)
         if q.shape[0] == 0:
@@ -630,7 +628,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             k4, v4, kv_indptr, kv_indices = kv_gather.run_pass(st, self._PAGED, k4, v4, kv_indptr, kv_indices, args)
         vw = self._views
         module(
-            q,
+            sc.query(q),
             k4,
             v4,
             kv_indptr,
@@ -650,8 +648,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         )
         if self._use_cuda_graph or st.plan.has_split:
             st.merge(vw["partial_o"], vw["partial_lse"], vw["merge_tasks"], vw["meta"], out, lse, st.group, st.num_ctas)
-        if v_fac is not None:
-            out.mul_(v_fac)
+        sc.output(out)
 
     def _select_run(self, sm_scale, logits_soft_cap, window_left) -> dict:
         """A forward()'s launch: the plan's kernel with these scalars where it serves them (same

@@ -31,7 +31,7 @@ from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import kernel
 from ..sched import WorkspaceLayout
 from ..sched.cost import choose_cta_tile_q
-from . import common, guards
+from . import common, guards, scales
 from .plans import PrefillPlanState
 
 ALIGN = 256
@@ -292,12 +292,14 @@ def out_and_lse(q, out, lse, hq: int, o_dtype):
     return common.out_and_lse(out, out, lse, hq)
 
 
-def launch(w, st, q, k4, v4, kv_indptr, kv_indices, out, lse, sinks, ov, q_scale, k_scale, v_fac) -> None:
-    """The V^T pass, the attention kernel and the merge (``_launch`` for fp8 queries)."""
+def launch(w, st, q, k4, v4, kv_indptr, kv_indices, out, lse, sinks, ov, sc) -> None:
+    """The V^T pass, the attention kernel and the merge (``_launch`` for fp8 queries; ``sc``:
+    the run's ``scales.Scales``, its scalar v scale applied by the kernel)."""
     if sinks is not None:
         raise NotImplementedError("fp8 attention (fp8 queries) with sinks is not supported yet")
     if ov:
         raise NotImplementedError("forward() with fp8 queries is not supported: plan() and run()")
+    sc.query(q)  # refuses per-head q / k scales (fp8 queries are quantized already)
     fp8, hk, d = st.fp8, st.hk, st.head_dim
     if q.shape[0] == 0:
         return
@@ -310,7 +312,6 @@ def launch(w, st, q, k4, v4, kv_indptr, kv_indices, out, lse, sinks, ov, q_scale
     tok = fp8.tok_indptr if paged else kv_indptr
     k_out = k_g if paged else k4
     fp8.vt_pass(k4, v4, k_out, vt, tok, kv_indptr, kv_indices, fp8.groups, fp8.groups.shape[0])
-    sm = st.sm_scale * (1.0 if q_scale is None else q_scale) * (1.0 if k_scale is None else k_scale)
     vw = w._views
     st.attn(
         q,
@@ -325,9 +326,10 @@ def launch(w, st, q, k4, v4, kv_indptr, kv_indices, out, lse, sinks, ov, q_scale
         vw["partial_o"],
         vw["partial_lse"],
         st.group,
-        sm,
-        1.0 if v_fac is None else float(v_fac),
+        sc.sm_scale(st.sm_scale),
+        1.0 if sc.out is None else sc.out,
         st.num_ctas,
     )
     if st.plan.has_split:
         st.merge(vw["partial_o"], vw["partial_lse"], vw["merge_tasks"], vw["meta"], out, lse, st.group, st.num_ctas)
+    scales.Scales(v_heads=sc.v_heads).output(out)

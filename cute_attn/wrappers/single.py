@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import common, compat
+from . import common, scales
 from .compiled_single import compiled_single_decode, compiled_single_prefill
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithRaggedKVCacheWrapper
@@ -55,8 +55,8 @@ def single_decode_with_kv_cache(
             logits_soft_cap, sm_scale, rope_scale, rope_theta, return_lse, variant, sinks,
         )  # fmt: skip
     k, v = common.single_kv_nhd(q, k, v, kv_layout, 2, "[heads, dim]")
-    sm_scale, v_fac = compat.single_scales(sm_scale, q.shape[-1], q_scale, k_scale, v_scale)
     kv_len, hk = k.shape[0], k.shape[1]
+    sm_scale, sc = scales.for_single(sm_scale, q, hk, q_scale, k_scale, v_scale)
     if kv_len == 0:
         o = torch.zeros_like(q)
         s = torch.full((q.shape[0],), -float("inf"), device=q.device)
@@ -85,9 +85,8 @@ def single_decode_with_kv_cache(
         rope_theta=rope_theta,
         variant=variant,
     )
-    out, lse = w.run(q.unsqueeze(0), (k.unsqueeze(1), v.unsqueeze(1)), return_lse=True, sinks=sinks)
-    if v_fac is not None:
-        out.mul_(v_fac)
+    out, lse = w.run(sc.query(q).unsqueeze(0), (k.unsqueeze(1), v.unsqueeze(1)), return_lse=True, sinks=sinks)
+    sc.output(out)
     return (out[0], lse[0]) if return_lse else out[0]
 
 
@@ -141,10 +140,10 @@ def single_prefill_with_kv_cache(
         extra=(("kv_cache_sf", kv_cache_sf),),
     )
     k, v = common.single_kv_nhd(q, k, v, kv_layout, 3, "[qo_len, heads, dim]")
-    sm_scale, v_fac = compat.single_scales(sm_scale, q.shape[-1], None, k_scale, v_scale)
     if not q.is_cuda:
         raise ValueError(f"q must be a CUDA tensor, got one on {q.device}")
     qo_len, kv_len, hk = q.shape[0], k.shape[0], k.shape[1]
+    sm_scale, sc = scales.for_single(sm_scale, q, hk, None, k_scale, v_scale)
     key = (q.device, q.dtype)
     w = _PREFILL.get(key)
     if w is None:
@@ -168,9 +167,8 @@ def single_prefill_with_kv_cache(
         rope_theta=rope_theta,
         variant=variant,
     )
-    out, lse = w.run(q, k, v, *variant_args, return_lse=True, sinks=sinks)
-    if v_fac is not None:
-        out.mul_(v_fac)
+    out, lse = w.run(sc.query(q), k, v, *variant_args, return_lse=True, sinks=sinks)
+    sc.output(out)
     return (out, lse) if return_lse else out
 
 
