@@ -762,3 +762,9 @@ def test_single_decode_fp8_kv(demu, monkeypatch):
     assert params.get("kv_dtype") == "e4m3"
     ro, rl = single_reference(q.float(), k8.float() * 0.5, v8.float() * 1.5)
     _close(out.unsqueeze(0), ro.unsqueeze(0))
+    # per-kv-head scales (cute_attn's extension): the reference scales each kv head's K / V
+    ks, vs = (torch.rand(hk, generator=g) + 0.25 for _ in range(2))
+    out2 = single_decode_with_kv_cache(q, k8, v8, k_scale=ks, v_scale=vs)
+    assert launches(demu, "paged_decode")[-1][2][12] == pytest.approx(1 / math.sqrt(D))
+    ro2, _ = single_reference(q.float(), k8.float() * ks[:, None], v8.float() * vs[:, None])
+    _close(out2.unsqueeze(0), ro2.unsqueeze(0))
