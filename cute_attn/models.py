@@ -205,7 +205,7 @@ def _check(m: ModelAttention) -> None:
     elif m.head_dim not in decode.HEAD_DIMS + prefill.HEAD_DIMS or m.dv != m.head_dim:
         raise ValueError(
             f"{m.name}: head_dim {m.head_dim} is not served yet (decode: {decode.HEAD_DIMS}; "
-            f"on the prefill kernel, Hopper only: {prefill.HEAD_DIMS})"
+            f"on the prefill kernels: {prefill.HEAD_DIMS} on Hopper, {prefill_mma.HEAD_DIMS} elsewhere)"
         )
     if m.num_qo_heads % m.num_kv_heads:
         raise ValueError(f"{m.name}: {m.num_qo_heads} query heads are not a multiple of {m.num_kv_heads} kv heads")
@@ -232,7 +232,7 @@ def _decode_variant(window: bool, soft_cap: bool):
 def _portable_prefill_specs(m: ModelAttention, arch: str) -> list:
     """The portable prefill's share of ``model_specs`` (its tiles on ``arch``; none for an fp8
     cache)."""
-    tiles, paged = portable_tiles(arch), portable_paged(arch)
+    tiles, paged = portable_tiles(arch, m.head_dim), portable_paged(arch)
     if m.kv_dtype is not None or not tiles:
         return []
     dt, d, out = m.dtype, m.head_dim, []

@@ -401,12 +401,17 @@ def test_cpu_models_deepseek():
         model_specs(from_config(dict(cfg, qk_nope_head_dim=192)), "sm_90a")
     with pytest.raises(ValueError, match="head_dim 80 is not served"):
         model_specs(from_config(dict(num_attention_heads=32, hidden_size=2560)), "sm_90a")
-    # head dim 96 (Phi-3-mini): decode on the paged prefill kernel, on Hopper only
+    # head dim 96 (Phi-3-mini): decode on the paged prefill kernel -- the wgmma kernel on Hopper
+    # (never the portable one there: HOPPER_WGMMA_ONLY_HEAD_DIMS), the portable one elsewhere
     hd96 = model_specs(from_config(dict(num_attention_heads=32, hidden_size=3072)), "sm_90a")
     assert "paged_decode" not in {s.family for s in hd96}
     assert any(s.family == "batch_prefill_sm90" and s.pdict["paged"] and s.pdict["causal"] for s in hd96)
-    assert not any(s.family.startswith("batch_prefill") for s in model_specs(from_config(dict(
-        num_attention_heads=32, hidden_size=3072)), "sm_100a"))  # fmt: skip
+    assert "batch_prefill_mma" not in {s.family for s in hd96}
+    hd96 = model_specs(from_config(dict(num_attention_heads=32, hidden_size=3072)), "sm_100a")
+    assert {s.family for s in hd96} == {"batch_prefill_mma", "merge_partials", "merge_pair", "merge_states"}
+    assert {(s.pdict["tile_q"], s.pdict["paged"], s.pdict["causal"]) for s in hd96 if "paged" in s.pdict} == {
+        (t, p, c) for t in (16, 32, 64) for p in (False, True) for c in (False, True)
+    }
 
 
 @gpu

@@ -30,6 +30,11 @@ def test_choose_prefill_backend(monkeypatch):
     assert pick("sm_90a", 16, gathers=True, needs_pass=True) == "prefill_sm90"  # fp8 / kv_pass=True
     assert pick("sm_90a", 16, gathers=True, batch_invariant=True) == "prefill_sm90"
     assert B.portable_tiles("sm_90a") == (16,) and B.portable_tiles("sm_100a") == (16, 32, 64)
+    # head dim 96: the portable kernel on sm_100a; Hopper keeps the wgmma kernel (never run on a GPU at 96)
+    assert pick("sm_100a", 16, head_dims=(96, 96)) == B.PORTABLE_PREFILL
+    assert pick("sm_90a", 16, gathers=True, head_dims=(96, 96)) == "prefill_sm90"
+    assert pick("sm_90a", 16, gathers=True, head_dims=(128, 128)) == B.PORTABLE_PREFILL
+    assert B.portable_tiles("sm_90a", 96) == () and B.portable_tiles("sm_100a", 96) == (16, 32, 64)
     monkeypatch.setitem(B.HOPPER_PORTABLE_MAX_ROWS, "tma", 40)
     assert B.portable_tiles("sm_90a") == (16, 32, 64)
 
@@ -46,6 +51,24 @@ def test_blackwell_tiles(emu, qo, tile, paged):  # noqa: F811
     assert w._state.family == "batch_prefill_mma" and w._tile == tile
     assert "page_box" not in w._spec_kw and "keys_transformed" not in w._spec_kw
     assert w._gathered is None  # it reads the pages itself: no KV pass
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_blackwell_head_dim_96(emu, paged):  # noqa: F811
+    """sm_100a at head dim 96: prefill on the portable kernel (the emulated kernel's output
+    checked against the reference), and decode routed to it (the paged prefill, one causal row
+    per request), as Hopper's decode at 96 is to the wgmma kernel."""
+    from cute_attn.decode import BatchDecodeWithPagedKVCacheWrapper
+
+    emu.state["arch"] = "sm_100a"
+    qo, kv = [1, 9, 40], [70, 9, 300]
+    kw = dict(causal=True, workspace=_cpu_ws(), **CPU)
+    w = (run_paged(qo, kv, 1, 8, 2, 96, BF, **kw) if paged else run_ragged(qo, kv, 8, 2, 96, BF, **kw))[0]
+    assert w._state.family == "batch_prefill_mma" and w._state.head_dim == 96
+    d = BatchDecodeWithPagedKVCacheWrapper(_cpu_ws())
+    indptr, last = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([3, 16], dtype=torch.int32)
+    d.plan(indptr, torch.arange(5, dtype=torch.int32), last, 8, 2, 96, 16, q_data_type=BF)
+    assert d._routed and d._mt._state.family == "batch_prefill_mma" and d._mt._tile == 16
 
 
 def test_blackwell_refusals_and_rope(emu):  # noqa: F811

@@ -2,7 +2,7 @@
 "prefill_mma_sync")``) against the fp32 reference on the GPU, over the prefill grid: the three
 tiles (16 / 32 / 64 packed rows, chosen by the planner's rule from the batch), ragged and paged
 KV (page sizes 1 and 16, NHD and HND), causal and not (queries longer than keys included), GQA
-groups 1 / 4 / 8, head dims 64 / 128 / 256, fp16 / bf16, query lengths 0 / 1 / odd / long,
+groups 1 / 4 / 8, head dims 64 / 96 / 128 / 256, fp16 / bf16, query lengths 0 / 1 / odd / long,
 soft-cap and the sliding window, traced variants (sinks on the register epilogue, a custom mask,
 ALiBi, RoPE rotated in-kernel), a split by the planner, bitwise determinism and CUDA-graph
 replay under new plans.  Outputs and LSE pre-filled with NaN, every unowned cache slot NaN
@@ -62,6 +62,18 @@ DIMS = [
     (256, BF, 16, 4, 32, 16, True),
 ]
 FLAGS = [(64, 0, True, 30.0, 100), (32, 16, False, None, 7), (16, 1, True, 50.0, -1)]
+# head dim 96 (192-byte rows in three 64-byte swizzle atom columns), 32 / 8 heads: every tile,
+# ragged / page 16 / page 1, causal or not, f16 once; then soft-cap + window
+HD96 = [
+    (16, 16, False, BF),
+    (16, 1, True, BF),
+    (32, 0, True, BF),
+    (32, 1, False, BF),
+    (32, 16, True, FP),
+    (64, 16, True, BF),
+    (64, 0, False, BF),
+]
+HD96_FLAGS = [(64, 1, True, 30.0, 100), (16, 0, False, 50.0, 7)]
 VARIANTS = [("sink", 64, 0, True), ("custom_mask", 32, 16, False), ("alibi", 16, 16, True), ("rope", 16, 0, True)]
 
 
@@ -80,6 +92,28 @@ def test_portable_head_dims(d, dtype, hq, hk, tile, kv, causal):
     qo, kvl = LENS[64] if hq == hk else LENS[32]
     layout = "HND" if d == 256 else "NHD"
     _portable(_run(kv, qo, kvl, hq, hk, d, dtype, causal=causal, layout=layout), tile)
+
+
+@gpu
+@pytest.mark.parametrize("tile,kv,causal,dtype", HD96, ids=lambda x: str(x))
+def test_portable_head_dim_96(tile, kv, causal, dtype):
+    """Head dim 96 (Phi-3-mini's; Blackwell's only prefill / decode kernel at 96)."""
+    qo, kvl = LENS[tile]
+    _portable(_run(kv, qo, kvl, 32, 8, 96, dtype, causal=causal), tile)
+
+
+@gpu
+@pytest.mark.parametrize("tile,kv,causal,cap,window", HD96_FLAGS, ids=lambda x: str(x))
+def test_portable_head_dim_96_softcap_window(tile, kv, causal, cap, window):
+    qo, kvl = LENS[tile]
+    _portable(_run(kv, qo, kvl, 32, 8, 96, BF, causal=causal, soft_cap=cap, window_left=window), tile)
+
+
+@gpu
+def test_portable_head_dim_96_split():
+    w = _run(16, [40, 3000, 17], [20000, 3000, 5000], 8, 2, 96, BF, causal=True)
+    _portable(w, 64)
+    assert w._plan.has_split
 
 
 @gpu
@@ -204,6 +238,11 @@ def test_gpu_cases_use_preset_specs(monkeypatch):
         _portable(run(kv, *LENS[tile], 32, 8, 128, BF, causal=causal, soft_cap=cap, window_left=window), tile)
     for name, tile, kv, causal in VARIANTS:
         run_variant(name, BF, 128, kv > 0, causal, 32, 8, kv, *LENS[tile], packed=kv > 0, **cpu, **PORTABLE)
+    for tile, kv, causal, dtype in HD96:
+        _portable(run(kv, *LENS[tile], 32, 8, 96, dtype, causal=causal), tile)
+    for tile, kv, causal, cap, window in HD96_FLAGS:
+        _portable(run(kv, *LENS[tile], 32, 8, 96, BF, causal=causal, soft_cap=cap, window_left=window), tile)
+    run(16, [40, 3000, 17], [20000, 3000, 5000], 8, 2, 96, BF, causal=True)
     run(0, [2048], [2048], 8, 8, 128, BF, causal=True)  # the 8k cases' tiles, shorter
     run(16, [2048, 1], [2048, 2047], 8, 1, 64, BF, causal=True)
     run(16, [40, 3000, 17], [20000, 3000, 5000], 8, 2, 128, BF, causal=True)

@@ -3,7 +3,7 @@ PTX (sm_90a) run by ``tests/ptx_interp.py`` on the exact tensors the prefill wra
 every CTA of small plans (two emulated SMs: four CTAs, so long KV is split and merged), checked
 against the fp32 reference.  The GPU tests (``tests/test_prefill_mma_gpu.py``) check the same on
 the H200 over the full grid; these run where no GPU is: the three warp geometries (tiles 16 /
-32 / 64), ragged and paged KV (page sizes 1 and 16), causal (queries longer than keys
+32 / 64), head dims 64, 96 and 128, ragged and paged KV (page sizes 1 and 16), causal (queries longer than keys
 included: rows that see nothing), window + soft-cap, a traced variant per epilogue (sinks on
 the register epilogue, a custom mask and FlashSigmoid through the shared-memory ⊕), a split
 item and its merge, with the threads run in forward and in reverse order between
@@ -121,6 +121,11 @@ CASES = [
     ([33, 2], [150, 2], 4, 2, 64, torch.bfloat16, 0, True, 30.0, 20, {}, 64),  # soft-cap + window
     ([2, 3], [100, 71], 32, 4, 128, torch.bfloat16, 16, False, None, 40, {}, 32),  # head dim 128, window
     ([20], [200], 4, 2, 64, torch.bfloat16, 0, True, None, -1, dict(fixed_split_size=64), 64),  # split + merge
+    # head dim 96: 192-byte rows in three 64-byte swizzle atom columns, the epilogue's column pieces
+    ([1, 2], [70, 33], 8, 2, 96, torch.bfloat16, 16, False, None, -1, {}, 16),
+    ([8, 3], [19, 100], 8, 2, 96, torch.float16, 0, True, None, -1, {}, 32),
+    ([33, 2], [150, 2], 4, 2, 96, torch.bfloat16, 1, True, 30.0, 20, {}, 64),
+    ([20], [200], 4, 2, 96, torch.bfloat16, 16, True, None, -1, dict(fixed_split_size=4), 64),  # (in pages)
 ]
 
 

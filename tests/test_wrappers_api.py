@@ -544,7 +544,7 @@ def test_q_len_per_req(demu, graph, arch):
 def test_decode_head_dim_96(demu, graph):
     """Decode at a head dim the decode kernel lacks but the prefill kernel serves: one causal
     query row per request on the paged prefill kernel (a length-0 request gives out 0, LSE
-    -inf), re-planned by fast_decode_plan in graph mode; on Blackwell a clear error."""
+    -inf), re-planned by fast_decode_plan in graph mode; on Blackwell the portable kernel."""
     d, kv_lens = 96, [9, 40, 0, 70]
     bs = len(kv_lens)
     g = _gen(_seed())
@@ -580,10 +580,13 @@ def test_decode_head_dim_96(demu, graph):
         _close(w.run(q, cache2), ro2)
     with pytest.raises(NotImplementedError, match="head_dim 96"):
         w.plan(indptr, indices, last, HQ, HK, d, PS, q_data_type=BF16, heads_per_item=2)
-    if not graph:
+    if not graph:  # Blackwell: the portable prefill kernel (its GPU cases: tests/test_prefill_mma_gpu.py)
         demu.state["arch"] = "sm_100a"
-        with pytest.raises((ValueError, NotImplementedError), match="96"):
-            w.plan(indptr, indices, last, HQ, HK, d, PS, q_data_type=BF16)
+        w.plan(indptr, indices, last, HQ, HK, d, PS, q_data_type=BF16, logits_soft_cap=30.0)
+        out = w.run(q, cache)
+        fam, params, _ = launches(demu, "batch_prefill_mma")[-1]
+        assert params["head_dim"] == d and params["paged"] and params["soft_cap"] and params["tile_q"] == 16
+        _close(out, ro)
 
 
 # ---- deprecated shared-prefix wrappers --------------------------------------------------------------

@@ -61,15 +61,21 @@ PORTABLE_PREFILL = "prefill_mma_sync"
 # 0.992x (within the noise: not taken); 8 and 16 tokens (32 / 64 rows), page 16: 1.025x /
 # 1.131x.  0: never.
 HOPPER_PORTABLE_MAX_ROWS = {"tma": 0, "gather": 16}
+# head dims Hopper keeps on the wgmma kernel whatever the batch: the portable kernel at 96 has
+# not run on a GPU yet (its PTX passes the interpreter tests); ``prefill_backend`` still forces it
+HOPPER_WGMMA_ONLY_HEAD_DIMS = (96,)
 
 
-def portable_tiles(arch: str) -> tuple:
+def portable_tiles(arch: str, head_dim: int | None = None) -> tuple:
     """The portable kernel's tiles an arch's plans may use (what it ships): all of them, and
     on Hopper those of the batches ``choose_prefill_backend`` gives it (none while its limits
-    are 0; ``plan(prefill_backend=...)`` then compiles on first use)."""
+    are 0, or at ``HOPPER_WGMMA_ONLY_HEAD_DIMS``; ``plan(prefill_backend=...)`` then compiles
+    on first use)."""
     tiles = prefill_mma.TILES
     if arch != HOPPER:
         return tiles
+    if head_dim in HOPPER_WGMMA_ONLY_HEAD_DIMS:
+        return ()
     lim = max(HOPPER_PORTABLE_MAX_ROWS.values())
     if not lim:
         return ()
@@ -229,14 +235,17 @@ def choose_prefill_backend(
     mean packed rows per request (``packed_rows``; ``gathers``: the wgmma kernel would gather
     the pages with cp.async), which take the portable kernel -- unless the plan needs the KV
     pass (an fp8 cache, ``kv_pass=True``: it feeds only the wgmma kernel) or must not depend on
-    the batch (``fixed_split_size``) or has head dims (``head_dims``: (qk, vo)) it does not serve."""
+    the batch (``fixed_split_size``) or has head dims (``head_dims``: (qk, vo)) it does not serve
+    (or ``HOPPER_WGMMA_ONLY_HEAD_DIMS``)."""
     if name is not None:
         return backend_for("prefill", arch, name)
     first = backend_for("prefill", arch)
     limit = HOPPER_PORTABLE_MAX_ROWS["gather" if gathers else "tma"]
     if first.name != PORTABLE_PREFILL and not needs_pass and not batch_invariant and 0 < packed_rows <= limit:
         portable = backend_for("prefill", arch, PORTABLE_PREFILL)
-        if head_dims is None or portable.serves_head_dims(*head_dims):
+        if head_dims is None or (
+            portable.serves_head_dims(*head_dims) and head_dims[0] not in HOPPER_WGMMA_ONLY_HEAD_DIMS
+        ):
             return portable
     return first
 

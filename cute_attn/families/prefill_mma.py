@@ -17,11 +17,12 @@ from .base import KernelFamily, register, variant_params
 from .prefill import prefill_abi
 from .spec import Spec
 
-# decode's geometry (kernels/decode.py): head dims that are multiples of 64 (not the wgmma kernel's 96)
-HEAD_DIMS = (64, 128, 256)
+# decode's geometry (kernels/decode.py): 128- or 64-byte swizzle atoms (96: three 64-byte atom columns)
+HEAD_DIMS = (64, 96, 128, 256)
+SHIPPED_HEAD_DIMS = (64, 128, 256)  # the default grid (96: the test matrix and model sets, as the wgmma kernel's)
 
 TILES = (16, 32, 64)  # packed query rows per work item
-CTAS_PER_SM = {64: 2, 128: 2, 256: 1}  # what shared memory allows (kernels/prefill_mma.py STAGES)
+CTAS_PER_SM = {64: 2, 96: 2, 128: 2, 256: 1}  # what shared memory allows (kernels/prefill_mma.py STAGES)
 
 BATCH_PREFILL_MMA = register(
     KernelFamily(
@@ -107,11 +108,12 @@ def merge_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=HEAD_DIMS, ti
 
 
 def shipped_specs(arch: str, tiles=TILES, paged=(False, True)) -> list:
-    """Per dtype x head dim x tile x ragged/paged x causal: the plain kernel; soft-cap, window
-    and both at head dim 128; the merges of the tiles.  ``tiles`` / ``paged``: what the arch's
+    """Per dtype x shipped head dim x tile x ragged/paged x causal: the plain kernel; soft-cap,
+    window and both at head dim 128; the merges of the tiles.  ``tiles`` / ``paged``: what the arch's
     plans use (``families.backends``)."""
     if not tiles:
         return []
     flags = ((True, False), (False, True), (True, True))
     extra = prefill_mma_specs(arch, head_dims=(128,), tiles=tiles, paged=paged, variants=flags)
-    return prefill_mma_specs(arch, tiles=tiles, paged=paged) + extra + merge_specs(arch, tiles=tiles)
+    main = prefill_mma_specs(arch, head_dims=SHIPPED_HEAD_DIMS, tiles=tiles, paged=paged)
+    return main + extra + merge_specs(arch, head_dims=SHIPPED_HEAD_DIMS, tiles=tiles)

@@ -193,8 +193,13 @@ class PagedDecode:
         self.o_region = self.block_n // NUM_WARPS  # K / V rows per warp of the epilogue's buffers
         self.q_chunks = head_dim // 8  # 16-byte chunks per Q row
         self.chunks = self.kv_width // 8  # 16-byte chunks per KV row
-        self.rows_per_thread = self.block_n * self.chunks // THREADS  # KV rows each thread gathers per block
-        self.row_step = THREADS // self.chunks  # a thread's gathered rows are row_step apart
+        # thread t gathers chunk t % gw (+ gw a, a < col_groups) of rows t // gw + row_step i: gw = a
+        # whole row, or one 64-byte atom row where THREADS is no multiple of a row (192 B: hd96)
+        self.gather_w = self.chunks if THREADS % self.chunks == 0 else self._atom_w(self.kv_width) // 8
+        self.col_groups = self.chunks // self.gather_w
+        self.rows_per_thread = self.block_n * self.gather_w // THREADS  # KV rows each thread gathers per block
+        self.row_step = THREADS // self.gather_w  # a thread's gathered rows are row_step apart
+        assert THREADS % self.gather_w == 0 and self.chunks % self.gather_w == 0, head_dim
         assert self.keys_per_warp % 16 == 0 and stages >= 2
         # Head packing (``heads_per_item`` = H kv heads per item, module doc): a block holds
         # BLOCK_N // H tokens of each of the H heads, head-major; warp w reads head w // (4 // H).
@@ -207,16 +212,18 @@ class PagedDecode:
         self.tpb = self.block_n // heads_per_item  # tokens of each head per block
         self.warps_per_head = NUM_WARPS // heads_per_item
         self.n_lookups = self.tpb // self.row_step  # distinct tokens among a thread's rows of a block
+        assert self.n_lookups * self.row_step == self.tpb, (head_dim, heads_per_item)
         # the epilogue gives each warp an fp32 [warp_rows, D] buffer in the K and V rows it reads
-        # (``_o_buf``: pieces of rows_per_piece fp32 rows per atom column, K then V)
+        # (``_o_buf``: pieces of rows_per_piece fp32 rows per atom column, K then V; where a row
+        # does not divide a piece, head dim 96, pieces of o_cols_per_piece columns of 16 rows)
         piece = self.o_region * self._atom_w(self.kv_width) * 2
-        assert head_dim % 64 == 0 and piece % (head_dim * 4) == 0, head_dim
-        self.o_rows_per_piece = piece // (head_dim * 4)
-        assert (
-            self.warps_n == 1
-            or self.warp_rows > 16
-            or (self.o_rows_per_piece * (self.kv_width // self._atom_w(self.kv_width)) * 2 >= self.warp_rows)
-        ), f"the epilogue's buffers (_o_buf) do not tile head_dim {head_dim}"
+        halves, fits = self.kv_width // self._atom_w(self.kv_width), piece % (head_dim * 4) == 0
+        self.o_rows_per_piece = piece // (head_dim * 4) if fits else 16
+        self.o_cols_per_piece = cpp = None if fits else piece // (16 * 4)
+        assert head_dim % 64 == 0 if fits else cpp % 4 == 0 and head_dim in (cpp * halves, 2 * cpp * halves), head_dim
+        assert self.warps_n == 1 or self.warp_rows > 16 or (self.o_rows_per_piece * halves * 2 >= self.warp_rows), (
+            f"the epilogue's buffers (_o_buf) do not tile head_dim {head_dim}"
+        )
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
@@ -629,9 +636,16 @@ class PagedDecode:
         tile = self.block_n * self.kv_width  # elements of a stage's K (or V) tile; V stages follow K's
         halves, rpp = self.kv_width // aw, self.o_rows_per_piece
         ptr = cute.recast_ptr(kv_ptr + stage * tile + wid * self.o_region * aw, dtype=Float32)
-        layout = cute.make_layout(
-            ((rpp, halves, 2), D), stride=((D, self.block_n * aw // 2, self.stages * tile // 2), 1)
-        )
+        if self.o_cols_per_piece is None:
+            layout = cute.make_layout(
+                ((rpp, halves, 2), D), stride=((D, self.block_n * aw // 2, self.stages * tile // 2), 1)
+            )
+        else:  # column pieces: [16, cpp] fp32 each, atom column by atom column of K (then V)
+            cpp = self.o_cols_per_piece
+            layout = cute.make_layout(
+                (16, (cpp, halves, D // (cpp * halves))),
+                stride=(cpp, (1, self.block_n * aw // 2, self.stages * tile // 2)),
+            )
         return cute.make_tensor(cute.make_ptr(Float32, ptr.toint(), cute.AddressSpace.smem, assumed_align=16), layout)
 
     # ---- variant hook helpers: plain Python, called while the kernel is traced --------------
@@ -759,7 +773,7 @@ class PagedDecode:
     def _row_pos(self, tidx, t, blk_start, kv_end):
         """Token of this thread's t-th distinct token (its rows t, t + n_lookups, ...: one per
         packed head) of the block starting at blk_start, clamped to the last valid token."""
-        p = blk_start + tidx // self.chunks + t * self.row_step
+        p = blk_start + tidx // self.gather_w + t * self.row_step
         return cutlass.select_(p < kv_end, p, kv_end - 1)
 
     @cute.jit
@@ -767,18 +781,33 @@ class PagedDecode:
         """cp.async this thread's 16-byte chunks of the block's K and V rows (pages looked up in
         ``ld.rows``) into a stage."""
         tidx, rows = ld.tidx, ld.rows
-        c = tidx % self.chunks
+        c = tidx % self.gather_w
         k_base, v_base = ld.sK.iterator.toint(), ld.sV.iterator.toint()
         slots = [divmod(self._row_pos(tidx, t, blk_start, kv_end), ld.page_size)[1] for t in range(self.n_lookups)]
         pages = [in_cache(rows[t], ld.mK.shape[0]) for t in range(self.n_lookups)]
         for i in cutlass.range_constexpr(self.rows_per_thread):
-            # block row r = tidx // chunks + i * row_step: head i // n_lookups of the item's
+            # block row r = tidx // gather_w + i * row_step: head i // n_lookups of the item's
             # heads, token t = i % n_lookups of this thread's
-            r = tidx // self.chunks + i * self.row_step
+            r = tidx // self.gather_w + i * self.row_step
             t, h = i % self.n_lookups, kv_head * self.hpi + i // self.n_lookups
             d = self._smem_off(r, c, stage, self.block_n, self.kv_width) * 2
-            cp_async_16(k_base + d, ld.mK[pages[t], slots[t], h, None].iterator.toint() + c * 16)
-            cp_async_16(v_base + d, ld.mV[pages[t], slots[t], h, None].iterator.toint() + c * 16)
+            self._copy_row((ld.mK, ld.mV), (pages[t], slots[t], h), (k_base, v_base), d, c)
+
+    def _copy_row(self, kv, at, bases, d, c):
+        """cp.async this thread's chunks of one K row and V row (``kv`` the caches, ``at`` the
+        row's leading indices, ``bases`` the stages): chunk ``c`` at shared byte offset ``d``,
+        then the same chunk of each further atom column (block_n x atom_w elements on in the
+        stage, gather_w chunks on in the row: the swizzle depends only on row and chunk)."""
+        (mK, mV), (k_base, v_base) = kv, bases
+        if self.col_groups == 1:
+            cp_async_16(k_base + d, mK[(*at, None)].iterator.toint() + c * 16)
+            cp_async_16(v_base + d, mV[(*at, None)].iterator.toint() + c * 16)
+            return
+        atom_bytes = self.block_n * self._atom_w(self.kv_width) * 2
+        for a in range(self.col_groups):
+            d_a, g_a = d + a * atom_bytes, c * 16 + a * self.gather_w * 16
+            cp_async_16(k_base + d_a, mK[(*at, None)].iterator.toint() + g_a)
+            cp_async_16(v_base + d_a, mV[(*at, None)].iterator.toint() + g_a)
 
     @staticmethod
     def _atom_w(width: int) -> int:

@@ -53,7 +53,6 @@ from cutlass.cute.nvgpu import warp
 
 from ..variants.dsl import LOG2E
 from ..variants.trace import make_entry
-from .copy import cp_async_16
 from .decode import BLOCK_N, NUM_WARPS, THREADS, DecodeConfig, LoadCursor, LoadStream, Outputs, PagedDecode
 from .fragments import mma_acc_as_a, mma_mn_view, quad_max, quad_sum
 from .work import ItemInfo, TraceCtx, item_row_values, tok_head
@@ -65,11 +64,15 @@ LAZY_RESCALE = 8.0  # base-2 units a row's block max may exceed its kept max by 
 # (two M tiles reusing every K / V fragment: half the shared-memory reads per MMA) and 32 keys
 WARPS_M = {16: 1, 32: 2, 64: 4}
 # K / V pipeline depth per (head dim, tile): what leaves two CTAs per SM room in 228 KB of
-# shared memory at head dims 64 / 128 (a stage: a Q tile + 64 tokens of K and V); one at 256
+# shared memory at head dims 64 / 96 / 128 (a stage: a Q tile + 64 tokens of K and V); one at
+# 256.  Head dim 96 (unmeasured): the most stages two CTAs fit, 108 / 90 / 108 KB per CTA
 STAGES = {
     (64, 16): 4,
     (64, 32): 4,
     (64, 64): 3,
+    (96, 16): 4,
+    (96, 32): 3,
+    (96, 64): 3,
     (128, 16): 3,
     (128, 32): 2,
     (128, 64): 2,
@@ -552,13 +555,12 @@ class PrefillMma(PagedDecode):
             PagedDecode._issue_kv(self, ld, kv_head, blk_start, kv_end, stage)
         else:
             tidx, base = ld.tidx, ld.rows[0]
-            c = tidx % self.chunks
+            c = tidx % self.gather_w
             k_base, v_base = ld.sK.iterator.toint(), ld.sV.iterator.toint()
             toks = [base + self._row_pos(tidx, i, blk_start, kv_end) for i in range(self.rows_per_thread)]
             for i in range(self.rows_per_thread):
-                d = self._smem_off(tidx // self.chunks + i * self.row_step, c, stage, self.block_n, self.kv_width) * 2
-                cp_async_16(k_base + d, ld.mK[0, toks[i], kv_head, None].iterator.toint() + c * 16)
-                cp_async_16(v_base + d, ld.mV[0, toks[i], kv_head, None].iterator.toint() + c * 16)
+                d = self._smem_off(tidx // self.gather_w + i * self.row_step, c, stage, self.block_n, self.kv_width) * 2
+                self._copy_row((ld.mK, ld.mV), (0, toks[i], kv_head), (k_base, v_base), d, c)
 
     # ---- epilogue of a 64-row tile: one warp per row group, straight from registers ------------
     @cute.jit

@@ -127,7 +127,7 @@ def head_dim_test_specs(arch: str):
 def portable_prefill_test_specs(arch: str):
     """What tests/test_prefill_mma_gpu.py loads beyond the shipped portable specs (those ship on
     every arch but Hopper): its grid at bf16 / d128 (tiles 16 / 32 / 64, ragged / paged,
-    causal or not), the head-dim 64 / 256 cases, soft-cap / window, its variants, and what the
+    causal or not), the head-dim 64 / 96 / 256 cases, soft-cap / window, its variants, and what the
     bench of the portable kernel adds (the ``warps_m`` knob at tile 64), and the merges of
     those plans (the ``prefill_mma`` preset is all a GPU run of them needs)."""
     from ..families.merge import merge_partials_spec
@@ -145,6 +145,13 @@ def portable_prefill_test_specs(arch: str):
         prefill_mma_spec(arch, "bf16", 128, 16, True, True, True, False),
         prefill_mma_spec(arch, "bf16", 128, 64, False, True, warps_m=2),
     ]
+    # head dim 96: bf16 over tiles x ragged / paged x causal, f16 once, soft-cap + window
+    out += [prefill_mma_spec(arch, "bf16", 96, t, p, c) for t in (16, 32, 64) for p in (False, True) for c in (0, 1)]
+    out += [
+        prefill_mma_spec(arch, "f16", 96, 32, True, True),
+        prefill_mma_spec(arch, "bf16", 96, 64, True, True, True, True),
+        prefill_mma_spec(arch, "bf16", 96, 16, False, False, True, True),
+    ]
     cases = dict(variant_test_cases())
     for name, tile, paged, causal in (
         ("sink", 64, False, True),
@@ -158,5 +165,6 @@ def portable_prefill_test_specs(arch: str):
             out.append(prefill_mma_spec(arch, "bf16", 128, tile, paged, c, cap, win, v))
     merges = [("bf16", 128, 16), ("bf16", 128, 32), ("bf16", 128, 64), ("bf16", 256, 32), ("bf16", 256, 64)]
     merges += [("f16", 64, 64), ("bf16", 64, 64)]
+    merges += [("bf16", 96, 16), ("bf16", 96, 32), ("bf16", 96, 64), ("f16", 96, 32)]
     out += [merge_partials_spec(arch, dt, d, t) for dt, d, t in merges]
     return list(dict.fromkeys(out))
