@@ -29,7 +29,9 @@ Multi-head latent attention (DeepSeek-V2/V3/R1: a config with ``kv_lora_rank``; 
 ``deepseek-v3``): prefill runs on the decompressed K / V as MHA with head_dim_qk = nope + rope
 (192) and head_dim_vo = ``v_head_dim`` (128), ragged (the engines' MLA prefill: the new tokens
 causal, chunks of the cached prefix non-causal, merged by their LSE), so its set is the ragged
-prefill at 192 / 128, its merges at 128 and the MLA decode kernels (``families/mla.py``).
+prefill at 192 / 128, its merges at 128 and the MLA decode kernels (``families/mla.py``); with
+an fp8 cache the MLA decode kernels are the fp8-latent ones (the prefill's decompressed K / V
+stay 16-bit).
 
 RoPE is the engine's (applied before attention), so no RoPE kernels are compiled; a model with
 a head dim no kernel serves is an error naming it.
@@ -200,8 +202,6 @@ def _check(m: ModelAttention) -> None:
                 f"{m.name}: MLA prefill at head_dim_qk {m.head_dim} / head_dim_vo {m.dv} is not served yet "
                 f"(kernels: {prefill.HEAD_DIM_PAIRS})"
             )
-        if m.kv_dtype is not None:
-            raise ValueError(f"{m.name}: an fp8 KV cache with MLA is not served yet")
     elif m.head_dim not in decode.HEAD_DIMS + prefill.HEAD_DIMS or m.dv != m.head_dim:
         raise ValueError(
             f"{m.name}: head_dim {m.head_dim} is not served yet (decode: {decode.HEAD_DIMS}; "
@@ -300,7 +300,7 @@ def _mla_model_specs(m: ModelAttention, arch: str) -> list:
     """An MLA model: the MLA decode kernels (and their merges), the ⊕ merges at head_dim_vo, and
     on Hopper the ragged prefill at (head_dim, head_dim_vo), causal and not, both tiles."""
     dt, d, dv = m.dtype, m.head_dim, m.dv
-    specs = mla.shipped_specs(arch, dtype_names=(dt,))
+    specs = mla.shipped_specs(arch, dtype_names=(dt,), kv_names=(m.kv_dtype,))
     specs += [merge.merge_pair_spec(arch, dt, dv, masked) for masked in (False, True)]
     specs.append(merge.merge_states_spec(arch, dt, dv))
     if arch == HOPPER:

@@ -28,11 +28,12 @@ def cumsum(xs):
     return out
 
 
-def make_batch(qo_lens, kv_lens, heads, page_size, dtype, g, device="cpu", packed=False, spare=3, scale=1.0):
+def make_batch(qo_lens, kv_lens, heads, page_size, dtype, g, device="cpu", packed=False, spare=3, scale=1.0,
+               kv_dtype=None):  # fmt: skip
     """(q_nope, q_pe, ckv_cache, kpe_cache, qo_indptr, kv_indptr, kv_indices, kv_lens) with CPU
     int32 index arrays; ``packed``: q and the caches as views of 576-wide buffers (SGLang's
     ``q[..., :512]`` / ``k_buffer[..., :512]``).  Queries are scaled by ``scale`` (larger logits:
-    a sharper softmax)."""
+    a sharper softmax).  ``kv_dtype``: an fp8 cache (the 16-bit values rounded to it)."""
     ps = page_size
     pages = [(n + ps - 1) // ps for n in kv_lens]
     total = sum(pages) + spare
@@ -44,6 +45,8 @@ def make_batch(qo_lens, kv_lens, heads, page_size, dtype, g, device="cpu", packe
         slots = indices[indptr[b] + pos // ps].long() * ps + pos % ps
         cache[slots] = torch.randn(n, CKV + KPE, generator=g).to(dtype)
     cache = cache.view(total, ps, CKV + KPE).to(device)
+    if kv_dtype is not None:
+        cache = cache.to(kv_dtype)
     tq = sum(qo_lens)
     q = (torch.randn(tq, heads, CKV + KPE, generator=g) * scale).to(dtype).to(device)
     if packed:
@@ -56,8 +59,10 @@ def make_batch(qo_lens, kv_lens, heads, page_size, dtype, g, device="cpu", packe
 
 
 def reference(b, sm_scale, causal, compute_dtype=torch.float32):
+    """The reference on the batch's cache values (an fp8 cache dequantized: exact in the q dtype)."""
     qn, qp, ckv, kpe, qo, kvp, idx, kvl = b
     dev = qn.device
+    ckv, kpe = ckv.to(qn.dtype), kpe.to(qn.dtype)
     return mla_reference(qn, qp, ckv, kpe, qo.to(dev), kvp.to(dev), idx.to(dev), kvl, sm_scale, causal, compute_dtype)
 
 

@@ -52,6 +52,36 @@ def f32_to_f16(x: float) -> int:
     return int(np.array([x], dtype=np.float32).astype(np.float16).view(np.uint16)[0])
 
 
+def fp8_to_f32(b: int, kind: str) -> float:
+    """An e4m3 (no infinities, NaN = S.1111.111) or e5m2 (IEEE-like) byte's value."""
+    b &= 0xFF
+    sign = -1.0 if b >> 7 else 1.0
+    mbits, bias = (3, 7) if kind == "e4m3" else (2, 15)
+    e, m = (b & 0x7F) >> mbits, b & ((1 << mbits) - 1)
+    emax = (1 << (7 - mbits)) - 1
+    if kind == "e4m3" and e == emax and m == (1 << mbits) - 1:
+        return math.nan
+    if kind == "e5m2" and e == emax:
+        return math.nan if m else sign * math.inf
+    if e == 0:
+        return sign * math.ldexp(m, 1 - bias - mbits)
+    return sign * math.ldexp((1 << mbits) + m, e - bias - mbits)
+
+
+def prmt(a: int, b: int, sel: int) -> int:
+    """``prmt.b32`` (default mode): byte i of the result is byte ``sel`` nibble i (bits 2:0) of
+    {b, a} (a = bytes 0-3, b = 4-7), sign-replicated when the nibble's bit 3 is set."""
+    src = (a & M32) | ((b & M32) << 32)
+    out = 0
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = (src >> (8 * (nib & 7))) & 0xFF
+        if nib & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
 def s32(x: int) -> int:
     x &= M32
     return x - (1 << 32) if x >> 31 else x
@@ -116,10 +146,10 @@ def parse(ptx: str):
             labels[m.group(1)] = len(prog)
             stmt = m.group(2).strip()
         stmt = " ".join(stmt.split())
-        if not stmt or stmt.startswith(".") or stmt in ("{", "}"):
-            continue
-        stmt = stmt.lstrip("{").strip() if stmt.startswith("{ ") else stmt
-        if stmt == "}":
+        # an inline-asm block's braces (``{ .reg .b16 l, h; ...; }``) around its statements:
+        # its registers are plain names, held in the thread's registers like the others
+        stmt = stmt.lstrip("{} ").strip()
+        if not stmt or stmt.startswith("."):
             continue
         pred, neg = None, False
         m = re.match(r"@(!?)(%p\d+)\s+(.*)", stmt)
@@ -367,7 +397,7 @@ class CTA:
         d = a[0]
         if "|" in d:
             d = d.split("|")[0]
-        v = [self.val(th, x) for x in a[1:]]
+        v = [0 if x.startswith("{") else self.val(th, x) for x in a[1:]]  # a {lo, hi} pack: by mov
         if ty == "f32" and base not in ("cvt", "setp", "selp", "mov"):
             x = [f32(t) for t in v]
             if base == "add":
@@ -402,7 +432,22 @@ class CTA:
             R[d] = bits32(r)
             return
         if base == "mov":
-            R[d] = v[0]
+            if a[0].startswith("{"):  # unpack: mov.b32 {lo, hi}, x (16-bit halves, low first)
+                halves = self.regs_of(a[0])
+                w = 64 // len(halves) if ty == "b64" else 32 // len(halves)
+                for i, h in enumerate(halves):
+                    R[h] = (v[0] >> (w * i)) & ((1 << w) - 1)
+            elif a[1].startswith("{"):  # pack: mov.b32 x, {lo, hi}
+                halves = self.regs_of(a[1])
+                w = 64 // len(halves) if ty == "b64" else 32 // len(halves)
+                R[d] = sum((self.val(th, h) & ((1 << w) - 1)) << (w * i) for i, h in enumerate(halves))
+            else:
+                R[d] = v[0]
+            return
+        if base == "prmt":
+            if len(parts) > 2:
+                raise NotImplementedError(op)  # the .f4e / .b4e / .rc8 / .ecl / .ecr / .rc16 modes
+            R[d] = prmt(v[0], v[1], v[2])
             return
         if base == "setp":
             cmp = parts[1]
@@ -486,11 +531,18 @@ class CTA:
 
     def _cvt(self, th: Thread, parts, d, v) -> None:
         R = th.regs
+        if parts[-1] in ("e4m3x2", "e5m2x2"):  # cvt.rn.f16x2.e4m3x2 d, a (b16): exact, byte 1 -> d.hi
+            if parts[-2] != "f16x2":
+                raise NotImplementedError(".".join(parts))
+            kind = parts[-1][:4]
+            lo, hi = (f32_to_f16(fp8_to_f32(v >> (8 * i), kind)) for i in range(2))
+            R[d] = (hi << 16) | lo
+            return
         if parts[1] == "rn" and parts[2] in ("bf16x2", "f16x2"):  # d.hi = cvt(a), d.lo = cvt(b)
             conv = f32_to_bf16 if parts[2] == "bf16x2" else f32_to_f16
             R[d] = (conv(f32(v[0])) << 16) | conv(f32(v[1]))
             return
-        types = [p for p in parts[1:] if re.fullmatch(r"[subf]\d+", p)]
+        types = [p for p in parts[1:] if re.fullmatch(r"(bf|[subf])\d+", p)]
         dst_t, src_t = types[0], types[1]
         x = v
         if src_t[0] == "s":
@@ -499,6 +551,8 @@ class CTA:
             x &= (1 << int(src_t[1:])) - 1
         elif src_t == "f32":
             x = f32(x)
+        elif src_t in ("f16", "bf16"):
+            x = (f16_to_f32 if src_t == "f16" else bf16_to_f32)(x)
         if dst_t == "f32":
             R[d] = bits32(float(x))
         elif dst_t[0] in "subf":

@@ -132,7 +132,15 @@ def test_reference_matches_a_naive_loop(causal):
 def test_specs_backend_and_abi():
     from cute_attn.families.backends import backend_for
     from cute_attn.families.base import get_family
-    from cute_attn.families.mla import STAGES, TILES, mla_sm90_spec, mla_spec, shipped_specs, shipped_specs_sm90
+    from cute_attn.families.mla import (
+        STAGES,
+        STAGES_FP8,
+        TILES,
+        mla_sm90_spec,
+        mla_spec,
+        shipped_specs,
+        shipped_specs_sm90,
+    )
     from cute_attn.presets import preset_specs
 
     for arch in ("sm_90a", "sm_100a"):
@@ -158,6 +166,18 @@ def test_specs_backend_and_abi():
                 assert s in specs
                 assert any(m.family == "merge_partials" and m.pdict == dict(dtype=dt, head_dim=CKV, tile_q=t)
                            for m in specs)  # fmt: skip
+        for kv in ("e4m3", "e5m2"):  # the fp8 latent cache: its own dtype and ring depth
+            for t in TILES:
+                s = mla_spec(arch, "bf16", t, kv)
+                assert s.pdict == dict(dtype="bf16", head_dim_ckv=CKV, head_dim_kpe=KPE, tile_q=t, stages=STAGES_FP8[t],
+                                       kv_dtype=kv)  # fmt: skip
+                assert s in specs and s.key != mla_spec(arch, "bf16", t).key
+                abi = {a.name: a for a in get_family("mla_decode").abi(s.pdict)}
+                assert abi["mCkv"].dtype == abi["mKpe"].dtype == kv and abi["mQn"].dtype == abi["mO"].dtype == "bf16"
+                assert abi["mCkv"].stride_divisibility == 16
+    assert mla_spec("sm_90a", "bf16", 16, "bf16") == mla_spec("sm_90a", "bf16", 16)  # a cache of the q dtype
+    with pytest.raises(ValueError, match="only fp8"):
+        mla_spec("sm_90a", "bf16", 16, "f16")
     with pytest.raises(ValueError, match="tile_q"):
         mla_spec("sm_90a", "bf16", 64)
     names = [a.name for a in get_family("mla_decode").abi(mla_spec("sm_90a", "bf16").pdict)]
@@ -383,9 +403,12 @@ PLAN_ERRORS = [
     (dict(head_dim_kpe=128), NotImplementedError, "head_dim_kpe=128"),
     (dict(num_heads=0), ValueError, "num_heads"),
     (dict(num_heads=129), ValueError, "num_heads"),
-    (dict(q_data_type=torch.float16), ValueError, "equal"),
+    (dict(q_data_type=torch.float16), ValueError, "the same or float8"),
     (dict(q_data_type=torch.float32, kv_data_type=torch.float32), ValueError, "float16 or bfloat16"),
-    (dict(kv_data_type=torch.float8_e4m3fn), NotImplementedError, "fp8"),
+    (dict(q_data_type=torch.float8_e4m3fn, kv_data_type=torch.float8_e4m3fn), NotImplementedError, "fp8 queries"),
+    (dict(q_data_type=torch.float8_e5m2), NotImplementedError, "fp8 queries"),
+    (dict(kv_data_type=torch.float8_e4m3fnuz), ValueError, "float8_e4m3fn / float8_e5m2"),
+    (dict(kv_data_type=torch.float32), ValueError, "the same or float8"),
     (dict(output_dtype=torch.float16), NotImplementedError, "output_dtype"),
     (dict(page_size=0), ValueError, "page_size"),
     (dict(sm_scale=float("nan")), ValueError, "sm_scale"),
@@ -526,10 +549,84 @@ def test_module_exports():
 def test_shared_memory_budget():
     """Each spec's stages fit one CTA per SM: the ring (stages x 32 tokens x 576 x 2 B), the Q
     staging tile and the partial scores (8 KB per 16-row group) within 227 KB."""
-    from cute_attn.families.mla import STAGES, TILES
+    from cute_attn.families.mla import STAGES, STAGES_FP8, TILES
 
     for t in TILES:
         ring = STAGES[t] * 32 * (CKV + KPE) * 2
         total = ring + t * (CKV + KPE) * 2 + (t // 16) * 16 * 32 * 4 * 4
         assert total + 2048 <= 232448, (t, total)  # 2 KB: alignment padding of the sections
         assert (STAGES[t] - 1) * 32 * (CKV + KPE) * 2 >= 64 << 10  # >= 64 KB of loads in flight per SM
+        # fp8 (kernels/mla_decode_fp8.py): byte ring + one widened 16-bit tile + Q staging + scores
+        ring8 = STAGES_FP8[t] * 32 * (CKV + KPE)
+        total8 = ring8 + 32 * (CKV + KPE) * 2 + t * (CKV + KPE) * 2 + (t // 16) * 16 * 32 * 4 * 4
+        assert total8 + 2048 <= 232448, (t, total8)
+        assert (STAGES_FP8[t] - 1) * 32 * (CKV + KPE) >= 64 << 10
+
+
+# ---- an fp8 latent cache ---------------------------------------------------------------------
+FP8 = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+@pytest.mark.parametrize("kv_dtype", list(FP8))
+@pytest.mark.parametrize("qo_lens,kv_lens,dtype", [([1, 1, 1], [70, 300, 5], BF16), ([3, 2], [40, 90], torch.float16)])
+def test_fp8_cache_emulated(memu, kv_dtype, qo_lens, kv_lens, dtype):
+    """fp8 ckv / kpe, 16-bit q and out: the fp8 mla_decode kernel on sm_90a too (never the wgmma
+    one, even past 32 packed rows), against the reference on the dequantized cache."""
+    heads = 16
+    b = make_batch(qo_lens, kv_lens, heads, 16, dtype, gen(), kv_dtype=kv_dtype)
+    w = BatchMLAPagedAttentionWrapper(_ws())
+    qn, qp, ckv, kpe, qo, kvp, idx, kvl = b
+    w.plan(qo, kvp, idx, kvl, heads, CKV, KPE, 16, True, SM, dtype, kv_dtype)
+    out, lse = w.run(qn, qp, ckv, kpe, return_lse=True)
+    check(out, lse, *reference(b, SM, True), dtype)
+    attn = [p for f, p in memu.loads if f.startswith("mla_decode")]
+    assert [f for f, _ in memu.loads if f.startswith("mla_decode")] == ["mla_decode"]
+    assert attn[0]["kv_dtype"] == FP8[kv_dtype] and attn[0]["dtype"] == common_name(dtype)
+    assert attn[0]["tile_q"] == (32 if max(qo_lens) * heads > 16 else 16)
+    assert out.dtype == dtype and ckv.dtype == kv_dtype
+
+
+def common_name(dtype):
+    return {BF16: "bf16", torch.float16: "f16"}[dtype]
+
+
+def _fp8_bad_run_cases():
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    return [
+        ("16-bit ckv", lambda b: [b[0], b[1], b[2].to(BF16), b[3]], "ckv_cache must be"),
+        ("16-bit kpe", lambda b: [b[0], b[1], b[2], b[3].to(BF16)], "kpe_cache must be"),
+        ("e5m2 caches", lambda b: [b[0], b[1], b[2].to(BF16).to(e5), b[3].to(BF16).to(e5)], "ckv_cache must be"),
+        ("fp8 q_nope", lambda b: [b[0].to(e4), b[1], b[2], b[3]], "q_nope must be"),
+        ("fp8 kpe only", lambda b: [b[0], b[1], b[2].to(BF16), b[3]], "ckv_cache must be"),
+    ]
+
+
+@pytest.mark.parametrize("name,mutate,match", _fp8_bad_run_cases(), ids=[c[0] for c in _fp8_bad_run_cases()])
+def test_fp8_run_errors(nolaunch, name, mutate, match):
+    b = make_batch([1, 2], [20, 40], 16, 16, BF16, gen(), kv_dtype=torch.float8_e4m3fn)
+    w = BatchMLAPagedAttentionWrapper(_ws())
+    qn, qp, ckv, kpe, qo, kvp, idx, kvl = b
+    w.plan(qo, kvp, idx, kvl, 16, CKV, KPE, 16, False, SM, BF16, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=match):
+        w.run(*mutate(b))
+
+
+def test_fp8_cache_on_a_16bit_plan(nolaunch):
+    b = _good()
+    w = BatchMLAPagedAttentionWrapper(_ws())
+    _plan(w, b, 16, 16)
+    for ckv, kpe in ((b[2].to(torch.float8_e4m3fn), b[3]), (b[2], b[3].to(torch.float8_e4m3fn))):
+        with pytest.raises(ValueError, match="_cache must be torch.bfloat16"):
+            w.run(b[0], b[1], ckv, kpe)
+
+
+def test_fp8_cuda_graph_keeps_the_cache_dtype(memu):
+    """A captured run() bakes the kernel: a re-plan to another cache dtype is an error."""
+    w, _ = _graph_wrapper(4, 64)
+    b = make_batch([1, 1], [20, 40], 16, 16, BF16, gen(), kv_dtype=torch.float8_e4m3fn)
+    qn, qp, ckv, kpe, qo, kvp, idx, kvl = b
+    w.plan(qo, kvp, idx, kvl, 16, CKV, KPE, 16, False, SM, BF16, torch.float8_e4m3fn)
+    out, lse = w.run(qn, qp, ckv, kpe, return_lse=True)
+    check(out, lse, *reference(b, SM, False), BF16)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        w.plan(qo, kvp, idx, kvl, 16, CKV, KPE, 16, False, SM, BF16, torch.float8_e5m2)

@@ -67,6 +67,7 @@ class _Interpreted:
         self.pack = make_packer(self.abi)
         self.ptx = ptx_of(Spec.make("mla_decode", "sm_90a", **params))
         self.threads = params["tile_q"] * THREADS_PER_ROW
+        self.kv_dtype = params.get("kv_dtype")
         self.steps = 0
         self.order = order
 
@@ -143,14 +144,31 @@ CASES = [
     ([1, 1, 2], [0, 33, 70], 16, 1, True, torch.bfloat16, True),
     ([1, 1, 2], [0, 33, 70], 16, 64, True, torch.bfloat16, True),
 ]
+# an fp8 latent cache (kernels/mla_decode_fp8.py): (case, cache dtype); the reference reads the
+# dequantized cache
+FP8_CASES = [
+    (([1, 0, 1], [300, 3, 37], 16, 16, False, torch.bfloat16, False), torch.float8_e4m3fn),  # split + merged
+    (([2, 1], [45, 1], 16, 1, True, torch.float16, True), torch.float8_e5m2),  # tile 32, page size 1, views
+    (([1, 2], [70, 9], 8, 64, True, torch.bfloat16, False), torch.float8_e5m2),  # 8 heads, bf16, tile 16
+]
 
 
 @pytest.mark.parametrize("qo_lens,kv_lens,heads,page_size,causal,dtype,packed", CASES)
 def test_compiled_kernel_matches_reference(interp, qo_lens, kv_lens, heads, page_size, causal, dtype, packed):
-    b = make_batch(qo_lens, kv_lens, heads, page_size, dtype, gen(1234), packed=packed)
+    _check_case(interp, qo_lens, kv_lens, heads, page_size, causal, dtype, packed, None)
+
+
+@pytest.mark.parametrize("case,kv_dtype", FP8_CASES)
+def test_compiled_fp8_kernel_matches_reference(interp, case, kv_dtype):
+    _check_case(interp, *case, kv_dtype)
+    assert interp[0].kv_dtype == {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}[kv_dtype]
+
+
+def _check_case(interp, qo_lens, kv_lens, heads, page_size, causal, dtype, packed, kv_dtype):
+    b = make_batch(qo_lens, kv_lens, heads, page_size, dtype, gen(), packed=packed, kv_dtype=kv_dtype)
     qn, qp, ckv, kpe, qo, kvp, idx, kvl = b
     w = BatchMLAPagedAttentionWrapper(_ws())
-    w.plan(qo, kvp, idx, kvl, heads, CKV, KPE, page_size, causal, SM, dtype, dtype)
+    w.plan(qo, kvp, idx, kvl, heads, CKV, KPE, page_size, causal, SM, dtype, kv_dtype or dtype)
     out = torch.full((qn.shape[0], heads, CKV), float("nan"), dtype=dtype)
     lse = torch.full((qn.shape[0], heads), float("nan"))
     w.run(qn, qp, ckv, kpe, out=out, lse=lse)

@@ -378,7 +378,7 @@ def test_cpu_models_deepseek():
     the MLA decode kernels, merges at 128; a head dim no kernel serves is an error naming it."""
     from dataclasses import replace
 
-    from cute_attn.models import from_config, model_specs, resolve_model
+    from cute_attn.models import from_config, model_specs, resolve_model, with_kv_cache_dtype
     from cute_attn.presets import preset_specs
 
     cfg = dict(num_attention_heads=128, num_key_value_heads=128, hidden_size=7168, kv_lora_rank=512,
@@ -395,8 +395,15 @@ def test_cpu_models_deepseek():
         preset_specs("default", "sm_90a")
     )
     assert not any(s.family == "batch_prefill_sm90" for s in model_specs(m, "sm_100a"))
-    with pytest.raises(ValueError, match="fp8 KV cache with MLA"):
-        model_specs(replace(m, kv_dtype="e4m3"), "sm_90a")
+    # an fp8 latent cache: the fp8 mla_decode kernels instead of the 16-bit ones, the rest the same
+    for kv in ("e4m3", "e5m2"):
+        f8 = model_specs(replace(m, kv_dtype=kv), "sm_100a")
+        mla_f8 = [s.pdict for s in f8 if s.family == "mla_decode"]
+        assert len(mla_f8) == 2 and all(p.get("kv_dtype") == kv and p["dtype"] == "bf16" for p in mla_f8)
+        same = lambda ss: [s for s in ss if s.family != "mla_decode"]  # noqa: E731
+        assert same(f8) == same(model_specs(m, "sm_100a"))
+    ds8 = model_specs(with_kv_cache_dtype(resolve_model("deepseek-v3"), "fp8"), "sm_90a")  # compile --model ... fp8
+    assert {s.pdict.get("kv_dtype") for s in ds8 if s.family == "mla_decode"} == {"e4m3"}
     with pytest.raises(ValueError, match="head_dim_qk 256 / head_dim_vo 128"):
         model_specs(from_config(dict(cfg, qk_nope_head_dim=192)), "sm_90a")
     with pytest.raises(ValueError, match="head_dim 80 is not served"):

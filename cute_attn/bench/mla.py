@@ -5,7 +5,9 @@ FlashInfer's beside it on the same paged latent cache.
 Cases (issue 25): ``mla/decode/h16/bs128/kv{4096,32768}/page64`` -- memory-bound: metric TB/s
 of latent-cache bytes read (pages x page_size x (512 + 64) x 2 bytes per request) -- and
 ``mla/decode/h128/q2/bs64/kv8192/page64`` (two tokens per request, causal: MTP) -- compute-bound:
-metric TFLOP/s, 2 x (576 + 512) x heads x attended (query, key) pairs.  Both wrappers run as a
+metric TFLOP/s, 2 x (576 + 512) x heads x attended (query, key) pairs -- and the memory-bound
+cases over an fp8 (e4m3) latent cache (``.../fp8``: bytes counted at 1 per value; FlashInfer
+beside it where its MLA takes an fp8 cache, else n/a).  Both wrappers run as a
 serving engine runs them: CUDA-graph mode, run() captured once and the graph replayed; the two
 are timed in turns (``common.interleaved``: one replay each, CUDA events, medians over 30
 turns after warm-up), since the H200's clocks drift over seconds.  Our output must match the
@@ -29,18 +31,21 @@ REF_TOL = 2e-2  # bf16 output against the fp32 reference (the GPU tests' toleran
 
 
 def mla_cases():
-    """(case name, heads, tokens per request, kv lengths, page size, primary metric); the first
-    is the quick set."""
+    """(case name, heads, tokens per request, kv lengths, page size, primary metric, cache
+    dtype); the first is the quick set."""
+    bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
     return [
-        ("mla/decode/h16/bs128/kv4096/page64", 16, 1, [4096] * 128, 64, "TB/s"),
-        ("mla/decode/h16/bs128/kv32768/page64", 16, 1, [32768] * 128, 64, "TB/s"),
-        ("mla/decode/h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64, "TFLOP/s"),
+        ("mla/decode/h16/bs128/kv4096/page64", 16, 1, [4096] * 128, 64, "TB/s", bf16),
+        ("mla/decode/h16/bs128/kv32768/page64", 16, 1, [32768] * 128, 64, "TB/s", bf16),
+        ("mla/decode/h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64, "TFLOP/s", bf16),
+        ("mla/decode/h16/bs128/kv4096/page64/fp8", 16, 1, [4096] * 128, 64, "TB/s", e4m3),
+        ("mla/decode/h16/bs128/kv32768/page64/fp8", 16, 1, [32768] * 128, 64, "TB/s", e4m3),
     ]
 
 
-def latent_bytes(kv_lens, page_size) -> int:
+def latent_bytes(kv_lens, page_size, elem_bytes=2) -> int:
     """Bytes of latent cache the requests' pages hold (each page read once per request)."""
-    return sum(-(-n // page_size) * page_size for n in kv_lens) * (CKV + KPE) * 2
+    return sum(-(-n // page_size) * page_size for n in kv_lens) * (CKV + KPE) * elem_bytes
 
 
 def mla_flops(kv_lens, q_len, heads, causal) -> float:
@@ -49,9 +54,9 @@ def mla_flops(kv_lens, q_len, heads, causal) -> float:
     return 2.0 * (CKV + KPE + CKV) * heads * pairs
 
 
-def make_inputs(kv_lens, q_len, heads, page_size, gen_seed=0):
-    """A paged latent cache of the requests' pages in shuffled order, the queries and the index
-    arrays (CPU int32), bf16, on the GPU."""
+def make_inputs(kv_lens, q_len, heads, page_size, gen_seed=0, kv_dtype=torch.bfloat16):
+    """A paged latent cache of the requests' pages in shuffled order (``kv_dtype``: bf16 or fp8,
+    rounded from bf16 values), the bf16 queries and the index arrays (CPU int32), on the GPU."""
     g = torch.Generator(device="cuda").manual_seed(gen_seed)
     pages = [-(-n // page_size) for n in kv_lens]
     total = sum(pages)
@@ -64,6 +69,7 @@ def make_inputs(kv_lens, q_len, heads, page_size, gen_seed=0):
     kv_indices = torch.randperm(total, generator=torch.Generator().manual_seed(gen_seed)).to(torch.int32)
     qo_indptr = torch.arange(b + 1, dtype=torch.int32) * q_len
     kv_len_arr = torch.tensor(kv_lens, dtype=torch.int32)
+    ckv, kpe = ckv.to(kv_dtype), kpe.to(kv_dtype)
     return qn, qp, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_len_arr
 
 
@@ -74,6 +80,7 @@ def reference_error(inputs, out, q_len, causal, requests=4) -> float:
     from ..testing.mla_reference import mla_reference
 
     qn, qp, ckv, kpe, qo, kvp, idx, kvl = inputs
+    ckv, kpe = ckv.to(qn.dtype), kpe.to(qn.dtype)  # an fp8 cache: its values, exactly
     n, rows = requests, requests * q_len
     ref, _ = mla_reference(qn[:rows], qp[:rows], ckv, kpe, qo[: n + 1], kvp[: n + 1], idx, kvl[:n], SM_SCALE, causal)
     return ((out[:rows].float() - ref).norm() / ref.norm()).item()
@@ -90,7 +97,7 @@ class MlaRun:
         w = mod.BatchMLAPagedAttentionWrapper(ws, use_cuda_graph=True, backend="auto", **bufs)
         with warnings.catch_warnings():  # FlashInfer 0.7.2 deprecates the flat positional form
             warnings.simplefilter("ignore", DeprecationWarning)
-            w.plan(qo, kvp, idx, kvl, heads, CKV, KPE, page_size, causal, SM_SCALE, torch.bfloat16, torch.bfloat16)
+            w.plan(qo, kvp, idx, kvl, heads, CKV, KPE, page_size, causal, SM_SCALE, torch.bfloat16, ckv.dtype)
         self.wrapper = w
         self.out = torch.empty_like(qn)
         self.eager = lambda: w.run(qn, qp, ckv, kpe, out=self.out)
@@ -114,9 +121,9 @@ def _flashinfer_mla():
         return None, f"import flashinfer.mla: {type(e).__name__}: {str(e)[:120]}"
 
 
-def _case(res, fim, ws, ws_fi, name, heads, q_len, kv_lens, ps, metric):
+def _case(res, fim, ws, ws_fi, name, heads, q_len, kv_lens, ps, metric, kv_dtype):
     causal = q_len > 1
-    inputs = make_inputs(kv_lens, q_len, heads, ps)
+    inputs = make_inputs(kv_lens, q_len, heads, ps, kv_dtype=kv_dtype)
     ours = MlaRun(ours_mla, ws, inputs, heads, ps, causal)
     if ours.graph is None:
         print(f"  cute_attn: CUDA-graph capture failed ({ours.graph_why}); eager run() timed")
@@ -142,7 +149,7 @@ def _case(res, fim, ws, ws_fi, name, heads, q_len, kv_lens, ps, metric):
         for _ in range(3):
             fn()
     times = interleaved(fns, calls=30)
-    nbytes, flops = latent_bytes(kv_lens, ps), mla_flops(kv_lens, q_len, heads, causal)
+    nbytes, flops = latent_bytes(kv_lens, ps, kv_dtype.itemsize), mla_flops(kv_lens, q_len, heads, causal)
     for impl, t in times.items():
         res.add(name, impl, "us", t)
         res.add(name, impl, "TB/s", nbytes / t / 1e6)
@@ -173,8 +180,8 @@ def bench_mla(res, quick: bool) -> None:
     head = f"{'mla case (bf16, ckv 512 + kpe 64)':<44} {'graph us':>9} {'metric':>8} {'':<8} {'plan':>6}"
     print(f"{head} {'flashinfer us (x)':>20}")
     cases = mla_cases()[:1] if quick else mla_cases()
-    for name, heads, q_len, kv_lens, ps, metric in cases:
+    for name, heads, q_len, kv_lens, ps, metric, kv_dtype in cases:
         try:
-            _case(res, fim, ws, ws_fi, name, heads, q_len, kv_lens, ps, metric)
+            _case(res, fim, ws, ws_fi, name, heads, q_len, kv_lens, ps, metric, kv_dtype)
         except Exception as e:  # a missing kernel (KernelNotAvailable) ends the case, not the bench
             print(f"{name:<44} failed: {type(e).__name__}: {str(e)[:200]}")

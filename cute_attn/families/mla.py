@@ -3,7 +3,9 @@ attention on ``mma.sync`` + ``cp.async``, both arches, 16 / 32-row items) and ``
 (``kernels/mla_decode_sm90.py``: both GEMMs on ``wgmma``, Hopper, 64-row items); their ABI (one
 for both), the instructions their binaries must hold, and the specializations that ship.
 
-Spec parameters: ``dtype`` (queries, caches and output: ``f16`` / ``bf16``), ``head_dim_ckv``
+Spec parameters: ``dtype`` (queries, caches and output: ``f16`` / ``bf16``), ``kv_dtype`` (an
+fp8 latent cache, ``e4m3`` / ``e5m2``, ``mla_decode`` only: ``kernels/mla_decode_fp8.py``;
+absent for a cache of ``dtype``, so the 16-bit specs' parameters are unchanged), ``head_dim_ckv``
 (512) and ``head_dim_kpe`` (64) -- the only widths the kernel is built for, named in the spec
 so a key says what it serves --, ``tile_q`` (packed query rows per work item: 16, or 32 with
 two warp groups for plans whose requests have more rows than one tile) and ``stages`` (the
@@ -23,6 +25,8 @@ HEAD_DIM_CKV = 512  # the latent width (DeepSeek-V2/V3's kv_lora_rank): V and th
 HEAD_DIM_KPE = 64  # the RoPE width of the key (qk_rope_head_dim)
 TILES = (16, 32)  # packed query rows per work item: one or two warp groups of 16 rows
 STAGES = {16: 5, 32: 4}  # 36 KB stages + Q staging (18 / 36 KB) + scores (8 / 16 KB): 206 / 196 KB
+# an fp8 cache: 18 KB byte stages + one 36 KB widened tile + Q staging + scores: 206 / 214 KB
+STAGES_FP8 = {16: 8, 32: 7}
 CTAS_PER_SM = 1  # what shared memory allows
 TILE_SM90 = 64  # the wgmma kernel's packed query rows per item (one wgmma M)
 STAGES_SM90 = 2  # its 64-key stages: Q (72 KB) + 2 x 72 KB + P (8 KB) = 224 KB
@@ -34,14 +38,14 @@ def mla_abi(p):
     64]``, any strides with the last dim contiguous (SGLang passes views of one 576-wide
     buffer: q ``[..., :512]`` / ``[..., 512:]``), whole 16-byte vectors."""
     dt = p["dtype"]
+    kv = p.get("kv_dtype", dt)
     ckv, kpe = p["head_dim_ckv"], p["head_dim_kpe"]
-    vec = dtypes.vec_elems(dt)
-    rows = lambda name, d: TensorArg(name, dt, (None, None, d), (None, None, 1), vec, 16)  # noqa: E731
+    rows = lambda name, d, t=dt: TensorArg(name, t, (None, None, d), (None, None, 1), dtypes.vec_elems(t), 16)  # noqa: E731
     return [
         rows("mQn", ckv),
         rows("mQp", kpe),
-        rows("mCkv", ckv),
-        rows("mKpe", kpe),
+        rows("mCkv", ckv, kv),
+        rows("mKpe", kpe, kv),
         i32_arg("mKvIndptr"),
         i32_arg("mKvIndices"),
         rows("mO", ckv),
@@ -60,7 +64,7 @@ def mla_abi(p):
 MLA_DECODE = register(
     KernelFamily(
         name="mla_decode",
-        builder="cute_attn.kernels.mla_decode:build_mla_decode",
+        builder="cute_attn.kernels.mla_entry:build_mla_decode",
         abi=mla_abi,
         expect={
             a: {
@@ -119,10 +123,16 @@ def shipped_specs_sm90(arch: str, dtype_names=dtypes.ATTENTION) -> list:
     return out
 
 
-def mla_spec(arch: str, dtype: str, tile_q: int = TILES[0]) -> Spec:
-    """The ``mla_decode`` specialization for a dtype (``"f16"`` / ``"bf16"``) and tile."""
+def mla_spec(arch: str, dtype: str, tile_q: int = TILES[0], kv_dtype: str | None = None) -> Spec:
+    """The ``mla_decode`` specialization for a dtype (``"f16"`` / ``"bf16"``), tile and cache
+    dtype (None or ``dtype``: a 16-bit cache; ``"e4m3"`` / ``"e5m2"``: fp8)."""
     if tile_q not in TILES:
         raise ValueError(f"mla_decode: tile_q {tile_q} is not one of {TILES}")
+    kvp, stages = {}, STAGES[tile_q]
+    if kv_dtype is not None and kv_dtype != dtype:
+        if kv_dtype not in dtypes.FP8:
+            raise ValueError(f"mla_decode: a {kv_dtype} latent cache with {dtype} queries (only fp8 caches may differ)")
+        kvp, stages = {"kv_dtype": kv_dtype}, STAGES_FP8[tile_q]
     return Spec.make(
         "mla_decode",
         arch,
@@ -130,7 +140,8 @@ def mla_spec(arch: str, dtype: str, tile_q: int = TILES[0]) -> Spec:
         head_dim_ckv=HEAD_DIM_CKV,
         head_dim_kpe=HEAD_DIM_KPE,
         tile_q=tile_q,
-        stages=STAGES[tile_q],
+        stages=stages,
+        **kvp,
     )
 
 
@@ -140,10 +151,11 @@ def mla_merge_spec(arch: str, dtype: str, tile_q: int) -> Spec:
     return Spec.make("merge_partials", arch, dtype=dtype, head_dim=HEAD_DIM_CKV, tile_q=tile_q)
 
 
-def shipped_specs(arch: str, dtype_names=dtypes.ATTENTION, tiles=TILES) -> list:
-    """Both tiles for fp16 and bf16, and the merge of each tile."""
+def shipped_specs(arch: str, dtype_names=dtypes.ATTENTION, tiles=TILES, kv_names=(None,) + dtypes.FP8) -> list:
+    """Both tiles for fp16 and bf16 (for each cache dtype of ``kv_names``: None is the query's,
+    or fp8), and the merge of each tile."""
     out = []
     for dt in dtype_names:
         for t in tiles:
-            out += [mla_spec(arch, dt, t), mla_merge_spec(arch, dt, t)]
+            out += [mla_spec(arch, dt, t, kv) for kv in kv_names] + [mla_merge_spec(arch, dt, t)]
     return out

@@ -53,6 +53,11 @@ Causal masking (runtime ``causal``) is bottom-right aligned: packed row r of an 
 token ``r // group`` at position ``kv_len - qo_len + r // group`` and sees keys up to it.
 Scores are kept in base 2 (scaled by ``sm_scale * log2 e``), so the LSE is base 2 as FlashInfer
 returns it.  No Hopper-only instruction: the same code compiles for sm_100a.
+
+An fp8 latent cache (``kernels/mla_decode_fp8.py``) overrides where the loads land
+(``_ring_base``, ``_issue_kv``, ``_smem_fields``) and what a block's tile is (``_block_tile``:
+there, the byte stage widened to 16 bits); the 16-bit kernel's hooks return what it always
+used, so its code is unchanged.
 """
 
 from __future__ import annotations
@@ -86,11 +91,12 @@ THREADS_PER_ROW = 8  # threads that copy one row (8 ckv chunks + 1 kpe chunk eac
 @dataclass(frozen=True)
 class MlaConfig:
     """What an ``mla_decode`` specialization fixes: the value dtype (DSL type), the warp groups
-    per CTA (16 rows each) and the pipeline depth."""
+    per CTA (16 rows each), the pipeline depth and an fp8 cache's dtype (None: the value dtype)."""
 
     dtype: Any
     row_groups: int
     stages: int
+    kv_dtype: Any = None
 
     @classmethod
     def from_spec(cls, p: dict) -> MlaConfig:
@@ -98,7 +104,8 @@ class MlaConfig:
 
         assert p["head_dim_ckv"] == D_CKV and p["head_dim_kpe"] == D_KPE, p
         assert p["tile_q"] % ROWS == 0, p
-        return cls(to_dsl(p["dtype"]), p["tile_q"] // ROWS, p["stages"])
+        kv = to_dsl(p["kv_dtype"]) if "kv_dtype" in p else None
+        return cls(to_dsl(p["dtype"]), p["tile_q"] // ROWS, p["stages"], kv)
 
 
 class Cursor:
@@ -167,6 +174,7 @@ class MlaDecode:
         self.n_lookups = BLOCK_N // self.row_step  # tokens each thread copies per block
         assert self.n_lookups * self.row_step == BLOCK_N
         assert self.tile_q * THREADS_PER_ROW == self.threads  # Q staging: one row per 8 threads
+        self.tile_stages = self.stages  # 16-bit [32, 576] tiles in shared memory: the ring itself
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
@@ -191,8 +199,8 @@ class MlaDecode:
         stream: cuda.CUstream,
     ):
         kv_layout, q_layout, Smem = self.smem_layouts()
-        self._check_smem_off(kv_layout, BLOCK_N, 2)
-        self._check_smem_off(q_layout, self.tile_q, 1)
+        self._check_smem_off(kv_layout, BLOCK_N, min(2, self.tile_stages))
+        self._check_smem_off(q_layout, self.tile_q, None)
         tiled_mma = self.make_mma()
         self.kernel(
             mQn,
@@ -218,18 +226,20 @@ class MlaDecode:
 
     def smem_layouts(self):
         """(stage ring layout, Q staging layout, the shared-memory struct): trace-time values."""
-        kv_layout = cute.tile_to_shape(swizzle_atom(), (BLOCK_N, D_QK, self.stages), (0, 1, 2))
+        kv_layout = cute.tile_to_shape(swizzle_atom(), (BLOCK_N, D_QK, self.tile_stages), (0, 1, 2))
         q_layout = cute.tile_to_shape(swizzle_atom(), (self.tile_q, D_QK), (0, 1))
+        fields = self._smem_fields(kv_layout, q_layout)
+        # built from evaluated annotations: this module's are strings (``from __future__``)
+        return kv_layout, q_layout, cute.struct(type("Smem", (), {"__annotations__": fields}))
 
-        fields = {
+    def _smem_fields(self, kv_layout, q_layout) -> dict:
+        return {
             "sKV": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024],
             "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024],
             # the partial scores: per group, warp, 4-value vector and lane (16-byte accesses of
             # 8 consecutive lanes are 128 contiguous bytes: no bank conflict)
             "sS": cute.struct.Align[cute.struct.MemRange[Float32, self.groups * GROUP_WARPS * ROWS * BLOCK_N], 16],
         }
-        # built from evaluated annotations: this module's are strings (``from __future__``)
-        return kv_layout, q_layout, cute.struct(type("Smem", (), {"__annotations__": fields}))
 
     def make_mma(self):
         """m16n8k16 with fp32 accumulators, 16 x 16 x 16 per warp (two n8 atoms: one ldmatrix.x4)."""
@@ -246,12 +256,13 @@ class MlaDecode:
         s2r_v = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(lane)
         return s2r_q, s2r_k, s2r_v
 
-    def _check_smem_off(self, layout, rows: int, slices: int):
-        """Trace time: ``smem_off`` agrees with the layout's own offsets."""
+    def _check_smem_off(self, layout, rows: int, slices):
+        """Trace time: ``smem_off`` agrees with the layout's own offsets (``slices`` of a
+        (rows, 576, n) layout, None for a (rows, 576) one)."""
         for r in range(rows):
             for c in range(ROW_CHUNKS):
-                for s in range(slices):
-                    crd = (r, c * 8, s) if slices > 1 else (r, c * 8)
+                for s in range(slices or 1):
+                    crd = (r, c * 8, s) if slices else (r, c * 8)
                     want = cute.crd2idx(crd, layout)
                     got = smem_off(r, c // 8, c % 8, s, rows)
                     if want != got:
@@ -315,7 +326,7 @@ class MlaDecode:
         rows = cute.make_rmem_tensor((self.n_lookups,), Int32)  # the pages of the cursor's next block
         item_begin, item_end = mWorkIndptr[cta], mWorkIndptr[cta + 1]
         ld = LoadStream(
-            mCkv, mKpe, mWork, mKvIndptr, mKvIndices, sKV.iterator.toint(), rows, tidx, page_size, group, item_end
+            mCkv, mKpe, mWork, mKvIndptr, mKvIndices, self._ring_base(st, sKV), rows, tidx, page_size, group, item_end
         )
         # The loads run as one stream over this CTA's items, stages - 1 blocks ahead of the
         # compute, into a ring that does not restart at item boundaries (block t of the stream
@@ -362,7 +373,7 @@ class MlaDecode:
                 cute.arch.cp_async_wait_group(self.stages - 2)
                 cute.arch.sync_threads()
                 cur = self._cursor_issue(ld, (g + nb + self.stages - 1) % self.stages, cur)
-                sK = sKV[None, None, (g + nb) % self.stages]
+                sK = self._block_tile(sKV, ld, (g + nb) % self.stages)
                 key0 = info.kv_start + nb * BLOCK_N
 
                 # S partial = Q Kᵀ over this warp's k steps (16 rows x 32 keys)
@@ -418,6 +429,14 @@ class MlaDecode:
             self._store(mO, mLse, mPartO, mPartLse, acc_O, row_m, row_l, (tScS, tOcO), info, lane, wg, grp)
 
     # ---- the shared tiles each warp reads -----------------------------------------------------
+    def _ring_base(self, st, sKV):
+        """Shared byte address of the stage ring the loads write: the 16-bit tiles themselves."""
+        return sKV.iterator.toint()
+
+    def _block_tile(self, sKV, ld: LoadStream, stage):
+        """The [32, 576] 16-bit tile of the block that arrived in ring stage ``stage``."""
+        return sKV[None, None, stage]
+
     # Every runtime offset is a whole number of 8 x 64 swizzle atoms (rows 8 k, columns 64 k);
     # offsets inside an atom are constants of a partitioned view (``_load_pe_step``).  The DSL
     # (4.8.1) lowers ``local_tile`` at a runtime column offset inside an atom wrongly: the offset
@@ -602,8 +621,3 @@ class MlaDecode:
                         cute.autovec_copy(out, cute.local_tile(row, (2,), (col // 2,)))
                     if (wg == 0) & (lane % 4 == 0):
                         mPartLse[slot_row] = lse
-
-
-def build_mla_decode(spec):
-    """The jit entry of an ``mla_decode`` spec."""
-    return MlaDecode(MlaConfig.from_spec(spec.pdict))

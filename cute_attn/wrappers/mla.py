@@ -10,7 +10,8 @@ aligned (query i of a request with qo_len q and kv_len k sees keys < k - q + i +
 
 ``plan()`` runs the CPU scheduler (``cute_attn.sched``: the heads x query tokens of a request
 are its packed rows, with one kv head) into the wrapper's own plan buffer; ``run()`` launches
-the persistent MLA kernel (``kernels/mla_decode.py``) and, when the plan split some KV (or in
+the persistent MLA kernel (``kernels/mla_decode.py``; ``kernels/mla_decode_fp8.py`` for an fp8
+latent cache, on both arches: the Hopper wgmma kernel has no fp8 path) and, when the plan split some KV (or in
 CUDA-graph mode, where a later plan may), the ⊕ merge of the fp32 partials.  The LSE is base 2,
 as FlashInfer returns it (``return_lse_base_on_e`` / ``lse_mode="basee"``: natural log).
 
@@ -30,6 +31,7 @@ from typing import Any, Optional, Tuple, Union
 import numpy as np
 import torch
 
+from ..abi import dtypes
 from ..families.backends import MLA_WGMMA, backend_for, backends_for
 from ..families.mla import HEAD_DIM_CKV, HEAD_DIM_KPE, TILE_SM90, TILES, mla_merge_spec, mla_sm90_spec, mla_spec
 from ..runtime.arch import arch_of_index, sm_count_of_index
@@ -69,7 +71,8 @@ class MlaPlanState:
     total_q: int
     heads: int
     page_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # queries and output
+    kv_dtype: torch.dtype  # ckv / kpe: dtype, or fp8
     sm_scale: float  # the launch scalar
     causal: bool
     tile: int
@@ -230,7 +233,10 @@ class BatchMLAPagedAttentionWrapper:
         ``max_q_len``) or as ``metadata=MLAPlanMetadata.csr(...)`` / ``.dense(...)``; index
         arrays on the host or the device (device ones are read back: one synchronization, as
         FlashInfer's plan).  ``head_dim_ckv`` must be 512 and ``head_dim_kpe`` 64; 1-128 heads;
-        float16 / bfloat16 q = kv = output.  ``query_layout`` / ``kv_cache_layout`` are accepted
+        float16 / bfloat16 q = output, kv the same or an fp8 latent cache (``float8_e4m3fn`` /
+        ``float8_e5m2``, ckv and kpe both: the mma.sync fp8 kernel on every arch; no scale
+        reaches it -- fold the cache's scale into ``sm_scale`` and the output, as with
+        FlashInfer).  ``query_layout`` / ``kv_cache_layout`` are accepted
         (run() takes either form); ``lse_mode="basee"`` returns a natural-log LSE;
         ``enable_pdl`` is ignored (the merge is always a programmatic dependent launch).  The
         profiler, output scales, fp8 scale modes, skip-softmax and sinks are not supported."""
@@ -245,14 +251,14 @@ class BatchMLAPagedAttentionWrapper:
         heads = check_heads_dims(num_heads, head_dim_ckv, head_dim_kpe)
         if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-        dtype = plan_dtype(q_data_type, kv_data_type, output_dtype)
+        dtype, kv_dtype = plan_dtype(q_data_type, kv_data_type, output_dtype)
         sm = guards.launch_sm_scale(sm_scale, D_QK)
         common.check_plan_not_captured()
         flat = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len_arr=kv_len_arr,
                     cum_seq_lens_q=cum_seq_lens_q, block_tables=block_tables, seq_lens=seq_lens,
                     max_q_len=max_q_len)  # fmt: skip
         batch = csr_batch(metadata_fields(metadata, flat), int(page_size))
-        self._plan_batch(batch, heads, int(page_size), bool(causal), sm, dtype, lse_mode, copy_indices=True)
+        self._plan_batch(batch, heads, int(page_size), bool(causal), sm, (dtype, kv_dtype), lse_mode, copy_indices=True)
         self._causal, self._page_size, self._sm_scale = bool(causal), int(page_size), sm_scale
         self._head_dim_ckv, self._q_data_type, self._kv_data_type = head_dim_ckv, q_data_type, kv_data_type
 
@@ -270,12 +276,15 @@ class BatchMLAPagedAttentionWrapper:
         fields = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=table, kv_len_arr=kv_len_arr,
                       cum_seq_lens_q=None, block_tables=None, seq_lens=None, max_q_len=None)  # fmt: skip
         batch = csr_batch(fields, page_size)
-        self._plan_batch(batch, heads, page_size, bool(causal), sm, prev.dtype, prev.lse_mode, copy_indices=False)
+        dts = (prev.dtype, prev.kv_dtype)
+        self._plan_batch(batch, heads, page_size, bool(causal), sm, dts, prev.lse_mode, copy_indices=False)
         self._causal = bool(causal)
 
-    def _plan_batch(self, b: Batch, heads, page_size, causal, sm_scale, dtype, lse_mode, copy_indices) -> None:
+    def _plan_batch(self, b: Batch, heads, page_size, causal, sm_scale, dtypes_, lse_mode, copy_indices) -> None:
         """The kernels (loaded first: a missing one fails before the buffers are touched), the
-        schedule, the index arrays on the device, the state."""
+        schedule, the index arrays on the device, the state.  ``dtypes_``: (q, cache)."""
+        dtype, kv_dtype = dtypes_
+        fp8 = kv_dtype != dtype
         arch = arch_of_index(self._dev)
         qo_len = np.diff(b.qo_indptr)
         rows = int(qo_len.max()) * heads if b.batch else 0
@@ -283,12 +292,14 @@ class BatchMLAPagedAttentionWrapper:
         # read from L2 then serves twice the rows; past 32 rows, on Hopper, the wgmma kernel's
         # 64-row items (compute-bound: 128 heads x 2 tokens are 4 of them per request)
         tile = TILES[1] if rows > TILES[0] else TILES[0]
-        wgmma = [b_ for b_ in backends_for("mla_decode", arch) if b_.name == MLA_WGMMA]
+        # (the wgmma kernel has no fp8 path: an fp8 cache runs on the mma.sync kernel on both arches)
+        wgmma = [b_ for b_ in backends_for("mla_decode", arch) if b_.name == MLA_WGMMA and not fp8]
         if rows > TILES[-1] and wgmma:
             tile = TILE_SM90
         if self._use_cuda_graph and self._graph_fixed is not None:
             tile = self._graph_fixed["tile"]  # the captured launch keeps its kernel
-        fixed = dict(heads=heads, page_size=page_size, causal=causal, sm_scale=sm_scale, dtype=dtype, tile=tile)
+        fixed = dict(heads=heads, page_size=page_size, causal=causal, sm_scale=sm_scale, dtype=dtype, tile=tile,
+                     kv_dtype=kv_dtype)  # fmt: skip
         self._check_graph_fixed(b, fixed)
         dt = common.dtype_name(dtype)
         if tile == TILE_SM90:
@@ -296,7 +307,8 @@ class BatchMLAPagedAttentionWrapper:
             attn = kernel(backend.family, arch, **mla_sm90_spec(arch, dt).pdict)
         else:
             backend = backend_for("mla_decode", arch)
-            attn = kernel(backend.family, arch, **mla_spec(arch, dt, tile).pdict)
+            kv = dtypes.name_of(kv_dtype, dtypes.FP8) if fp8 else None
+            attn = kernel(backend.family, arch, **mla_spec(arch, dt, tile, kv).pdict)
         ms = mla_merge_spec(arch, dt, tile)
         merge = kernel(ms.family, arch, **ms.pdict)
         plan = self._schedule(b, heads, page_size, causal, tile, backend)
@@ -321,6 +333,7 @@ class BatchMLAPagedAttentionWrapper:
             heads=heads,
             page_size=page_size,
             dtype=dtype,
+            kv_dtype=kv_dtype,
             sm_scale=sm_scale,
             causal=causal,
             tile=tile,
@@ -460,8 +473,8 @@ class BatchMLAPagedAttentionWrapper:
         dev, dt, h = self.device, st.dtype, st.heads
         check_operand("q_nope", q_nope, (None, h, HEAD_DIM_CKV), dt, dev)
         check_operand("q_pe", q_pe, (q_nope.shape[0], h, HEAD_DIM_KPE), dt, dev)
-        check_operand("ckv_cache", ckv, (None, st.page_size, HEAD_DIM_CKV), dt, dev)
-        check_operand("kpe_cache", kpe, (ckv.shape[0], st.page_size, HEAD_DIM_KPE), dt, dev)
+        check_operand("ckv_cache", ckv, (None, st.page_size, HEAD_DIM_CKV), st.kv_dtype, dev)
+        check_operand("kpe_cache", kpe, (ckv.shape[0], st.page_size, HEAD_DIM_KPE), st.kv_dtype, dev)
         tokens = q_nope.shape[0]
         # CUDA-graph mode: q may hold more tokens than this plan (captured at the largest);
         # rows past the plan are neither read nor written

@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..abi import dtypes
 from ..families.mla import HEAD_DIM_CKV, HEAD_DIM_KPE, MAX_HEADS
 from ..sched.inputs import as_index_array, check_indptr
 from . import common, guards
@@ -172,18 +173,22 @@ def check_heads_dims(num_heads, head_dim_ckv, head_dim_kpe) -> int:
     return int(num_heads)
 
 
-def plan_dtype(q_data_type, kv_data_type, output_dtype) -> torch.dtype:
-    """q / kv / output dtype: float16 or bfloat16, all equal (an fp8 latent cache: not yet)."""
+def plan_dtype(q_data_type, kv_data_type, output_dtype) -> tuple:
+    """(q dtype, cache dtype): q = output float16 or bfloat16; the cache of the q dtype, or an
+    fp8 latent cache (float8_e4m3fn / float8_e5m2: both ckv and kpe, read by the fp8 kernel)."""
     q = common.as_dtype(q_data_type, "q_data_type")
     kv = common.as_dtype(kv_data_type, "kv_data_type")
     o = common.as_dtype(output_dtype, "output_dtype") or q
-    if q in common.FP8 or kv in common.FP8:
-        raise NotImplementedError(f"fp8 MLA (q {q}, kv {kv}) is not supported yet: the kernel reads a 16-bit cache")
-    if common.dtype_name(q) is None or kv != q:
-        raise ValueError(f"q_data_type / kv_data_type must be float16 or bfloat16 and equal, got {q} / {kv}")
+    if q in common.FP8:
+        raise NotImplementedError(f"fp8 queries (q_data_type {q}) are not supported by MLA: float16 / bfloat16 only")
+    if common.dtype_name(q) is None or (kv != q and dtypes.name_of(kv, dtypes.FP8) is None):
+        raise ValueError(
+            f"q_data_type must be float16 or bfloat16 and kv_data_type the same or float8_e4m3fn / float8_e5m2, "
+            f"got {q} / {kv}"
+        )
     if o != q:
         raise NotImplementedError(f"output_dtype {o} must be the q dtype ({q})")
-    return q
+    return q, kv
 
 
 def check_contract(use_profiler, query_layout, kv_cache_layout, lse_mode, output_scale, scale_mode, skip_softmax,
