@@ -99,6 +99,8 @@ def _per_head(x: torch.Tensor, name: str, heads: int, what: str, device) -> torc
 
 def resolve(device, hq: int, hk: int, q_scale=None, k_scale=None, v_scale=None) -> Scales:
     """The run's scales, every check made before any launch (module doc)."""
+    if q_scale is None and k_scale is None and v_scale is None:  # an engine's usual decode step
+        return NONE
     heads, flat = {}, {}
     for name, x, n, what in (("q_scale", q_scale, hq, "query"), ("k_scale", k_scale, hk, "kv"),
                              ("v_scale", v_scale, hk, "kv")):  # fmt: skip
