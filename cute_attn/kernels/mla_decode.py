@@ -559,20 +559,22 @@ class MlaDecode:
             page, _ = divmod(self._row_pos(ld.tidx, t, blk_start, kv_end), ld.page_size)
             ld.rows[t] = ld.mKvIndices[page_base + page]
 
+    def _row_source(self, ld: LoadStream, i: int, blk_start: Int32, kv_end: Int32):
+        """This thread's i-th gathered row of the block: its row in the stage and the global
+        addresses of its ckv and kpe (page from the lookup in ``ld.rows``, clamped to the cache)."""
+        _, slot = divmod(self._row_pos(ld.tidx, i, blk_start, kv_end), ld.page_size)
+        page = in_cache(ld.rows[i], ld.mCkv.shape[0])
+        r = ld.tidx // THREADS_PER_ROW + i * self.row_step
+        return r, ld.mCkv[page, slot, None].iterator.toint(), ld.mKpe[page, slot, None].iterator.toint()
+
     @cute.jit
     def _issue_kv(self, ld: LoadStream, blk_start: Int32, kv_end: Int32, stage: Int32):
         """cp.async this thread's chunks of the block's rows into a stage: per row, ckv chunks
         t, t + 8, .., t + 56 and kpe chunk t (t = tidx mod 8): 8 threads read a row's 1152 bytes
         as 9 fully used 128-byte lines."""
-        tidx = ld.tidx
-        t = tidx % THREADS_PER_ROW
-        num_pages = ld.mCkv.shape[0]
+        t = ld.tidx % THREADS_PER_ROW
         for i in cutlass.range_constexpr(self.n_lookups):
-            _, slot = divmod(self._row_pos(tidx, i, blk_start, kv_end), ld.page_size)
-            page = in_cache(ld.rows[i], num_pages)
-            r = tidx // THREADS_PER_ROW + i * self.row_step
-            ckv = ld.mCkv[page, slot, None].iterator.toint()
-            kpe = ld.mKpe[page, slot, None].iterator.toint()
+            r, ckv, kpe = self._row_source(ld, i, blk_start, kv_end)
             for c in cutlass.range_constexpr(D_QK // 64):
                 d = smem_off(r, c, t, stage, BLOCK_N) * 2
                 if const_expr(c < D_CKV // 64):

@@ -36,7 +36,6 @@ from cutlass.cutlass_dsl import dsl_user_op
 from .copy import cp_async_16
 from .fp8 import f16x2_to_bf16x2, fp8_kind, fp8x4_to_f16x4, ld_shared_v2
 from .mla_decode import BLOCK_N, D_CKV, D_QK, THREADS_PER_ROW, LoadStream, MlaDecode, smem_off
-from .pages import in_cache
 
 RING_ROW = D_QK  # bytes of a [ckv | kpe] fp8 row
 RING_STAGE = BLOCK_N * RING_ROW  # bytes of a ring stage: 18 KB
@@ -116,15 +115,9 @@ class MlaDecodeFp8(MlaDecode):
     def _issue_kv(self, ld: LoadStream, blk_start: Int32, kv_end: Int32, stage: Int32):
         """cp.async this thread's chunks of the block's rows into ring stage ``stage``: per row,
         ckv chunks t, t + 8, t + 16, t + 24 and (t < 4) kpe chunk t."""
-        tidx = ld.tidx
-        t = tidx % THREADS_PER_ROW
-        num_pages = ld.mCkv.shape[0]
+        t = ld.tidx % THREADS_PER_ROW
         for i in cutlass.range_constexpr(self.n_lookups):
-            _, slot = divmod(self._row_pos(tidx, i, blk_start, kv_end), ld.page_size)
-            page = in_cache(ld.rows[i], num_pages)
-            r = tidx // THREADS_PER_ROW + i * self.row_step
-            ckv = ld.mCkv[page, slot, None].iterator.toint()
-            kpe = ld.mKpe[page, slot, None].iterator.toint()
+            r, ckv, kpe = self._row_source(ld, i, blk_start, kv_end)
             row = ld.kv_base + stage * RING_STAGE + r * RING_ROW
             for k in cutlass.range_constexpr(CKV_CHUNKS // THREADS_PER_ROW):
                 c = t + THREADS_PER_ROW * k
