@@ -91,7 +91,7 @@ BUILTIN = {
     "gemma-3": ModelAttention("gemma-3", 16, 8, 256, sliding_window=1024),
     "gpt-oss": ModelAttention("gpt-oss", 64, 8, 64, sliding_window=128, sinks=True),
     "phi-3": ModelAttention("phi-3", 40, 10, 128),  # Phi-3-medium
-    # head dim 96: decode runs on the prefill kernel (Hopper only)
+    # head dim 96: rows of 192 bytes (an fp8 cache at 96 decodes on the prefill kernels, Hopper only)
     "phi-3-mini": ModelAttention("phi-3-mini", 32, 32, 96, sliding_window=2047, global_layers=False),
     "phi-4": ModelAttention("phi-4", 40, 10, 128),
     # MLA: prefill over the decompressed K / V (128 heads, q/k 128 nope + 64 rope, v 128)
@@ -253,9 +253,13 @@ def model_specs(m: ModelAttention, arch: str) -> list:
     if m.mla:
         return _mla_model_specs(m, arch)
     dt, d, kv = m.dtype, m.head_dim, m.kv_dtype
-    heads = [1] + [h for h in decode.PACKED_HEADS if m.num_kv_heads % h == 0 and h * m.group <= decode.TILE_Q]
+    heads = [1] + [
+        h
+        for h in decode.PACKED_HEADS
+        if m.num_kv_heads % h == 0 and h * m.group <= decode.TILE_Q and decode.packed_ok(h, m.group, d)
+    ]
     specs = []
-    if d in decode.HEAD_DIMS:  # else decode runs on the prefill kernel (its specs below)
+    if d in decode.head_dims_for(kv is not None):  # else decode runs on the prefill kernels (below)
         for window, cap in _layer_kinds(m):
             base = _decode_variant(window, cap)
             for v in [base] + ([AttentionSink() if base is None else base + AttentionSink()] if m.sinks else []):

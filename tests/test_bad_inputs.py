@@ -461,7 +461,7 @@ case(
     dec_plan(num_qo_heads=6, num_kv_heads=4),
     raises(ValueError, r"num_qo_heads \(6\) must be a multiple of num_kv_heads \(4\)"),
 )
-# (head dim 96 decodes on the prefill kernel: 80 is served by neither)
+# (80: served by neither the decode nor the prefill kernels)
 case("head_dim_80", DEC, dec_plan(head_dim=80), raises(ValueError, "head_dim 80 is not supported"))
 case(
     "indptr_float_fractional",

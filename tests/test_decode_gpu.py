@@ -114,6 +114,29 @@ def test_decode_head_dims_gqa(d, dtype, hq, hk):
     run_case(len(kv), kv, 16, hq, hk, d, dtype)
 
 
+# head dim 96 (Phi-3-mini's 32 / 32; 192-byte rows): pages, layouts, GQA (one and two kv heads per
+# item), soft-cap / window, split + merge (the 33k request), lengths 0 / 1 / odd
+HD96 = [
+    (16, "NHD", 32, 32, None, None, -1),
+    (1, "HND", 32, 32, None, None, -1),
+    (64, "NHD", 32, 8, 2, None, -1),
+    (16, "HND", 16, 2, 1, 30.0, -1),
+    (16, "NHD", 32, 32, 2, None, 100),
+    (1, "NHD", 32, 8, None, 50.0, 7),
+]
+
+
+@pytest.mark.parametrize("page_size,layout,hq,hk,hpi,soft_cap,window", HD96)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_head_dim_96(page_size, layout, hq, hk, hpi, soft_cap, window, dtype):
+    rng = random.Random()
+    kv = [0, 1, 17, 300, 64, 129, 5, 2048 + rng.randrange(64), 33000]
+    rng.shuffle(kv)
+    w = run_case(len(kv), kv, page_size, hq, hk, 96, dtype, layout, soft_cap=soft_cap, window_left=window,
+                 heads_per_item=hpi)[0]  # fmt: skip
+    assert not w._routed and w._state.decode is not None and (window >= 0 or w._state.plan.has_split)
+
+
 @pytest.mark.parametrize("page_size", [1, 16, 64, 128])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("single_tensor", [False, True])
@@ -370,7 +393,7 @@ def test_capture_without_cuda_graph_flag_is_an_error():
 def test_validation_errors():
     w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
     ind = torch.tensor([0, 1], dtype=torch.int32)
-    with pytest.raises(ValueError, match="head_dim 80"):  # (96 decodes on the prefill kernel)
+    with pytest.raises(ValueError, match="head_dim 80"):
         w.plan(ind, ind[:1], ind[1:], 8, 8, 80, 16)
     with pytest.raises(ValueError, match="bytes"):  # 1 MiB is too small for batch 1000 x 64 heads
         big = torch.arange(1001, dtype=torch.int32)

@@ -162,10 +162,9 @@ def test_compiled_decode_matches_reference(interp, case, monkeypatch):
         assert w._state.plan.has_split
 
 
-# head dim 96 in the decode kernel itself (192-byte rows: three 64-byte atom columns gathered in
-# turn, the epilogue's column pieces; one or two kv heads per item -- four would leave a thread
-# fewer tokens than its gather rows).  Not wired: the wrappers decode at 96 on the prefill
-# kernels (families/decode.HEAD_DIMS has no 96), so these cases admit 96 for the plan only.
+# head dim 96 (192-byte rows: three 64-byte atom columns gathered in turn, the epilogue's column
+# pieces; one or two kv heads per item -- four would leave a thread fewer tokens than its gather
+# rows, families/decode.MAX_PACKED_HEADS).
 HD96 = [
     ([70, 5, 300], 16, 8, 1, 1),  # split + merge
     ([33, 1, 90], 1, 16, 4, 2),  # page 1, two heads per item (GQA 4: 8 rows of 16)
@@ -173,15 +172,7 @@ HD96 = [
 
 
 @pytest.mark.parametrize("case", HD96, ids=lambda c: f"kv{'_'.join(map(str, c[0]))}-p{c[1]}-h{c[2]}x{c[3]}-hpi{c[4]}")
-def test_compiled_decode_hd96(interp, case, monkeypatch):
-    import cute_attn.wrappers.decode as D
-    import cute_attn.wrappers.decode_engine as E
-    from cute_attn.families import decode
-
-    for mod in (D, E):
-        monkeypatch.setattr(mod, "SUPPORTED_HEAD_DIMS", decode.HEAD_DIMS + (96,))
-    for table, v in ((decode.STAGES, 4), (decode.BLOCK_N, 64), (decode.CTAS_PER_SM, 2)):
-        monkeypatch.setitem(table, 96, v)
+def test_compiled_decode_hd96(interp, case):
     kv, ps, hq, hk, hpi = case
     w = run_decode(kv, ps, hq, hk, 96, hpi, seed=len(kv) * 5 + hpi)
     assert interp and all(m.steps > 0 for m in interp) and interp[0].params["head_dim"] == 96

@@ -408,14 +408,23 @@ def test_cpu_models_deepseek():
         model_specs(from_config(dict(cfg, qk_nope_head_dim=192)), "sm_90a")
     with pytest.raises(ValueError, match="head_dim 80 is not served"):
         model_specs(from_config(dict(num_attention_heads=32, hidden_size=2560)), "sm_90a")
-    # head dim 96 (Phi-3-mini): decode on the paged prefill kernel -- the wgmma kernel on Hopper
-    # (never the portable one there: HOPPER_WGMMA_ONLY_HEAD_DIMS), the portable one elsewhere
+    # head dim 96 (Phi-3-mini): decode on the decode kernel (one or two kv heads per item), prefill
+    # on the wgmma kernel on Hopper (never the portable one there: HOPPER_WGMMA_ONLY_HEAD_DIMS),
+    # the portable one elsewhere
+    for arch in ("sm_90a", "sm_100a"):
+        hd96 = model_specs(from_config(dict(num_attention_heads=32, hidden_size=3072)), arch)
+        dec = [s.pdict for s in hd96 if s.family == "paged_decode"]
+        assert sorted(p.get("heads_per_item", 1) for p in dec) == [1, 2] and all(p["head_dim"] == 96 for p in dec)
     hd96 = model_specs(from_config(dict(num_attention_heads=32, hidden_size=3072)), "sm_90a")
-    assert "paged_decode" not in {s.family for s in hd96}
     assert any(s.family == "batch_prefill_sm90" and s.pdict["paged"] and s.pdict["causal"] for s in hd96)
     assert "batch_prefill_mma" not in {s.family for s in hd96}
+    # an fp8 cache at 96: no decode kernel (96-byte rows); decode runs on the prefill path
+    hd96_f8 = model_specs(from_config(dict(num_attention_heads=32, hidden_size=3072, kv_cache_dtype="fp8")), "sm_90a")
+    assert "paged_decode" not in {s.family for s in hd96_f8}
     hd96 = model_specs(from_config(dict(num_attention_heads=32, hidden_size=3072)), "sm_100a")
-    assert {s.family for s in hd96} == {"batch_prefill_mma", "merge_partials", "merge_pair", "merge_states"}
+    assert {s.family for s in hd96} == {
+        "paged_decode", "kept_update", "batch_prefill_mma", "merge_partials", "merge_pair", "merge_states"
+    }  # fmt: skip
     assert {(s.pdict["tile_q"], s.pdict["paged"], s.pdict["causal"]) for s in hd96 if "paged" in s.pdict} == {
         (t, p, c) for t in (16, 32, 64) for p in (False, True) for c in (False, True)
     }
@@ -424,8 +433,8 @@ def test_cpu_models_deepseek():
 @gpu
 @pytest.mark.parametrize("graph", [False, True])
 def test_decode_hd96(graph):
-    """Decode at head dim 96 (Phi-3-mini: 32 / 32 heads, a 2047-token window) on the prefill
-    kernel, one causal query row per request: lengths 0 / 1 / odd / past the window, and in
+    """Decode at head dim 96 (Phi-3-mini: 32 / 32 heads, a 2047-token window) on the decode
+    kernel (192-byte rows), one query row per request: lengths 0 / 1 / odd / past the window, and in
     graph mode one captured run() replayed over re-plans by ``fast_decode_plan``; against the
     fp32 reference (relative L2 2e-2, LSE 2e-3, -inf where the reference has it).  Its specs
     are ``compile --model phi-3-mini``'s."""
@@ -470,6 +479,7 @@ def test_decode_hd96(graph):
             bufs["paged_kv_last_page_len_buffer"].copy_(last)
         if t == 0 or not graph:
             w.plan(indptr, indices, last, hq, hk, d, ps, q_data_type=BF, window_left=window)
+            assert not w._routed and w._state.decode is not None  # the decode kernel, not the prefill one
         else:
             fast_decode_plan(w, indptr, bufs["paged_kv_indices_buffer"], last, hq, hk, d, ps, q_data_type=BF,
                              window_left=window, global_override_indptr_cpu=indptr)  # fmt: skip

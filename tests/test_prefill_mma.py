@@ -56,19 +56,13 @@ def test_blackwell_tiles(emu, qo, tile, paged):  # noqa: F811
 @pytest.mark.parametrize("paged", [False, True])
 def test_blackwell_head_dim_96(emu, paged):  # noqa: F811
     """sm_100a at head dim 96: prefill on the portable kernel (the emulated kernel's output
-    checked against the reference), and decode routed to it (the paged prefill, one causal row
-    per request), as Hopper's decode at 96 is to the wgmma kernel."""
-    from cute_attn.decode import BatchDecodeWithPagedKVCacheWrapper
-
+    checked against the reference; decode at 96 runs the decode kernel there, as on Hopper:
+    tests/test_wrappers_api.py)."""
     emu.state["arch"] = "sm_100a"
     qo, kv = [1, 9, 40], [70, 9, 300]
     kw = dict(causal=True, workspace=_cpu_ws(), **CPU)
     w = (run_paged(qo, kv, 1, 8, 2, 96, BF, **kw) if paged else run_ragged(qo, kv, 8, 2, 96, BF, **kw))[0]
     assert w._state.family == "batch_prefill_mma" and w._state.head_dim == 96
-    d = BatchDecodeWithPagedKVCacheWrapper(_cpu_ws())
-    indptr, last = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([3, 16], dtype=torch.int32)
-    d.plan(indptr, torch.arange(5, dtype=torch.int32), last, 8, 2, 96, 16, q_data_type=BF)
-    assert d._routed and d._mt._state.family == "batch_prefill_mma" and d._mt._tile == 16
 
 
 def test_blackwell_refusals_and_rope(emu):  # noqa: F811

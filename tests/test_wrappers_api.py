@@ -539,12 +539,13 @@ def test_q_len_per_req(demu, graph, arch):
         assert torch.equal(out2, out)
 
 
-# ---- head dim 96: decode on the prefill kernel ----------------------------------------------------
+# ---- head dim 96: 192-byte rows on the decode kernel; an fp8 cache on the prefill path ---------------
 @pytest.mark.parametrize("graph", [False, True])
 def test_decode_head_dim_96(demu, graph):
-    """Decode at a head dim the decode kernel lacks but the prefill kernel serves: one causal
-    query row per request on the paged prefill kernel (a length-0 request gives out 0, LSE
-    -inf), re-planned by fast_decode_plan in graph mode; on Blackwell the portable kernel."""
+    """Decode at head dim 96 (Phi-3-mini's) runs the decode kernel (a length-0 request gives out
+    0, LSE -inf; fast_decode_plan re-plans in graph mode), packs at most two kv heads per item,
+    and with an fp8 cache -- which the decode kernel does not read at 96 -- plans the paged
+    prefill of one causal row per request (FlashInfer's tensor-core decode)."""
     d, kv_lens = 96, [9, 40, 0, 70]
     bs = len(kv_lens)
     g = _gen(_seed())
@@ -559,13 +560,12 @@ def test_decode_head_dim_96(demu, graph):
         )
     w = BatchDecodeWithPagedKVCacheWrapper(_cpu_ws(32), "NHD", **ctor)
     w.plan(indptr, indices, last, HQ, HK, d, PS, q_data_type=BF16, logits_soft_cap=30.0)
-    assert w._q_len_per_req == 1 and launches(demu, "paged_decode") == []
+    assert not w._routed
     q = torch.randn(bs, HQ, d, generator=g).to(BF16)
     out, lse = w.run(q, cache, return_lse=True)
-    fam, params, _ = launches(demu, "batch_prefill_sm90")[-1]
-    assert params["head_dim"] == d and params["paged"] and params["soft_cap"]
-    qo = torch.arange(bs + 1, dtype=torch.int32)
-    ro, rl = paged_reference(q, cache, qo, indptr, indices, last, causal=True, logits_soft_cap=30.0)
+    fam, params, _ = launches(demu, "paged_decode")[-1]
+    assert params["head_dim"] == d and params["stages"] == 4 and "kv_dtype" not in params
+    ro, rl = paged_reference(q, cache, None, indptr, indices, last, logits_soft_cap=30.0)
     _close(out, ro)
     assert torch.equal(out[2].float(), torch.zeros_like(out[2].float())) and torch.isinf(lse[2]).all()
     if graph:
@@ -576,17 +576,26 @@ def test_decode_head_dim_96(demu, graph):
         w._paged_kv_indices_buf[: indices2.numel()].copy_(indices2)
         fast_decode_plan(w, indptr2, w._paged_kv_indices_buf, last2, HQ, HK, d, PS, q_data_type=BF16,
                          logits_soft_cap=30.0, global_override_indptr_cpu=indptr2)  # fmt: skip
-        ro2, _ = paged_reference(q, cache2, qo, indptr2, indices2, last2, causal=True, logits_soft_cap=30.0)
+        ro2, _ = paged_reference(q, cache2, None, indptr2, indices2, last2, logits_soft_cap=30.0)
         _close(w.run(q, cache2), ro2)
-    with pytest.raises(NotImplementedError, match="head_dim 96"):
-        w.plan(indptr, indices, last, HQ, HK, d, PS, q_data_type=BF16, heads_per_item=2)
-    if not graph:  # Blackwell: the portable prefill kernel (its GPU cases: tests/test_prefill_mma_gpu.py)
-        demu.state["arch"] = "sm_100a"
-        w.plan(indptr, indices, last, HQ, HK, d, PS, q_data_type=BF16, logits_soft_cap=30.0)
-        out = w.run(q, cache)
-        fam, params, _ = launches(demu, "batch_prefill_mma")[-1]
-        assert params["head_dim"] == d and params["paged"] and params["soft_cap"] and params["tile_q"] == 16
-        _close(out, ro)
+        return
+    w.plan(indptr, indices, last, HQ, HK, d, PS, q_data_type=BF16, heads_per_item=2)
+    _close(w.run(q, cache), paged_reference(q, cache, None, indptr, indices, last)[0])
+    assert launches(demu, "paged_decode")[-1][1]["heads_per_item"] == 2
+    with pytest.raises(ValueError, match="head dim 96 packs at most 2"):
+        w.plan(indptr, indices, last, 8 * HK, HK, d, PS, q_data_type=BF16, heads_per_item=4)
+    # an fp8 cache at 96: the paged prefill kernel, after the KV pass
+    f8 = tuple(t.to(torch.float8_e4m3fn) for t in cache)
+    w.plan(indptr, indices, last, HQ, HK, d, PS, q_data_type=BF16, kv_data_type=torch.float8_e4m3fn)
+    assert w._routed
+    out8 = w.run(q, f8)
+    assert launches(demu, "batch_prefill_sm90")[-1][1]["head_dim"] == d
+    qo = torch.arange(bs + 1, dtype=torch.int32)
+    _close(out8, paged_reference(q, tuple(t.to(BF16) for t in f8), qo, indptr, indices, last, causal=True)[0])
+    demu.state["arch"] = "sm_100a"  # Blackwell: the same decode kernel
+    w.plan(indptr, indices, last, HQ, HK, d, PS, q_data_type=BF16)
+    _close(w.run(q, cache), paged_reference(q, cache, None, indptr, indices, last)[0])
+    assert not w._routed and launches(demu, "paged_decode")[-1][1]["head_dim"] == d
 
 
 # ---- deprecated shared-prefix wrappers --------------------------------------------------------------

@@ -21,12 +21,22 @@ from ..variants.builtins import SlidingWindow, SoftCap
 from .base import KernelFamily, cache_arg, i32_arg, register, spec_variant, variant_params
 from .spec import Spec
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 96, 128, 256)
+# an fp8 cache's rows are head_dim bytes: 96 would leave 96-byte rows, which the fp8 kernel's
+# 64- / 128-byte swizzle atoms do not tile (an fp8 cache at 96 decodes on the prefill path)
+FP8_HEAD_DIMS = (64, 128, 256)
 TILE_Q = 16  # packed rows per work item: the kernel's m16 MMA tile
 PACKED_HEADS = (4, 2)  # kv heads per work item the kernel is built for, besides 1
-STAGES = {64: 4, 128: 3, 256: 2}  # KV pipeline depth that fits shared memory
-BLOCK_N = {64: 64, 128: 64, 256: 64}  # KV rows (tokens x packed heads) per stage, 16-bit caches
-CTAS_PER_SM = {64: 2, 128: 2, 256: 1}  # what shared memory (and 248 registers/thread) allow
+# head dim 96 gathers a 192-byte row as 64-byte atom rows, 32 rows per pass of the 128 threads:
+# a stage's 64 rows then hold at most two heads' 32 tokens (four would leave 16, fewer than a pass)
+MAX_PACKED_HEADS = {96: 2}
+STAGES = {64: 3, 96: 4, 128: 3, 256: 2}  # KV pipeline depth that fits shared memory
+# KV rows (tokens x packed heads) per stage, 16-bit caches.  Head dim 64: 128-row stages (32 KB,
+# hd128's stage bytes) at 3 stages ran 0.5-5 % faster than 64-row ones at 4 on all four hd64
+# batches of the H200 sweeps (scripts/decode_hd64_sweep.py: gpt-oss 64 x 4k 130.0 against 131.1
+# us, 4.13 TB/s; the lognormal batches 118.5-119.6 against 124.4-126.1 us)
+BLOCK_N = {64: 128, 96: 64, 128: 64, 256: 64}
+CTAS_PER_SM = {64: 2, 96: 2, 128: 2, 256: 1}  # what shared memory (and 248 registers/thread) allow
 # the variants whose kernels ship for FlashInfer's plain / soft-cap / window options, packed
 # and unpacked (so the wrapper's default packing rule packs only those)
 SHIPPED_VARIANTS = (None, SoftCap(), SlidingWindow(), SoftCap() + SlidingWindow())
@@ -78,6 +88,11 @@ PAGED_DECODE = register(
 )
 
 
+def head_dims_for(fp8_cache: bool) -> tuple:
+    """The head dims the kernel serves for a 16-bit or an fp8 cache."""
+    return FP8_HEAD_DIMS if fp8_cache else HEAD_DIMS
+
+
 def packing_params(heads_per_item: int) -> dict:
     """The spec parameter of head packing: absent for one kv head per item (the unpacked
     kernels' specs predate it, and their keys stay)."""
@@ -90,9 +105,12 @@ def decode_tile(heads_per_item: int, group: int) -> int:
     return 16 if heads_per_item * group <= TILE_Q else 2 * TILE_Q
 
 
-def packed_ok(heads_per_item: int, group: int) -> bool:
-    """Whether the kernel packs ``heads_per_item`` kv heads of GQA ``group``: all rows in one
-    16-row tile, or four heads of 8 rows each, two per 16-row group (``tile_q`` 32)."""
+def packed_ok(heads_per_item: int, group: int, head_dim: int = 0) -> bool:
+    """Whether the kernel packs ``heads_per_item`` kv heads of GQA ``group`` (at ``head_dim``; 0:
+    any): all rows in one 16-row tile, or four heads of 8 rows each, two per 16-row group
+    (``tile_q`` 32); at most ``MAX_PACKED_HEADS`` of the head dim."""
+    if heads_per_item > MAX_PACKED_HEADS.get(head_dim, PACKED_HEADS[0]):
+        return False
     return heads_per_item * group <= TILE_Q or (heads_per_item == 4 and group == 8)
 
 
@@ -119,6 +137,10 @@ def decode_spec(
     ``Hooks.packs_heads``), cache dtype (``kv_dtype``: None or ``dtype``, or fp8) and packed
     rows per item (``decode_tile``)."""
     kvp = kv_params(dtype, kv_dtype)
+    if kvp and head_dim not in FP8_HEAD_DIMS:
+        raise ValueError(f"paged_decode: an fp8 cache at head dim {head_dim} (fp8 head dims: {FP8_HEAD_DIMS})")
+    if heads_per_item > MAX_PACKED_HEADS.get(head_dim, PACKED_HEADS[0]):
+        raise ValueError(f"paged_decode: {heads_per_item} kv heads per item at head dim {head_dim}")
     extra = {}
     if not kvp and BLOCK_N[head_dim] != 64:
         extra["block_n"] = BLOCK_N[head_dim]
@@ -146,8 +168,9 @@ def shipped_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=HEAD_DIMS, 
     out = []
     for dt in dtype_names:
         for d in head_dims:
-            for kv in kv_names:
+            heads = [h for h in PACKED_HEADS if h <= MAX_PACKED_HEADS.get(d, h)]
+            for kv in kv_names if d in FP8_HEAD_DIMS else (None,):
                 out += [decode_spec(arch, dt, d, v, kv_dtype=kv) for v in SHIPPED_VARIANTS]
-                out += [decode_spec(arch, dt, d, v, h, kv) for h in PACKED_HEADS for v in SHIPPED_VARIANTS]
+                out += [decode_spec(arch, dt, d, v, h, kv) for h in heads for v in SHIPPED_VARIANTS]
             out.append(Spec.make("merge_partials", arch, dtype=dt, head_dim=d, tile_q=TILE_Q))
     return out

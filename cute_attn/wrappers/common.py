@@ -79,6 +79,14 @@ def as_dtype(x, what: str = "dtype") -> Optional[torch.dtype]:
     return t
 
 
+def is_fp8(x) -> bool:
+    """Whether ``x`` names an fp8 dtype (a name that does not parse: False, for plan()'s own checks)."""
+    try:
+        return as_dtype(x) in FP8
+    except ValueError:
+        return False
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The spec name (``"f16"`` / ``"bf16"``) of an attention dtype (checked by :func:`plan_dtype`)."""
     return dtypes.name_of(dtype, dtypes.ATTENTION)

@@ -23,7 +23,7 @@ import torch
 from ..families.backends import backend_for
 from ..families.base import variant_params
 from ..families.decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
-from ..families.decode import decode_spec, decode_tile
+from ..families.decode import decode_spec, decode_tile, head_dims_for
 from ..families.kept import kept_update_spec
 from ..families.merge import merge_partials_spec
 from ..families.prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
@@ -230,9 +230,11 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
                 f"use_cuda_graph=True: q_len_per_req is part of the captured shape; this wrapper was planned "
                 f"with {self._frozen_q_len}, got {q_len_per_req} (use a wrapper per q_len_per_req)"
             )
-        # several query tokens per request, or a head dim only the prefill kernel serves (96):
-        # a causal paged prefill of q_len_per_req rows per request (FlashInfer's tensor-core decode)
-        if q_len_per_req > 1 or (head_dim not in SUPPORTED_HEAD_DIMS and head_dim in PREFILL_HEAD_DIMS):
+        # several query tokens per request, or a head dim / cache only the prefill kernels serve (an
+        # fp8 cache at 96): a causal paged prefill of q_len_per_req rows per request (FlashInfer's
+        # tensor-core decode)
+        on_prefill = head_dim not in head_dims_for(common.is_fp8(kv_data_type)) and head_dim in PREFILL_HEAD_DIMS
+        if q_len_per_req > 1 or on_prefill:
             return self._plan_multi(
                 indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, q_len_per_req,
                 pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,

@@ -19,7 +19,8 @@ from ..abi.kept import KS_BAD_LENGTHS, KS_UNBALANCED
 from ..families.backends import backend_for
 from ..families.base import variant_params
 from ..families.decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
-from ..families.decode import decode_spec, decode_tile
+from ..families.decode import decode_spec, decode_tile, head_dims_for
+from ..families.prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..sched import WorkspaceLayout, kv_lens_from_paged
 from ..sched.inputs import as_index_array, check_indptr, paged_lengths_valid, step_kv_lens
@@ -484,13 +485,15 @@ class DecodeEngineAPI:
         """FlashInfer's ``workspace_size``: (float workspace bytes, int workspace bytes) that
         plan() with these arguments needs; no side effects.  The int bytes are 0 (the plan lives
         in the float workspace)."""
-        common.check_heads(num_qo_heads, num_kv_heads, head_dim, SUPPORTED_HEAD_DIMS)
+        on_prefill = head_dim not in head_dims_for(common.is_fp8(kv_data_type)) and head_dim in PREFILL_HEAD_DIMS
+        dims = PREFILL_HEAD_DIMS if on_prefill else SUPPORTED_HEAD_DIMS
+        common.check_heads(num_qo_heads, num_kv_heads, head_dim, dims)
         if block_tables is not None or seq_lens is not None:
             raise NotImplementedError("block_tables / seq_lens (the trtllm-gen backend's inputs) are not supported")
         batch = len(last_page_len)
         hq, hk, d = int(num_qo_heads), int(num_kv_heads), int(head_dim)
         arch = arch_of_index(self._dev)
-        if q_len_per_req > 1:
+        if q_len_per_req > 1 or on_prefill:
             from .prefill_sizes import prefill_workspace_bytes
 
             have = self._workspace.numel()

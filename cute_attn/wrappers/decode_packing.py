@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 
 from ..families.base import variant_params
-from ..families.decode import PACKED_HEADS, SHIPPED_VARIANTS, decode_tile, packed_ok
+from ..families.decode import MAX_PACKED_HEADS, PACKED_HEADS, SHIPPED_VARIANTS, decode_tile, packed_ok
 
 # Head packing (h kv heads per work item) is chosen where, with it, the batch still has at
 # least this many items per CTA and no item is longer than a CTA's fair share: the items
@@ -47,7 +47,9 @@ def heads_per_item(want, fixed, kv_lens, hq, hk, num_ctas, invariant, packable, 
             return f"must be one of {(1,) + PACKED_HEADS}"
         if h > 1 and not packable:
             return "head packing needs a softmax variant without query/key transforms (RoPE has them)"
-        if hk % h or not packed_ok(h, group):
+        if h > MAX_PACKED_HEADS.get(head_dim, h):
+            return f"head dim {head_dim} packs at most {MAX_PACKED_HEADS[head_dim]} kv heads per item"
+        if hk % h or not packed_ok(h, group, head_dim):
             return f"needs num_kv_heads ({hk}) % h == 0 and h * group ({group}) <= 16 (or h = 4 at group 8)"
         if kv_name is not None and decode_tile(h, group) != 16:
             return f"an fp8 cache packs only h * group ({group}) <= 16"

@@ -1,0 +1,113 @@
+"""Head-dim-96 decode (Phi-3-mini: 32 / 32 heads, bf16, page 16): the decode kernel (192-byte
+rows, ``families/decode.HEAD_DIMS``) against the route it replaced -- one causal row per request
+on the paged prefill kernel (the wgmma one on Hopper) -- CUDA-graph replays timed in turns (two
+rounds of 40 calls, medians), outputs checked against the fp32 reference on 8 requests first.
+
+    python -m cute_attn compile --arch sm_90a --model phi-3-mini
+    PYTHONPATH=. CUTE_ATTN_CACHE_DIR=... python scripts/decode_hd96_ab.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+
+D, HQ, HK, PS = 96, 32, 32, 16
+CASES = {  # name: (kv lengths, window_left)
+    "decode/hd96/mha/bs64/kv4096/page16": ([4096] * 64, -1),
+    "decode/hd96/mha/bs64/kv4096/page16/window2047": ([4096] * 64, 2046),
+    "decode/hd96/mha/bs256/kv1024/page16": ([1024] * 256, -1),
+}
+
+
+def _wrapper(route: str, indptr, indices, last, window: int):
+    import torch
+
+    import cute_attn.wrappers.decode as wd
+    from cute_attn import BatchDecodeWithPagedKVCacheWrapper
+
+    saved = wd.head_dims_for
+    if route == "prefill_path":  # the route before: 96 not among the decode kernel's head dims
+        wd.head_dims_for = lambda fp8: tuple(d for d in saved(fp8) if d != D)
+    try:
+        w = BatchDecodeWithPagedKVCacheWrapper(
+            torch.zeros(256 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
+            paged_kv_indptr_buffer=indptr.cuda(), paged_kv_indices_buffer=indices.cuda(),
+            paged_kv_last_page_len_buffer=last.cuda(),
+        )  # fmt: skip
+        w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=torch.bfloat16, window_left=window)
+    finally:
+        wd.head_dims_for = saved
+    assert w._routed == (route == "prefill_path"), route
+    return w
+
+
+def _check(route: str, window: int) -> float:
+    """Max |out - ref| on 8 requests (lengths 0 / 1 / odd / past the window)."""
+    import torch
+
+    from cute_attn.bench.decode import paged_cache
+    from cute_attn.testing import paged_reference
+
+    lens = [0, 1, 37, 3001, 700, 2047, 5000, 16]
+    cache, indptr, indices, last = paged_cache(lens, PS, torch.Generator().manual_seed(3), HK, D)
+    q = torch.randn(len(lens), HQ, D, device="cuda", dtype=torch.bfloat16)
+    w = _wrapper(route, indptr, indices, last, window)
+    out = w.run(q, cache)
+    ref, _ = paged_reference(q.float(), tuple(t.float() for t in cache), torch.arange(len(lens) + 1, dtype=torch.int32),
+                             indptr, indices, last, causal=True, window_left=window)  # fmt: skip
+    return (out.float() - ref).abs().max().item()
+
+
+def run(json_path=None) -> None:
+    import torch
+
+    from cute_attn.bench.common import Results, interleaved
+    from cute_attn.bench.decode import paged_cache
+
+    res = Results()
+    for case, (lens, window) in CASES.items():
+        for route in ("decode_kernel", "prefill_path"):
+            print(json.dumps({"case": case, "route": route, "check_maxdiff": _check(route, window)}), flush=True)
+        gc.collect()
+        cache, indptr, indices, last = paged_cache(lens, PS, torch.Generator().manual_seed(0), HK, D)
+        q = torch.randn(len(lens), HQ, D, device="cuda", dtype=torch.bfloat16)
+        graphs, outs = {}, {}
+        for route in ("decode_kernel", "prefill_path"):
+            w = _wrapper(route, indptr, indices, last, window)
+            out = torch.empty_like(q)
+            w.run(q, cache, out=out)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            gc.disable()
+            try:
+                with torch.cuda.graph(g):
+                    w.run(q, cache, out=out)
+            finally:
+                gc.enable()
+            graphs[route], outs[route] = (g, w), out
+        fns = {k: g.replay for k, (g, _) in graphs.items()}
+        t = interleaved(fns, calls=40)
+        t2 = interleaved(fns, calls=40)
+        diff = (outs["decode_kernel"].float() - outs["prefill_path"].float()).abs().max().item()
+        read = sum(min(n, window + 1) if window >= 0 else n for n in lens)
+        kv_bytes = read * HK * D * 2 * 2
+        us = {k: min(t[k], t2[k]) for k in fns}
+        for k in fns:
+            row = {"case": case, "route": k, "us": round(us[k], 1), "rounds": [round(t[k], 1), round(t2[k], 1)],
+                   "TB/s": round(kv_bytes / us[k] / 1e6, 3), "maxdiff_between": diff}  # fmt: skip
+            print(json.dumps(row), flush=True)
+            impl = "cute_attn" if k == "decode_kernel" else "cute_attn_prefill_path"
+            res.add(case, impl, "us", us[k])
+            res.add(case, impl, "TB/s", kv_bytes / us[k] / 1e6)
+        res.add(case, "cute_attn_prefill_path", "ratio", us["prefill_path"] / us["decode_kernel"])
+        del graphs, fns
+        torch.cuda.empty_cache()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res.records, f, indent=1)
+
+
+if __name__ == "__main__":
+    run(sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None)
