@@ -30,7 +30,8 @@ PACKED_HEADS = (4, 2)  # kv heads per work item the kernel is built for, besides
 # head dim 96 gathers a 192-byte row as 64-byte atom rows, 32 rows per pass of the 128 threads:
 # a stage's 64 rows then hold at most two heads' 32 tokens (four would leave 16, fewer than a pass)
 MAX_PACKED_HEADS = {96: 2}
-STAGES = {64: 3, 96: 4, 128: 3, 256: 2}  # KV pipeline depth that fits shared memory
+STAGES = {64: 3, 96: 4, 128: 3, 256: 2}  # KV pipeline depth of a 16-bit cache's BLOCK_N-row stages
+FP8_STAGES = {64: 4, 128: 3, 256: 2}  # of an fp8 cache's (64 rows of D 16-bit pairs: 16 KB at hd128)
 # KV rows (tokens x packed heads) per stage, 16-bit caches.  Head dim 64: 128-row stages (32 KB,
 # hd128's stage bytes) at 3 stages ran 0.5-5 % faster than 64-row ones at 4 on all four hd64
 # batches of the H200 sweeps (scripts/decode_hd64_sweep.py: gpt-oss 64 x 4k 130.0 against 131.1
@@ -153,7 +154,7 @@ def decode_spec(
         arch,
         dtype=dtype,
         head_dim=head_dim,
-        stages=STAGES[head_dim],
+        stages=(FP8_STAGES if kvp else STAGES)[head_dim],
         **kvp,
         **packing_params(heads_per_item),
         **extra,
