@@ -69,7 +69,8 @@ def check(lens, seed: int, graph_replays: int = 3):
             out = torch.full_like(q, float("nan"))
             w.run(q, cache, out=out)
             torch.cuda.synchronize()
-            row["items"], row["merges"], row["hpi"] = len(w._state.plan.work_items), len(w._state.plan.merge_tasks), w._hpi
+            plan = w._state.plan
+            row["items"], row["merges"], row["hpi"] = len(plan.work_items), len(plan.merge_tasks), w._hpi
             err = (out.float() - ref).abs()
             row["eager"] = err.max().item()
             row["eager_bad_rows"] = int((err.amax(-1) > 0.05).sum().item())

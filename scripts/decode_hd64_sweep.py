@@ -134,7 +134,10 @@ def run(json_path=None) -> None:
             plan = w._state.plan
             names[key] = f"bn{bn}_s{s}_c{c}_h{w._hpi}" + ("_rule" if h is None else "") + (f"_tol{tol}" if tol else "")
             print(f"{case} {names[key]}: {len(plan.work_items)} items, {len(plan.merge_tasks)} merges")
-            graphs[key], outs[key] = (g, w), out
+            # the graph writes into out and lse at replay: both must live as long as it (a freed
+            # lse's memory, reused by the next setting's plan records, once made graphs of the
+            # 5e50dad and session-18 sweeps run on corrupted plans: wrong, and "fast")
+            graphs[key], outs[key] = (g, w, lse), out
         # FlashInfer on the gpt-oss shape only (its hd64 module is an overlay built here)
         if fi is not None and with_fi:
             run_fi, why = peers.fi_call(
@@ -143,10 +146,10 @@ def run(json_path=None) -> None:
             if run_fi is None:
                 print(f"{case} flashinfer: {why}")
             else:
-                graphs["fi"], outs["fi"], names["fi"] = (run_fi, None), run_fi.out, "flashinfer"
+                graphs["fi"], outs["fi"], names["fi"] = (run_fi, None, None), run_fi.out, "flashinfer"
         torch.cuda.synchronize()
         ref = outs[next(iter(outs))]
-        fns = {k: g.replay for k, (g, _) in graphs.items()}
+        fns = {k: g.replay for k, (g, _, _) in graphs.items()}
         for f in fns.values():
             f()
         torch.cuda.synchronize()
