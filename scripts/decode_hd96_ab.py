@@ -4,7 +4,7 @@ on the paged prefill kernel (the wgmma one on Hopper) -- CUDA-graph replays time
 rounds of 40 calls, medians), outputs checked against the fp32 reference on 8 requests first.
 
     python -m cute_attn compile --arch sm_90a --model phi-3-mini
-    PYTHONPATH=. CUTE_ATTN_CACHE_DIR=... python scripts/decode_hd96_ab.py [--json out.json]
+    PYTHONPATH=. CUTE_ATTN_CACHE_DIR=... python scripts/decode_hd96_ab.py [--json out.json] [--only SUBSTRING]
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _check(route: str, window: int) -> float:
     return (out.float() - ref).abs().max().item()
 
 
-def run(json_path=None) -> None:
+def run(json_path=None, only=None) -> None:
     import torch
 
     from cute_attn.bench.common import Results, interleaved
@@ -68,6 +68,8 @@ def run(json_path=None) -> None:
 
     res = Results()
     for case, (lens, window) in CASES.items():
+        if only is not None and only not in case:
+            continue
         for route in ("decode_kernel", "prefill_path"):
             print(json.dumps({"case": case, "route": route, "check_maxdiff": _check(route, window)}), flush=True)
         gc.collect()
@@ -110,4 +112,5 @@ def run(json_path=None) -> None:
 
 
 if __name__ == "__main__":
-    run(sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None)
+    arg = lambda name: sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None  # noqa: E731
+    run(arg("--json"), arg("--only"))
