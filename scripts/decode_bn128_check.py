@@ -11,6 +11,7 @@ for ``compute-sanitizer --tool racecheck``.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import sys
@@ -56,6 +57,7 @@ def check(lens, seed: int, graph_replays: int = 3):
     import torch
 
     from cute_attn.bench.decode import paged_cache
+    from cute_attn.bench.peers import capture
     from cute_attn.testing.reference import paged_reference
 
     gen = torch.Generator().manual_seed(seed)
@@ -80,13 +82,8 @@ def check(lens, seed: int, graph_replays: int = 3):
             outg = torch.full_like(q, float("nan"))
             wg.run(q, cache, out=outg)
             torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            gc.disable()
-            try:
-                with torch.cuda.graph(g):
-                    wg.run(q, cache, out=outg)
-            finally:
-                gc.enable()
+            g, why = capture(functools.partial(wg.run, q, cache, out=outg))
+            assert g is not None, why
             errs = []
             for _ in range(graph_replays):
                 outg.fill_(float("nan"))

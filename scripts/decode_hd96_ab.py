@@ -65,6 +65,7 @@ def run(json_path=None, only=None) -> None:
 
     from cute_attn.bench.common import Results, interleaved
     from cute_attn.bench.decode import paged_cache
+    from cute_attn.bench.peers import capture
 
     res = Results()
     for case, (lens, window) in CASES.items():
@@ -81,13 +82,8 @@ def run(json_path=None, only=None) -> None:
             out = torch.empty_like(q)
             w.run(q, cache, out=out)
             torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            gc.disable()
-            try:
-                with torch.cuda.graph(g):
-                    w.run(q, cache, out=out)
-            finally:
-                gc.enable()
+            g, why = capture(lambda: w.run(q, cache, out=out))  # noqa: B023
+            assert g is not None, why
             graphs[route], outs[route] = (g, w), out
         fns = {k: g.replay for k, (g, _) in graphs.items()}
         t = interleaved(fns, calls=40)

@@ -17,6 +17,7 @@ unless ``CUTE_ATTN_BENCH_FI_JIT=1``: those cases print ``n/a (not prebuilt)`` an
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -134,8 +135,11 @@ def fi_call(fn, *args, **kwargs):
 
 
 def capture(fn):
-    """``(graph, None)``: a CUDA graph of one ``fn()`` (warm it up first), or ``(None, why)``."""
+    """``(graph, None)``: a CUDA graph of one ``fn()`` (warm it up first), or ``(None, why)``.
+    The cycle collector is off meanwhile: a wrapper it frees releases pinned memory, which a
+    capture forbids."""
     g = torch.cuda.CUDAGraph()
+    gc.disable()
     try:
         with torch.cuda.graph(g):
             fn()
@@ -144,6 +148,8 @@ def capture(fn):
         with contextlib.suppress(Exception):
             torch.cuda.synchronize()
         return None, f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
+    finally:
+        gc.enable()
 
 
 def max_diff(out: torch.Tensor, ref: torch.Tensor):

@@ -23,10 +23,9 @@ import torch
 from ..families.backends import backend_for
 from ..families.base import variant_params
 from ..families.decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
-from ..families.decode import decode_spec, decode_tile, head_dims_for
+from ..families.decode import decode_spec, decode_tile
 from ..families.kept import kept_update_spec
 from ..families.merge import merge_partials_spec
-from ..families.prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import KernelNotAvailable, kernel
 from ..sched import Limits, kv_lens_from_paged
@@ -36,7 +35,7 @@ from ..variants.binding import VariantBinding
 from ..variants.builtins import CustomMask, mask_kv_bounds
 from . import common, compat, guards, scales
 from .compiled import compilable_run
-from .decode_engine import DecodeEngineAPI, fast_decode_plan  # noqa: F401
+from .decode_engine import DecodeEngineAPI, decodes_on_prefill, fast_decode_plan  # noqa: F401
 from .decode_packing import MIN_PACKED_ITEMS_PER_CTA, heads_per_item  # noqa: F401  (re-exported)
 from .kept_device import DeviceKeep
 from .masks import device_mask, packed_mask
@@ -233,8 +232,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         # several query tokens per request, or a head dim / cache only the prefill kernels serve (an
         # fp8 cache at 96): a causal paged prefill of q_len_per_req rows per request (FlashInfer's
         # tensor-core decode)
-        on_prefill = head_dim not in head_dims_for(common.is_fp8(kv_data_type)) and head_dim in PREFILL_HEAD_DIMS
-        if q_len_per_req > 1 or on_prefill:
+        if q_len_per_req > 1 or decodes_on_prefill(head_dim, kv_data_type):
             return self._plan_multi(
                 indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, q_len_per_req,
                 pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,

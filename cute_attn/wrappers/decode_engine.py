@@ -39,6 +39,12 @@ def _replaced(st, **changes):
     return new
 
 
+def decodes_on_prefill(head_dim, kv_data_type) -> bool:
+    """Whether decode at ``head_dim`` over a ``kv_data_type`` cache plans on the prefill kernels
+    (a head dim or cache the decode kernel does not serve: an fp8 cache at 96)."""
+    return head_dim not in head_dims_for(common.is_fp8(kv_data_type)) and head_dim in PREFILL_HEAD_DIMS
+
+
 class DecodeEngineAPI:
     """FlashInfer's decode-wrapper surface the engines use (see the module doc)."""
 
@@ -485,7 +491,7 @@ class DecodeEngineAPI:
         """FlashInfer's ``workspace_size``: (float workspace bytes, int workspace bytes) that
         plan() with these arguments needs; no side effects.  The int bytes are 0 (the plan lives
         in the float workspace)."""
-        on_prefill = head_dim not in head_dims_for(common.is_fp8(kv_data_type)) and head_dim in PREFILL_HEAD_DIMS
+        on_prefill = decodes_on_prefill(head_dim, kv_data_type)
         dims = PREFILL_HEAD_DIMS if on_prefill else SUPPORTED_HEAD_DIMS
         common.check_heads(num_qo_heads, num_kv_heads, head_dim, dims)
         if block_tables is not None or seq_lens is not None:
