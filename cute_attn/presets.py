@@ -4,11 +4,13 @@
 the common head dims and FlashInfer's plain / soft-cap / window options) plus, on Hopper, the
 decode variants the variant tests and bench load; ``all`` adds every test matrix
 (``cute_attn.testing.matrices``): what the GPU tests and ``python -m cute_attn bench`` load, so
-what a GPU machine without the DSL needs for them.  ``smoke`` is a tiny set for quick checks.
+what a GPU machine without the DSL needs for them.  ``ci`` is the part of ``default`` that CI
+compiles (``covering``).  ``smoke`` is a tiny set for quick checks.
 """
 
 from __future__ import annotations
 
+from itertools import combinations
 from typing import Callable, Dict, List
 
 from .abi.archs import HOPPER
@@ -72,6 +74,39 @@ def _all(arch: str) -> List[Spec]:
     return list(dict.fromkeys(_default(arch) + _variants(arch)))
 
 
+# Parameters that select a mode of one kernel geometry (the traced variant, masks, the 16-bit
+# dtype) rather than the geometry itself (head dim, tiles, stages, heads per item, cache dtype).
+_MODE_KEYS = frozenset({"variant", "variant_fp", "causal", "soft_cap", "window", "dtype"})
+
+
+def covering(specs: List[Spec]) -> List[Spec]:
+    """A subset of ``specs`` that holds every kernel geometry of each family (the parameters
+    but ``_MODE_KEYS``) and every pair of parameter values that occurs together in ``specs``.
+
+    Compiling all of ``default`` takes most of an hour on a 2-core CI machine, and most of its
+    specs differ from another only in a mode: registers, shared memory and the instructions
+    used are set by the geometry, and a mode's code meets every geometry value it ships with.
+    The whole preset is still compiled by every shipped cache (``scripts/compile_aot.sh``),
+    which fails on any spec; ``CUTE_ATTN_COMPILE_TEST_PRESET=default`` makes the compile test
+    take all of it.  Greedy (the spec that covers most of what is left), so deterministic.
+    """
+
+    def covers(s: Spec) -> set:
+        items = sorted(s.params)
+        geometry = (s.family, "geometry") + tuple(kv for kv in items if kv[0] not in _MODE_KEYS)
+        return {geometry} | {(s.family, a) for a in items} | {(s.family, a, b) for a, b in combinations(items, 2)}
+
+    specs = list(dict.fromkeys(specs))
+    sets = {s: covers(s) for s in specs}
+    need = set().union(*sets.values()) if sets else set()
+    chosen = []
+    while need:
+        best = max(specs, key=lambda s: len(sets[s] & need))
+        chosen.append(best)
+        need -= sets[best]
+    return chosen
+
+
 def _backend(op: str) -> Callable[[str], List[Spec]]:
     def specs(arch: str) -> List[Spec]:
         return [s for b in backends.BACKENDS if b.op in op.split("+") and arch in b.archs for s in b.shipped(arch)]
@@ -81,6 +116,7 @@ def _backend(op: str) -> Callable[[str], List[Spec]]:
 
 PRESETS: Dict[str, Callable[[str], List[Spec]]] = {
     "default": _default,
+    "ci": lambda arch: covering(_default(arch)),
     "all": _all,
     "decode": _backend("decode"),
     "prefill": _backend("prefill+kv_pass"),

@@ -138,7 +138,8 @@ def parse(ptx: str):
     prog, labels = [], {}
     # statements end with ';' (an instruction may span lines); a label ends with ':'
     for stmt in re.split(r";", text):
-        stmt = stmt.strip()
+        # an inline-asm block's closing brace may stand before the next label
+        stmt = stmt.strip().lstrip("{} ").strip()
         while True:  # labels before the statement
             m = re.match(r"(\$?[\w$]+):\s*(.*)", stmt, re.S)
             if not m or m.group(1).startswith("%"):

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import COMPILE_TEST_PRESET
 
 pytestmark = pytest.mark.compile
 
@@ -32,7 +33,7 @@ TORCH = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "i3
          "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # fp8 caches (decode, the KV pass)
 rng = random.Random(int(sys.argv[2]))
 checked = 0
-for spec in preset_specs("default", "sm_90a"):
+for spec in preset_specs(sys.argv[3], "sm_90a"):
     mod = get_module(spec)
     ptx = (mod.path / "kernel.ptx").read_text()
     sizes = [int(x) for x in re.findall(r"\.param \.align \d+ \.b8 \w+\[(\d+)\]", ptx)]
@@ -99,7 +100,7 @@ def test_kernel_params_match_tensors(stub_lib, aot_cache):
     # runtime symbols to the DSL's own runtime instead of the stub.
     env = dict(os.environ, CUTE_ATTN_CUDART=str(stub_lib), CUTE_ATTN_CACHE_DIR=str(aot_cache[0]))
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(stub_lib), str(int.from_bytes(os.urandom(4), "little"))],
+        [sys.executable, "-c", CHILD, str(stub_lib), str(int.from_bytes(os.urandom(4), "little")), COMPILE_TEST_PRESET],
         capture_output=True,
         text=True,
         env=env,

@@ -25,8 +25,9 @@ HEAD_DIM_CKV = 512  # the latent width (DeepSeek-V2/V3's kv_lora_rank): V and th
 HEAD_DIM_KPE = 64  # the RoPE width of the key (qk_rope_head_dim)
 TILES = (16, 32)  # packed query rows per work item: one or two warp groups of 16 rows
 STAGES = {16: 5, 32: 4}  # 36 KB stages + Q staging (18 / 36 KB) + scores (8 / 16 KB): 206 / 196 KB
-# an fp8 cache: 18 KB byte stages + one 36 KB widened tile + Q staging + scores: 206 / 214 KB
-STAGES_FP8 = {16: 8, 32: 7}
+# an fp8 cache: 18 KB byte stages (the 16-bit kernel's bytes in flight, and more) + Q staging +
+# scores: 206 / 214 KB
+STAGES_FP8 = {16: 10, 32: 9}
 CTAS_PER_SM = 1  # what shared memory allows
 TILE_SM90 = 64  # the wgmma kernel's packed query rows per item (one wgmma M)
 STAGES_SM90 = 2  # its 64-key stages: Q (72 KB) + 2 x 72 KB + P (8 KB) = 224 KB

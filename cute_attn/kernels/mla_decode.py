@@ -175,6 +175,7 @@ class MlaDecode:
         assert self.n_lookups * self.row_step == BLOCK_N
         assert self.tile_q * THREADS_PER_ROW == self.threads  # Q staging: one row per 8 threads
         self.tile_stages = self.stages  # 16-bit [32, 576] tiles in shared memory: the ring itself
+        self.mma_dtype = self.dtype  # the MMA's operand dtype (P is converted to it)
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
@@ -244,7 +245,7 @@ class MlaDecode:
     def make_mma(self):
         """m16n8k16 with fp32 accumulators, 16 x 16 x 16 per warp (two n8 atoms: one ldmatrix.x4)."""
         return cute.make_tiled_mma(
-            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1), permutation_mnk=(16, 16, 16)
+            warp.MmaF16BF16Op(self.mma_dtype, Float32, (16, 8, 16)), (1, 1, 1), permutation_mnk=(16, 16, 16)
         )
 
     def warp_copies(self, tiled_mma, lane):
@@ -304,7 +305,7 @@ class MlaDecode:
 
         smem = cutlass.utils.SmemAllocator()
         st = smem.allocate(Smem)
-        sKV = st.sKV.get_tensor(kv_layout)
+        sKV = self._kv_tiles(st, kv_layout)
         sQ = st.sQ.get_tensor(q_layout)
         # sS[e, lane, warp, group]: accumulator value e of a lane's 16-value score fragment
         sS = st.sS.get_tensor(
@@ -357,17 +358,14 @@ class MlaDecode:
                     lim = cutlass.min(lim, q_pos + 1)
                 row_lim[r] = lim
             # this warp's Q: ckv columns [128 wg, 128 wg + 128) (8 k16 steps) and kpe step wg
-            sQ_c, sQ_p = self._q_tiles(sQ, grp, wg)
-            tSrQ_c = thr_mma.make_fragment_A(thr_mma.partition_A(sQ_c))
-            tSrQ_p = thr_mma.make_fragment_A(thr_mma.partition_A(cute.local_tile(sQ_p, (ROWS, 16), (0, 0))))
+            tSrQ = self._q_fragments(thr_mma, sQ, grp, wg)
             if n_blocks > 0:
                 # Q: 16-byte loads into the staging tile, one barrier, then this warp's steps into
                 # registers.  The next item writes the tile only after this item's blocks, each
                 # behind a barrier, so every warp has read it by then.
                 self._stage_q(mQn, mQp, sQ, info, tidx)
                 cute.arch.sync_threads()
-                cute.copy(s2r_q, s2r_q.partition_S(sQ_c), s2r_q.retile(tSrQ_c))
-                self._load_pe_step(s2r_q, s2r_q.partition_S(sQ_p), s2r_q.retile(tSrQ_p), wg)
+                self._load_q(s2r_q, sQ, tSrQ, grp, wg, lane)
 
             for nb in cutlass.range(n_blocks):
                 cute.arch.cp_async_wait_group(self.stages - 2)
@@ -379,16 +377,7 @@ class MlaDecode:
                 # S partial = Q Kᵀ over this warp's k steps (16 rows x 32 keys)
                 acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, BLOCK_N)), Float32)
                 acc_S.fill(0.0)
-                sK_c, sK_p = self._k_tiles(sK, wg)
-                tSsK = s2r_k.partition_S(sK_c)
-                tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_c))
-                tSrK_v = s2r_k.retile(tSrK)
-                for i in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
-                    cute.copy(s2r_k, tSsK[None, None, i], tSrK_v[None, None, i])
-                    cute.gemm(tiled_mma, acc_S, tSrQ_c[None, None, i], tSrK[None, None, i], acc_S)
-                tSrKp = thr_mma.make_fragment_B(thr_mma.partition_B(cute.local_tile(sK_p, (BLOCK_N, 16), (0, 0))))
-                self._load_pe_step(s2r_k, s2r_k.partition_S(sK_p), s2r_k.retile(tSrKp), wg)
-                cute.gemm(tiled_mma, acc_S, tSrQ_p[None, None, 0], tSrKp[None, None, 0], acc_S)
+                self._scores(tiled_mma, thr_mma, s2r_k, acc_S, tSrQ, sK, wg, lane)
                 self._exchange_scores(acc_S, sS, lane, wg, grp)
 
                 # logits (base 2), mask, online softmax: the same values in every warp of the group
@@ -416,19 +405,21 @@ class MlaDecode:
                         acc_O_mn[r, c] = acc_O_mn[r, c] * corr
 
                 # O += P V over this warp's 128 columns, 16 keys at a time
-                rP = cute.make_fragment_like(acc_S, self.dtype)
-                rP.store(acc_S.load().to(self.dtype))
+                rP = cute.make_fragment_like(acc_S, self.mma_dtype)
+                rP.store(acc_S.load().to(self.mma_dtype))
                 tOrP = mma_acc_as_a(rP)
                 for k in cutlass.range_constexpr(BLOCK_N // 16):
-                    sVt = self._v_tile(sK, k, wg)
-                    tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
-                    cute.copy(s2r_v, s2r_v.partition_S(sVt), s2r_v.retile(tOrV))
+                    tOrV = self._v_step(thr_mma, s2r_v, sK, k, wg, lane)
                     cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, 0], acc_O)
 
             g = g + n_blocks
             self._store(mO, mLse, mPartO, mPartLse, acc_O, row_m, row_l, (tScS, tOcO), info, lane, wg, grp)
 
     # ---- the shared tiles each warp reads -----------------------------------------------------
+    def _kv_tiles(self, st, kv_layout):
+        """The 16-bit stage tiles (the ring the loads write)."""
+        return st.sKV.get_tensor(kv_layout)
+
     def _ring_base(self, st, sKV):
         """Shared byte address of the stage ring the loads write: the 16-bit tiles themselves."""
         return sKV.iterator.toint()
@@ -445,6 +436,49 @@ class MlaDecode:
         """Warp (grp, wg)'s Q: the group's 16 rows, ckv columns [128 wg, 128 wg + 128) and the kpe part."""
         sQ_g = cute.local_tile(sQ, (ROWS, D_QK), (grp, 0))
         return cute.local_tile(sQ_g, (ROWS, O_COLS), (0, wg)), cute.local_tile(sQ_g, (ROWS, D_KPE), (0, D_CKV // D_KPE))
+
+    def _q_fragments(self, thr_mma, sQ, grp, wg):
+        """This warp's Q registers (A operands): the 8 ckv steps and the kpe step, unloaded."""
+        sQ_c, sQ_p = self._q_tiles(sQ, grp, wg)
+        tSrQ_c = thr_mma.make_fragment_A(thr_mma.partition_A(sQ_c))
+        tSrQ_p = thr_mma.make_fragment_A(thr_mma.partition_A(cute.local_tile(sQ_p, (ROWS, 16), (0, 0))))
+        return tSrQ_c, tSrQ_p
+
+    def _load_q(self, s2r_q, sQ, tSrQ, grp, wg, lane):
+        """The staged Q tile's steps of this warp into its registers (``ldmatrix``)."""
+        tSrQ_c, tSrQ_p = tSrQ
+        sQ_c, sQ_p = self._q_tiles(sQ, grp, wg)
+        cute.copy(s2r_q, s2r_q.partition_S(sQ_c), s2r_q.retile(tSrQ_c))
+        self._load_pe_step(s2r_q, s2r_q.partition_S(sQ_p), s2r_q.retile(tSrQ_p), wg)
+
+    def _scores(self, tiled_mma, thr_mma, s2r_k, acc_S, tSrQ, sK, wg, lane):
+        """acc_S += this warp's Q steps x the block's keys (K by ``ldmatrix``, one step ahead of
+        nothing: each step's fragment is loaded right before its MMAs)."""
+        tSrQ_c, tSrQ_p = tSrQ
+        sK_c, sK_p = self._k_tiles(sK, wg)
+        tSsK = s2r_k.partition_S(sK_c)
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_c))
+        tSrK_v = s2r_k.retile(tSrK)
+        for i in range(cute.size(tSrK, mode=[2])):
+            cute.copy(s2r_k, tSsK[None, None, i], tSrK_v[None, None, i])
+            cute.gemm(tiled_mma, acc_S, tSrQ_c[None, None, i], tSrK[None, None, i], acc_S)
+        tSrKp = thr_mma.make_fragment_B(thr_mma.partition_B(cute.local_tile(sK_p, (BLOCK_N, 16), (0, 0))))
+        self._load_pe_step(s2r_k, s2r_k.partition_S(sK_p), s2r_k.retile(tSrKp), wg)
+        cute.gemm(tiled_mma, acc_S, tSrQ_p[None, None, 0], tSrKp[None, None, 0], acc_S)
+
+    def _v_step(self, thr_mma, s2r_v, sK, k, wg, lane):
+        """B operand of O += P V for keys [16 k, 16 k + 16) and this warp's 128 columns."""
+        sVt = self._v_tile(sK, k, wg)
+        tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+        cute.copy(s2r_v, s2r_v.partition_S(sVt), s2r_v.retile(tOrV))
+        return tOrV
+
+    def _out_vectors(self, tOcO):
+        """How a thread's accumulator columns leave: (first output column of the warp's 128,
+        accumulator columns of the mn view in output order) per vector store -- here each n8
+        tile's two adjacent columns."""
+        n_cols = cute.size(tOcO, mode=[1])
+        return [(tOcO[0, 2 * c][1], (2 * c, 2 * c + 1)) for c in range(n_cols // 2)]
 
     def _k_tiles(self, sK, wg):
         """A stage's keys as warp wg reads them for S: ckv columns [128 wg, +128) and the kpe part."""
@@ -591,7 +625,7 @@ class MlaDecode:
         lse = -inf."""
         tScS, tOcO = coords
         acc_O_mn = mma_mn_view(acc_O)
-        n_cols = cute.size(acc_O_mn, mode=[1])
+        vectors = self._out_vectors(tOcO)
         for r in cutlass.range_constexpr(cute.size(row_l)):
             l_all = quad_sum(row_l[r])
             j = grp * ROWS + tScS[r, 0][0]  # the row within the tile
@@ -604,22 +638,22 @@ class MlaDecode:
                 if info.dest < 0:
                     tok, head = tok_head(info, info.row_start + j)
                     row = mO[tok, head, None]
-                    for c in cutlass.range_constexpr(n_cols // 2):
-                        col = wg * O_COLS + tOcO[0, 2 * c][1]
-                        out = cute.make_rmem_tensor((2,), mO.element_type)
-                        out[0] = (acc_O_mn[r, 2 * c] * inv_l).to(mO.element_type)
-                        out[1] = (acc_O_mn[r, 2 * c + 1] * inv_l).to(mO.element_type)
-                        cute.autovec_copy(out, cute.local_tile(row, (2,), (col // 2,)))
+                    for col0, cols in vectors:
+                        n = len(cols)
+                        out = cute.make_rmem_tensor((n,), mO.element_type)
+                        for e in cutlass.range_constexpr(n):
+                            out[e] = (acc_O_mn[r, cols[e]] * inv_l).to(mO.element_type)
+                        cute.autovec_copy(out, cute.local_tile(row, (n,), ((wg * O_COLS + col0) // n,)))
                     if (wg == 0) & (lane % 4 == 0):
                         mLse[tok, head] = lse
                 else:
                     slot_row = info.dest * self.tile_q + j
                     row = mPartO[slot_row, None]
-                    for c in cutlass.range_constexpr(n_cols // 2):
-                        col = wg * O_COLS + tOcO[0, 2 * c][1]
-                        out = cute.make_rmem_tensor((2,), Float32)
-                        out[0] = acc_O_mn[r, 2 * c] * inv_l
-                        out[1] = acc_O_mn[r, 2 * c + 1] * inv_l
-                        cute.autovec_copy(out, cute.local_tile(row, (2,), (col // 2,)))
+                    for col0, cols in vectors:
+                        n = len(cols)
+                        out = cute.make_rmem_tensor((n,), Float32)
+                        for e in cutlass.range_constexpr(n):
+                            out[e] = acc_O_mn[r, cols[e]] * inv_l
+                        cute.autovec_copy(out, cute.local_tile(row, (n,), ((wg * O_COLS + col0) // n,)))
                     if (wg == 0) & (lane % 4 == 0):
                         mPartLse[slot_row] = lse
