@@ -172,8 +172,7 @@ def test_specs_backend_and_abi():
                 s = mla_spec(arch, "bf16", t, kv)
                 assert s.pdict == dict(dtype="bf16", head_dim_ckv=CKV, head_dim_kpe=KPE, tile_q=t, stages=STAGES_FP8[t],
                                        kv_dtype=kv)  # fmt: skip
-                # shipped for Hopper only (families/mla.FP8_SHIPPED_ARCHS: sm_100a builds use stack)
-                assert (s in specs) == (arch == "sm_90a") and s.key != mla_spec(arch, "bf16", t).key
+                assert s in specs and s.key != mla_spec(arch, "bf16", t).key
                 abi = {a.name: a for a in get_family("mla_decode").abi(s.pdict)}
                 assert abi["mCkv"].dtype == abi["mKpe"].dtype == kv and abi["mQn"].dtype == abi["mO"].dtype == "bf16"
                 assert abi["mCkv"].stride_divisibility == 16

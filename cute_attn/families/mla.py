@@ -152,18 +152,11 @@ def mla_merge_spec(arch: str, dtype: str, tile_q: int) -> Spec:
     return Spec.make("merge_partials", arch, dtype=dtype, head_dim=HEAD_DIM_CKV, tile_q=tile_q)
 
 
-# fp8 latent caches ship for Hopper only: ptxas gives the sm_100a builds 8-16 bytes of stack in
-# the item setup (outside the MMA loop), and a shipped spec spills nothing (tests/test_mla_compile.py);
-# a model set (``compile --model ... --kv-cache-dtype fp8``) still builds them for sm_100a
-FP8_SHIPPED_ARCHS = (HOPPER,)
-
-
 def shipped_specs(arch: str, dtype_names=dtypes.ATTENTION, tiles=TILES, kv_names=None) -> list:
     """Both tiles for fp16 and bf16 (for each cache dtype of ``kv_names``: None is the query's,
-    or fp8; default: the 16-bit cache, and fp8 on ``FP8_SHIPPED_ARCHS``), and the merge of each
-    tile."""
+    or fp8; default: the 16-bit cache and both fp8 ones), and the merge of each tile."""
     if kv_names is None:
-        kv_names = (None,) + (dtypes.FP8 if arch in FP8_SHIPPED_ARCHS else ())
+        kv_names = (None,) + dtypes.FP8
     out = []
     for dt in dtype_names:
         for t in tiles:

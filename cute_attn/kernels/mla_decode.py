@@ -55,9 +55,10 @@ Scores are kept in base 2 (scaled by ``sm_scale * log2 e``), so the LSE is base 
 returns it.  No Hopper-only instruction: the same code compiles for sm_100a.
 
 An fp8 latent cache (``kernels/mla_decode_fp8.py``) overrides where the loads land
-(``_ring_base``, ``_issue_kv``, ``_smem_fields``) and what a block's tile is (``_block_tile``:
-there, the byte stage widened to 16 bits); the 16-bit kernel's hooks return what it always
-used, so its code is unchanged.
+(``_smem_fields``, ``_kv_tiles``, ``_ring_base``, ``_issue_kv``, ``_block_tile``: a byte ring),
+how the operands reach the MMAs (``_q_fragments`` / ``_load_q``, ``_scores``, ``_v_step``:
+ldmatrix of byte pairs converted in registers) and where the output columns go
+(``_out_vectors``); here those hooks are the 16-bit kernel's own steps.
 """
 
 from __future__ import annotations
