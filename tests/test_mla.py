@@ -550,19 +550,22 @@ def test_module_exports():
 def test_shared_memory_budget():
     """Each spec's stages fit one CTA per SM: the ring (stages x 32 tokens x 576 x 2 B), the Q
     staging tile and the partial scores (8 KB per 16-row group) within 227 KB."""
-    from cute_attn.families.mla import STAGES, STAGES_FP8, TILES
+    from cute_attn.families.mla import CTAS_PER_SM_FP8, STAGES, STAGES_FP8, TILES, ctas_per_sm
 
     for t in TILES:
         ring = STAGES[t] * 32 * (CKV + KPE) * 2
         total = ring + t * (CKV + KPE) * 2 + (t // 16) * 16 * 32 * 4 * 4
         assert total + 2048 <= 232448, (t, total)  # 2 KB: alignment padding of the sections
         assert (STAGES[t] - 1) * 32 * (CKV + KPE) * 2 >= 64 << 10  # >= 64 KB of loads in flight per SM
-        # fp8 (kernels/mla_decode_fp8.py): byte ring + Q staging + scores, and at least the
-        # 16-bit kernel's bytes in flight (the cache is read at the same rate in bytes)
-        ring8 = STAGES_FP8[t] * 32 * (CKV + KPE)
-        total8 = ring8 + t * (CKV + KPE) * 2 + (t // 16) * 16 * 32 * 4 * 4
-        assert total8 + 2048 <= 232448, (t, total8)
-        assert (STAGES_FP8[t] - 1) * 32 * (CKV + KPE) >= (STAGES[t] - 1) * 32 * (CKV + KPE) * 2
+        # fp8 (kernels/mla_decode_fp8.py): byte ring + Q staging + scores for each of the CTAs
+        # an SM holds (1 KB of shared memory reserved per CTA), and >= 64 KB of loads in flight
+        # per SM; the registers: 235 per thread, 128 threads per 16-row group
+        per_sm = CTAS_PER_SM_FP8[t]
+        total8 = STAGES_FP8[t] * 32 * (CKV + KPE) + t * (CKV + KPE) * 2 + (t // 16) * 16 * 32 * 4 * 4
+        assert per_sm * (total8 + 2048 + 1024) <= 233472, (t, total8)
+        assert per_sm * (STAGES_FP8[t] - 1) * 32 * (CKV + KPE) >= 64 << 10
+        assert per_sm * (t // 16) * 128 * 240 <= 65536
+        assert ctas_per_sm(t, True) == per_sm and ctas_per_sm(t, False) == 1
 
 
 # ---- an fp8 latent cache ---------------------------------------------------------------------

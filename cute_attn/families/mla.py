@@ -25,10 +25,21 @@ HEAD_DIM_CKV = 512  # the latent width (DeepSeek-V2/V3's kv_lora_rank): V and th
 HEAD_DIM_KPE = 64  # the RoPE width of the key (qk_rope_head_dim)
 TILES = (16, 32)  # packed query rows per work item: one or two warp groups of 16 rows
 STAGES = {16: 5, 32: 4}  # 36 KB stages + Q staging (18 / 36 KB) + scores (8 / 16 KB): 206 / 196 KB
-# an fp8 cache: 18 KB byte stages (the 16-bit kernel's bytes in flight, and more) + Q staging +
-# scores: 206 / 214 KB
-STAGES_FP8 = {16: 10, 32: 9}
 CTAS_PER_SM = 1  # what shared memory allows
+# An fp8 cache: 18 KB byte stages + Q staging + scores.  At 16 rows two CTAs share an SM (4
+# stages: 2 x 98 KB; 2 x 128 threads x 235 registers): a block's bytes arrive in half the
+# 16-bit time, and one CTA's chain of loads, barriers and MMAs per block no longer keeps up
+# (measured: 1 CTA x 10 stages ran at the 16-bit kernel's time).  At 32 rows (256 threads)
+# the registers allow one CTA: 9 stages, 214 KB.
+STAGES_FP8 = {16: 4, 32: 9}
+CTAS_PER_SM_FP8 = {16: 2, 32: 1}
+
+
+def ctas_per_sm(tile_q: int, fp8: bool) -> int:
+    """CTAs of the ``mla_decode`` kernel per SM for a tile and cache (the persistent grid)."""
+    return CTAS_PER_SM_FP8[tile_q] if fp8 else CTAS_PER_SM
+
+
 TILE_SM90 = 64  # the wgmma kernel's packed query rows per item (one wgmma M)
 STAGES_SM90 = 2  # its 64-key stages: Q (72 KB) + 2 x 72 KB + P (8 KB) = 224 KB
 MAX_HEADS = 128  # DeepSeek-V3's 128 query heads (16 / 32 / 64 at tensor-parallel 8 / 4 / 2)

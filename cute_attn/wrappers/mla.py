@@ -34,6 +34,7 @@ import torch
 from ..abi import dtypes
 from ..families.backends import MLA_WGMMA, backend_for, backends_for
 from ..families.mla import HEAD_DIM_CKV, HEAD_DIM_KPE, TILE_SM90, TILES, mla_merge_spec, mla_sm90_spec, mla_spec
+from ..families.mla import ctas_per_sm as mla_ctas_per_sm
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import kernel
 from ..sched import Limits
@@ -311,7 +312,8 @@ class BatchMLAPagedAttentionWrapper:
             attn = kernel(backend.family, arch, **mla_spec(arch, dt, tile, kv).pdict)
         ms = mla_merge_spec(arch, dt, tile)
         merge = kernel(ms.family, arch, **ms.pdict)
-        plan = self._schedule(b, heads, page_size, causal, tile, backend)
+        per_sm = backend.ctas_for(HEAD_DIM_CKV) if tile == TILE_SM90 else mla_ctas_per_sm(tile, fp8)
+        plan = self._schedule(b, heads, page_size, causal, tile, backend, per_sm)
         dev = self.device
         kv_indptr = common.to_device(
             torch.from_numpy(b.kv_indptr.astype(np.int32)), self._kv_indptr_buf, "kv_indptr", dev
@@ -384,9 +386,9 @@ class BatchMLAPagedAttentionWrapper:
                 "work lists for"
             )
 
-    def _schedule(self, b: Batch, heads, page_size, causal, tile, backend):
-        """(Re)make the planner for the limits, plan the batch and upload its work lists."""
-        per_sm = backend.ctas_for(HEAD_DIM_CKV)
+    def _schedule(self, b: Batch, heads, page_size, causal, tile, backend, per_sm):
+        """(Re)make the planner for the limits (``per_sm`` CTAs per SM), plan the batch and upload
+        its work lists."""
         num_sms = sm_count_of_index(self._dev)
         num_ctas = num_sms * per_sm
         limits = self._limits(b, heads, num_ctas, tile)
