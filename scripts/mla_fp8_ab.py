@@ -4,7 +4,8 @@ beside the bf16 cache of the same values -- h16, batch 128, kv 4k / 32k, page 64
 replays in turns (two rounds of 30, the lower median kept); every output checked against the
 fp32 reference first.
 
-    python -m cute_attn compile --arch sm_90a --preset mla \\
+    python -m cute_attn compile --arch sm_90a --preset mla
+    python -m cute_attn compile --arch sm_90a \\
         --spec mla_decode:dtype=bf16,head_dim_ckv=512,head_dim_kpe=64,kv_dtype=e4m3,stages=10,tile_q=16
     PYTHONPATH=. CUTE_ATTN_CACHE_DIR=... python scripts/mla_fp8_ab.py [--json out.json]
 """
