@@ -95,6 +95,7 @@ def stub_lib(tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("aot_cache")  # with tests/test_compile.py: one build of the preset
 def test_kernel_params_match_tensors(stub_lib, aot_cache):
     # Load from the prebuilt cache: a process that imports the DSL binds the modules' CUDA
     # runtime symbols to the DSL's own runtime instead of the stub.

@@ -13,7 +13,8 @@ from cute_attn.presets import covering, preset_specs
 from cute_attn.runtime.build import find_tool
 from cute_attn.runtime.cache import lookup
 
-pytestmark = pytest.mark.compile
+# the tests that share the compiled preset run on one xdist worker (--dist loadgroup), so it is built once
+pytestmark = [pytest.mark.compile, pytest.mark.xdist_group("aot_cache")]
 
 
 def test_covering_keeps_every_geometry_and_pair():
