@@ -8,6 +8,19 @@ in a few ctypes calls. The ordering is torch's: the copy is enqueued on the curr
 destination's device. Torch does not see these copies, so the caller keeps its host buffer alive
 until the copy's event has passed (``sched.staging.Staging`` waits for its events before it lets
 a buffer go).
+
+Two rules keep these calls from disturbing torch:
+- **The last error.** The runtime records every failed call's code, ``cudaErrorNotReady`` of a
+  pending event's query included, as the thread's last error, and torch reads it after its
+  own kernel launches (``cudaGetLastError``): a code left there surfaces as torch's error on
+  an unrelated op.  Every call here that does not return success is followed by
+  ``cudaGetLastError()`` (torch's own ``Event.query`` does the same).
+- **Finalizers.** An event is finished (waited for, destroyed) once: by its owner's finalizer
+  or its own, whichever a gc pass runs first (the order within a reference cycle is
+  arbitrary), and afterwards it reads as passed -- a destroyed handle is never queried.  A
+  finalizer may run while a stream is being captured (any thread, global capture mode, where
+  a synchronizing call would invalidate the capture), so it switches its thread to the
+  relaxed capture mode around the wait.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ from .loader import cuda_error_string, cudart, current_stream
 _H2D = 1  # cudaMemcpyHostToDevice
 _NOT_READY = 600  # cudaErrorNotReady
 _DISABLE_TIMING = 2  # cudaEventDisableTiming
+_CAPTURE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
 
 _RT = None
 
@@ -33,6 +47,8 @@ def _rt():
         rt.cudaEventSynchronize.argtypes = [ctypes.c_void_p]
         rt.cudaEventDestroy.argtypes = [ctypes.c_void_p]
         rt.cudaEventCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        rt.cudaThreadExchangeStreamCaptureMode.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        rt.cudaGetLastError.argtypes = []
         # (stream, status*, id*, then CUDA 13's optional graph / dependency outputs: NULL)
         rt.cudaStreamGetCaptureInfo.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
                                                 ctypes.POINTER(ctypes.c_ulonglong)] + [ctypes.c_void_p] * 4  # fmt: skip
@@ -42,6 +58,7 @@ def _rt():
 
 def _check(code: int, what: str) -> None:
     if code:
+        _rt().cudaGetLastError()  # not torch's to find later
         raise RuntimeError(f"{what} failed: CUDA error {code} ({cuda_error_string(code)})")
 
 
@@ -58,20 +75,41 @@ class Event:
         _check(self._rt.cudaEventRecord(self.handle, stream), "cudaEventRecord")
 
     def query(self) -> bool:
+        """Whether the recorded work has passed (a finished event has)."""
+        if self.handle is None:
+            return True
         code = self._rt.cudaEventQuery(self.handle)
         if code == _NOT_READY:
+            self._rt.cudaGetLastError()  # recorded as the last error: clear it
             return False
         _check(code, "cudaEventQuery")
         return True
 
     def synchronize(self) -> None:
-        _check(self._rt.cudaEventSynchronize(self.handle), "cudaEventSynchronize")
+        if self.handle is not None:
+            _check(self._rt.cudaEventSynchronize(self.handle), "cudaEventSynchronize")
 
-    def __del__(self):
+    def finish(self) -> None:
+        """Wait for the recorded work, then destroy the event; once, never raising (finalizers
+        call it: the module doc's rules)."""
+        h, self.handle = self.handle, None
+        if h is None:
+            return
         try:
-            self._rt.cudaEventDestroy(self.handle)
+            rt = self._rt
+            mode = ctypes.c_int(_CAPTURE_RELAXED)
+            rt.cudaThreadExchangeStreamCaptureMode(ctypes.byref(mode))
+            try:
+                rt.cudaEventSynchronize(h)
+                rt.cudaEventDestroy(h)
+            finally:
+                rt.cudaThreadExchangeStreamCaptureMode(ctypes.byref(mode))  # the thread's mode back
+                rt.cudaGetLastError()
         except Exception:  # noqa: BLE001 -- interpreter shutdown: the runtime may be gone
             pass
+
+    def __del__(self):
+        self.finish()
 
 
 def copy_h2d(dst_ptr: int, src_ptr: int, nbytes: int, device_index: int) -> int:

@@ -126,6 +126,9 @@ class Module:
 
     def _check(self, code: int, what: str) -> None:
         if code != 0:
+            # the runtime keeps the code as the thread's last error, which torch would read after
+            # its next launch and report as its own: the error is this raise's
+            cudart().cudaGetLastError()
             raise LaunchError(f"{self.spec.describe()}: {what} failed: CUDA error {code} ({cuda_error_string(code)})")
 
     def _buffers(self):

@@ -145,8 +145,10 @@ class Staging:
     def __del__(self):
         # torch does not see the runtime's copies: hold the pinned buffers until they are done
         for ev in self._events:
-            try:
-                if ev is not None and not ev.query():
+            if hasattr(ev, "finish"):  # runtime.hostcopy.Event: waits, never raises
+                ev.finish()
+            elif ev is not None:  # torch's event (the copy_ path)
+                try:
                     ev.synchronize()
-            except Exception:  # noqa: BLE001 -- interpreter shutdown: the runtime may be gone
-                pass
+                except Exception:  # noqa: BLE001 -- interpreter shutdown: the runtime may be gone
+                    pass

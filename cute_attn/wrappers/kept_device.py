@@ -130,8 +130,5 @@ class DeviceKeep:
 
     def __del__(self):
         for ev in self._events:  # the pinned stagings must outlive their copies
-            try:
-                if ev is not None and not ev.query():
-                    ev.synchronize()
-            except Exception:  # noqa: BLE001 -- interpreter shutdown: the runtime may be gone
-                pass
+            if ev is not None:
+                ev.finish()
