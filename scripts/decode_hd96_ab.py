@@ -27,9 +27,9 @@ def _wrapper(route: str, indptr, indices, last, window: int):
     import cute_attn.wrappers.decode as wd
     from cute_attn import BatchDecodeWithPagedKVCacheWrapper
 
-    saved = wd.head_dims_for
+    saved = wd.decodes_on_prefill
     if route == "prefill_path":  # the route before: 96 not among the decode kernel's head dims
-        wd.head_dims_for = lambda fp8: tuple(d for d in saved(fp8) if d != D)
+        wd.decodes_on_prefill = lambda head_dim, kv_dtype: head_dim == D or saved(head_dim, kv_dtype)
     try:
         w = BatchDecodeWithPagedKVCacheWrapper(
             torch.zeros(256 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
@@ -38,7 +38,7 @@ def _wrapper(route: str, indptr, indices, last, window: int):
         )  # fmt: skip
         w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=torch.bfloat16, window_left=window)
     finally:
-        wd.head_dims_for = saved
+        wd.decodes_on_prefill = saved
     assert w._routed == (route == "prefill_path"), route
     return w
 
