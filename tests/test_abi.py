@@ -21,6 +21,7 @@ pytestmark = pytest.mark.compile
 HERE = Path(__file__).resolve().parent
 
 CHILD = r"""
+# argv: the stub runtime library, a random seed, the preset whose sm_90a modules are checked
 import ctypes, json, random, re, sys
 import torch
 from cute_attn.presets import preset_specs
