@@ -139,6 +139,7 @@ def capture(fn):
     The cycle collector is off meanwhile: a wrapper it frees releases pinned memory, which a
     capture forbids."""
     g = torch.cuda.CUDAGraph()
+    collecting = gc.isenabled()
     gc.disable()
     try:
         with torch.cuda.graph(g):
@@ -149,7 +150,8 @@ def capture(fn):
             torch.cuda.synchronize()
         return None, f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
     finally:
-        gc.enable()
+        if collecting:  # the caller's setting back
+            gc.enable()
 
 
 def max_diff(out: torch.Tensor, ref: torch.Tensor):

@@ -178,8 +178,7 @@ BACKENDS = (
         ARCHS,
         (mla.HEAD_DIM_CKV,),
         dtypes.ATTENTION,
-        tiles=mla.TILES,
-        ctas_per_sm={mla.HEAD_DIM_CKV: mla.CTAS_PER_SM},
+        tiles=mla.TILES,  # CTAs per SM: by tile and cache dtype, families/mla.ctas_per_sm
         planner={"alpha": 8, "balance_tol": 0.05},
         shipped=mla.shipped_specs,
     ),  # fmt: skip
@@ -194,7 +193,6 @@ BACKENDS = (
         (mla.HEAD_DIM_CKV,),
         dtypes.ATTENTION,
         tiles=(mla.TILE_SM90,),
-        ctas_per_sm={mla.HEAD_DIM_CKV: mla.CTAS_PER_SM},
         planner={"alpha": 8, "balance_tol": 0.05},
         shipped=mla.shipped_specs_sm90,
     ),  # fmt: skip

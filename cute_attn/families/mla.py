@@ -36,7 +36,8 @@ CTAS_PER_SM_FP8 = {16: 2, 32: 1}
 
 
 def ctas_per_sm(tile_q: int, fp8: bool) -> int:
-    """CTAs of the ``mla_decode`` kernel per SM for a tile and cache (the persistent grid)."""
+    """CTAs per SM (the persistent grid) of the MLA kernel that serves a tile (``TILES``, or the
+    wgmma kernel's ``TILE_SM90``) and cache: the one place both MLA backends take it from."""
     return CTAS_PER_SM_FP8[tile_q] if fp8 else CTAS_PER_SM
 
 

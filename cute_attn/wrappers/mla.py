@@ -312,8 +312,7 @@ class BatchMLAPagedAttentionWrapper:
             attn = kernel(backend.family, arch, **mla_spec(arch, dt, tile, kv).pdict)
         ms = mla_merge_spec(arch, dt, tile)
         merge = kernel(ms.family, arch, **ms.pdict)
-        per_sm = backend.ctas_for(HEAD_DIM_CKV) if tile == TILE_SM90 else mla_ctas_per_sm(tile, fp8)
-        plan = self._schedule(b, heads, page_size, causal, tile, backend, per_sm)
+        plan = self._schedule(b, heads, page_size, causal, tile, backend, mla_ctas_per_sm(tile, fp8))
         dev = self.device
         kv_indptr = common.to_device(
             torch.from_numpy(b.kv_indptr.astype(np.int32)), self._kv_indptr_buf, "kv_indptr", dev
