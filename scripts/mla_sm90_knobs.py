@@ -3,15 +3,20 @@ variant runs through its own CUDA-graph-captured wrapper on the same inputs, is 
 fp32 reference (the diagnostic ``no_loads`` knob excepted: it computes on stale stages), and all
 are timed in turns (``bench.common.interleaved``).
 
-    python scripts/mla_sm90_knobs.py      # needs the mla preset and the knob specs in the cache:
-    # mla_decode_sm90:dtype=bf16,head_dim_ckv=512,head_dim_kpe=64,tile_q=64,stages=2,overlap=0
-    # mla_decode_sm90:dtype=bf16,head_dim_ckv=512,head_dim_kpe=64,tile_q=64,stages=2,no_loads=1
+    python scripts/mla_sm90_knobs.py [all]   # needs the mla preset and the knob spec in the cache:
+    # mla_decode_sm90:dtype=bf16,head_dim_ckv=512,head_dim_kpe=64,tile_q=64,stages=2,p_stmatrix=0
 
-Cases: the compute-bound bench case (default against ``overlap=0`` and ``no_loads=1``), and two
+Cases: the compute-bound bench case -- the default against P written by 2-byte stores
+(``p_stmatrix=0``), the planner's exact cost order (``order_block=1``: a request's causal tiles,
+a key apart, are dealt in different rounds), a tighter balance (``balance_tol=0.01``: splits) and
+the state before those changes --, and with ``all`` two
 memory-bound decodes with the kernel choice forced both ways (16 heads: the mma.sync kernel's
 16-row items against the wgmma kernel's 64-row items; 64 heads: wgmma against mma.sync's 32)."""
 
 from __future__ import annotations
+
+import sys
+import types
 
 import torch
 
@@ -30,6 +35,17 @@ def knobs(**kn):
         return Spec.make(s.family, arch, **s.pdict, **kn)
 
     return {"mla_sm90_spec": spec}
+
+
+def planner(**over):
+    """The wrapper's planner made with these parameters over its backend's (``balance_tol``,
+    ``order_block``)."""
+    orig = M.common.install_planner
+    shim = types.SimpleNamespace(**vars(M.common))
+    shim.install_planner = lambda w, lim, sms, per_sm, cost, desc=None: orig(
+        w, lim, sms, per_sm, {**cost, **over}, desc
+    )
+    return {"common": shim}
 
 
 FORCE_WGMMA = {"TILES": (16, 8)}  # every plan past 8 rows takes the wgmma kernel
@@ -75,10 +91,13 @@ def case(name, heads, q_len, kv_lens, ps, variants):
 
 
 def main():
+    old = {**knobs(p_stmatrix=0), **planner(order_block=1)}  # P by 2-byte stores, items in exact cost order
     case("h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64,
-         {"default": {}, "overlap=0": knobs(overlap=0), "no_loads": knobs(no_loads=1)})  # fmt: skip
-    case("h16/bs128/kv4096/page64", 16, 1, [4096] * 128, 64, {"mma.sync": {}, "wgmma": FORCE_WGMMA})
-    case("h64/bs128/kv4096/page64", 64, 1, [4096] * 128, 64, {"wgmma": {}, "mma.sync": NO_WGMMA})
+         {"default": {}, "before": old, "p_scalar": knobs(p_stmatrix=0), "exact_order": planner(order_block=1),
+          "tol0.01": planner(balance_tol=0.01), "before+tol0.01": {**old, **planner(order_block=1, balance_tol=0.01)}})  # fmt: skip
+    if "all" in sys.argv:
+        case("h16/bs128/kv4096/page64", 16, 1, [4096] * 128, 64, {"mma.sync": {}, "wgmma": FORCE_WGMMA})
+        case("h64/bs128/kv4096/page64", 64, 1, [4096] * 128, 64, {"wgmma": {}, "mma.sync": NO_WGMMA})
 
 
 if __name__ == "__main__":

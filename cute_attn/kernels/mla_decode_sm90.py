@@ -21,12 +21,15 @@ One CTA per SM, two warpgroups of 128 threads, 64 query rows and 64 keys per blo
   -- while WG 0 computes the scores, then rescales its O[:, 256:512] by WG 0's factors and
   computes O[:, 256:512] += P V[:, 256:512] with P from shared memory.
 - Each warpgroup's fp32 O accumulator is 64 x 256: 128 registers per thread.
-Synchronization per block: one CTA barrier (the block's copies have landed -- WG 1 waited for
-its groups and fenced them for the async proxy -- and both warpgroups are done with the block
-before, whose stage the next copies overwrite and whose P the next scores overwrite), and one
-named barrier (P and the factors are in shared memory: WG 0 arrives, WG 1 waits).  (The
-``overlap`` knob leaves WG 0's P V of block j in flight while it issues the scores of block j + 1,
-with a second named barrier for the stage's reload: 4.6 % slower on the H200, off.)  The
+Synchronization per block (``stage_p``, the default): P of block j is written (``stmatrix``)
+into stage j's kpe columns, which only the scores read, so there is no single P tile to guard,
+and three named barriers order the rest: FULL (block j's copies landed -- WG 1 waited for its
+group and fenced it for the async proxy -- WG 1 arrives, WG 0 waits before the scores), P (P and
+the factors are in shared memory: WG 0 arrives, WG 1 waits) and FREE (WG 0's P V of block j is
+done: WG 0 arrives, WG 1 waits before it copies block j + 2 into that stage, after its own P V of
+block j).  WG 0 thus starts the scores of block j + 1 while WG 1's P V of block j may still run.
+(``stage_p=0``: one CTA barrier per block instead -- the block landed and both warpgroups are
+done with the block before -- and one P tile.)  The
 epilogue: one CTA barrier, WG 0 publishes 1 / l per row behind the named barrier, each
 warpgroup normalizes and stores its 256 columns (value-dtype rows + LSE by WG 0, or an fp32
 partial slot for the merge kernel).
@@ -60,7 +63,8 @@ TILE_Q = 64  # packed query rows per item: one wgmma M
 BLOCK_N = 64  # keys per block
 HALF = D_CKV // 2  # output columns per warpgroup: 256
 BAR_P = 1  # named barrier: P and the row factors are in shared memory (0 is __syncthreads)
-BAR_FREE = 2  # named barrier: WG 0's P V of the block before is done (its stage may be reloaded)
+BAR_FREE = 2  # named barrier (stage_p): WG 0 is done with a block's stage (it may be reloaded)
+BAR_FULL = 3  # named barrier (stage_p): the block's copies landed (WG 1 waited and fenced them)
 LOAD_ROWS = WG // THREADS_PER_ROW  # rows WG 1 copies per pass: 16
 
 
@@ -69,11 +73,15 @@ class MlaSm90Config:
     """What an ``mla_decode_sm90`` specialization fixes: the value dtype (DSL type)."""
 
     dtype: Any
-    # knob: WG 0 issues the scores of block j + 1 before its P V of block j is done (and tells WG 1
-    # by a second named barrier when the stage may be reloaded).  Measured 4.6 % slower on the H200
-    # (583.8 against 557.1 us, bench case h128 q2, timed in turns): off by default
-    overlap: bool = False
+    # knob: P of block j goes to stage j's kpe columns (free once the scores are done) and the
+    # per-block CTA barrier becomes named barriers per purpose (the block landed: WG 1 -> WG 0;
+    # WG 0 is done with the stage: WG 0 -> WG 1), so WG 0 starts the scores of block j + 1
+    # without waiting for WG 1's P V of block j
+    stage_p: bool = True
     no_loads: bool = False  # diagnostic knob only (wrong output): no KV copies after block 0
+    # knob: WG 0 writes P to shared memory with ``stmatrix`` (4 per thread) instead of one 2-byte
+    # store per value (32 per thread, each with its swizzled address)
+    p_stmatrix: bool = True
 
     @classmethod
     def from_spec(cls, p: dict) -> MlaSm90Config:
@@ -81,14 +89,15 @@ class MlaSm90Config:
 
         assert p["head_dim_ckv"] == D_CKV and p["head_dim_kpe"] == D_KPE, p
         assert p["tile_q"] == TILE_Q and p["stages"] == 2, p
-        return cls(to_dsl(p["dtype"]), bool(p.get("overlap", 0)), bool(p.get("no_loads", 0)))
+        return cls(
+            to_dsl(p["dtype"]), bool(p.get("stage_p", 1)), bool(p.get("no_loads", 0)), bool(p.get("p_stmatrix", 1))
+        )
 
 
 class MlaDecodeSm90:
     def __init__(self, cfg: MlaSm90Config):
         self.cfg = cfg
         self.dtype = cfg.dtype
-        self.overlap = cfg.overlap
         self.stages = 2
         self.threads = 2 * WG
 
@@ -262,6 +271,9 @@ class MlaDecodeSm90:
         tOcO = wgmma_mn_view(thr_pv.partition_C(cute.make_identity_tensor((TILE_Q, HALF))))
         n_rows = cute.size(tScS, mode=[0])
         n_cols = cute.size(tScS, mode=[1])
+        p_copy = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_qk
+        ).get_slice(tw)
         for item in cutlass.range(item_begin, item_end, unroll=1):
             info = ItemInfo(mWork, item, group)
             n_blocks = (info.kv_end - info.kv_start + BLOCK_N - 1) // BLOCK_N
@@ -285,19 +297,16 @@ class MlaDecodeSm90:
             for nb in cutlass.range(n_blocks, unroll=1):
                 stage = nb % self.stages
                 key0 = info.kv_start + nb * BLOCK_N
-                cute.arch.sync_threads()  # the block landed; WG 1 is done with block nb - 1
+                if const_expr(self.cfg.stage_p):
+                    cute.arch.barrier(barrier_id=BAR_FULL, number_of_threads=2 * WG)  # the block landed
+                else:
+                    cute.arch.sync_threads()  # the block landed; WG 1 is done with block nb - 1
                 warpgroup.fence()
                 atom = cute.make_mma_atom(mma_qk.op)
                 for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
                     atom.set(warpgroup.Field.ACCUMULATE, k != 0)
                     cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
                 warpgroup.commit_group()
-                if const_expr(self.overlap):
-                    # P V of block nb - 1 (issued before these scores) is done: WG 1 may reload
-                    # its stage with block nb + 1
-                    if (nb > 0) & (nb + 1 < n_blocks):
-                        warpgroup.wait_group(1)
-                        cute.arch.barrier_arrive(barrier_id=BAR_FREE, number_of_threads=2 * WG)
                 warpgroup.wait_group(0)
 
                 S = wgmma_mn_view(acc_S)
@@ -326,13 +335,17 @@ class MlaDecodeSm90:
                     row_m[r] = m_new
                 rP.store(acc_S.load().to(self.dtype))
                 # P and the factors for WG 1 (the async proxy reads P: fence the generic stores)
-                Pmn = wgmma_mn_view(rP)
+                sPb = self._p_tile(sKV, sP, stage)
+                if const_expr(self.cfg.p_stmatrix):
+                    cute.copy(p_copy, p_copy.retile(rP), p_copy.partition_D(sPb))
+                else:
+                    Pmn = wgmma_mn_view(rP)
+                    for r in cutlass.range_constexpr(n_rows):
+                        for c in cutlass.range_constexpr(n_cols):
+                            sPb[tScS[r, 0][0], tScS[0, c][1]] = Pmn[r, c]
                 for r in cutlass.range_constexpr(n_rows):
-                    j = tScS[r, 0][0]
-                    for c in cutlass.range_constexpr(n_cols):
-                        sP[j, tScS[0, c][1]] = Pmn[r, c]
                     if tw % 4 == 0:
-                        sRow[j] = corr[r]
+                        sRow[tScS[r, 0][0]] = corr[r]
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=BAR_P, number_of_threads=2 * WG)
                 self._rescale(acc_O, corr)
@@ -342,9 +355,10 @@ class MlaDecodeSm90:
                 for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
                     cute.gemm(atom_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
                 warpgroup.commit_group()
-                if const_expr(not self.overlap):
-                    warpgroup.wait_group(0)
-            warpgroup.wait_group(0)
+                warpgroup.wait_group(0)
+                if const_expr(self.cfg.stage_p):
+                    if nb + 2 < n_blocks:  # WG 1 reloads this stage with block nb + 2
+                        cute.arch.barrier_arrive(barrier_id=BAR_FREE, number_of_threads=2 * WG)
 
             # epilogue: 1 / l per row for WG 1 (after every read of sRow by WG 1: a CTA barrier)
             inv = cute.make_rmem_tensor((n_rows,), Float32)
@@ -378,7 +392,6 @@ class MlaDecodeSm90:
         kv_base, q_base, item_begin, item_end, group, tw,
     ):  # fmt: skip
         thr_pv = mma_pv.get_slice(tw)
-        tOsP = mma_pv.make_fragment_A(thr_pv.partition_A(sP))
         tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(self._v_half(sKV, 1)))
         tOcO = wgmma_mn_view(thr_pv.partition_C(cute.make_identity_tensor((TILE_Q, HALF))))
         n_rows = cute.size(tOcO, mode=[0])
@@ -397,10 +410,14 @@ class MlaDecodeSm90:
                 stage = nb % self.stages
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.fence_view_async_shared()  # cp.async writes -> read by wgmma (async proxy)
-                cute.arch.sync_threads()
+                if const_expr(self.cfg.stage_p):
+                    cute.arch.barrier_arrive(barrier_id=BAR_FULL, number_of_threads=2 * WG)
+                    warpgroup.wait_group(0)  # this warpgroup's P V of block nb - 1
+                else:
+                    cute.arch.sync_threads()
                 if nb + 1 < n_blocks:
-                    if const_expr(self.overlap):
-                        if nb > 0:  # WG 0's P V of block nb - 1 still reads the stage
+                    if const_expr(self.cfg.stage_p):
+                        if nb > 0:  # WG 0 is done with block nb - 1, whose stage block nb + 1 takes
                             cute.arch.barrier(barrier_id=BAR_FREE, number_of_threads=2 * WG)
                     blk = info.kv_start + (nb + 1) * BLOCK_N
                     if const_expr(not self.cfg.no_loads):
@@ -416,16 +433,27 @@ class MlaDecodeSm90:
                 warpgroup.fence()
                 atom = cute.make_mma_atom(mma_pv.op)
                 atom.set(warpgroup.Field.ACCUMULATE, True)
+                tOsP = mma_pv.make_fragment_A(thr_pv.partition_A(self._p_tile(sKV, sP, stage)))
                 for k in cutlass.range_constexpr(cute.size(tOsP, mode=[2])):
                     cute.gemm(atom, acc_O, tOsP[None, None, k], tOrV[None, None, k, stage], acc_O)
                 warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                if const_expr(not self.cfg.stage_p):
+                    warpgroup.wait_group(0)
+            warpgroup.wait_group(0)
             cute.arch.sync_threads()
             cute.arch.barrier(barrier_id=BAR_P, number_of_threads=2 * WG)
             inv = cute.make_rmem_tensor((n_rows,), Float32)
             for r in cutlass.range_constexpr(n_rows):
                 inv[r] = sRow[tOcO[r, 0][0]]
             self._store(mO, mPartO, acc_O, inv, tOcO, info, HALF)
+
+    def _p_tile(self, sKV, sP, stage):
+        """Where P of a block in ``stage`` goes: the stage's kpe columns (``stage_p``: [64 keys,
+        64 columns] under the same swizzle as a [64 rows, 64 keys] P tile; the scores, their only
+        reader, are done when P is written), else the one P tile."""
+        if const_expr(self.cfg.stage_p):
+            return cute.local_tile(sKV, (BLOCK_N, D_KPE, self.stages), (0, D_CKV // D_KPE, 0))[None, None, stage]
+        return sP
 
     def _v_half(self, sKV, h: int):
         """Columns [256 h, 256 h + 256) of the KV stages seen as Vᵀ (output column, key, stage):

@@ -86,7 +86,10 @@ class Planner:
     CTA's fair share, with a floor (``cost.min_chunk_len``). ``balance_tol``: how far
     above the mean the busiest CTA may be with whole (unsplit) items before the
     wrap-around split is tried (it costs planning time and extra partials + a merge, so it
-    runs only where whole items fall short). ``num_staging``: staging
+    runs only where whole items fall short). ``order_block``: the snake deals items in
+    descending cost with extents rounded up to this many kv tokens (the kernels' block), so
+    tiles of one request that differ by a few keys stay adjacent (1: exact order).
+    ``num_staging``: staging
     buffers used in turn, so that a plan never overwrites bytes an earlier upload may still
     be reading (with CUDA, an event per buffer; a wait happens only if the CPU is that many
     plans ahead of the copies). ``keep_tol`` (default ``balance_tol``): how far the balance of a
@@ -116,6 +119,7 @@ class Planner:
         beta: int = 1,
         min_kv_chunk: int = 256,
         balance_tol: float = 0.05,
+        order_block: int = 64,
         keep_tol: Optional[float] = None,
         num_staging: int = 2,
         pin_memory: Optional[bool] = None,
@@ -135,6 +139,7 @@ class Planner:
         self.alpha, self.beta = alpha, beta
         self.min_kv_chunk = min_kv_chunk
         self.balance_tol = balance_tol
+        self.order_block = order_block
         self.keep_tol = balance_tol if keep_tol is None else keep_tol
         self.fast_path = fast_path
         if pin_memory is None:
@@ -328,11 +333,17 @@ class Planner:
         limit = (1.0 + self.balance_tol) * total  # max load * C may be up to this
         lpt = None
         if int(cs[0]) * nc <= limit:  # whole items may do
-            item_cost = cs.repeat(hk)
-            loads = np.bincount(self._snake.cta(n), item_cost, nc)
+            # The snake deals in block order: extents that round up to the same KV block count
+            # as equal, so the tiles of one request (whose causal extents differ by a few keys)
+            # stay in tile order and go to neighbouring CTAs in one round, where they read the
+            # same KV at about the same time and L2 serves the later reads.
+            blk = self.order_block
+            by_block = order if blk <= 1 else np.argsort(-(beta * (-(-ext // blk)) + per_item), kind="stable")
+            loads = np.bincount(self._snake.cta(n), cost[by_block].repeat(hk), nc)
             if loads.max() * nc <= limit:
                 items, indptr = self._snake.cta_major(n)
-                return self._unsplit(items, indptr, loads.astype(np.int64), order, hk, nt, rec_args)
+                return self._unsplit(items, indptr, loads.astype(np.int64), by_block, hk, nt, rec_args)
+            item_cost = cs.repeat(hk)
             lpt = lpt_assign(item_cost, nc)
             if int(lpt[1].max()) * nc <= limit:
                 return self._unsplit_lpt(lpt, order, hk, nt, rec_args)
