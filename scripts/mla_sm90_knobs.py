@@ -5,13 +5,14 @@ are timed in turns (``bench.common.interleaved``).
 
     python scripts/mla_sm90_knobs.py [all]   # needs the mla preset and the knob spec in the cache:
     # mla_decode_sm90:dtype=bf16,head_dim_ckv=512,head_dim_kpe=64,tile_q=64,stages=2,p_stmatrix=0
+    # (and stage_p=0, and both)
 
 Cases: the compute-bound bench case -- the default against P written by 2-byte stores
-(``p_stmatrix=0``), the planner's exact cost order (``order_block=1``: a request's causal tiles,
-a key apart, are dealt in different rounds), a tighter balance (``balance_tol=0.01``: splits) and
-the state before those changes --, and with ``all`` two
-memory-bound decodes with the kernel choice forced both ways (16 heads: the mma.sync kernel's
-16-row items against the wgmma kernel's 64-row items; 64 heads: wgmma against mma.sync's 32)."""
+(``p_stmatrix=0``), one CTA barrier per block and one P tile (``stage_p=0``), the planner's exact
+cost order (``order_block=1``: a request's causal tiles, a key apart, are dealt in different
+rounds), a tighter balance (``balance_tol=0.01``: splits) and the state before those changes --,
+and with ``all`` two memory-bound decodes with the kernel choice forced both ways (16 heads: the
+mma.sync kernel's 16-row items against the wgmma kernel's 64-row items; 64 heads: wgmma against mma.sync's 32)."""
 
 from __future__ import annotations
 
@@ -91,10 +92,16 @@ def case(name, heads, q_len, kv_lens, ps, variants):
 
 
 def main():
-    old = {**knobs(p_stmatrix=0), **planner(order_block=1)}  # P by 2-byte stores, items in exact cost order
-    case("h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64,
-         {"default": {}, "before": old, "p_scalar": knobs(p_stmatrix=0), "exact_order": planner(order_block=1),
-          "tol0.01": planner(balance_tol=0.01), "before+tol0.01": {**old, **planner(order_block=1, balance_tol=0.01)}})  # fmt: skip
+    before = {**knobs(stage_p=0, p_stmatrix=0), **planner(order_block=1)}  # the kernel and plan before
+    variants = {
+        "default": {},
+        "before": before,
+        "p_scalar": knobs(p_stmatrix=0),
+        "cta_barrier": knobs(stage_p=0),
+        "exact_order": planner(order_block=1),
+        "tol0.01": planner(balance_tol=0.01),
+    }
+    case("h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64, variants)
     if "all" in sys.argv:
         case("h16/bs128/kv4096/page64", 16, 1, [4096] * 128, 64, {"mma.sync": {}, "wgmma": FORCE_WGMMA})
         case("h64/bs128/kv4096/page64", 64, 1, [4096] * 128, 64, {"wgmma": {}, "mma.sync": NO_WGMMA})

@@ -2,7 +2,8 @@
 Compute on the same inputs (the bench's compute-bound case by default: 128 heads, 2 query tokens,
 batch 64 x 8k, page 64, causal).
 
-    ncu --profile-from-start off --section SpeedOfLight ... python scripts/profile_mla.py {ours|flashinfer} [HEADS Q_LEN BATCH KV]
+    ncu --profile-from-start off --section SpeedOfLight ... \
+        python scripts/profile_mla.py {ours|flashinfer} [HEADS Q_LEN BATCH KV]
 """
 
 from __future__ import annotations
