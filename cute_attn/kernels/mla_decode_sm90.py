@@ -82,6 +82,11 @@ class MlaSm90Config:
     # knob: WG 0 writes P to shared memory with ``stmatrix`` (4 per thread) instead of one 2-byte
     # store per value (32 per thread, each with its swizzled address)
     p_stmatrix: bool = True
+    # knob: WG 1 reads the page ids of block j + 2 right after issuing block j + 1's copies, so
+    # the next copies need not wait for a global load first
+    prefetch_pages: bool = True
+    # knob: a warp skips rescaling O where every factor of its rows is 1
+    skip_rescale: bool = True
 
     @classmethod
     def from_spec(cls, p: dict) -> MlaSm90Config:
@@ -90,7 +95,12 @@ class MlaSm90Config:
         assert p["head_dim_ckv"] == D_CKV and p["head_dim_kpe"] == D_KPE, p
         assert p["tile_q"] == TILE_Q and p["stages"] == 2, p
         return cls(
-            to_dsl(p["dtype"]), bool(p.get("stage_p", 1)), bool(p.get("no_loads", 0)), bool(p.get("p_stmatrix", 1))
+            to_dsl(p["dtype"]),
+            bool(p.get("stage_p", 1)),
+            bool(p.get("no_loads", 0)),
+            bool(p.get("p_stmatrix", 1)),
+            bool(p.get("prefetch_pages", 1)),
+            bool(p.get("skip_rescale", 1)),
         )
 
 
@@ -402,10 +412,15 @@ class MlaDecodeSm90:
             page_base = mKvIndptr[info.req]
             acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_Q, HALF)), Float32)
             acc_O.fill(0.0)
+            pages = cute.make_rmem_tensor((BLOCK_N // LOAD_ROWS,), Int32)
             if n_blocks > 0:
                 self._issue_q(mQn, mQp, info, q_base, tw)
-                self._issue_kv(mCkv, mKpe, mKvIndices, page_base, info.kv_start, info.kv_end, page_size, kv_base, 0, tw)
+                self._lookup_pages(pages, mKvIndices, page_base, info.kv_start, info.kv_end, page_size, tw)
+                self._issue_kv(mCkv, mKpe, pages, info.kv_start, info.kv_end, page_size, kv_base, 0, tw)
                 cute.arch.cp_async_commit_group()
+                if const_expr(self.cfg.prefetch_pages):  # block 1's pages, read during block 0
+                    blk = info.kv_start + BLOCK_N
+                    self._lookup_pages(pages, mKvIndices, page_base, blk, info.kv_end, page_size, tw)
             for nb in cutlass.range(n_blocks, unroll=1):
                 stage = nb % self.stages
                 cute.arch.cp_async_wait_group(0)
@@ -420,10 +435,13 @@ class MlaDecodeSm90:
                         if nb > 0:  # WG 0 is done with block nb - 1, whose stage block nb + 1 takes
                             cute.arch.barrier(barrier_id=BAR_FREE, number_of_threads=2 * WG)
                     blk = info.kv_start + (nb + 1) * BLOCK_N
+                    if const_expr(not self.cfg.prefetch_pages):
+                        self._lookup_pages(pages, mKvIndices, page_base, blk, info.kv_end, page_size, tw)
                     if const_expr(not self.cfg.no_loads):
-                        self._issue_kv(
-                            mCkv, mKpe, mKvIndices, page_base, blk, info.kv_end, page_size, kv_base, 1 - stage, tw
-                        )
+                        self._issue_kv(mCkv, mKpe, pages, blk, info.kv_end, page_size, kv_base, 1 - stage, tw)
+                    if const_expr(self.cfg.prefetch_pages):  # block nb + 2's, read during block nb + 1
+                        nxt = blk + BLOCK_N
+                        self._lookup_pages(pages, mKvIndices, page_base, nxt, info.kv_end, page_size, tw)
                     cute.arch.cp_async_commit_group()
                 cute.arch.barrier(barrier_id=BAR_P, number_of_threads=2 * WG)
                 corr = cute.make_rmem_tensor((n_rows,), Float32)
@@ -463,10 +481,17 @@ class MlaDecodeSm90:
 
     @cute.jit
     def _rescale(self, acc_O: cute.Tensor, corr: cute.Tensor):
+        """O *= the rows' factors; a warp whose rows' maxima all stayed put (every factor 1:
+        most blocks once the first have set the maxima) skips its 128 multiplications."""
         O = wgmma_mn_view(acc_O)
-        for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                O[r, c] = O[r, c] * corr[r]
+        n = cute.size(O, mode=[0])
+        moved = corr[0] != Float32(1.0)
+        for r in cutlass.range_constexpr(1, n):
+            moved = moved | (corr[r] != Float32(1.0))
+        if cute.arch.vote_any_sync(moved) | const_expr(not self.cfg.skip_rescale):
+            for r in cutlass.range_constexpr(n):
+                for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                    O[r, c] = O[r, c] * corr[r]
 
     # ---- loads (WG 1) ---------------------------------------------------------------------------
     @cute.jit
@@ -488,19 +513,23 @@ class MlaDecodeSm90:
                     cp_async_16(q_base + d, qp + t * 16)
 
     @cute.jit
-    def _issue_kv(self, mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw):
-        """cp.async a block's 64 latent rows into a stage: row 16 i + tw / 8 is token
-        blk_start + row (past kv_end: the last valid token again, masked later), its ckv chunks
-        t, t + 8, .. and kpe chunk t.  The page lookups first (all in flight together)."""
-        t = tw % THREADS_PER_ROW
-        n = BLOCK_N // LOAD_ROWS
-        num_pages = mCkv.shape[0]
-        pages = cute.make_rmem_tensor((n,), Int32)
-        for i in cutlass.range_constexpr(n):
+    def _lookup_pages(self, pages, mKvIndices, page_base, blk_start, kv_end, page_size, tw):
+        """The page ids of this thread's rows of the block at ``blk_start`` into ``pages`` (all
+        in flight together; positions past kv_end read the last valid token's page)."""
+        for i in cutlass.range_constexpr(BLOCK_N // LOAD_ROWS):
             p = blk_start + tw // THREADS_PER_ROW + i * LOAD_ROWS
             p = cutlass.select_(p < kv_end, p, kv_end - 1)
             pg, _ = divmod(p, page_size)
             pages[i] = mKvIndices[page_base + pg]
+
+    @cute.jit
+    def _issue_kv(self, mCkv, mKpe, pages, blk_start, kv_end, page_size, kv_base, stage, tw):
+        """cp.async a block's 64 latent rows into a stage: row 16 i + tw / 8 is token
+        blk_start + row (past kv_end: the last valid token again, masked later) on page
+        ``pages[i]``, its ckv chunks t, t + 8, .. and kpe chunk t."""
+        t = tw % THREADS_PER_ROW
+        n = BLOCK_N // LOAD_ROWS
+        num_pages = mCkv.shape[0]
         for i in cutlass.range_constexpr(n):
             r = tw // THREADS_PER_ROW + i * LOAD_ROWS
             p = blk_start + r
