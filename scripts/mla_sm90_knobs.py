@@ -3,17 +3,17 @@ variant runs through its own CUDA-graph-captured wrapper on the same inputs, is 
 fp32 reference (the diagnostic ``no_loads`` knob excepted: it computes on stale stages), and all
 are timed in turns (``bench.common.interleaved``).
 
-    python scripts/mla_sm90_knobs.py [all]   # needs the mla preset and the knob spec in the cache:
-    # mla_decode_sm90:dtype=bf16,head_dim_ckv=512,head_dim_kpe=64,tile_q=64,stages=2,prefetch_pages=0
-    # (and skip_rescale=0, and stage_p=0,p_stmatrix=0,prefetch_pages=0,skip_rescale=0)
+    python scripts/mla_sm90_knobs.py [all] [no_loads]   # the mla preset in the cache, and for
+    # no_loads: mla_decode_sm90:dtype=bf16,head_dim_ckv=512,head_dim_kpe=64,tile_q=64,stages=2,no_loads=1
 
-Cases: the compute-bound bench case -- the default against each kernel knob off alone
-(``prefetch_pages``: block j + 2's page ids read during block j + 1; ``skip_rescale``: a warp skips
-O *= 1), the planner's exact cost order (``order_block=1``: a request's causal tiles, a key apart,
-are dealt in different rounds) and the kernel and plan of ``e7321c3`` (the knobs ``stage_p``,
-``p_stmatrix`` and the two above off) --, and with ``all`` two memory-bound decodes with the
-kernel choice forced both ways (16 heads: the mma.sync kernel's 16-row items against the wgmma
-kernel's 64-row items; 64 heads: wgmma against mma.sync's 32)."""
+Cases: the compute-bound bench case -- the default against the planner's exact cost order
+(``order_block=1``: a request's causal tiles, a key apart, are dealt in different rounds), a
+tighter balance (``balance_tol=0.01``) and with ``no_loads`` the diagnostic knob (no KV copies
+after block 0: what the copies cost) --, and with ``all`` two memory-bound decodes with the kernel
+choice forced both ways (16 heads: the mma.sync kernel's 16-row items against the wgmma kernel's
+64-row items; 64 heads: wgmma against mma.sync's 32).  The kernel's earlier variants (one CTA
+barrier per block and one P tile, P by 2-byte stores, page-id prefetch, skipping O *= 1) were
+measured with this script as knobs and dropped or adopted: BENCHMARKS.md, session 20."""
 
 from __future__ import annotations
 
@@ -93,14 +93,9 @@ def case(name, heads, q_len, kv_lens, ps, variants):
 
 
 def main():
-    kernel_before = knobs(stage_p=0, p_stmatrix=0, prefetch_pages=0, skip_rescale=0)
-    variants = {
-        "default": {},
-        "before": {**kernel_before, **planner(order_block=1)},  # the kernel and plan of e7321c3
-        "prefetch_pages=0": knobs(prefetch_pages=0),
-        "skip_rescale=0": knobs(skip_rescale=0),
-        "exact_order": planner(order_block=1),
-    }
+    variants = {"default": {}, "exact_order": planner(order_block=1), "tol0.01": planner(balance_tol=0.01)}
+    if "no_loads" in sys.argv:
+        variants["no_loads"] = knobs(no_loads=1)
     case("h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64, variants)
     if "all" in sys.argv:
         case("h16/bs128/kv4096/page64", 16, 1, [4096] * 128, 64, {"mma.sync": {}, "wgmma": FORCE_WGMMA})

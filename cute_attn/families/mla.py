@@ -42,7 +42,7 @@ def ctas_per_sm(tile_q: int, fp8: bool) -> int:
 
 
 TILE_SM90 = 64  # the wgmma kernel's packed query rows per item (one wgmma M)
-STAGES_SM90 = 2  # its 64-key stages: Q (72 KB) + 2 x 72 KB + P (8 KB) = 224 KB
+STAGES_SM90 = 2  # its 64-key stages: Q (72 KB) + 2 x 72 KB (P goes into a stage) = 216 KB
 MAX_HEADS = 128  # DeepSeek-V3's 128 query heads (16 / 32 / 64 at tensor-parallel 8 / 4 / 2)
 
 

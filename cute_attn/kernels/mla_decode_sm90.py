@@ -7,29 +7,27 @@ tiles leave the tensor cores idle: 128 heads x 2 query tokens is 256 rows, four 
 request, and compute-bound.
 
 One CTA per SM, two warpgroups of 128 threads, 64 query rows and 64 keys per block:
-- **Shared memory**: Q [64, 576] (72 KB), two KV stages [64, 576] (2 x 72 KB), P [64, 64]
-  (8 KB) and a row vector (the rescale factors, then 1 / l): 224 KB.  Every tile is K-major
+- **Shared memory**: Q [64, 576] (72 KB), two KV stages [64, 576] (2 x 72 KB) and a row
+  vector (the rescale factors, then 1 / l): 216 KB.  Every tile is K-major
   under the 128-byte swizzle, so the KV stage is K of the scores (B of Q Kᵀ, K-major) and,
   read through its transposed view, V of the output (B of P V, MN-major): each latent row is
   read from global memory once per CTA and kept once.
 - **WG 0** computes S = Q Kᵀ (64 x 64 over the 576 columns: 36 k16 steps of ``wgmma``
   m64n64k16, both operands in shared memory), the mask and the online softmax in registers,
-  writes P (value dtype) and the rows' rescale factors to shared memory, and computes
+  writes P (value dtype, into the stage) and the rows' rescale factors to shared memory, and computes
   O[:, 0:256] += P V[:, 0:256] with P from registers.
 - **WG 1** issues the loads -- the item's Q and each next block's 64 latent rows with 16-byte
   ``cp.async`` (one page lookup per token, any page size; ``kernels/pages.py`` clamps the ids)
   -- while WG 0 computes the scores, then rescales its O[:, 256:512] by WG 0's factors and
   computes O[:, 256:512] += P V[:, 256:512] with P from shared memory.
 - Each warpgroup's fp32 O accumulator is 64 x 256: 128 registers per thread.
-Synchronization per block (``stage_p``, the default): P of block j is written (``stmatrix``)
-into stage j's kpe columns, which only the scores read, so there is no single P tile to guard,
-and three named barriers order the rest: FULL (block j's copies landed -- WG 1 waited for its
-group and fenced it for the async proxy -- WG 1 arrives, WG 0 waits before the scores), P (P and
-the factors are in shared memory: WG 0 arrives, WG 1 waits) and FREE (WG 0's P V of block j is
-done: WG 0 arrives, WG 1 waits before it copies block j + 2 into that stage, after its own P V of
-block j).  WG 0 thus starts the scores of block j + 1 while WG 1's P V of block j may still run.
-(``stage_p=0``: one CTA barrier per block instead -- the block landed and both warpgroups are
-done with the block before -- and one P tile.)  The
+Synchronization per block: P of block j is written (``stmatrix``) into stage j's kpe columns,
+which only the scores read, so no single P tile needs guarding, and three named barriers order
+the rest: FULL (block j's copies landed -- WG 1 waited for its group and fenced it for the async
+proxy -- WG 1 arrives, WG 0 waits before the scores), P (P and the factors are in shared memory:
+WG 0 arrives, WG 1 waits) and FREE (WG 0's P V of block j is done: WG 0 arrives, WG 1 waits
+before it copies block j + 2 into that stage, after its own P V of block j).  WG 0 thus starts
+the scores of block j + 1 while WG 1's P V of block j may still run.  The
 epilogue: one CTA barrier, WG 0 publishes 1 / l per row behind the named barrier, each
 warpgroup normalizes and stores its 256 columns (value-dtype rows + LSE by WG 0, or an fp32
 partial slot for the merge kernel).
@@ -63,8 +61,8 @@ TILE_Q = 64  # packed query rows per item: one wgmma M
 BLOCK_N = 64  # keys per block
 HALF = D_CKV // 2  # output columns per warpgroup: 256
 BAR_P = 1  # named barrier: P and the row factors are in shared memory (0 is __syncthreads)
-BAR_FREE = 2  # named barrier (stage_p): WG 0 is done with a block's stage (it may be reloaded)
-BAR_FULL = 3  # named barrier (stage_p): the block's copies landed (WG 1 waited and fenced them)
+BAR_FREE = 2  # named barrier: WG 0 is done with a block's stage (it may be reloaded)
+BAR_FULL = 3  # named barrier: the block's copies landed (WG 1 waited and fenced them)
 LOAD_ROWS = WG // THREADS_PER_ROW  # rows WG 1 copies per pass: 16
 
 
@@ -73,20 +71,7 @@ class MlaSm90Config:
     """What an ``mla_decode_sm90`` specialization fixes: the value dtype (DSL type)."""
 
     dtype: Any
-    # knob: P of block j goes to stage j's kpe columns (free once the scores are done) and the
-    # per-block CTA barrier becomes named barriers per purpose (the block landed: WG 1 -> WG 0;
-    # WG 0 is done with the stage: WG 0 -> WG 1), so WG 0 starts the scores of block j + 1
-    # without waiting for WG 1's P V of block j
-    stage_p: bool = True
     no_loads: bool = False  # diagnostic knob only (wrong output): no KV copies after block 0
-    # knob: WG 0 writes P to shared memory with ``stmatrix`` (4 per thread) instead of one 2-byte
-    # store per value (32 per thread, each with its swizzled address)
-    p_stmatrix: bool = True
-    # knob: WG 1 reads the page ids of block j + 2 right after issuing block j + 1's copies, so
-    # the next copies need not wait for a global load first
-    prefetch_pages: bool = True
-    # knob: a warp skips rescaling O where every factor of its rows is 1
-    skip_rescale: bool = True
 
     @classmethod
     def from_spec(cls, p: dict) -> MlaSm90Config:
@@ -94,14 +79,7 @@ class MlaSm90Config:
 
         assert p["head_dim_ckv"] == D_CKV and p["head_dim_kpe"] == D_KPE, p
         assert p["tile_q"] == TILE_Q and p["stages"] == 2, p
-        return cls(
-            to_dsl(p["dtype"]),
-            bool(p.get("stage_p", 1)),
-            bool(p.get("no_loads", 0)),
-            bool(p.get("p_stmatrix", 1)),
-            bool(p.get("prefetch_pages", 1)),
-            bool(p.get("skip_rescale", 1)),
-        )
+        return cls(to_dsl(p["dtype"]), bool(p.get("no_loads", 0)))
 
 
 class MlaDecodeSm90:
@@ -137,8 +115,6 @@ class MlaDecodeSm90:
         atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, D_QK), dt)
         kv_layout = cute.tile_to_shape(atom, (BLOCK_N, D_QK, self.stages), (0, 1, 2))
         q_layout = cute.tile_to_shape(atom, (TILE_Q, D_QK), (0, 1))
-        p_atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, BLOCK_N), dt)
-        p_layout = cute.tile_to_shape(p_atom, (TILE_Q, BLOCK_N), (0, 1))
         self._check_smem_off(kv_layout, BLOCK_N, self.stages)
         self._check_smem_off(q_layout, TILE_Q, 1)
         mma_qk = sm90_utils.make_trivial_tiled_mma(
@@ -162,7 +138,6 @@ class MlaDecodeSm90:
         class Smem:
             sKV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(kv_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(q_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(p_layout)], 1024]
             sRow: cute.struct.Align[cute.struct.MemRange[Float32, TILE_Q], 16]
 
         if const_expr(Smem.size_in_bytes() > SMEM_MAX):
@@ -185,7 +160,6 @@ class MlaDecodeSm90:
             sm_scale * LOG2E,
             kv_layout,
             q_layout,
-            p_layout,
             mma_qk,
             mma_pv_r,
             mma_pv_s,
@@ -231,7 +205,6 @@ class MlaDecodeSm90:
         scale_log2: Float32,
         kv_layout: cute.ComposedLayout,
         q_layout: cute.ComposedLayout,
-        p_layout: cute.ComposedLayout,
         mma_qk: cute.TiledMma,
         mma_pv_r: cute.TiledMma,
         mma_pv_s: cute.TiledMma,
@@ -249,7 +222,6 @@ class MlaDecodeSm90:
         st = smem.allocate(Smem)
         sKV = st.sKV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-        sP = st.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
         sRow = st.sRow.get_tensor(cute.make_layout((TILE_Q,)))
         kv_base = st.sKV.data_ptr().toint()
         q_base = st.sQ.data_ptr().toint()
@@ -257,19 +229,19 @@ class MlaDecodeSm90:
         item_begin, item_end = mWorkIndptr[cta], mWorkIndptr[cta + 1]
         if wg == 0:
             self._scores_wg(
-                mO, mLse, mPartO, mPartLse, mWork, sKV, sQ, sP, sRow, mma_qk, mma_pv_r, item_begin, item_end,
+                mO, mLse, mPartO, mPartLse, mWork, sKV, sQ, sRow, mma_qk, mma_pv_r, item_begin, item_end,
                 group, causal, scale_log2, tw,
             )  # fmt: skip
         else:
             self._loads_wg(
-                mQn, mQp, mCkv, mKpe, mKvIndptr, mKvIndices, mO, mPartO, mWork, sKV, sP, sRow, mma_pv_s,
+                mQn, mQp, mCkv, mKpe, mKvIndptr, mKvIndices, mO, mPartO, mWork, sKV, sRow, mma_pv_s,
                 kv_base, q_base, item_begin, item_end, group, tw,
             )  # fmt: skip
 
     # ---- WG 0: scores, softmax, O[:, 0:256] -------------------------------------------------
     @cute.jit
     def _scores_wg(
-        self, mO, mLse, mPartO, mPartLse, mWork, sKV, sQ, sP, sRow, mma_qk, mma_pv, item_begin, item_end,
+        self, mO, mLse, mPartO, mPartLse, mWork, sKV, sQ, sRow, mma_qk, mma_pv, item_begin, item_end,
         group, causal, scale_log2, tw,
     ):  # fmt: skip
         thr_qk = mma_qk.get_slice(tw)
@@ -307,10 +279,7 @@ class MlaDecodeSm90:
             for nb in cutlass.range(n_blocks, unroll=1):
                 stage = nb % self.stages
                 key0 = info.kv_start + nb * BLOCK_N
-                if const_expr(self.cfg.stage_p):
-                    cute.arch.barrier(barrier_id=BAR_FULL, number_of_threads=2 * WG)  # the block landed
-                else:
-                    cute.arch.sync_threads()  # the block landed; WG 1 is done with block nb - 1
+                cute.arch.barrier(barrier_id=BAR_FULL, number_of_threads=2 * WG)  # the block landed
                 warpgroup.fence()
                 atom = cute.make_mma_atom(mma_qk.op)
                 for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
@@ -345,14 +314,7 @@ class MlaDecodeSm90:
                     row_m[r] = m_new
                 rP.store(acc_S.load().to(self.dtype))
                 # P and the factors for WG 1 (the async proxy reads P: fence the generic stores)
-                sPb = self._p_tile(sKV, sP, stage)
-                if const_expr(self.cfg.p_stmatrix):
-                    cute.copy(p_copy, p_copy.retile(rP), p_copy.partition_D(sPb))
-                else:
-                    Pmn = wgmma_mn_view(rP)
-                    for r in cutlass.range_constexpr(n_rows):
-                        for c in cutlass.range_constexpr(n_cols):
-                            sPb[tScS[r, 0][0], tScS[0, c][1]] = Pmn[r, c]
+                cute.copy(p_copy, p_copy.retile(rP), p_copy.partition_D(self._p_tile(sKV, stage)))
                 for r in cutlass.range_constexpr(n_rows):
                     if tw % 4 == 0:
                         sRow[tScS[r, 0][0]] = corr[r]
@@ -366,9 +328,8 @@ class MlaDecodeSm90:
                     cute.gemm(atom_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                if const_expr(self.cfg.stage_p):
-                    if nb + 2 < n_blocks:  # WG 1 reloads this stage with block nb + 2
-                        cute.arch.barrier_arrive(barrier_id=BAR_FREE, number_of_threads=2 * WG)
+                if nb + 2 < n_blocks:  # WG 1 reloads this stage with block nb + 2
+                    cute.arch.barrier_arrive(barrier_id=BAR_FREE, number_of_threads=2 * WG)
 
             # epilogue: 1 / l per row for WG 1 (after every read of sRow by WG 1: a CTA barrier)
             inv = cute.make_rmem_tensor((n_rows,), Float32)
@@ -398,7 +359,7 @@ class MlaDecodeSm90:
     # ---- WG 1: loads, O[:, 256:512] ------------------------------------------------------------
     @cute.jit
     def _loads_wg(
-        self, mQn, mQp, mCkv, mKpe, mKvIndptr, mKvIndices, mO, mPartO, mWork, sKV, sP, sRow, mma_pv,
+        self, mQn, mQp, mCkv, mKpe, mKvIndptr, mKvIndices, mO, mPartO, mWork, sKV, sRow, mma_pv,
         kv_base, q_base, item_begin, item_end, group, tw,
     ):  # fmt: skip
         thr_pv = mma_pv.get_slice(tw)
@@ -412,36 +373,24 @@ class MlaDecodeSm90:
             page_base = mKvIndptr[info.req]
             acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_Q, HALF)), Float32)
             acc_O.fill(0.0)
-            pages = cute.make_rmem_tensor((BLOCK_N // LOAD_ROWS,), Int32)
             if n_blocks > 0:
                 self._issue_q(mQn, mQp, info, q_base, tw)
-                self._lookup_pages(pages, mKvIndices, page_base, info.kv_start, info.kv_end, page_size, tw)
-                self._issue_kv(mCkv, mKpe, pages, info.kv_start, info.kv_end, page_size, kv_base, 0, tw)
+                self._issue_kv(mCkv, mKpe, mKvIndices, page_base, info.kv_start, info.kv_end, page_size, kv_base, 0, tw)
                 cute.arch.cp_async_commit_group()
-                if const_expr(self.cfg.prefetch_pages):  # block 1's pages, read during block 0
-                    blk = info.kv_start + BLOCK_N
-                    self._lookup_pages(pages, mKvIndices, page_base, blk, info.kv_end, page_size, tw)
             for nb in cutlass.range(n_blocks, unroll=1):
                 stage = nb % self.stages
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.fence_view_async_shared()  # cp.async writes -> read by wgmma (async proxy)
-                if const_expr(self.cfg.stage_p):
-                    cute.arch.barrier_arrive(barrier_id=BAR_FULL, number_of_threads=2 * WG)
-                    warpgroup.wait_group(0)  # this warpgroup's P V of block nb - 1
-                else:
-                    cute.arch.sync_threads()
+                cute.arch.barrier_arrive(barrier_id=BAR_FULL, number_of_threads=2 * WG)
+                warpgroup.wait_group(0)  # this warpgroup's P V of block nb - 1
                 if nb + 1 < n_blocks:
-                    if const_expr(self.cfg.stage_p):
-                        if nb > 0:  # WG 0 is done with block nb - 1, whose stage block nb + 1 takes
-                            cute.arch.barrier(barrier_id=BAR_FREE, number_of_threads=2 * WG)
+                    if nb > 0:  # WG 0 is done with block nb - 1, whose stage block nb + 1 takes
+                        cute.arch.barrier(barrier_id=BAR_FREE, number_of_threads=2 * WG)
                     blk = info.kv_start + (nb + 1) * BLOCK_N
-                    if const_expr(not self.cfg.prefetch_pages):
-                        self._lookup_pages(pages, mKvIndices, page_base, blk, info.kv_end, page_size, tw)
                     if const_expr(not self.cfg.no_loads):
-                        self._issue_kv(mCkv, mKpe, pages, blk, info.kv_end, page_size, kv_base, 1 - stage, tw)
-                    if const_expr(self.cfg.prefetch_pages):  # block nb + 2's, read during block nb + 1
-                        nxt = blk + BLOCK_N
-                        self._lookup_pages(pages, mKvIndices, page_base, nxt, info.kv_end, page_size, tw)
+                        self._issue_kv(
+                            mCkv, mKpe, mKvIndices, page_base, blk, info.kv_end, page_size, kv_base, 1 - stage, tw
+                        )
                     cute.arch.cp_async_commit_group()
                 cute.arch.barrier(barrier_id=BAR_P, number_of_threads=2 * WG)
                 corr = cute.make_rmem_tensor((n_rows,), Float32)
@@ -451,12 +400,10 @@ class MlaDecodeSm90:
                 warpgroup.fence()
                 atom = cute.make_mma_atom(mma_pv.op)
                 atom.set(warpgroup.Field.ACCUMULATE, True)
-                tOsP = mma_pv.make_fragment_A(thr_pv.partition_A(self._p_tile(sKV, sP, stage)))
+                tOsP = mma_pv.make_fragment_A(thr_pv.partition_A(self._p_tile(sKV, stage)))
                 for k in cutlass.range_constexpr(cute.size(tOsP, mode=[2])):
                     cute.gemm(atom, acc_O, tOsP[None, None, k], tOrV[None, None, k, stage], acc_O)
                 warpgroup.commit_group()
-                if const_expr(not self.cfg.stage_p):
-                    warpgroup.wait_group(0)
             warpgroup.wait_group(0)
             cute.arch.sync_threads()
             cute.arch.barrier(barrier_id=BAR_P, number_of_threads=2 * WG)
@@ -465,13 +412,11 @@ class MlaDecodeSm90:
                 inv[r] = sRow[tOcO[r, 0][0]]
             self._store(mO, mPartO, acc_O, inv, tOcO, info, HALF)
 
-    def _p_tile(self, sKV, sP, stage):
-        """Where P of a block in ``stage`` goes: the stage's kpe columns (``stage_p``: [64 keys,
-        64 columns] under the same swizzle as a [64 rows, 64 keys] P tile; the scores, their only
-        reader, are done when P is written), else the one P tile."""
-        if const_expr(self.cfg.stage_p):
-            return cute.local_tile(sKV, (BLOCK_N, D_KPE, self.stages), (0, D_CKV // D_KPE, 0))[None, None, stage]
-        return sP
+    def _p_tile(self, sKV, stage):
+        """Where P of the block in ``stage`` goes: the stage's kpe columns, [64 keys, 64 columns]
+        under the same swizzle a [64 rows, 64 keys] P tile would have (the scores, their only
+        reader, are done when P is written)."""
+        return cute.local_tile(sKV, (BLOCK_N, D_KPE, self.stages), (0, D_CKV // D_KPE, 0))[None, None, stage]
 
     def _v_half(self, sKV, h: int):
         """Columns [256 h, 256 h + 256) of the KV stages seen as Vᵀ (output column, key, stage):
@@ -481,17 +426,10 @@ class MlaDecodeSm90:
 
     @cute.jit
     def _rescale(self, acc_O: cute.Tensor, corr: cute.Tensor):
-        """O *= the rows' factors; a warp whose rows' maxima all stayed put (every factor 1:
-        most blocks once the first have set the maxima) skips its 128 multiplications."""
         O = wgmma_mn_view(acc_O)
-        n = cute.size(O, mode=[0])
-        moved = corr[0] != Float32(1.0)
-        for r in cutlass.range_constexpr(1, n):
-            moved = moved | (corr[r] != Float32(1.0))
-        if cute.arch.vote_any_sync(moved) | const_expr(not self.cfg.skip_rescale):
-            for r in cutlass.range_constexpr(n):
-                for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                    O[r, c] = O[r, c] * corr[r]
+        for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                O[r, c] = O[r, c] * corr[r]
 
     # ---- loads (WG 1) ---------------------------------------------------------------------------
     @cute.jit
@@ -513,23 +451,19 @@ class MlaDecodeSm90:
                     cp_async_16(q_base + d, qp + t * 16)
 
     @cute.jit
-    def _lookup_pages(self, pages, mKvIndices, page_base, blk_start, kv_end, page_size, tw):
-        """The page ids of this thread's rows of the block at ``blk_start`` into ``pages`` (all
-        in flight together; positions past kv_end read the last valid token's page)."""
-        for i in cutlass.range_constexpr(BLOCK_N // LOAD_ROWS):
+    def _issue_kv(self, mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw):
+        """cp.async a block's 64 latent rows into a stage: row 16 i + tw / 8 is token
+        blk_start + row (past kv_end: the last valid token again, masked later), its ckv chunks
+        t, t + 8, .. and kpe chunk t.  The page lookups first (all in flight together)."""
+        t = tw % THREADS_PER_ROW
+        n = BLOCK_N // LOAD_ROWS
+        num_pages = mCkv.shape[0]
+        pages = cute.make_rmem_tensor((n,), Int32)
+        for i in cutlass.range_constexpr(n):
             p = blk_start + tw // THREADS_PER_ROW + i * LOAD_ROWS
             p = cutlass.select_(p < kv_end, p, kv_end - 1)
             pg, _ = divmod(p, page_size)
             pages[i] = mKvIndices[page_base + pg]
-
-    @cute.jit
-    def _issue_kv(self, mCkv, mKpe, pages, blk_start, kv_end, page_size, kv_base, stage, tw):
-        """cp.async a block's 64 latent rows into a stage: row 16 i + tw / 8 is token
-        blk_start + row (past kv_end: the last valid token again, masked later) on page
-        ``pages[i]``, its ckv chunks t, t + 8, .. and kpe chunk t."""
-        t = tw % THREADS_PER_ROW
-        n = BLOCK_N // LOAD_ROWS
-        num_pages = mCkv.shape[0]
         for i in cutlass.range_constexpr(n):
             r = tw // THREADS_PER_ROW + i * LOAD_ROWS
             p = blk_start + r
