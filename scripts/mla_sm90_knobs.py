@@ -3,20 +3,18 @@ variant runs through its own CUDA-graph-captured wrapper on the same inputs, is 
 fp32 reference (the diagnostic ``no_loads`` knob excepted: it computes on stale stages), and all
 are timed in turns (``bench.common.interleaved``).
 
-    python scripts/mla_sm90_knobs.py [all] [no_loads]   # the mla preset in the cache, and
-    # mla_decode_sm90:dtype=bf16,head_dim_ckv=512,head_dim_kpe=64,tile_q=64,stages=4,block_n=32
-    # (for no_loads: ...,stages=2,no_loads=1)
+    python scripts/mla_sm90_knobs.py [all] [no_loads]   # the mla preset in the cache, and for
+    # no_loads: mla_decode_sm90:dtype=bf16,head_dim_ckv=512,head_dim_kpe=64,tile_q=64,stages=2,no_loads=1
 
-Cases: the compute-bound bench case -- the default against 32-key blocks in 4 stages (the
-``block_n`` / ``stages`` knob), the planner splitting for balance (``alpha`` 2, ``balance_tol``
-0.01: no CTA left with half the work), both, the planner's exact cost order (``order_block=1``:
-a request's causal tiles, a key apart, are dealt in different rounds) and with ``no_loads`` the
-diagnostic knob (no KV copies after block 0: what the copies cost) --, and with ``all`` two
-memory-bound decodes with the kernel choice forced both ways (16 heads: the mma.sync kernel's
-16-row items against the wgmma kernel's 64-row items; 64 heads: wgmma against mma.sync's 32).
-The kernel's earlier variants (one CTA barrier per block and one P tile, P by 2-byte stores,
-page-id prefetch, skipping O *= 1) were measured with this script as knobs and dropped or
-adopted: BENCHMARKS.md, session 20."""
+Cases: the compute-bound bench case -- the default against the planner splitting for balance
+(``alpha`` 2, ``balance_tol`` 0.01: no CTA left with half the work), the planner's exact cost
+order (``order_block=1``: a request's causal tiles, a key apart, are dealt in different rounds)
+and with ``no_loads`` the diagnostic knob (no KV copies after block 0: what the copies cost) --,
+and with ``all`` two memory-bound decodes with the kernel choice forced both ways (16 heads: the
+mma.sync kernel's 16-row items against the wgmma kernel's 64-row items; 64 heads: wgmma against
+mma.sync's 32).  The kernel's earlier variants (one CTA barrier per block and one P tile, P by
+2-byte stores, page-id prefetch, skipping O *= 1, 32-key blocks in 4 stages) were measured with
+this script as knobs and dropped or adopted: BENCHMARKS.md, session 20."""
 
 from __future__ import annotations
 
@@ -98,9 +96,7 @@ def case(name, heads, q_len, kv_lens, ps, variants):
 def main():
     variants = {
         "default": {},
-        "bn32x4": knobs(block_n=32, stages=4),
         "alpha2": planner(alpha=2, balance_tol=0.01),
-        "bn32x4+alpha2": {**knobs(block_n=32, stages=4), **planner(alpha=2, balance_tol=0.01)},
         "exact_order": planner(order_block=1),
     }
     if "no_loads" in sys.argv:

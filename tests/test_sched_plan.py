@@ -471,6 +471,35 @@ def test_prefill_items_ordered_for_l2_reuse(causal):
         assert len(pairs) <= 12, (k, len(pairs))
 
 
+@pytest.mark.parametrize("page", [1, 64])
+def test_snake_deals_a_requests_near_equal_tiles_side_by_side(page):
+    """MLA-like decode with 2 query tokens x 128 heads = four 64-row tiles per request, causal:
+    the tiles of token 0 see one key fewer than those of token 1.  With ``order_block`` (64 kv
+    tokens, the default) they count as equal, so the snake deals a request's four tiles to four
+    neighbouring CTAs in the same round; in exact cost order (``order_block=1``) the token-1
+    tiles of every request come first and a request's tiles land in different rounds.  Either
+    way the plan is a valid exact cover with the same busiest-CTA load."""
+    b, h, kv = 64, 128, 8192
+    qo, kvl = np.arange(0, 2 * b + 1, 2), np.full(b, kv)
+    lim = Limits(max_batch=b, max_total_q_tokens=2 * b, num_qo_heads=h, num_kv_heads=1, head_dim=512)
+    plans = {}
+    for blk in (64, 1):
+        pl = Planner(lim, 132, 1, alpha=8, order_block=blk)
+        p = pl.plan(qo, kvl, causal=True, page_size=page, num_qo_heads=h, num_kv_heads=1, cta_tile_q=64)
+        verify_plan(p, qo, kvl, 1, alpha=8)
+        plans[blk] = p
+    assert plans[64].cta_cost.max() == plans[1].cta_cost.max()
+
+    def ctas_of(p, q):  # the CTAs that hold request q's tiles
+        cta = np.repeat(np.arange(132), np.diff(p.work_indptr))
+        return sorted(set(cta[p.work_items[:, ws.W_REQ] == q].tolist()))
+
+    for q in range(32):  # the first round: requests 0-31, each on four neighbouring CTAs
+        assert ctas_of(plans[64], q) == list(range(4 * q, 4 * q + 4)), q
+        c = ctas_of(plans[1], q)
+        assert c[-1] - c[0] > 3, (q, c)  # exact order: its tiles in two rounds, CTAs far apart
+
+
 @SETTINGS
 @given(batches(), st.sampled_from([2, 4]))
 def test_heads_per_item_is_the_plan_of_fewer_wider_heads(d, h):

@@ -72,27 +72,21 @@ class MlaSm90Config:
 
     dtype: Any
     no_loads: bool = False  # diagnostic knob only (wrong output): no KV copies after block 0
-    # knob: keys per block and stages (64 x 2 by default; 32 x 4: the copies run three blocks
-    # ahead instead of one, P in two tiles of its own since a 32-key block's kpe slot is too small)
-    block_n: int = BLOCK_N
-    stages: int = 2
 
     @classmethod
     def from_spec(cls, p: dict) -> MlaSm90Config:
         from ..abi.dtypes import to_dsl
 
         assert p["head_dim_ckv"] == D_CKV and p["head_dim_kpe"] == D_KPE, p
-        bn, stages = p.get("block_n", BLOCK_N), p["stages"]
-        assert p["tile_q"] == TILE_Q and (bn, stages) in ((64, 2), (32, 4)), p
-        return cls(to_dsl(p["dtype"]), bool(p.get("no_loads", 0)), bn, stages)
+        assert p["tile_q"] == TILE_Q and p["stages"] == 2, p
+        return cls(to_dsl(p["dtype"]), bool(p.get("no_loads", 0)))
 
 
 class MlaDecodeSm90:
     def __init__(self, cfg: MlaSm90Config):
         self.cfg = cfg
         self.dtype = cfg.dtype
-        self.stages = cfg.stages
-        self.bn = cfg.block_n
+        self.stages = 2
         self.threads = 2 * WG
 
     # ---- host side ----------------------------------------------------------------------
@@ -119,14 +113,12 @@ class MlaDecodeSm90:
     ):
         dt = self.dtype
         atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, D_QK), dt)
-        kv_layout = cute.tile_to_shape(atom, (self.bn, D_QK, self.stages), (0, 1, 2))
+        kv_layout = cute.tile_to_shape(atom, (BLOCK_N, D_QK, self.stages), (0, 1, 2))
         q_layout = cute.tile_to_shape(atom, (TILE_Q, D_QK), (0, 1))
-        p_atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, self.bn), dt)
-        p_layout = cute.tile_to_shape(p_atom, (TILE_Q, self.bn, 2), (0, 1, 2))  # used at 32-key blocks
-        self._check_smem_off(kv_layout, self.bn, self.stages)
+        self._check_smem_off(kv_layout, BLOCK_N, self.stages)
         self._check_smem_off(q_layout, TILE_Q, 1)
         mma_qk = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), (TILE_Q, self.bn)
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), (TILE_Q, BLOCK_N)
         )
         mma_pv_r = sm90_utils.make_trivial_tiled_mma(
             dt,
@@ -146,7 +138,6 @@ class MlaDecodeSm90:
         class Smem:
             sKV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(kv_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(q_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(p_layout) if self.bn < BLOCK_N else 8], 1024]
             sRow: cute.struct.Align[cute.struct.MemRange[Float32, TILE_Q], 16]
 
         if const_expr(Smem.size_in_bytes() > SMEM_MAX):
@@ -169,7 +160,6 @@ class MlaDecodeSm90:
             sm_scale * LOG2E,
             kv_layout,
             q_layout,
-            p_layout,
             mma_qk,
             mma_pv_r,
             mma_pv_s,
@@ -215,7 +205,6 @@ class MlaDecodeSm90:
         scale_log2: Float32,
         kv_layout: cute.ComposedLayout,
         q_layout: cute.ComposedLayout,
-        p_layout: cute.ComposedLayout,
         mma_qk: cute.TiledMma,
         mma_pv_r: cute.TiledMma,
         mma_pv_s: cute.TiledMma,
@@ -233,7 +222,6 @@ class MlaDecodeSm90:
         st = smem.allocate(Smem)
         sKV = st.sKV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-        sP = st.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
         sRow = st.sRow.get_tensor(cute.make_layout((TILE_Q,)))
         kv_base = st.sKV.data_ptr().toint()
         q_base = st.sQ.data_ptr().toint()
@@ -241,19 +229,19 @@ class MlaDecodeSm90:
         item_begin, item_end = mWorkIndptr[cta], mWorkIndptr[cta + 1]
         if wg == 0:
             self._scores_wg(
-                mO, mLse, mPartO, mPartLse, mWork, sKV, sQ, sP, sRow, mma_qk, mma_pv_r, item_begin, item_end,
+                mO, mLse, mPartO, mPartLse, mWork, sKV, sQ, sRow, mma_qk, mma_pv_r, item_begin, item_end,
                 group, causal, scale_log2, tw,
             )  # fmt: skip
         else:
             self._loads_wg(
-                mQn, mQp, mCkv, mKpe, mKvIndptr, mKvIndices, mO, mPartO, mWork, sKV, sP, sRow, mma_pv_s,
+                mQn, mQp, mCkv, mKpe, mKvIndptr, mKvIndices, mO, mPartO, mWork, sKV, sRow, mma_pv_s,
                 kv_base, q_base, item_begin, item_end, group, tw,
             )  # fmt: skip
 
     # ---- WG 0: scores, softmax, O[:, 0:256] -------------------------------------------------
     @cute.jit
     def _scores_wg(
-        self, mO, mLse, mPartO, mPartLse, mWork, sKV, sQ, sP, sRow, mma_qk, mma_pv, item_begin, item_end,
+        self, mO, mLse, mPartO, mPartLse, mWork, sKV, sQ, sRow, mma_qk, mma_pv, item_begin, item_end,
         group, causal, scale_log2, tw,
     ):  # fmt: skip
         thr_qk = mma_qk.get_slice(tw)
@@ -261,7 +249,7 @@ class MlaDecodeSm90:
         tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
         tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sKV))
         tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(self._v_half(sKV, 0)))
-        tScS = wgmma_mn_view(thr_qk.partition_C(cute.make_identity_tensor((TILE_Q, self.bn))))
+        tScS = wgmma_mn_view(thr_qk.partition_C(cute.make_identity_tensor((TILE_Q, BLOCK_N))))
         tOcO = wgmma_mn_view(thr_pv.partition_C(cute.make_identity_tensor((TILE_Q, HALF))))
         n_rows = cute.size(tScS, mode=[0])
         n_cols = cute.size(tScS, mode=[1])
@@ -270,7 +258,7 @@ class MlaDecodeSm90:
         ).get_slice(tw)
         for item in cutlass.range(item_begin, item_end, unroll=1):
             info = ItemInfo(mWork, item, group)
-            n_blocks = (info.kv_end - info.kv_start + self.bn - 1) // self.bn
+            n_blocks = (info.kv_end - info.kv_start + BLOCK_N - 1) // BLOCK_N
             acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_Q, HALF)), Float32)
             acc_O.fill(0.0)
             row_m = cute.make_rmem_tensor((n_rows,), Float32)
@@ -285,12 +273,12 @@ class MlaDecodeSm90:
                 if causal != 0:
                     lim = cutlass.min(lim, q_pos + 1)
                 row_lim[r] = lim
-            acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_Q, self.bn)), Float32)
-            rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_Q, self.bn)), self.dtype)
+            acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_Q, BLOCK_N)), Float32)
+            rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_Q, BLOCK_N)), self.dtype)
             tOrP = cute.make_tensor(rP.iterator, wgmma_acc_as_a(rP.layout))
             for nb in cutlass.range(n_blocks, unroll=1):
                 stage = nb % self.stages
-                key0 = info.kv_start + nb * self.bn
+                key0 = info.kv_start + nb * BLOCK_N
                 cute.arch.barrier(barrier_id=BAR_FULL, number_of_threads=2 * WG)  # the block landed
                 warpgroup.fence()
                 atom = cute.make_mma_atom(mma_qk.op)
@@ -304,7 +292,7 @@ class MlaDecodeSm90:
                 lim_lo = row_lim[0]
                 for r in cutlass.range_constexpr(1, n_rows):
                     lim_lo = cutlass.min(lim_lo, row_lim[r])
-                if key0 + self.bn > lim_lo:  # a row of this thread ends in this block: mask it
+                if key0 + BLOCK_N > lim_lo:  # a row of this thread ends in this block: mask it
                     for r in cutlass.range_constexpr(n_rows):
                         for c in cutlass.range_constexpr(n_cols):
                             S[r, c] = S[r, c] if key0 + tScS[0, c][1] < row_lim[r] else -Float32.inf
@@ -326,7 +314,7 @@ class MlaDecodeSm90:
                     row_m[r] = m_new
                 rP.store(acc_S.load().to(self.dtype))
                 # P and the factors for WG 1 (the async proxy reads P: fence the generic stores)
-                cute.copy(p_copy, p_copy.retile(rP), p_copy.partition_D(self._p_tile(sKV, sP, stage, nb)))
+                cute.copy(p_copy, p_copy.retile(rP), p_copy.partition_D(self._p_tile(sKV, stage)))
                 for r in cutlass.range_constexpr(n_rows):
                     if tw % 4 == 0:
                         sRow[tScS[r, 0][0]] = corr[r]
@@ -340,7 +328,7 @@ class MlaDecodeSm90:
                     cute.gemm(atom_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                if nb + self.stages < n_blocks:  # WG 1 reloads this stage with block nb + stages
+                if nb + 2 < n_blocks:  # WG 1 reloads this stage with block nb + 2
                     cute.arch.barrier_arrive(barrier_id=BAR_FREE, number_of_threads=2 * WG)
 
             # epilogue: 1 / l per row for WG 1 (after every read of sRow by WG 1: a CTA barrier)
@@ -371,7 +359,7 @@ class MlaDecodeSm90:
     # ---- WG 1: loads, O[:, 256:512] ------------------------------------------------------------
     @cute.jit
     def _loads_wg(
-        self, mQn, mQp, mCkv, mKpe, mKvIndptr, mKvIndices, mO, mPartO, mWork, sKV, sP, sRow, mma_pv,
+        self, mQn, mQp, mCkv, mKpe, mKvIndptr, mKvIndices, mO, mPartO, mWork, sKV, sRow, mma_pv,
         kv_base, q_base, item_begin, item_end, group, tw,
     ):  # fmt: skip
         thr_pv = mma_pv.get_slice(tw)
@@ -381,36 +369,29 @@ class MlaDecodeSm90:
         page_size = cute.FastDivmodDivisorV2(mCkv.shape[1])
         for item in cutlass.range(item_begin, item_end, unroll=1):
             info = ItemInfo(mWork, item, group)
-            n_blocks = (info.kv_end - info.kv_start + self.bn - 1) // self.bn
+            n_blocks = (info.kv_end - info.kv_start + BLOCK_N - 1) // BLOCK_N
             page_base = mKvIndptr[info.req]
             acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_Q, HALF)), Float32)
             acc_O.fill(0.0)
             if n_blocks > 0:
                 self._issue_q(mQn, mQp, info, q_base, tw)
-                # blocks 0 .. stages - 2 (a group each, empty past the item's end: the waits
-                # below count groups)
-                for b in cutlass.range_constexpr(self.stages - 1):
-                    if b < n_blocks:
-                        blk = info.kv_start + b * self.bn
-                        self._issue_kv(mCkv, mKpe, mKvIndices, page_base, blk, info.kv_end, page_size, kv_base, b, tw)
-                    cute.arch.cp_async_commit_group()
+                self._issue_kv(mCkv, mKpe, mKvIndices, page_base, info.kv_start, info.kv_end, page_size, kv_base, 0, tw)
+                cute.arch.cp_async_commit_group()
             for nb in cutlass.range(n_blocks, unroll=1):
                 stage = nb % self.stages
-                cute.arch.cp_async_wait_group(self.stages - 2)  # block nb's group
+                cute.arch.cp_async_wait_group(0)
                 cute.arch.fence_view_async_shared()  # cp.async writes -> read by wgmma (async proxy)
                 cute.arch.barrier_arrive(barrier_id=BAR_FULL, number_of_threads=2 * WG)
                 warpgroup.wait_group(0)  # this warpgroup's P V of block nb - 1
-                ahead = nb + self.stages - 1  # the block whose copies go out now
-                if ahead < n_blocks:
-                    if nb > 0:  # WG 0 is done with block nb - 1, whose stage block `ahead` takes
+                if nb + 1 < n_blocks:
+                    if nb > 0:  # WG 0 is done with block nb - 1, whose stage block nb + 1 takes
                         cute.arch.barrier(barrier_id=BAR_FREE, number_of_threads=2 * WG)
-                    blk = info.kv_start + ahead * self.bn
+                    blk = info.kv_start + (nb + 1) * BLOCK_N
                     if const_expr(not self.cfg.no_loads):
                         self._issue_kv(
-                            mCkv, mKpe, mKvIndices, page_base, blk, info.kv_end, page_size, kv_base,
-                            ahead % self.stages, tw,
-                        )  # fmt: skip
-                cute.arch.cp_async_commit_group()  # (empty past the end: one group per block)
+                            mCkv, mKpe, mKvIndices, page_base, blk, info.kv_end, page_size, kv_base, 1 - stage, tw
+                        )
+                    cute.arch.cp_async_commit_group()
                 cute.arch.barrier(barrier_id=BAR_P, number_of_threads=2 * WG)
                 corr = cute.make_rmem_tensor((n_rows,), Float32)
                 for r in cutlass.range_constexpr(n_rows):
@@ -419,7 +400,7 @@ class MlaDecodeSm90:
                 warpgroup.fence()
                 atom = cute.make_mma_atom(mma_pv.op)
                 atom.set(warpgroup.Field.ACCUMULATE, True)
-                tOsP = mma_pv.make_fragment_A(thr_pv.partition_A(self._p_tile(sKV, sP, stage, nb)))
+                tOsP = mma_pv.make_fragment_A(thr_pv.partition_A(self._p_tile(sKV, stage)))
                 for k in cutlass.range_constexpr(cute.size(tOsP, mode=[2])):
                     cute.gemm(atom, acc_O, tOsP[None, None, k], tOrV[None, None, k, stage], acc_O)
                 warpgroup.commit_group()
@@ -431,20 +412,16 @@ class MlaDecodeSm90:
                 inv[r] = sRow[tOcO[r, 0][0]]
             self._store(mO, mPartO, acc_O, inv, tOcO, info, HALF)
 
-    def _p_tile(self, sKV, sP, stage, nb):
-        """Where P of block ``nb`` (in ``stage``) goes: at 64-key blocks the stage's kpe columns,
-        [64 keys, 64 columns] under the same swizzle a [64 rows, 64 keys] P tile would have (the
-        scores, their only reader, are done when P is written); at 32-key blocks one of two P
-        tiles by the block's parity (P of block nb is rewritten at nb + 2, after FULL of nb + 2,
-        which WG 1 arrives at only once its P V of block nb is done)."""
-        if const_expr(self.bn == BLOCK_N):
-            return cute.local_tile(sKV, (self.bn, D_KPE, self.stages), (0, D_CKV // D_KPE, 0))[None, None, stage]
-        return sP[None, None, nb % 2]
+    def _p_tile(self, sKV, stage):
+        """Where P of the block in ``stage`` goes: the stage's kpe columns, [64 keys, 64 columns]
+        under the same swizzle a [64 rows, 64 keys] P tile would have (the scores, their only
+        reader, are done when P is written)."""
+        return cute.local_tile(sKV, (BLOCK_N, D_KPE, self.stages), (0, D_CKV // D_KPE, 0))[None, None, stage]
 
     def _v_half(self, sKV, h: int):
         """Columns [256 h, 256 h + 256) of the KV stages seen as Vᵀ (output column, key, stage):
         whole swizzle atoms, so the view's offset is a constant number of atoms."""
-        sV = cute.local_tile(sKV, (self.bn, HALF, self.stages), (0, h, 0))
+        sV = cute.local_tile(sKV, (BLOCK_N, HALF, self.stages), (0, h, 0))
         return cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
 
     @cute.jit
@@ -479,7 +456,7 @@ class MlaDecodeSm90:
         blk_start + row (past kv_end: the last valid token again, masked later), its ckv chunks
         t, t + 8, .. and kpe chunk t.  The page lookups first (all in flight together)."""
         t = tw % THREADS_PER_ROW
-        n = self.bn // LOAD_ROWS
+        n = BLOCK_N // LOAD_ROWS
         num_pages = mCkv.shape[0]
         pages = cute.make_rmem_tensor((n,), Int32)
         for i in cutlass.range_constexpr(n):
@@ -496,7 +473,7 @@ class MlaDecodeSm90:
             ckv = mCkv[page, slot, None].iterator.toint()
             kpe = mKpe[page, slot, None].iterator.toint()
             for c in cutlass.range_constexpr(D_QK // 64):
-                d = smem_off(r, c, t, stage, self.bn) * 2
+                d = smem_off(r, c, t, stage, BLOCK_N) * 2
                 if const_expr(c < D_CKV // 64):
                     cp_async_16(kv_base + d, ckv + (t + 8 * c) * 16)
                 else:
