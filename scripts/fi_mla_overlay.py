@@ -38,7 +38,7 @@ TVM = "apache-tvm-ffi==0.1.15.post2"
 EXTRA = ["tqdm", "einops", "requests", "tabulate", "click", "nvidia-ml-py", "ninja"]
 HIDDEN = ("nvidia_cutlass_dsl", "cutlass", "cuda_tile", "nvidia_cudnn_frontend", "cudnn", "nccl4py")
 
-GEN = """
+GEN_HEAD = """
 import json, os, sys, torch
 ROOT = os.path.realpath(sys.argv[1]); opened = set()
 def hook(ev, a):
@@ -46,9 +46,8 @@ def hook(ev, a):
         p = os.path.realpath(os.fsdecode(a[0]))
         if p.startswith(ROOT + os.sep): opened.add(os.path.relpath(p, ROOT))
 sys.addaudithook(hook)
-import flashinfer, flashinfer.mla
-from flashinfer.jit import gen_batch_mla_module
-spec = gen_batch_mla_module("fa3", torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32, 512, 64, False)
+"""
+GEN_TAIL = """
 if sys.argv[3] == "build" and not spec.aot_path.exists():
     import shutil
     from flashinfer.jit.core import build_jit_specs
@@ -61,11 +60,26 @@ json.dump(dict(files=sorted(set(py) | opened), so=os.path.relpath(spec.aot_path,
 """
 
 
+def gen_script(module: str) -> str:
+    """The generator script run in ``WORK`` (``python gen.py FULL OUT build|scan``): ``module``
+    imports FlashInfer's Python side and sets ``spec`` (the module's JitSpec); the script records
+    every file of the wheel that this opens and, with ``build``, compiles the module into
+    FlashInfer's prebuilt-module folder."""
+    return GEN_HEAD + module.strip() + "\n" + GEN_TAIL.lstrip("\n")
+
+
+GEN = gen_script("""
+import flashinfer, flashinfer.mla
+from flashinfer.jit import gen_batch_mla_module
+spec = gen_batch_mla_module("fa3", torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32, 512, 64, False)
+""")
+
+
 def sh(*a, **kw):
     subprocess.run(a, check=True, **kw)
 
 
-def main():
+def main(gen: str = GEN, out_name: str = "fi_mla_overlay.tar.xz"):
     work = Path(sys.argv[1] if len(sys.argv) > 1 else "build/fi").resolve()
     full, tvm, extra, shadow, stubs = (work / n for n in ("full", "tvm", "extra", "shadow", "stubs"))
     work.mkdir(parents=True, exist_ok=True)
@@ -89,7 +103,7 @@ def main():
     env = dict(os.environ, FLASHINFER_WORKSPACE_BASE=str(work / "ws"), FLASHINFER_CUDA_ARCH_LIST="9.0a",
                CUDA_HOME=cuda, MAX_JOBS="1", PATH=f"{extra / 'bin'}:{os.environ['PATH']}",
                FLASHINFER_EXTRA_LDFLAGS=f"-L{stubs}")  # fmt: skip
-    (work / "gen.py").write_text(GEN)
+    (work / "gen.py").write_text(gen)
     found, so = set(), None
     for mode, path in (("build", [full, tvm, extra]), ("scan", [full, tvm, extra, shadow])):
         out = work / f"files_{mode}.json"
@@ -108,7 +122,7 @@ def main():
             continue
         if f not in have or trimmed.extractfile(have[f]).read() != (full / f).read_bytes():
             add.append(f)
-    dst = work / "fi_mla_overlay.tar.xz"
+    dst = work / out_name
     with tarfile.open(dst, "w:xz") as t:
         for f in add:
             t.add(full / f, arcname=f)
