@@ -5,12 +5,17 @@ the reductions over the four threads that share an accumulator row.
 Two MMA families: ``mma.sync`` m16n8k16 (decode, any arch: ``mma_*``) and Hopper's
 ``wgmma`` (prefill: ``wgmma_*``).  In both, a row of a thread's accumulator is spread over the
 4 threads of a quad (lanes 4i .. 4i+3), hence ``quad_max`` / ``quad_sum``.
+
+``pin_fragment`` fixes where a fragment is computed (see there).
 """
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 WG = 128  # threads per warpgroup (wgmma's unit)
 
@@ -67,3 +72,34 @@ def wgmma_acc_as_a(l):
         ((d.shape[0][0], d.shape[0][1], d.shape[0][2][0]), d.shape[1], (d.shape[0][2][1], d.shape[2])),
         stride=((d.stride[0][0], d.stride[0][1], d.stride[0][2][0]), d.stride[1], (d.stride[0][2][1], d.stride[2])),
     )
+
+
+@dsl_user_op
+def _pinned(x, *, loc=None, ip=None) -> Int32:
+    """x through an empty asm with side effects: x must exist here, and stays the same value."""
+    res = llvm.inline_asm(
+        T.i32(),
+        [Int32(x).ir_value(loc=loc, ip=ip)],
+        "",
+        "=r,0",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(res)
+
+
+@cute.jit
+def pin_fragment(frag: cute.Tensor):
+    """Make every 32-bit word of a register fragment be computed at this point of the program.
+
+    Why: a conversion such as P = S.to(bf16) at the end of a block is pure, so LLVM sinks it to
+    its first use -- the next block's P V, issued *after* that block's Q K^T.  S's old fp32
+    values then stay live while the next Q K^T writes its accumulator, and ptxas, short of
+    registers for both, serializes every wgmma (C7512): the Hopper prefill needed 256 registers
+    for 128-key blocks with the sunk conversion and 192 with it pinned.  An empty asm with side
+    effects per word is not moved across the wgmma issue (itself such an asm) and emits no
+    instruction."""
+    words = cute.recast_tensor(frag, Int32)
+    for i in cutlass.range_constexpr(cute.size(words)):
+        words[i] = _pinned(words[i])

@@ -56,7 +56,7 @@ from cutlass.utils import LayoutEnum
 
 from ..families.prefill_fp8 import VT_GROUP, vt_key
 from ..variants.dsl import LOG2E
-from .fragments import WG, wgmma_mn_view
+from .fragments import WG, pin_fragment, wgmma_mn_view
 from .prefill_sm90 import BAR_PINGPONG0, BAR_WG0, SMEM_MAX, BatchPrefillSm90, Gmem, PrefillConfig, Stages, WgThread
 from .prefill_sm90_softmax import ItemRows, SoftmaxState
 from .work import ItemInfo, TraceCtx, tok_head
@@ -463,6 +463,8 @@ class BatchPrefillFp8(BatchPrefillSm90):
         words = cute.recast_tensor(tOrP, Int32)
         for w in range(len(src) // 4):
             words[w] = e4m3x4(*(acc_S[src[4 * w + b]] for b in range(4)))
+        if const_expr(self.pin_p):
+            pin_fragment(tOrP)
 
     @cute.jit
     def _load_q(self, mQ, info: ItemInfo, sQ, g2s, wg, tw):
@@ -497,5 +499,6 @@ def build_batch_prefill_fp8(spec):
         stages=p.get("stages", 0),
         pingpong=p.get("pingpong", -1),
         lazy_rescale=p.get("lazy_rescale", 0),
+        pin_p=p.get("pin_p", 1),
     )
     return make_entry(BatchPrefillFp8(cfg, to_dsl(p["qkv_dtype"])), prefill_fp8_abi(p), [], host="host_fp8")

@@ -67,7 +67,7 @@ from cutlass.utils import LayoutEnum
 from ..variants.base import Hooks
 from ..variants.dsl import LOG2E
 from ..variants.trace import make_entry
-from .fragments import WG, quad_sum, wgmma_acc_as_a, wgmma_mn_view
+from .fragments import WG, pin_fragment, quad_sum, wgmma_acc_as_a, wgmma_mn_view
 from .prefill_sm90_hooks import PrefillHooks
 from .prefill_sm90_producer import BAR_PRODUCER, BOX_WARPS, ROW_RING, PrefillProducer, check_gather_swizzle
 from .prefill_sm90_softmax import ItemRows, PrefillSoftmax, SoftmaxState
@@ -129,6 +129,7 @@ class PrefillConfig:
     keys_transformed: bool = False
     lazy_rescale: int = 1
     head_dim_vo: int = 0  # of v and the output (0: head_dim)
+    pin_p: int = 1  # 0: let the compiler place P's conversion (a knob for A/B, see fragments.pin_fragment)
 
     @classmethod
     def from_spec(cls, p: dict) -> PrefillConfig:
@@ -153,6 +154,7 @@ class PrefillConfig:
             p.get("keys_transformed", False),
             p.get("lazy_rescale", 1),
             p.get("head_dim_vo", 0),
+            p.get("pin_p", 1),
         )
 
 
@@ -264,6 +266,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         # (base 2), so most blocks skip the O rescale (64 FMULs per thread at hd128, 128 at
         # hd256: as many as the block's scores); an idea from FA4
         self.lazy_rescale = bool(cfg.lazy_rescale)
+        self.pin_p = bool(cfg.pin_p)
         # The output goes out through its own staging tile (coalesced 16-byte stores), so the
         # next item's Q can be prefetched into sQ during this item's last PV and epilogue.  At
         # hd256 only half of O's columns fit next to Q and the K/V stages: it is staged in two
@@ -628,7 +631,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                 warpgroup.wait_group(0)
                 pipe_k.consumer_release(state)
                 self._mask_softmax(acc_S, st, rows, blk, first_words, tc)
-                rP.store(acc_S.load().to(self.dtype))
+                self._store_p(acc_S, rP)
                 for j in cutlass.range(1, n_blocks - first, unroll=1):
                     blk = kv_start + (n_blocks - 1 - j) * TN
                     v_state = state.clone()
@@ -651,7 +654,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                     self._mask_softmax(acc_S, st, rows, blk, blk_words, tc)
                     warpgroup.wait_group(0)
                     pipe_v.consumer_release(v_state)
-                    rP.store(acc_S.load().to(self.dtype))
+                    self._store_p(acc_S, rP)
                     if const_expr(not self.rescale_before_pv and H.softmax):
                         self._rescale_o(acc_O, corr)
                 if item + 1 < item_end:  # every QK of this item is done: sQ is free
@@ -732,6 +735,14 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
             cute.gemm(atom, acc_O, tOrP[None, None, k], tOrV[None, None, k, state.index], acc_O)
         warpgroup.commit_group()
+
+    @cute.jit
+    def _store_p(self, acc_S, rP):
+        """P = S in the value dtype, computed here and not at its use in the next block's PV
+        (``pin_fragment``: otherwise S's fp32 registers stay live through the next QK)."""
+        rP.store(acc_S.load().to(self.dtype))
+        if const_expr(self.pin_p):
+            pin_fragment(rP)
 
     @cute.jit
     def _pingpong_wait(self, wg):
