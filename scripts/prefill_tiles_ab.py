@@ -23,7 +23,7 @@ import random
 import sys
 
 H = 16  # q and kv heads of the ragged cases (as the bench)
-ROUNDS, CALLS = 3, 20
+ROUNDS, CALLS = int(os.environ.get("AB_ROUNDS", 3)), 20
 # variant name -> knobs over the plan's spec
 HD128 = {
     "main": dict(pin_p=0),
@@ -48,6 +48,8 @@ CASES = [
     ("prefill/hd256/noncausal/s8192", [8192] * 2, False, 256, HD256, (128,)),
     ("prefill/hd256/causal/s8192", [8192] * 2, True, 256, HD256, (128,)),
 ]
+if os.environ.get("AB_ONLY"):  # a comma-separated subset of the cases, e.g. "hd128/causal"
+    CASES = [c for c in CASES if any(w in c[0] for w in os.environ["AB_ONLY"].split(","))]
 
 
 def _spec(d, causal, tile_q, **knobs):
