@@ -26,13 +26,13 @@ H = 16  # q and kv heads of the ragged cases (as the bench)
 ROUNDS, CALLS = int(os.environ.get("AB_ROUNDS", 3)), 20
 # variant name -> knobs over the plan's spec
 HD128 = {
-    "main": dict(pin_p=0),
-    "pin": {},
-    "pin128": dict(tile_n=128),
-    "pin144": dict(tile_n=144),
-    "pin160": dict(tile_n=160),
+    "main": {},
+    "pin": dict(pin_p=1),
+    "pin128": dict(pin_p=1, tile_n=128),
+    "pin144": dict(pin_p=1, tile_n=144),
+    "pin160": dict(pin_p=1, tile_n=160),
 }
-HD256 = {"main": dict(pin_p=0), "pin": {}}
+HD256 = {"main": {}, "pin": dict(pin_p=1)}
 
 
 def _lognormal_lens():

@@ -130,7 +130,7 @@ def prefill_fp8_spec(
     """``knobs`` (tuning, absent by default): ``tile_n`` (keys per block, a multiple of
     VT_GROUP), ``stages`` (K / V^T stages), ``pingpong`` (0 / 1), ``lazy_rescale`` (1: the 16-bit
     kernel's lazy running max; the default follows every new maximum, so each row's largest
-    weight is exactly 1 in e4m3), ``pin_p`` (0: P's conversion placed by the compiler, see
+    weight is exactly 1 in e4m3), ``pin_p`` (1: P's conversion pinned where it is written, see
     ``kernels/fragments.pin_fragment``)."""
     assert set(knobs) <= {"tile_n", "stages", "pingpong", "lazy_rescale", "pin_p"}, knobs
     assert knobs.get("tile_n", VT_GROUP) % VT_GROUP == 0

@@ -499,6 +499,6 @@ def build_batch_prefill_fp8(spec):
         stages=p.get("stages", 0),
         pingpong=p.get("pingpong", -1),
         lazy_rescale=p.get("lazy_rescale", 0),
-        pin_p=p.get("pin_p", 1),
+        pin_p=p.get("pin_p", 0),
     )
     return make_entry(BatchPrefillFp8(cfg, to_dsl(p["qkv_dtype"])), prefill_fp8_abi(p), [], host="host_fp8")
