@@ -4,11 +4,15 @@ bench's ``prefill/hd{D}/{causal,noncausal}/s8192``).  ``KNOBS``: spec parameters
 kernel (ours only), e.g. ``tile_n=128,pin_p=0``.
 
     ncu --profile-from-start off --section SpeedOfLight ... \
-        python scripts/profile_prefill.py {ours|flashinfer} [causal|noncausal] [HEAD_DIM] [KNOBS]
+        python scripts/profile_prefill.py {ours|flashinfer} [causal|noncausal|varlen] [HEAD_DIM] [KNOBS]
+
+``varlen``: the bench's ``prefill/hd128/causal/varlen32_lognormal2k`` batch (32 lognormal lengths,
+causal).
 """
 
 from __future__ import annotations
 
+import random
 import sys
 
 import torch
@@ -18,12 +22,14 @@ from cute_attn.bench import peers
 
 def main():
     impl = sys.argv[1]
-    causal = (sys.argv[2] if len(sys.argv) > 2 else "noncausal") == "causal"
+    mode = sys.argv[2] if len(sys.argv) > 2 else "noncausal"
+    causal = mode in ("causal", "varlen")
     d = int(sys.argv[3]) if len(sys.argv) > 3 else 128
     knobs = dict(kv.split("=") for kv in sys.argv[4].split(",")) if len(sys.argv) > 4 and sys.argv[4] else {}
-    b, s, h = 2, 8192, 16
-    ind = torch.arange(0, b + 1, dtype=torch.int32) * s
-    q = torch.randn(b * s, h, d, device="cuda", dtype=torch.bfloat16)
+    h = 16
+    lens = _lognormal_lens() if mode == "varlen" else [8192] * 2
+    ind = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(len(lens))], dtype=torch.int32)
+    q = torch.randn(sum(lens), h, d, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)
     lib = peers.flashinfer() if impl == "flashinfer" else peers.ours()
     call = peers.ragged_prefill(lib, lib.workspace(256), ind, q, k, v, causal, d)
@@ -40,7 +46,12 @@ def main():
     call()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
-    print(impl, "causal" if causal else "noncausal", d, knobs or "", "done")
+    print(impl, mode, d, knobs or "", "done")
+
+
+def _lognormal_lens():
+    rng = random.Random(0)  # as bench/prefill.py's varlen32_lognormal2k
+    return [max(64, min(16384, int(rng.lognormvariate(7.3, 0.8)))) for _ in range(32)]
 
 
 if __name__ == "__main__":
