@@ -59,7 +59,7 @@ from ..variants.dsl import LOG2E
 from .fragments import WG, pin_fragment, wgmma_mn_view
 from .prefill_sm90 import BAR_PINGPONG0, BAR_WG0, SMEM_MAX, BatchPrefillSm90, Gmem, PrefillConfig, Stages, WgThread
 from .prefill_sm90_softmax import ItemRows, SoftmaxState
-from .work import ItemInfo, TraceCtx, tok_head
+from .work import ItemInfo, TraceCtx, row_token, tok_head
 
 # (keys per block, K / V^T stages) per head dim.  hd128: 192 keys x 2 stages ran 1.16x / 1.08x
 # faster than 128 x 4 (causal / not, 2 x 8k, H200, scripts/fp8_knobs.py): fewer blocks, so fewer
@@ -248,6 +248,7 @@ class BatchPrefillFp8(BatchPrefillSm90):
             vargs=self.hooks.bind((), ()),
             sm_scale=sm_scale,
             group=group,
+            group_div=cute.FastDivmodDivisorV2(group),
             window_left=Int32(-1),
             scale_log2=scale_log2,
         )
@@ -294,7 +295,7 @@ class BatchPrefillFp8(BatchPrefillSm90):
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         if warp_idx == 0:
             for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1], unroll=1):
-                info = ItemInfo(mWork, item, tc.group)
+                info = ItemInfo(mWork, item, tc.group, tc.group_div)
                 req, kv_head, kv_start = info.req, info.kv_head, info.kv_start
                 first, n_blocks = self._block_range(info, tc)
                 row0 = mKvIndptr[req] + kv_start
@@ -335,7 +336,7 @@ class BatchPrefillFp8(BatchPrefillSm90):
         item."""
         mQ, mWork, mWorkIndptr = gm.mQ, gm.mWork, gm.mWorkIndptr
         sQ, sK, sVt, sO, pipe_k, pipe_v = sm.sQ, sm.sK, sm.sV, sm.sO, sm.pipe_k, sm.pipe_v
-        group = tc.group
+        group, gdiv = tc.group, tc.group_div
         TN, D, TQ = self.tile_n, self.head_dim, self.tile_q
         wg = ct // WG
         tw = ct % WG
@@ -365,9 +366,9 @@ class BatchPrefillFp8(BatchPrefillSm90):
 
         item_end = mWorkIndptr[cta + 1]
         if mWorkIndptr[cta] < item_end:
-            self._load_q(mQ, ItemInfo(mWork, mWorkIndptr[cta], group), sQ, g2s, wg, tw)
+            self._load_q(mQ, ItemInfo(mWork, mWorkIndptr[cta], group, gdiv), sQ, g2s, wg, tw)
         for item in cutlass.range(mWorkIndptr[cta], item_end, unroll=1):
-            info = ItemInfo(mWork, item, group)
+            info = ItemInfo(mWork, item, group, gdiv)
             kv_start, kv_end = info.kv_start, info.kv_end
             first, n_blocks = self._block_range(info, tc)
             cute.arch.cp_async_wait_group(0)
@@ -376,9 +377,9 @@ class BatchPrefillFp8(BatchPrefillSm90):
 
             q_pos = cute.make_rmem_tensor((n_rows,), Int32)
             for r in cutlass.range_constexpr(n_rows):
-                q_pos[r] = info.qpos_base + (info.row_start + tScS[r, 0][0]) // group
-            q_lo = info.qpos_base + info.row_start // group
-            q_hi = info.qpos_base + (info.row_start + info.num_rows - 1) // group
+                q_pos[r] = info.qpos_base + row_token(info, info.row_start + tScS[r, 0][0])
+            q_lo = info.qpos_base + row_token(info, info.row_start)
+            q_hi = info.qpos_base + row_token(info, info.row_start + info.num_rows - 1)
             rows = ItemRows(tScS, q_pos, q_lo, q_hi, kv_end, None)
             row_m = cute.make_rmem_tensor((n_rows,), Float32)
             row_l = cute.make_rmem_tensor((n_rows,), Float32)
@@ -417,7 +418,7 @@ class BatchPrefillFp8(BatchPrefillSm90):
                     self._store_p(acc_S, tOrP)
                     self._rescale_o(acc_O, corr)
                 if item + 1 < item_end:
-                    self._load_q(mQ, ItemInfo(mWork, item + 1, group), sQ, g2s, wg, tw)
+                    self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), sQ, g2s, wg, tw)
                 pipe_v.consumer_wait(state)
                 self._pv(mma_pv, acc_O, tOrP, tOrV, state)
                 warpgroup.wait_group(0)
@@ -425,7 +426,7 @@ class BatchPrefillFp8(BatchPrefillSm90):
                 state.advance()
             else:
                 if item + 1 < item_end:
-                    self._load_q(mQ, ItemInfo(mWork, item + 1, group), sQ, g2s, wg, tw)
+                    self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), sQ, g2s, wg, tw)
             for r in cutlass.range_constexpr(n_rows):
                 corr[r] = v_scale
             self._scale_o(acc_O, corr)

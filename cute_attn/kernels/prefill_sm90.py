@@ -71,7 +71,7 @@ from .fragments import WG, pin_fragment, quad_sum, wgmma_acc_as_a, wgmma_mn_view
 from .prefill_sm90_hooks import PrefillHooks
 from .prefill_sm90_producer import BAR_PRODUCER, BOX_WARPS, ROW_RING, PrefillProducer, check_gather_swizzle
 from .prefill_sm90_softmax import ItemRows, PrefillSoftmax, SoftmaxState
-from .work import ItemInfo, TraceCtx, item_row_values, tok_head
+from .work import ItemInfo, TraceCtx, item_row_values, row_token, tok_head
 
 SMEM_MAX = 232448  # bytes of shared memory per block on sm_90
 
@@ -467,6 +467,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             inv_cap=inv_cap_scaled,
             fixed_shift=fixed_shift,
             group=group,
+            group_div=cute.FastDivmodDivisorV2(group),
             window_left=window_left,
             scale_log2=scale_log2,
         )
@@ -534,7 +535,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         n_blocks = (info.kv_end - kv_start + self.tile_n - 1) // self.tile_n
         first = Int32(0)
         if const_expr(self.window):
-            q_lo = info.qpos_base + info.row_start // info.group
+            q_lo = info.qpos_base + row_token(info, info.row_start)
             lo_key = q_lo - tc.window_left
             if lo_key > kv_start:
                 first = cutlass.min((lo_key - kv_start) // self.tile_n, n_blocks)
@@ -547,7 +548,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
     def _consume(self, gm: Gmem, sm: Stages, mma_qk, mma_pv, cta, ct, tc: TraceCtx):
         mQ, mWork, mWorkIndptr = gm.mQ, gm.mWork, gm.mWorkIndptr
         sQ, sK, sV, sO, pipe_k, pipe_v = sm.sQ, sm.sK, sm.sV, sm.sO, sm.pipe_k, sm.pipe_v
-        group = tc.group
+        group, gdiv = tc.group, tc.group_div
         TN, D, TQ = self.tile_n, self.head_dim_vo, self.tile_q  # D: O's columns
         wg = ct // WG  # consumer warpgroup 0 / 1: packed rows [64 wg, 64 wg + 64) of the tile
         tw = ct % WG
@@ -569,6 +570,13 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         o_col_off = tuple(tO0[0, c][1] - tO0[0, 0][1] for c in range(cute.size(tO0, mode=[1])))
         tc = dataclasses.replace(tc, col_off=col_off, o_col_off=o_col_off)
         thr = WgThread(wg, tw, lane, bar_wg)
+        # final rows go to the staging tile by stmatrix (8 x 8 bf16 tiles, 4 per instruction) where
+        # one pass holds all of O's columns; per-element 16-bit stores otherwise
+        o_copy = None
+        if const_expr(self.o_cols == D):
+            o_copy = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_pv
+            ).get_slice(ct)
         n_rows = cute.size(tScS, mode=[0])  # rows this thread holds (2)
         g2s = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128
@@ -581,9 +589,9 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         H = self.hooks
         item_end = mWorkIndptr[cta + 1]
         if mWorkIndptr[cta] < item_end:
-            self._load_q(mQ, ItemInfo(mWork, mWorkIndptr[cta], group), sQ, g2s, wg, tw)
+            self._load_q(mQ, ItemInfo(mWork, mWorkIndptr[cta], group, gdiv), sQ, g2s, wg, tw)
         for item in cutlass.range(mWorkIndptr[cta], item_end, unroll=1):
-            info = ItemInfo(mWork, item, group)
+            info = ItemInfo(mWork, item, group, gdiv)
             kv_start, kv_end = info.kv_start, info.kv_end
             first, n_blocks = self._block_range(info, tc)
 
@@ -598,9 +606,9 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             # per-row query positions (bottom-right aligned causal / window) and softmax state
             q_pos = cute.make_rmem_tensor((n_rows,), Int32)
             for r in cutlass.range_constexpr(n_rows):
-                q_pos[r] = info.qpos_base + (info.row_start + tScS[r, 0][0]) // group
-            q_lo = info.qpos_base + info.row_start // group
-            q_hi = info.qpos_base + (info.row_start + info.num_rows - 1) // group
+                q_pos[r] = info.qpos_base + row_token(info, info.row_start + tScS[r, 0][0])
+            q_lo = info.qpos_base + row_token(info, info.row_start)
+            q_hi = info.qpos_base + row_token(info, info.row_start + info.num_rows - 1)
             row_vals = None
             if const_expr(H.per_row):
                 row_vals = item_row_values(H, info, tc, tScS, n_rows, self.head_dim)
@@ -658,7 +666,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                     if const_expr(not self.rescale_before_pv and H.softmax):
                         self._rescale_o(acc_O, corr)
                 if item + 1 < item_end:  # every QK of this item is done: sQ is free
-                    self._load_q(mQ, ItemInfo(mWork, item + 1, group), sQ, g2s, wg, tw)
+                    self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), sQ, g2s, wg, tw)
                 if const_expr(self.rescale_before_pv and H.softmax):
                     self._rescale_o(acc_O, corr)
                 pipe_v.consumer_wait(state)
@@ -670,9 +678,9 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                 state.advance()
             else:
                 if item + 1 < item_end:  # no KV block: this item's Q is not used at all
-                    self._load_q(mQ, ItemInfo(mWork, item + 1, group), sQ, g2s, wg, tw)
+                    self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), sQ, g2s, wg, tw)
 
-            self._epilogue(acc_O, st, tOcO, sO, gm, thr, info, tc)
+            self._epilogue(acc_O, st, tOcO, sO, gm, thr, info, tc, o_copy)
 
     @cute.jit
     def _zero_v_tail(self, sV, state, valid, tw, bar_wg):
@@ -758,7 +766,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             cute.arch.barrier_arrive(barrier_id=BAR_PINGPONG0 + 1 - wg, number_of_threads=2 * WG)
 
     @cute.jit
-    def _epilogue(self, acc_O, st, tOcO, sO, gm: Gmem, thr: WgThread, info: ItemInfo, tc: TraceCtx):
+    def _epilogue(self, acc_O, st, tOcO, sO, gm: Gmem, thr: WgThread, info: ItemInfo, tc: TraceCtx, o_copy=None):
         """Normalize and store: final rows (value dtype + LSE) through the staging tile sO, or a
         partial slot (fp32) straight from registers."""
         row_m, row_l = st.row_m, st.row_l
@@ -799,11 +807,16 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             for h in cutlass.range_constexpr(D // OC):
                 if const_expr(h > 0):
                     cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)  # pass h-1's reads done
+                if const_expr(o_copy is not None):
+                    rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
+                    rO.store(acc_O.load().to(self.dtype))
+                    cute.copy(o_copy, o_copy.retile(rO), o_copy.partition_D(sO))
                 for r in cutlass.range_constexpr(n_rows):
                     j = tOcO[r, 0][0]
-                    for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                        if const_expr(tc.o_col_off[c] // OC == h):
-                            sO[j, tOcO[0, c][1] - h * OC] = O[r, c].to(self.dtype)
+                    if const_expr(o_copy is None):
+                        for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                            if const_expr(tc.o_col_off[c] // OC == h):
+                                sO[j, tOcO[0, c][1] - h * OC] = O[r, c].to(self.dtype)
                     if const_expr(h == 0):
                         if lane % 4 == 0 and j < num_rows:
                             tok, head = tok_head(info, row_start + j)

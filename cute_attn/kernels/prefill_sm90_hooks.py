@@ -42,16 +42,6 @@ class PrefillHooks:
         sm_scale / cap); ``inv_cap`` = sm_scale / cap."""
         return cute.math.tanh(s * inv_cap, fastmath=True)
 
-    @cute.jit
-    def _visible(self, kv_pos: Int32, kv_end: Int32, q_pos: Int32, window_left: Int32):
-        """Logits mask: inside the item's range, causal (bottom-right aligned) and the window."""
-        ok = kv_pos < kv_end
-        if const_expr(self.causal):
-            ok = ok & (kv_pos <= q_pos)
-        if const_expr(self.window):
-            ok = ok & (kv_pos >= q_pos - window_left)
-        return ok
-
     # ---- traced variants: plain Python, called while the kernel is traced --------------------
     def _k_ctx(self, info: ItemInfo, tc: TraceCtx, kv_pos) -> Ctx:
         """The context of a key (transform_k): no query row.  Its once-values are evaluated here
@@ -145,10 +135,6 @@ class PrefillHooks:
                     none_seen = _and(none_seen, x == Uint32(0))
                     all_seen = _and(all_seen, x == m)
         return cute.arch.vote_all_sync(none_seen), cute.arch.vote_all_sync(all_seen)
-
-    def _bounds_ok(self, bounds: bool, kv_pos, kv_end, q_pos, window_left):
-        """The item-end / causal / window test of a score, or None in a block they do not cut."""
-        return self._visible(kv_pos, kv_end, q_pos, window_left) if bounds else None
 
     def _mask_bits_ok(self, bitmaps, c, ok, tc: TraceCtx):
         """``ok`` and this thread's column c in every bitmap of ``_mask_words``."""

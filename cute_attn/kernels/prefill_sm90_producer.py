@@ -57,7 +57,7 @@ class PrefillProducer:
         if const_expr(self.gather):
             dst = self._gather_dst(sK, sV, tidx)
         for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1], unroll=1):
-            info = ItemInfo(mWork, item, group)
+            info = ItemInfo(mWork, item, group, tc.group_div)
             req, kv_head, kv_start, kv_end = info.req, info.kv_head, info.kv_start, info.kv_end
             first, n_blocks = self._block_range(info, tc)
             if const_expr(self.page_box):

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 
 from .fragments import quad_max, wgmma_mn_view
 
@@ -113,6 +113,9 @@ class PrefillSoftmax:
                 if const_expr(H.has_logits):
                     rel_f0 = kv_f0 - q_pos[r].to(Float32)
                 bitmaps = words[r] if masked and words is not None else []
+                lim = None
+                if const_expr(masked and bounds):
+                    lim = self._row_limits(blk + tScS[0, 0][1], kv_end, q_pos[r], window_left)
                 for c in cutlass.range_constexpr(ncol):
                     v = S[r, c]
                     kv_pos = blk + tScS[0, c][1]
@@ -122,7 +125,7 @@ class PrefillSoftmax:
                     elif const_expr(self.soft_cap):
                         v = self._logits(v, tc.inv_cap)
                     if const_expr(masked):
-                        ok = self._bounds_ok(bounds, kv_pos, kv_end, q_pos[r], window_left)
+                        ok = _col_ok(lim, tc.col_off[c])
                         if const_expr(self.mask_all):
                             ok = self._hook_visible(rows.vals[r], tc, kv_pos, ok)
                         ok = self._mask_bits_ok(bitmaps, c, ok, tc)
@@ -153,6 +156,18 @@ class PrefillSoftmax:
                     part[c % 4] = part[c % 4] + S[r, c]
                 row_l[r] = row_l[r] * corr[r] + ((part[0] + part[1]) + (part[2] + part[3]))  # quad-reduced at the end
                 row_m[r] = m_new
+
+    def _row_limits(self, kv0, kv_end, q_pos, window_left):
+        """A row's item-end / causal / window bounds on the block as column offsets from kv0 (the
+        thread's first key): key kv0 + off is visible iff lo <= off < hi (lo None: no window).
+        Once per row, so each score costs one compare with its column's constant offset."""
+        end = kv_end
+        if const_expr(self.causal):
+            end = cutlass.min(kv_end, q_pos + 1)
+        lo = None
+        if const_expr(self.window):
+            lo = q_pos - window_left - kv0
+        return end - kv0, lo
 
     def _block_max(self, S, r, ncol):
         """Row r's maximum over the block (4 partial maxima: shorter dependency chains)."""
@@ -194,6 +209,18 @@ class PrefillSoftmax:
                 _rescale(acc_O, corr)
         else:
             _rescale(acc_O, corr)
+
+
+def _col_ok(lim, off: int):
+    """Whether the key at column offset ``off`` is within a row's ``_row_limits``; None
+    without limits (a block the bounds do not cut)."""
+    if lim is None:
+        return None
+    hi, lo = lim
+    ok = Int32(off) < hi
+    if lo is not None:
+        ok = ok & (Int32(off) >= lo)
+    return ok
 
 
 def _keep(ok, v, fill):

@@ -58,12 +58,16 @@ class ItemInfo:
     packed rows (``row_start``, ``num_rows`` and the plan's ``group``: packed row r is query
     token r // group of qo head kv_head * group + r % group), the query positions
     (``qpos_base``), the lengths (``qo_len``, ``kv_len``), the kv range (``kv_start``,
-    ``kv_end``) and where the rows go (``dest``, ``qo_offset``)."""
+    ``kv_end``) and where the rows go (``dest``, ``qo_offset``).  ``group_div``: the group as a
+    ``cute.FastDivmodDivisorV2`` (multiply-high + shift), for the kernels that map rows to
+    (token, head) per item: a division by a runtime value is ~25 instructions, and an item's Q
+    loads and output stores do one per row."""
 
-    def __init__(self, mWork, i, group):
+    def __init__(self, mWork, i, group, group_div=None):
         w = WorkItem(mWork, i)
         self.req, self.kv_head = w.req, w.kv_head
         self.row_start, self.num_rows, self.group = w.row_start, w.num_rows, group
+        self.group_div = group_div
         self.kv_start, self.kv_end = w.kv_start, w.kv_end
         self.dest, self.qo_offset = w.dest, w.qo_offset
         self.qo_len, self.kv_len = w.qo_len, w.kv_len
@@ -74,7 +78,15 @@ class ItemInfo:
 def tok_head(info: ItemInfo, row):
     """(query token, qo head) of packed row ``row`` of an item (relative to the request)."""
     g = info.group
+    if info.group_div is not None:
+        tok, r = divmod(row, info.group_div)
+        return info.qo_offset + tok, info.kv_head * g + r
     return info.qo_offset + row // g, info.kv_head * g + row % g
+
+
+def row_token(info: ItemInfo, row):
+    """Query token (relative to the request) of packed row ``row``."""
+    return row // (info.group if info.group_div is None else info.group_div)
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,7 @@ class TraceCtx:
     inv_cap: Optional[Any] = None  # sm_scale / cap: the soft-cap's tanh argument per raw q·k
     fixed_shift: Optional[Any] = None  # the soft-cap's fixed shift (prefill ``_fixed_shift``)
     group: Optional[Any] = None  # the plan's GQA group (launch scalars of the prefill kernel)
+    group_div: Optional[Any] = None  # the same as a FastDivmodDivisorV2 (ItemInfo.group_div)
     window_left: Optional[Any] = None
     scale_log2: Optional[Any] = None
 
