@@ -7,13 +7,16 @@ bench cases, through the public API only, so that an older checkout runs it too.
 Run the builds alternately (A, B, A, B, ...: the H200's clocks drift within seconds); each run
 records, per case, the median of ``do_bench`` (decode: CUDA-graph replay of ``run()``, as the
 bench; prefill: ``run()``), and ``compare`` prints per case the median over each tag's runs and
-the ratio of the second tag to the first.  Every output is checked against the first run's
+the ratio of the second tag to the first.  ``AB_ONLY``: a comma-separated list of substrings;
+only the cases whose name contains one of them run.  Every output is checked against the first run's
 (saved beside OUT.json) so the two builds are seen to compute the same thing.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import random
 import statistics
 import sys
 from collections import defaultdict
@@ -38,7 +41,19 @@ def _prefill_cases():
         ("prefill/hd256/causal/s8192", [8192] * 2, True, 256, 16, 0),
         ("prefill/hd128/causal/s8192/page16", [8192] * 2, True, 128, 16, 16),
         ("prefill/hd128/causal/s8192/page1", [8192] * 2, True, 128, 16, 1),
+        ("prefill/hd128/causal/varlen32_lognormal2k", _lognormal_lens(), True, 128, 16, 0),
     ]
+
+
+def _lognormal_lens():
+    rng = random.Random(0)  # the bench's varlen32_lognormal2k batch
+    return [max(64, min(16384, int(rng.lognormvariate(7.3, 0.8)))) for _ in range(32)]
+
+
+def _only(cases):
+    """The cases named in $AB_ONLY (comma-separated substrings of the case name), else all."""
+    keys = [k for k in os.environ.get("AB_ONLY", "").split(",") if k]
+    return [c for c in cases if not keys or any(k in c[0] for k in keys)]
 
 
 def run(tag: str, out_path: str) -> None:
@@ -51,7 +66,7 @@ def run(tag: str, out_path: str) -> None:
     dev, bf = "cuda", torch.bfloat16
     gen = torch.Generator().manual_seed(0)
     recs, outs = [], {}
-    for name, lens, ps, d in _decode_cases():
+    for name, lens, ps, d in _only(_decode_cases()):
         pages = [(n + ps - 1) // ps for n in lens]
         total = sum(pages)
         indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
@@ -82,7 +97,7 @@ def run(tag: str, out_path: str) -> None:
         recs.append({"case": name, "tag": tag, "us": t * 1e3, "TB/s": nbytes / (t * 1e-3) / 1e12})
         outs[name] = out.float().cpu()
         del k, v, ws
-    for name, lens, causal, d, h, ps in _prefill_cases():
+    for name, lens, causal, d, h, ps in _only(_prefill_cases()):
         n = sum(lens)
         q = torch.randn(n, h, d, generator=gen).to(dev, bf)
         k = torch.randn(n, h, d, generator=gen).to(dev, bf)
