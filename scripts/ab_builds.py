@@ -7,8 +7,8 @@ bench cases, through the public API only, so that an older checkout runs it too.
 Run the builds alternately (A, B, A, B, ...: the H200's clocks drift within seconds); each run
 records, per case, the median of ``do_bench`` (decode: CUDA-graph replay of ``run()``, as the
 bench; prefill: ``run()``), and ``compare`` prints per case the median over each tag's runs and
-the ratio of the second tag to the first.  ``AB_ONLY``: a comma-separated list of substrings;
-only the cases whose name contains one of them run.  Every output is checked against the first run's
+the ratio of the second tag to the first.  ``AB_ONLY``: a comma-separated list of case
+names; only those run.  Every output is checked against the first run's
 (saved beside OUT.json) so the two builds are seen to compute the same thing.
 """
 
@@ -51,9 +51,9 @@ def _lognormal_lens():
 
 
 def _only(cases):
-    """The cases named in $AB_ONLY (comma-separated substrings of the case name), else all."""
+    """The cases named in $AB_ONLY (comma-separated case names), else all."""
     keys = [k for k in os.environ.get("AB_ONLY", "").split(",") if k]
-    return [c for c in cases if not keys or any(k in c[0] for k in keys)]
+    return [c for c in cases if not keys or c[0] in keys]
 
 
 def run(tag: str, out_path: str) -> None:
