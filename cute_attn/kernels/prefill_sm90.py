@@ -570,13 +570,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         o_col_off = tuple(tO0[0, c][1] - tO0[0, 0][1] for c in range(cute.size(tO0, mode=[1])))
         tc = dataclasses.replace(tc, col_off=col_off, o_col_off=o_col_off)
         thr = WgThread(wg, tw, lane, bar_wg)
-        # final rows go to the staging tile by stmatrix (8 x 8 bf16 tiles, 4 per instruction) where
-        # one pass holds all of O's columns; per-element 16-bit stores otherwise
-        o_copy = None
-        if const_expr(self.o_cols == D):
-            o_copy = cute.make_tiled_copy_C(
-                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_pv
-            ).get_slice(ct)
         n_rows = cute.size(tScS, mode=[0])  # rows this thread holds (2)
         g2s = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128
@@ -680,7 +673,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                 if item + 1 < item_end:  # no KV block: this item's Q is not used at all
                     self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), sQ, g2s, wg, tw)
 
-            self._epilogue(acc_O, st, tOcO, sO, gm, thr, info, tc, o_copy)
+            self._epilogue(acc_O, st, tOcO, sO, gm, thr, info, tc)
 
     @cute.jit
     def _zero_v_tail(self, sV, state, valid, tw, bar_wg):
@@ -766,7 +759,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             cute.arch.barrier_arrive(barrier_id=BAR_PINGPONG0 + 1 - wg, number_of_threads=2 * WG)
 
     @cute.jit
-    def _epilogue(self, acc_O, st, tOcO, sO, gm: Gmem, thr: WgThread, info: ItemInfo, tc: TraceCtx, o_copy=None):
+    def _epilogue(self, acc_O, st, tOcO, sO, gm: Gmem, thr: WgThread, info: ItemInfo, tc: TraceCtx):
         """Normalize and store: final rows (value dtype + LSE) through the staging tile sO, or a
         partial slot (fp32) straight from registers."""
         row_m, row_l = st.row_m, st.row_l
@@ -807,16 +800,11 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
             for h in cutlass.range_constexpr(D // OC):
                 if const_expr(h > 0):
                     cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)  # pass h-1's reads done
-                if const_expr(o_copy is not None):
-                    rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
-                    rO.store(acc_O.load().to(self.dtype))
-                    cute.copy(o_copy, o_copy.retile(rO), o_copy.partition_D(sO))
                 for r in cutlass.range_constexpr(n_rows):
                     j = tOcO[r, 0][0]
-                    if const_expr(o_copy is None):
-                        for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                            if const_expr(tc.o_col_off[c] // OC == h):
-                                sO[j, tOcO[0, c][1] - h * OC] = O[r, c].to(self.dtype)
+                    for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                        if const_expr(tc.o_col_off[c] // OC == h):
+                            sO[j, tOcO[0, c][1] - h * OC] = O[r, c].to(self.dtype)
                     if const_expr(h == 0):
                         if lane % 4 == 0 and j < num_rows:
                             tok, head = tok_head(info, row_start + j)
