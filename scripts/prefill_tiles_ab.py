@@ -11,7 +11,9 @@ checked against the first variant's (max |diff|, NaNs) and FlashInfer's against 
     # GPU machine, that cache as CUTE_ATTN_CACHE_DIR (plus the bench's usual kernels):
     python scripts/prefill_tiles_ab.py run --json out.json
 
-A development tool (``python -m cute_attn bench`` is the benchmark of record).
+``AB_ROUNDS`` (rounds), ``AB_ONLY`` (substrings of case names) and ``AB_VARIANTS`` (variant names,
+e.g. ``main``: the plan's kernel beside FlashInfer) narrow a run.  A development tool
+(``python -m cute_attn bench`` is the benchmark of record).
 """
 
 from __future__ import annotations
@@ -98,7 +100,10 @@ def run(json_path) -> None:
         k, v = torch.randn_like(q), torch.randn_like(q)
         flops = sum(4 * H * d * n * n / (2 if causal else 1) for n in lens)
         fns, outs = {}, {}
+        keep = [v for v in os.environ.get("AB_VARIANTS", "").split(",") if v]  # e.g. "main": only those
         for name, kn in variants.items():
+            if keep and name not in keep:
+                continue
             call = peers.ragged_prefill(
                 peers.ours(), torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), ind, q, k, v, causal, d
             )
