@@ -46,7 +46,8 @@ def _prefill_cases():
 
 
 def _lognormal_lens():
-    rng = random.Random(0)  # the bench's varlen32_lognormal2k batch
+    # bench/prefill.varlen32_lengths, repeated: an older checkout on PYTHONPATH may lack it
+    rng = random.Random(0)
     return [max(64, min(16384, int(rng.lognormvariate(7.3, 0.8)))) for _ in range(32)]
 
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
+
+from cute_attn.bench.prefill import varlen32_lengths
 
 H = 16  # q and kv heads of the ragged cases (as the bench)
 ROUNDS, CALLS = int(os.environ.get("AB_ROUNDS", 3)), 20
@@ -37,16 +38,11 @@ HD128 = {
 HD256 = {"main": {}, "pin": dict(pin_p=1)}
 
 
-def _lognormal_lens():
-    rng = random.Random(0)  # the bench's varlen32_lognormal2k batch
-    return [max(64, min(16384, int(rng.lognormvariate(7.3, 0.8)))) for _ in range(32)]
-
-
 # (case, lengths, causal, head dim, variants, tile_q values the plan may pick)
 CASES = [
     ("prefill/hd128/noncausal/s8192", [8192] * 2, False, 128, HD128, (128,)),
     ("prefill/hd128/causal/s8192", [8192] * 2, True, 128, HD128, (128,)),
-    ("prefill/hd128/causal/varlen32_lognormal2k", _lognormal_lens(), True, 128, HD128, (64, 128)),
+    ("prefill/hd128/causal/varlen32_lognormal2k", varlen32_lengths(), True, 128, HD128, (64, 128)),
     ("prefill/hd256/noncausal/s8192", [8192] * 2, False, 256, HD256, (128,)),
     ("prefill/hd256/causal/s8192", [8192] * 2, True, 256, HD256, (128,)),
 ]
@@ -107,7 +103,7 @@ def run(json_path) -> None:
             call = peers.ragged_prefill(
                 peers.ours(), torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), ind, q, k, v, causal, d
             )
-            w = _wrapper_of(call)
+            w = call.wrapper
             base = dict(w._spec_kw)
             w._binding.module = kernel("batch_prefill_sm90", "sm_90a", **{**base, **kn})
             call.out.fill_(float("nan"))
@@ -144,15 +140,6 @@ def run(json_path) -> None:
     if json_path:
         with open(json_path, "w") as f:
             json.dump(records, f, indent=1)
-
-
-def _wrapper_of(call):
-    """The wrapper behind ``peers.ragged_prefill``'s call (its ``run`` bound method's owner)."""
-    for cell in call.fn.__closure__ or ():
-        obj = cell.cell_contents
-        if hasattr(obj, "_spec_kw"):
-            return obj
-    raise RuntimeError("no wrapper in the call's closure")
 
 
 def main(argv=None) -> int:

@@ -12,12 +12,12 @@ causal).
 
 from __future__ import annotations
 
-import random
 import sys
 
 import torch
 
 from cute_attn.bench import peers
+from cute_attn.bench.prefill import varlen32_lengths
 
 
 def main():
@@ -27,7 +27,7 @@ def main():
     d = int(sys.argv[3]) if len(sys.argv) > 3 else 128
     knobs = dict(kv.split("=") for kv in sys.argv[4].split(",")) if len(sys.argv) > 4 and sys.argv[4] else {}
     h = 16
-    lens = _lognormal_lens() if mode == "varlen" else [8192] * 2
+    lens = varlen32_lengths() if mode == "varlen" else [8192] * 2
     ind = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(len(lens))], dtype=torch.int32)
     q = torch.randn(sum(lens), h, d, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)
@@ -36,7 +36,7 @@ def main():
     if knobs:
         from cute_attn.runtime.loader import kernel
 
-        w = next(c.cell_contents for c in call.fn.__closure__ if hasattr(c.cell_contents, "_spec_kw"))
+        w = call.wrapper
         kw = {**w._spec_kw, **{a: int(x) for a, x in knobs.items()}}
         w._binding.module = kernel("batch_prefill_sm90", "sm_90a", **kw)
     for _ in range(3):
@@ -47,11 +47,6 @@ def main():
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     print(impl, mode, d, knobs or "", "done")
-
-
-def _lognormal_lens():
-    rng = random.Random(0)  # as bench/prefill.py's varlen32_lognormal2k
-    return [max(64, min(16384, int(rng.lognormvariate(7.3, 0.8)))) for _ in range(32)]
 
 
 if __name__ == "__main__":

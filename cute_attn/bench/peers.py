@@ -179,10 +179,11 @@ def check_output(what: str, out: torch.Tensor, ref: torch.Tensor):
 
 class Call:
     """A planned wrapper's ``run()`` as a zero-argument callable; ``out``: the tensor it writes
-    (rewritten by every call / graph replay)."""
+    (rewritten by every call / graph replay); ``wrapper``: the planned wrapper, where known (the
+    scripts that swap its kernel read it)."""
 
-    def __init__(self, fn, out):
-        self.fn, self.out = fn, out
+    def __init__(self, fn, out, wrapper=None):
+        self.fn, self.out, self.wrapper = fn, out, wrapper
 
     def __call__(self):
         return self.fn()
@@ -231,7 +232,7 @@ def ragged_prefill(lib: Lib, ws, lens_indptr, q, k, v, causal, d, **plan_kw) -> 
     kw = dict(out=out)
     if lib.ours:
         kw["lse"] = torch.empty(q.shape[0], q.shape[1], device="cuda")
-    call = Call(lambda: w.run(q, k, v, **kw), out)
+    call = Call(lambda: w.run(q, k, v, **kw), out, w)
     call()
     return call
 
@@ -258,7 +259,7 @@ def paged_prefill(lib: Lib, ws, qo_indptr, kv_indptr, indices, last, q, cache, c
     kw = dict(out=out)
     if lib.ours:
         kw["lse"] = torch.empty(q.shape[0], q.shape[1], device="cuda")
-    call = Call(lambda: w.run(q, cache, **kw), out)
+    call = Call(lambda: w.run(q, cache, **kw), out, w)
     call()
     return call
 
