@@ -183,44 +183,6 @@ def lpt_assign(costs: np.ndarray, num_ctas: int) -> tuple[np.ndarray, np.ndarray
     return cta, loads
 
 
-def list_assign(costs: np.ndarray, num_ctas: int, exact_tail: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy list scheduling of items in the order given (any costs): each item to the
-    least-loaded CTA, so each CTA's items in the given order are also its time order and
-    items near each other in the order run at about the same time (``plan`` module doc,
-    locality). Returns (cta per item int64 [n], loads [C]).
-
-    A heap one item at a time is ~0.6 us per item in CPython, so all but the last
-    ``exact_tail`` items go in rounds of C: a round's items, largest first, to the CTAs in
-    ascending-load order (as LPT's later rounds; a round keeps max - min load <= its largest
-    item). The tail goes exactly as the heap would, in steps: with the CTAs in
-    ascending-load order the next items go to them one each for as long as no CTA that took
-    one in this step has become lighter than the next untouched CTA (long steps where the
-    tail is sorted by cost, as the planner sorts it). ``max load <= mean + max item``."""
-    n, c = costs.shape[0], num_ctas
-    cta = np.empty(n, np.int64)
-    loads = np.zeros(c, np.int64)
-    k = 0
-    bulk = max(n - exact_tail, 0)
-    while k < bulk:
-        m = min(bulk - k, c)
-        by_cost = k + np.argsort(-costs[k : k + m], kind="stable")
-        lightest = loads.argsort(kind="stable")[:m]
-        cta[by_cost] = lightest
-        loads[lightest] += costs[by_cost]
-        k += m
-    while k < n:
-        order = loads.argsort(kind="stable")
-        m = min(n - k, c)
-        ls = loads[order[:m]]
-        reach = np.minimum.accumulate(ls + costs[k : k + m])  # lightest touched CTA after item j
-        bad = ls[1:] > reach[:-1]
-        m = int(bad.argmax()) + 1 if bad.any() else m
-        cta[k : k + m] = order[:m]
-        loads[order[:m]] += costs[k : k + m]
-        k += m
-    return cta, loads
-
-
 def _water_fill(loads: np.ndarray, tail: np.ndarray) -> np.ndarray:
     """CTA of each tail item; adds the tail to ``loads`` in place."""
     order = np.argsort(loads, kind="stable")

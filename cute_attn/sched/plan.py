@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 
 from . import workspace as ws
-from .assign import Snake, ids, list_assign, lpt_assign, ones, refine_pairs, wrap_fill
+from .assign import Snake, ids, lpt_assign, ones, refine_pairs, wrap_fill
 from .cost import build_tiles, choose_cta_tile_q, chunk_counts, cut_schedule, min_chunk_len
 from .fast import OneTilePath
 from .inputs import as_index_array, check_lengths, indptr_lengths, kv_lens_from_paged, kv_lens_from_ragged
@@ -35,7 +35,6 @@ class Plan:
     kv_chunk: int  # kv length tiles were pre-cut at (0: none), see META_KV_CHUNK
     causal: bool
     min_kv_chunk: int = 0  # shortest piece a wrap-around cut could leave (0: no cut tried)
-    time_ordered: bool = False  # each CTA's items are in the order they were dealt (``_locality``)
 
     @property
     def num_work_items(self) -> int:
@@ -121,7 +120,6 @@ class Planner:
         min_kv_chunk: int = 256,
         balance_tol: float = 0.05,
         order_block: int = 64,
-        locality_tol: Optional[float] = 0.02,
         keep_tol: Optional[float] = None,
         num_staging: int = 2,
         pin_memory: Optional[bool] = None,
@@ -142,7 +140,6 @@ class Planner:
         self.min_kv_chunk = min_kv_chunk
         self.balance_tol = balance_tol
         self.order_block = order_block
-        self.locality_tol = locality_tol
         self.keep_tol = balance_tol if keep_tol is None else keep_tol
         self.fast_path = fast_path
         if pin_memory is None:
@@ -289,7 +286,7 @@ class Planner:
             p = self._plan_balanced(ext, hk, tile, int(page_size), self.alpha * tile // h, rec_args)
         else:
             p = self._plan_invariant(ext, hk, tile, int(kv_split_size), self.alpha * tile // h, rec_args)
-        if not one_each and not p.time_ordered:  # several tiles per request share its K/V: order for L2 reuse
+        if not one_each:  # several tiles per request share its K/V: order for L2 reuse
             p.work_items = locality_order(p.work_items, p.work_indptr)
         self._stage(p, b, total_q, hq, hk)
         decode = one_each and qmax == 1 and kv_split_size is None
@@ -335,10 +332,6 @@ class Planner:
         total = hk * int(cs.sum())
         limit = (1.0 + self.balance_tol) * total  # max load * C may be up to this
         lpt = None
-        if int(cs[0]) * nc <= limit and not rec_args[4] and self.locality_tol is not None:
-            p = self._locality(ext, hk, per_item, rec_args)
-            if int(p.cta_cost.max()) * nc <= (1.0 + self.locality_tol) * total:
-                return p
         if int(cs[0]) * nc <= limit:  # whole items may do
             # The snake deals in block order: extents that round up to the same KV block count
             # as equal, so the tiles of one request (whose causal extents differ by a few keys)
@@ -388,36 +381,6 @@ class Planner:
         elif wrap is None:
             self._refine_precut(pre)
         return self._precut_plan(pre, hk, nt, m, rec_args)
-
-    def _locality(self, ext, hk, per_item, rec_args):
-        """Whole items dealt for L2 reuse (``locality_tol``): every request's K/V is read by
-        all its tiles, and the tiles of a (request, kv head) pair share it in L2 only while
-        they run at about the same time.  Items go in the order kv head, request (longest kv
-        first), tile (last first) -- one head's requests swept a few at a time, as
-        FlashInfer's fa3 plan does -- to the least-loaded CTA (``assign.list_assign``), so
-        the CTAs work through that order together: a simulation of the varlen32 bench batch
-        keeps ~14 MiB of K/V in use at a time this way, ~63 MiB (more than the H200's L2)
-        with LPT over all items re-sorted per CTA (``locality_order``).  The last 2 C items
-        go largest first, for LPT's balance at the end."""
-        req, row0, kv_len = rec_args[0], rec_args[1], rec_args[7]
-        nc, nt = self.num_ctas, ext.shape[0]
-        tile_order = np.lexsort((-row0, req, -kv_len[req]))
-        tiles = np.tile(tile_order, hk)
-        heads = np.repeat(ids(hk), nt)
-        costs = (self.beta * ext + per_item)[tiles]
-        tail = min(2 * nc, costs.shape[0])
-        if tail:
-            last = costs.shape[0] - tail + np.argsort(-costs[-tail:], kind="stable")
-            tiles[-tail:], heads[-tail:], costs[-tail:] = tiles[last], heads[last], costs[last]
-        cta, loads = list_assign(costs, nc, tail)
-        by_cta = np.argsort(cta, kind="stable")
-        indptr = np.zeros(nc + 1, np.int64)
-        np.cumsum(np.bincount(cta, minlength=nc), out=indptr[1:])
-        w = self._tile_records(nt, *rec_args[:8]).take(tiles[by_cta], axis=0)
-        w[:, ws.W_KV_HEAD] = heads[by_cta]
-        p = self._finish_unsplit(w, indptr, loads, rec_args)
-        p.time_ordered = True
-        return p
 
     def _wrap(self, ext, order, hk, per_item, page, m, max_slots):
         """The wrap-around candidate (``assign.wrap_fill``, then pairwise refinement of its
