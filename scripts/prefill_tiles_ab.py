@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""A/B of the Hopper prefill kernel's P pinning (``pin_p``) and keys per block (``tile_n``) on
+"""A/B of the Hopper prefill kernel's knobs -- P pinning (``pin_p``), keys per block (``tile_n``),
+items back to back (``overlap_items``) -- on
 the ragged bench cases, with FlashInfer's fa3 prefill in the same turns where it imports.
 
 Every variant replaces the planned wrapper's module (same plan, same data); every output is
@@ -31,9 +32,9 @@ ROUNDS, CALLS = int(os.environ.get("AB_ROUNDS", 3)), 20
 HD128 = {
     "main": {},
     "pin": dict(pin_p=1),
+    "overlap": dict(pin_p=1, overlap_items=1),
     "pin128": dict(pin_p=1, tile_n=128),
-    "pin144": dict(pin_p=1, tile_n=144),
-    "pin160": dict(pin_p=1, tile_n=160),
+    "overlap128": dict(pin_p=1, tile_n=128, overlap_items=1),
 }
 HD256 = {"main": {}, "pin": dict(pin_p=1)}
 
@@ -42,7 +43,7 @@ HD256 = {"main": {}, "pin": dict(pin_p=1)}
 CASES = [
     ("prefill/hd128/noncausal/s8192", [8192] * 2, False, 128, HD128, (128,)),
     ("prefill/hd128/causal/s8192", [8192] * 2, True, 128, HD128, (128,)),
-    ("prefill/hd128/causal/varlen32_lognormal2k", varlen32_lengths(), True, 128, HD128, (64, 128)),
+    ("prefill/hd128/causal/varlen32_lognormal2k", varlen32_lengths(), True, 128, HD128, (128,)),
     ("prefill/hd256/noncausal/s8192", [8192] * 2, False, 256, HD256, (128,)),
     ("prefill/hd256/causal/s8192", [8192] * 2, True, 256, HD256, (128,)),
 ]
@@ -76,7 +77,11 @@ def compile_all(cache_dir: str) -> None:
     from cute_attn.runtime import build
 
     for s in specs():
-        e = build.build(s, Path(cache_dir))
+        try:
+            e = build.build(s, Path(cache_dir))
+        except AssertionError as why:  # a knob the kernel refuses for this shape
+            print(s.describe(), "skipped:", why, flush=True)
+            continue
         print(s.describe(), e.meta.get("resources"), flush=True)
 
 

@@ -130,6 +130,7 @@ class PrefillConfig:
     lazy_rescale: int = 1
     head_dim_vo: int = 0  # of v and the output (0: head_dim)
     pin_p: int = 0  # 1: P's conversion pinned where it is written (fragments.pin_fragment; fewer registers)
+    overlap_items: int = 0  # 1: the next item's first block overlaps this one's last (two Q buffers); -1: where it fits
 
     @classmethod
     def from_spec(cls, p: dict) -> PrefillConfig:
@@ -155,6 +156,7 @@ class PrefillConfig:
             p.get("lazy_rescale", 1),
             p.get("head_dim_vo", 0),
             p.get("pin_p", 0),
+            p.get("overlap_items", 0),
         )
 
 
@@ -194,6 +196,31 @@ class Stages(NamedTuple):
     sRows: Any
     pipe_k: Any
     pipe_v: Any
+
+
+class WgMma(NamedTuple):
+    """A consumer thread's GEMMs and their operand fragments (Q per buffer, K / V per stage)
+    and its score coordinates (``n_rows`` rows per thread)."""
+
+    mma_qk: Any
+    mma_pv: Any
+    tSrQ: Any
+    tSrK: Any
+    tOrV: Any
+    tScS: Any
+    n_rows: int
+
+
+class WgAcc(NamedTuple):
+    """A consumer thread's accumulators: S, P (``rP``, and its A-operand view ``tOrP``), O, the
+    running softmax state ``st`` and ``done``, the statistics of the item whose epilogue is next."""
+
+    acc_S: Any
+    rP: Any
+    tOrP: Any
+    acc_O: Any
+    st: Any
+    done: Any
 
 
 class WgThread(NamedTuple):
@@ -272,6 +299,25 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         # hd256 only half of O's columns fit next to Q and the K/V stages: it is staged in two
         # passes of o_cols columns.
         self.o_cols = head_dim_vo if head_dim_vo <= 128 else head_dim_vo // 2
+        # Items back to back (``_next_item_first_block``): a second Q buffer, so the next item's
+        # Q lands while this one runs.  Plain kernels with two ping-pong consumers only (a
+        # variant's Q rotation or bias seeding would have to move into that step too).
+        can = self.pingpong and cfg.variant is None and self._smem_bytes(2) <= SMEM_MAX
+        self.overlap = can if cfg.overlap_items < 0 else bool(cfg.overlap_items)
+        assert can or not self.overlap, "overlap_items: needs two ping-pong consumers, no variant, smem for 2 Q tiles"
+        self.q_bufs = 2 if self.overlap else 1
+
+    def _smem_bytes(self, q_bufs: int) -> int:
+        """Shared memory of the tiles (``host``'s ``Smem``, alignment padding included)."""
+        w = self.dtype.width // 8
+        tiles = (
+            q_bufs * self.tile_q * self.head_dim,
+            self.stages * self.tile_n * self.head_dim,
+            self.stages * self.tile_n * self.head_dim_vo,
+            self.tile_q * self.o_cols,
+        )
+        rows = 2 * self.tile_n * ROW_RING * 8 if self.gather else 8
+        return sum(-(-t * w // 1024) * 1024 for t in tiles) + 1024 + rows + 32 * self.stages
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
@@ -301,7 +347,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         family's arguments, then the variant's tensors and scalars as tuples."""
         D, DV, TN, TQ, dt = self.head_dim, self.head_dim_vo, self.tile_n, self.tile_q, self.dtype
         atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, D), dt)
-        sQ_layout = cute.tile_to_shape(atom, (TQ, D), (0, 1))
+        sQ_layout = cute.tile_to_shape(atom, (TQ, D, self.q_bufs), (0, 1, 2))
         o_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, self.o_cols), dt
         )
@@ -580,59 +626,62 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                 cute.arch.barrier_arrive(barrier_id=BAR_PINGPONG0, number_of_threads=2 * WG)
 
         H = self.hooks
-        item_end = mWorkIndptr[cta + 1]
-        if mWorkIndptr[cta] < item_end:
-            self._load_q(mQ, ItemInfo(mWork, mWorkIndptr[cta], group, gdiv), sQ, g2s, wg, tw)
-        for item in cutlass.range(mWorkIndptr[cta], item_end, unroll=1):
+        # per-WG state that outlives an item when items overlap (``overlap_items``): O, S / P
+        # and the rows' statistics; ``done_m`` / ``done_l``: the finished item's, for its epilogue
+        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((TQ, D)), Float32)
+        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((TQ, TN)), Float32)
+        rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((TQ, TN)), self.dtype)
+        tOrP = cute.make_tensor(rP.iterator, wgmma_acc_as_a(rP.layout))
+        row_m = cute.make_rmem_tensor((n_rows,), Float32)
+        row_l = cute.make_rmem_tensor((n_rows,), Float32)
+        done_m = cute.make_rmem_tensor((n_rows,), Float32)
+        done_l = cute.make_rmem_tensor((n_rows,), Float32)
+        corr = cute.make_rmem_tensor((n_rows,), Float32)
+        st = SoftmaxState(row_m, row_l, corr)
+        st_done = SoftmaxState(done_m, done_l, corr)
+
+        item0, item_end = mWorkIndptr[cta], mWorkIndptr[cta + 1]
+        if item0 < item_end:
+            self._load_q(mQ, ItemInfo(mWork, item0, group, gdiv), sQ[None, None, 0], g2s, wg, tw)
+        started = Int32(0)  # 1: this item's first block ran in the previous item's last step
+        for item in cutlass.range(item0, item_end, unroll=1):
             info = ItemInfo(mWork, item, group, gdiv)
             kv_start, kv_end = info.kv_start, info.kv_end
             first, n_blocks = self._block_range(info, tc)
+            qb = (item - item0) % 2 if const_expr(self.overlap) else 0  # this item's Q buffer
 
-            # this WG's Q rows: prefetched before the loop or during the previous item
-            cute.arch.cp_async_wait_group(0)
-            if const_expr(H.has_transform_q):  # rotate the WG's Q rows in place once all landed
+            if started == 0:  # this WG's Q rows: prefetched before the loop or during the previous item
+                cute.arch.cp_async_wait_group(0)
+                if const_expr(H.has_transform_q):  # rotate the WG's Q rows in place once all landed
+                    cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
+                    self._rotate_q(sQ[None, None, 0], tw, wg, info, tc)
+                cute.arch.fence_view_async_shared()  # generic-proxy writes -> read by wgmma (async proxy)
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
-                self._rotate_q(sQ, tw, wg, info, tc)
-            cute.arch.fence_view_async_shared()  # generic-proxy writes -> read by wgmma (async proxy)
-            cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
-
-            # per-row query positions (bottom-right aligned causal / window) and softmax state
-            q_pos = cute.make_rmem_tensor((n_rows,), Int32)
-            for r in cutlass.range_constexpr(n_rows):
-                q_pos[r] = info.qpos_base + row_token(info, info.row_start + tScS[r, 0][0])
-            q_lo = info.qpos_base + row_token(info, info.row_start)
-            q_hi = info.qpos_base + row_token(info, info.row_start + info.num_rows - 1)
-            row_vals = None
-            if const_expr(H.per_row):
-                row_vals = item_row_values(H, info, tc, tScS, n_rows, self.head_dim)
-            rows = ItemRows(tScS, q_pos, q_lo, q_hi, kv_end, row_vals)
-            row_m = cute.make_rmem_tensor((n_rows,), Float32)
-            row_l = cute.make_rmem_tensor((n_rows,), Float32)
-            row_m.fill(-Float32.inf)
-            row_l.fill(0.0)
-            acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((TQ, D)), Float32)
-            acc_O.fill(0.0)
+            if const_expr(self.overlap):  # the next item's Q into the other buffer (its last reader,
+                if item + 1 < item_end:  # the item before, finished its QKs before this item's barrier)
+                    self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), sQ[None, None, 1 - qb], g2s, wg, tw)
+            rows = self._item_rows(info, tScS, n_rows, tc)
 
             # Blocks from last to first.  Software pipeline within the WG: S(j) = Q K(j)^T is
             # issued together with O += P(j-1) V(j-1), and the softmax of S(j) runs while that
             # PV is still on the tensor cores; across WGs, ping-pong barriers order the GEMM
             # issue so one WG's softmax overlaps the other's GEMMs.
-            rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((TQ, TN)), self.dtype)
-            tOrP = cute.make_tensor(rP.iterator, wgmma_acc_as_a(rP.layout))
-            corr = cute.make_rmem_tensor((n_rows,), Float32)
-            acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((TQ, TN)), Float32)
-            st = SoftmaxState(row_m, row_l, corr)
+            last_wait = Int32(1)  # the item's last PV still to be issued and waited for here
             if n_blocks > first:
-                blk = kv_start + (n_blocks - 1) * TN
-                first_words = self._mask_words(blk, rows, tc)
-                if const_expr(H.has_bias):
-                    self._seed_bias(acc_S, rows, blk, tc)
-                pipe_k.consumer_wait(state)
-                self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
-                warpgroup.wait_group(0)
-                pipe_k.consumer_release(state)
-                self._mask_softmax(acc_S, st, rows, blk, first_words, tc)
-                self._store_p(acc_S, rP)
+                if started == 0:
+                    row_m.fill(-Float32.inf)
+                    row_l.fill(0.0)
+                    acc_O.fill(0.0)
+                    blk = kv_start + (n_blocks - 1) * TN
+                    first_words = self._mask_words(blk, rows, tc)
+                    if const_expr(H.has_bias):
+                        self._seed_bias(acc_S, rows, blk, tc)
+                    pipe_k.consumer_wait(state)
+                    self._qk(mma_qk, acc_S, tSrQ, tSrK, state, qb)
+                    warpgroup.wait_group(0)
+                    pipe_k.consumer_release(state)
+                    self._mask_softmax(acc_S, st, rows, blk, first_words, tc)
+                    self._store_p(acc_S, rP)
                 for j in cutlass.range(1, n_blocks - first, unroll=1):
                     blk = kv_start + (n_blocks - 1 - j) * TN
                     v_state = state.clone()
@@ -642,7 +691,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                         self._seed_bias(acc_S, rows, blk, tc)
                     pipe_k.consumer_wait(state)
                     self._pingpong_wait(wg)
-                    self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
+                    self._qk(mma_qk, acc_S, tSrQ, tSrK, state, qb)
                     if const_expr(self.rescale_before_pv and H.softmax):
                         self._rescale_o(acc_O, corr)  # while QK runs: frees S's registers sooner (large O)
                     pipe_v.consumer_wait(v_state)  # V(j-1) lands after K(j): waited for once QK(j) is issued
@@ -658,22 +707,117 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                     self._store_p(acc_S, rP)
                     if const_expr(not self.rescale_before_pv and H.softmax):
                         self._rescale_o(acc_O, corr)
-                if item + 1 < item_end:  # every QK of this item is done: sQ is free
-                    self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), sQ, g2s, wg, tw)
                 if const_expr(self.rescale_before_pv and H.softmax):
                     self._rescale_o(acc_O, corr)
-                pipe_v.consumer_wait(state)
-                if n_blocks - first == 1:
-                    self._zero_v_tail(sV, state, kv_end - (kv_start + (n_blocks - 1) * TN), tw, bar_wg)
-                self._pv(mma_pv, acc_O, tOrP, tOrV, state)
-                warpgroup.wait_group(0)
-                pipe_v.consumer_release(state)
+                if const_expr(not self.overlap):
+                    if item + 1 < item_end:  # every QK of this item is done: sQ is free
+                        self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), sQ[None, None, 0], g2s, wg, tw)
+                v_state = state.clone()  # V of the item's last block; K of the next item's first
                 state.advance()
+                if const_expr(self.overlap):
+                    if item + 1 < item_end:
+                        last_wait = self._next_item_first_block(
+                            ItemInfo(mWork, item + 1, group, gdiv),
+                            kv_end - (kv_start + (n_blocks - 1) * TN),
+                            n_blocks - first,
+                            state,
+                            v_state,
+                            1 - qb,
+                            WgAcc(acc_S, rP, tOrP, acc_O, st, st_done),
+                            WgMma(mma_qk, mma_pv, tSrQ, tSrK, tOrV, tScS, n_rows),
+                            sm,
+                            thr,
+                            tc,
+                        )
+                if last_wait != 0:
+                    pipe_v.consumer_wait(v_state)
+                    if n_blocks - first == 1:
+                        self._zero_v_tail(sV, v_state, kv_end - (kv_start + (n_blocks - 1) * TN), tw, bar_wg)
+                    self._pv(mma_pv, acc_O, tOrP, tOrV, v_state)
+                    warpgroup.wait_group(0)
+                    pipe_v.consumer_release(v_state)
+                    for r in cutlass.range_constexpr(n_rows):
+                        done_m[r] = row_m[r]
+                        done_l[r] = row_l[r]
             else:
-                if item + 1 < item_end:  # no KV block: this item's Q is not used at all
-                    self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), sQ, g2s, wg, tw)
+                if const_expr(not self.overlap):
+                    if item + 1 < item_end:  # no KV block: this item's Q is not used at all
+                        self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), sQ[None, None, 0], g2s, wg, tw)
+                done_m.fill(-Float32.inf)
+                done_l.fill(0.0)
+                acc_O.fill(0.0)
+            self._epilogue(acc_O, st_done, tOcO, sO, gm, thr, info, tc)
+            started = 1 - last_wait
+            if started != 0:
+                acc_O.fill(0.0)
 
-            self._epilogue(acc_O, st, tOcO, sO, gm, thr, info, tc)
+    @cute.jit
+    def _item_rows(self, info: ItemInfo, tScS, n_rows, tc: TraceCtx) -> ItemRows:
+        """Per-row query positions (bottom-right aligned causal / window) of a thread's rows."""
+        q_pos = cute.make_rmem_tensor((n_rows,), Int32)
+        for r in cutlass.range_constexpr(n_rows):
+            q_pos[r] = info.qpos_base + row_token(info, info.row_start + tScS[r, 0][0])
+        q_lo = info.qpos_base + row_token(info, info.row_start)
+        q_hi = info.qpos_base + row_token(info, info.row_start + info.num_rows - 1)
+        row_vals = None
+        if const_expr(self.hooks.per_row):
+            row_vals = item_row_values(self.hooks, info, tc, tScS, n_rows, self.head_dim)
+        return ItemRows(tScS, q_pos, q_lo, q_hi, info.kv_end, row_vals)
+
+    @cute.jit
+    def _next_item_first_block(
+        self,
+        nxt: ItemInfo,
+        tail_valid,
+        n_walked,
+        state,
+        v_state,
+        qb,
+        acc: WgAcc,
+        mm: WgMma,
+        sm: Stages,
+        thr: WgThread,
+        tc,
+    ):
+        """``overlap_items``: the item's last step as one more step of the block loop -- the next
+        item's first S (from its Q, prefetched into buffer ``qb``) issued with this item's last
+        P V, and its softmax run while that PV is on the tensor cores -- so the ping-pong carries
+        on across items and this WG's epilogue runs under the other WG's GEMMs.  The finished
+        item's statistics go to ``acc.done``.  Returns 0 where it did so (the next item has a
+        block), else 1: the caller issues the last PV itself."""
+        wg, tw, bar_wg = thr.wg, thr.tw, thr.bar_wg
+        st, done = acc.st, acc.done
+        TN = self.tile_n
+        first_n, n_blocks_n = self._block_range(nxt, tc)
+        last_wait = Int32(1)
+        if n_blocks_n > first_n:
+            last_wait = Int32(0)
+            rows_n = self._item_rows(nxt, mm.tScS, mm.n_rows, tc)
+            blk = nxt.kv_start + (n_blocks_n - 1) * TN
+            words = self._mask_words(blk, rows_n, tc)
+            cute.arch.cp_async_wait_group(0)  # the next item's Q rows
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
+            sm.pipe_k.consumer_wait(state)
+            self._pingpong_wait(wg)
+            self._qk(mm.mma_qk, acc.acc_S, mm.tSrQ, mm.tSrK, state, qb)
+            sm.pipe_v.consumer_wait(v_state)
+            if n_walked == 1:
+                self._zero_v_tail(sm.sV, v_state, tail_valid, tw, bar_wg)  # the item's only block is its last
+            self._pv(mm.mma_pv, acc.acc_O, acc.tOrP, mm.tOrV, v_state)
+            self._pingpong_signal(wg)
+            for r in cutlass.range_constexpr(mm.n_rows):
+                done.row_m[r] = st.row_m[r]
+                done.row_l[r] = st.row_l[r]
+            st.row_m.fill(-Float32.inf)
+            st.row_l.fill(0.0)
+            warpgroup.wait_group(1)
+            sm.pipe_k.consumer_release(state)
+            self._mask_softmax(acc.acc_S, st, rows_n, blk, words, tc)
+            warpgroup.wait_group(0)
+            sm.pipe_v.consumer_release(v_state)
+            self._store_p(acc.acc_S, acc.rP)
+        return last_wait
 
     @cute.jit
     def _zero_v_tail(self, sV, state, valid, tw, bar_wg):
@@ -715,7 +859,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def _qk(self, mma_qk, acc_S, tSrQ, tSrK, state):
+    def _qk(self, mma_qk, acc_S, tSrQ, tSrK, state, qb):
         """Issue S = Q K(stage)^T (async; the caller waits); S += Q K^T onto the seeded biases
         when the variant has them (``_seed_bias``)."""
         warpgroup.fence()
@@ -724,7 +868,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         atom = cute.make_mma_atom(mma_qk.op)
         for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
             atom.set(warpgroup.Field.ACCUMULATE, k != 0 or self.hooks.has_bias)
-            cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, state.index], acc_S)
+            cute.gemm(atom, acc_S, tSrQ[None, None, k, qb], tSrK[None, None, k, state.index], acc_S)
         warpgroup.commit_group()
 
     @cute.jit
