@@ -67,11 +67,12 @@ from cutlass.utils import LayoutEnum
 from ..variants.base import Hooks
 from ..variants.dsl import LOG2E
 from ..variants.trace import make_entry
-from .fragments import WG, pin_fragment, quad_sum, wgmma_acc_as_a, wgmma_mn_view
+from .fragments import WG, pin_fragment, wgmma_acc_as_a, wgmma_mn_view
 from .prefill_sm90_hooks import PrefillHooks
+from .prefill_sm90_io import PrefillRowIO
 from .prefill_sm90_producer import BAR_PRODUCER, BOX_WARPS, ROW_RING, PrefillProducer, check_gather_swizzle
 from .prefill_sm90_softmax import ItemRows, PrefillSoftmax, SoftmaxState
-from .work import ItemInfo, TraceCtx, item_row_values, row_token, tok_head
+from .work import ItemInfo, TraceCtx, item_row_values, row_token
 
 SMEM_MAX = 232448  # bytes of shared memory per block on sm_90
 
@@ -232,7 +233,7 @@ class WgThread(NamedTuple):
     bar_wg: Any
 
 
-class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
+class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRowIO):
     """The kernel: configuration, host launch, the CTA's roles and the consumers' block loop and
     epilogue; the producer, the online softmax and the variant hooks are its mixins
     (``prefill_sm90_producer`` / ``_softmax`` / ``_hooks``)."""
@@ -293,7 +294,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         # (base 2), so most blocks skip the O rescale (64 FMULs per thread at hd128, 128 at
         # hd256: as many as the block's scores); an idea from FA4
         self.lazy_rescale = bool(cfg.lazy_rescale)
-        self.pin_p = bool(cfg.pin_p)
         # The output goes out through its own staging tile (coalesced 16-byte stores), so the
         # next item's Q can be prefetched into sQ during this item's last PV and epilogue.  At
         # hd256 only half of O's columns fit next to Q and the K/V stages: it is staged in two
@@ -306,6 +306,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
         self.overlap = can if cfg.overlap_items < 0 else bool(cfg.overlap_items)
         assert can or not self.overlap, "overlap_items: needs two ping-pong consumers, no variant, smem for 2 Q tiles"
         self.q_bufs = 2 if self.overlap else 1
+        self.pin_p = bool(cfg.pin_p) or self.overlap  # the step across items needs S's registers back early
 
     def _smem_bytes(self, q_bufs: int) -> int:
         """Shared memory of the tiles (``host``'s ``Smem``, alignment padding included)."""
@@ -841,24 +842,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
 
     @cute.jit
-    def _load_q(self, mQ, info: ItemInfo, sQ, g2s, wg, tw):
-        """cp.async this WG's 64 packed Q rows of an item into smem (GQA: packed row r is token
-        r // group of head kv_head * group + r % group); rows past NUM_ROWS re-read the tile's
-        row 0 (finite, never stored).  Waited for at the top of the item loop."""
-        row_start, num_rows = info.row_start, info.num_rows
-        for i in cutlass.range_constexpr(64 * self.chunks // WG):
-            idx = tw + i * WG
-            j = wg * 64 + idx // self.chunks
-            c = idx % self.chunks
-            tok, head = tok_head(info, row_start + (j if j < num_rows else 0))
-            cute.copy(
-                g2s,
-                cute.local_tile(mQ[tok, head, None], (8,), (c,)),
-                cute.local_tile(sQ[j, None], (8,), (c,)),
-            )
-        cute.arch.cp_async_commit_group()
-
-    @cute.jit
     def _qk(self, mma_qk, acc_S, tSrQ, tSrK, state, qb):
         """Issue S = Q K(stage)^T (async; the caller waits); S += Q K^T onto the seeded biases
         when the variant has them (``_seed_bias``)."""
@@ -901,81 +884,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks):
     def _pingpong_signal(self, wg):
         if const_expr(self.pingpong):
             cute.arch.barrier_arrive(barrier_id=BAR_PINGPONG0 + 1 - wg, number_of_threads=2 * WG)
-
-    @cute.jit
-    def _epilogue(self, acc_O, st, tOcO, sO, gm: Gmem, thr: WgThread, info: ItemInfo, tc: TraceCtx):
-        """Normalize and store: final rows (value dtype + LSE) through the staging tile sO, or a
-        partial slot (fp32) straight from registers."""
-        row_m, row_l = st.row_m, st.row_l
-        mO, mLse, mPartO, mPartLse = gm.mO, gm.mLse, gm.mPartO, gm.mPartLse
-        wg, tw, lane, bar_wg = thr
-        row_start, num_rows, dest = info.row_start, info.num_rows, info.dest
-        D, TQ = self.head_dim_vo, self.tile_q
-        O = wgmma_mn_view(acc_O)
-        n_rows = cute.size(O, mode=[0])
-        lse = cute.make_rmem_tensor((n_rows,), Float32)
-        scale = self._row_scale(tc.scale_log2)  # row_m is in S's units (see _softmax)
-        H = self.hooks
-        if const_expr(H.has_finalize or not H.softmax):
-            # variant statistics (sinks) / weights without softmax: plain-Python helper
-            inv_t = cute.make_rmem_tensor((n_rows,), Float32)
-            self._finalize_rows(st, tOcO, inv_t, lse, scale, info, tc)
-            for r in cutlass.range_constexpr(n_rows):
-                for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                    O[r, c] = O[r, c] * inv_t[r]
-        else:
-            for r in cutlass.range_constexpr(n_rows):
-                l = quad_sum(row_l[r])
-                inv = Float32(0.0)
-                lse[r] = -Float32.inf
-                if l > Float32(0.0):
-                    inv = cute.arch.rcp_approx(l)
-                    lse[r] = row_m[r] * scale + cute.math.log2(l, fastmath=True)
-                for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                    O[r, c] = O[r, c] * inv
-        if const_expr(H.has_output):  # final rows only: plan() disables split-KV for such variants
-            self._output_rows(O, tOcO, info, tc)
-        if dest < 0:
-            # through shared memory: 16-byte stores, each row to its own (token, head) address;
-            # o_cols columns per pass (column c of a thread is at the static offset
-            # tc.o_col_off[c] from its first, which is < 8: the pass of c is known at trace time)
-            OC = self.o_cols
-            oc_chunks = OC // 8
-            for h in cutlass.range_constexpr(D // OC):
-                if const_expr(h > 0):
-                    cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)  # pass h-1's reads done
-                for r in cutlass.range_constexpr(n_rows):
-                    j = tOcO[r, 0][0]
-                    for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                        if const_expr(tc.o_col_off[c] // OC == h):
-                            sO[j, tOcO[0, c][1] - h * OC] = O[r, c].to(self.dtype)
-                    if const_expr(h == 0):
-                        if lane % 4 == 0 and j < num_rows:
-                            tok, head = tok_head(info, row_start + j)
-                            mLse[tok, head] = lse[r]
-                cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
-                for i in cutlass.range_constexpr(64 * oc_chunks // WG):
-                    idx = tw + i * WG
-                    j = wg * 64 + idx // oc_chunks
-                    c = idx % oc_chunks
-                    if j < num_rows:
-                        row = row_start + j
-                        frag = cute.make_rmem_tensor((8,), self.dtype)
-                        cute.autovec_copy(cute.local_tile(sO[j, None], (8,), (c,)), frag)
-                        tok, head = tok_head(info, row)
-                        cute.autovec_copy(frag, cute.local_tile(mO[tok, head, None], (8,), (h * oc_chunks + c,)))
-        else:
-            for r in cutlass.range_constexpr(n_rows):
-                j = tOcO[r, 0][0]
-                if j < num_rows:
-                    slot_row = dest * TQ + j
-                    for c in cutlass.range_constexpr(0, cute.size(O, mode=[1]), 2):
-                        pair = cute.make_rmem_tensor((2,), Float32)
-                        pair[0] = O[r, c]
-                        pair[1] = O[r, c + 1]
-                        cute.autovec_copy(pair, cute.local_tile(mPartO[slot_row, None], (2,), (tOcO[0, c][1] // 2,)))
-                    if lane % 4 == 0:
-                        mPartLse[slot_row] = lse[r]
 
 
 def build_batch_prefill_sm90(spec):
