@@ -501,5 +501,6 @@ def build_batch_prefill_fp8(spec):
         pingpong=p.get("pingpong", -1),
         lazy_rescale=p.get("lazy_rescale", 0),
         pin_p=p.get("pin_p", 0),
+        overlap_items=0,  # its own consumer loop (``_consume_fp8``), one Q buffer
     )
     return make_entry(BatchPrefillFp8(cfg, to_dsl(p["qkv_dtype"])), prefill_fp8_abi(p), [], host="host_fp8")

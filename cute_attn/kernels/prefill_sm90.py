@@ -71,15 +71,15 @@ from .fragments import WG, pin_fragment, wgmma_acc_as_a, wgmma_mn_view
 from .prefill_sm90_hooks import PrefillHooks
 from .prefill_sm90_io import PrefillRowIO
 from .prefill_sm90_producer import BAR_PRODUCER, BOX_WARPS, ROW_RING, PrefillProducer, check_gather_swizzle
-from .prefill_sm90_softmax import ItemRows, PrefillSoftmax, SoftmaxState
-from .work import ItemInfo, TraceCtx, item_row_values, row_token
+from .prefill_sm90_softmax import PrefillSoftmax, SoftmaxState
+from .work import ItemInfo, TraceCtx, row_token
 
 SMEM_MAX = 232448  # bytes of shared memory per block on sm_90
 
-# (tile_n, stages) per (head dim, cp.async gather): what fits 227 KB of shared memory next to the Q tile
-# (the epilogue's output tile reuses the Q tile's space) and leaves ptxas enough registers to keep
-# the wgmmas asynchronous: at hd128 x 128 keys (and hd256 x 80) it serializes every wgmma
-# ("C7512 ... insufficient register resources"), which costs ~30 %.
+# (tile_n, stages) per (head dim, cp.async gather): what fits 227 KB of shared memory next to the Q
+# and output tiles and leaves ptxas enough registers to keep the wgmmas asynchronous: at hd128 x
+# 128 keys (and hd256 x 80) without ``pin_p`` it serializes every wgmma ("C7512 ... insufficient
+# register resources"), which costs ~30 %.
 KV_TILES = {
     (64, False): (128, 4),
     (64, True): (128, 4),
@@ -93,6 +93,11 @@ KV_TILES = {
 # the same per (head_dim_qk, head_dim_vo, gather) of the asymmetric kernels: at 192 / 128 the
 # registers are hd128's (the QK GEMM's K-dimension lives in shared memory) and 112 keys of K
 # (2 x 42 KB), V (2 x 28 KB), Q (48 KB) and O (32 KB) fill 220 KB
+# keys per block where items run back to back by default (``overlap_items``: two Q buffers, P
+# pinned), per (head dim, gather): hd128 x 128 keys ran 1.02 / 1.08 / 1.10x main's speed on the
+# H200 (ragged 2 x 8k non-causal / causal, the varlen32 batch; 112 keys back to back 0.97 / 0.95 /
+# 0.93x: the causal diagonal of a 128-row tile is one 128-key block, two of 112)
+OVERLAP_TILES = {(128, False): 128}
 KV_TILES_VO = {
     (192, 128, False): (112, 2),
     (192, 128, True): (96, 2),
@@ -131,7 +136,9 @@ class PrefillConfig:
     lazy_rescale: int = 1
     head_dim_vo: int = 0  # of v and the output (0: head_dim)
     pin_p: int = 0  # 1: P's conversion pinned where it is written (fragments.pin_fragment; fewer registers)
-    overlap_items: int = 0  # 1: the next item's first block overlaps this one's last (two Q buffers); -1: where it fits
+    overlap_items: int = (
+        -1
+    )  # 1: items back to back (the next one's first block with this one's last); -1: OVERLAP_TILES
 
     @classmethod
     def from_spec(cls, p: dict) -> PrefillConfig:
@@ -157,7 +164,7 @@ class PrefillConfig:
             p.get("lazy_rescale", 1),
             p.get("head_dim_vo", 0),
             p.get("pin_p", 0),
-            p.get("overlap_items", 0),
+            p.get("overlap_items", -1),
         )
 
 
@@ -272,6 +279,14 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
         # P holds (fp32's exponent range) and an fp16 one does not (subnormal below 2^-14)
         self.cap_fixed_shift = soft_cap and dtype is cutlass.BFloat16
         dn, ds = kv_tiles[head_dim, self.gather]
+        # items back to back (``_next_item_first_block``): a second Q buffer, so the next item's Q
+        # lands while this one runs.  Plain kernels with two ping-pong consumers only (a variant's
+        # Q rotation or bias seeding would have to move into that step too)
+        plain = tile_q == 128 and cfg.variant is None and head_dim_vo == head_dim
+        auto = plain and (head_dim, self.gather) in OVERLAP_TILES
+        self.overlap = auto if cfg.overlap_items < 0 else bool(cfg.overlap_items)
+        if self.overlap and auto:
+            dn = OVERLAP_TILES[head_dim, self.gather]
         self.tile_n = cfg.tile_n or dn
         self.stages = cfg.stages or ds
         self.threads = WG * (1 + self.num_mma_wg)
@@ -299,11 +314,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
         # hd256 only half of O's columns fit next to Q and the K/V stages: it is staged in two
         # passes of o_cols columns.
         self.o_cols = head_dim_vo if head_dim_vo <= 128 else head_dim_vo // 2
-        # Items back to back (``_next_item_first_block``): a second Q buffer, so the next item's
-        # Q lands while this one runs.  Plain kernels with two ping-pong consumers only (a
-        # variant's Q rotation or bias seeding would have to move into that step too).
-        can = self.pingpong and cfg.variant is None and self._smem_bytes(2) <= SMEM_MAX
-        self.overlap = can if cfg.overlap_items < 0 else bool(cfg.overlap_items)
+        can = plain and self.pingpong and self._smem_bytes(2) <= SMEM_MAX
         assert can or not self.overlap, "overlap_items: needs two ping-pong consumers, no variant, smem for 2 Q tiles"
         self.q_bufs = 2 if self.overlap else 1
         self.pin_p = bool(cfg.pin_p) or self.overlap  # the step across items needs S's registers back early
@@ -753,19 +764,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
                 acc_O.fill(0.0)
 
     @cute.jit
-    def _item_rows(self, info: ItemInfo, tScS, n_rows, tc: TraceCtx) -> ItemRows:
-        """Per-row query positions (bottom-right aligned causal / window) of a thread's rows."""
-        q_pos = cute.make_rmem_tensor((n_rows,), Int32)
-        for r in cutlass.range_constexpr(n_rows):
-            q_pos[r] = info.qpos_base + row_token(info, info.row_start + tScS[r, 0][0])
-        q_lo = info.qpos_base + row_token(info, info.row_start)
-        q_hi = info.qpos_base + row_token(info, info.row_start + info.num_rows - 1)
-        row_vals = None
-        if const_expr(self.hooks.per_row):
-            row_vals = item_row_values(self.hooks, info, tc, tScS, n_rows, self.head_dim)
-        return ItemRows(tScS, q_pos, q_lo, q_hi, info.kv_end, row_vals)
-
-    @cute.jit
     def _next_item_first_block(
         self,
         nxt: ItemInfo,
@@ -842,7 +840,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
 
     @cute.jit
-    def _qk(self, mma_qk, acc_S, tSrQ, tSrK, state, qb):
+    def _qk(self, mma_qk, acc_S, tSrQ, tSrK, state, qb=None):
         """Issue S = Q K(stage)^T (async; the caller waits); S += Q K^T onto the seeded biases
         when the variant has them (``_seed_bias``)."""
         warpgroup.fence()
@@ -851,7 +849,8 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
         atom = cute.make_mma_atom(mma_qk.op)
         for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
             atom.set(warpgroup.Field.ACCUMULATE, k != 0 or self.hooks.has_bias)
-            cute.gemm(atom, acc_S, tSrQ[None, None, k, qb], tSrK[None, None, k, state.index], acc_S)
+            q = tSrQ[None, None, k] if const_expr(qb is None) else tSrQ[None, None, k, qb]  # qb: Q buffer
+            cute.gemm(atom, acc_S, q, tSrK[None, None, k, state.index], acc_S)
         warpgroup.commit_group()
 
     @cute.jit

@@ -16,6 +16,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .fragments import quad_max, wgmma_mn_view
+from .work import ItemInfo, TraceCtx, item_row_values, row_token
 
 LAZY_RESCALE = 8.0  # base-2 units a row's block max may exceed its kept max by before O is rescaled
 FIXED_SHIFT_MAX_SCALE = 82.0  # soft-cap: the largest cap·log2 e taking the fixed shift (_running_max)
@@ -45,6 +46,19 @@ class ItemRows(NamedTuple):
 
 class PrefillSoftmax:
     """Masked / mask-free online softmax of one block (see the module docstring)."""
+
+    @cute.jit
+    def _item_rows(self, info: ItemInfo, tScS, n_rows, tc: TraceCtx) -> ItemRows:
+        """Per-row query positions (bottom-right aligned causal / window) of a thread's rows."""
+        q_pos = cute.make_rmem_tensor((n_rows,), Int32)
+        for r in cutlass.range_constexpr(n_rows):
+            q_pos[r] = info.qpos_base + row_token(info, info.row_start + tScS[r, 0][0])
+        q_lo = info.qpos_base + row_token(info, info.row_start)
+        q_hi = info.qpos_base + row_token(info, info.row_start + info.num_rows - 1)
+        row_vals = None
+        if const_expr(self.hooks.per_row):
+            row_vals = item_row_values(self.hooks, info, tc, tScS, n_rows, self.head_dim)
+        return ItemRows(tScS, q_pos, q_lo, q_hi, info.kv_end, row_vals)
 
     @cute.jit
     def _mask_softmax(self, acc_S, st: SoftmaxState, rows: ItemRows, blk, words, tc):
