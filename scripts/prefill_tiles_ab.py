@@ -31,11 +31,9 @@ ROUNDS, CALLS = int(os.environ.get("AB_ROUNDS", 3)), 20
 # variant name -> knobs over the plan's spec
 HD128 = {
     "main": {},
-    "pin": dict(pin_p=1),
-    "overlap": dict(pin_p=1, overlap_items=1),
-    "pin128": dict(pin_p=1, tile_n=128),
-    "overlap128": dict(pin_p=1, tile_n=128, overlap_items=1),
+    "sequential": dict(overlap_items=0),  # items one after the other, 112 keys, P not pinned
 }
+HD64 = {"main": {}, "overlap": dict(overlap_items=1)}
 HD256 = {"main": {}, "pin": dict(pin_p=1)}
 
 
@@ -44,6 +42,9 @@ CASES = [
     ("prefill/hd128/noncausal/s8192", [8192] * 2, False, 128, HD128, (128,)),
     ("prefill/hd128/causal/s8192", [8192] * 2, True, 128, HD128, (128,)),
     ("prefill/hd128/causal/varlen32_lognormal2k", varlen32_lengths(), True, 128, HD128, (128,)),
+    ("prefill/hd64/noncausal/s8192", [8192] * 2, False, 64, HD64, (128,)),
+    ("prefill/hd64/causal/s8192", [8192] * 2, True, 64, HD64, (128,)),
+    ("prefill/hd64/causal/varlen32_lognormal2k", varlen32_lengths(), True, 64, HD64, (128,)),
     ("prefill/hd256/noncausal/s8192", [8192] * 2, False, 256, HD256, (128,)),
     ("prefill/hd256/causal/s8192", [8192] * 2, True, 256, HD256, (128,)),
 ]

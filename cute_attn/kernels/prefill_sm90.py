@@ -18,7 +18,10 @@ Roles (warpgroups of 128 threads):
   registers).  Blocks are walked from the last to the first, so the blocks that need a mask
   come first; blocks that need none take the mask-free path.  Ping-pong: a WG issues its GEMMs
   only after the other WG has issued its own, so one WG's softmax runs under the other's
-  tensor-core work.
+  tensor-core work.  Items back to back (``overlap_items``, on where ``OVERLAP_TILES`` says):
+  with a second Q buffer, the next item's Q is loaded while this one runs and its first Q·Kᵀ
+  is issued with this item's last P·V, so the pipeline and the ping-pong run on across items
+  and a WG's epilogue runs under the other WG's GEMMs.
 - ``setmaxnreg`` moves registers from the producer to the consumers.
 
 Scores are in base 2 (sm_scale·log2 e folded into one multiply), LSE is base 2 as FlashInfer
