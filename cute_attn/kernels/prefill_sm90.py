@@ -74,7 +74,7 @@ from .fragments import WG, pin_fragment, wgmma_acc_as_a, wgmma_mn_view
 from .prefill_sm90_hooks import PrefillHooks
 from .prefill_sm90_io import PrefillRowIO
 from .prefill_sm90_producer import BAR_PRODUCER, BOX_WARPS, ROW_RING, PrefillProducer, check_gather_swizzle
-from .prefill_sm90_softmax import PrefillSoftmax, SoftmaxState
+from .prefill_sm90_softmax import PrefillSoftmax, SoftmaxState, WgAcc, WgMma
 from .work import ItemInfo, TraceCtx, row_token
 
 SMEM_MAX = 232448  # bytes of shared memory per block on sm_90
@@ -209,31 +209,6 @@ class Stages(NamedTuple):
     pipe_v: Any
 
 
-class WgMma(NamedTuple):
-    """A consumer thread's GEMMs and their operand fragments (Q per buffer, K / V per stage)
-    and its score coordinates (``n_rows`` rows per thread)."""
-
-    mma_qk: Any
-    mma_pv: Any
-    tSrQ: Any
-    tSrK: Any
-    tOrV: Any
-    tScS: Any
-    n_rows: int
-
-
-class WgAcc(NamedTuple):
-    """A consumer thread's accumulators: S, P (``rP``, and its A-operand view ``tOrP``), O, the
-    running softmax state ``st`` and ``done``, the statistics of the item whose epilogue is next."""
-
-    acc_S: Any
-    rP: Any
-    tOrP: Any
-    acc_O: Any
-    st: Any
-    done: Any
-
-
 class WgThread(NamedTuple):
     """A consumer thread's place: its warpgroup, thread in it, lane and the WG's barrier."""
 
@@ -320,7 +295,9 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
         can = plain and self.pingpong and self._smem_bytes(2) <= SMEM_MAX
         assert can or not self.overlap, "overlap_items: needs two ping-pong consumers, no variant, smem for 2 Q tiles"
         self.q_bufs = 2 if self.overlap else 1
-        self.pin_p = bool(cfg.pin_p) or self.overlap  # the step across items needs S's registers back early
+        # P pinned (``_store_p``) where S's registers are needed back early: the step across items,
+        # and the hd128 masked-variant path (without it ptxas serializes the CustomMask specs' wgmmas)
+        self.pin_p = bool(cfg.pin_p) or self.overlap or (self.mask_all and head_dim == 128)
 
     def _smem_bytes(self, q_bufs: int) -> int:
         """Shared memory of the tiles (``host``'s ``Smem``, alignment padding included)."""
@@ -362,7 +339,8 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
         family's arguments, then the variant's tensors and scalars as tuples."""
         D, DV, TN, TQ, dt = self.head_dim, self.head_dim_vo, self.tile_n, self.tile_q, self.dtype
         atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, D), dt)
-        sQ_layout = cute.tile_to_shape(atom, (TQ, D, self.q_bufs), (0, 1, 2))
+        sQ_shape = (TQ, D, 2) if self.overlap else (TQ, D)  # items back to back: two Q buffers
+        sQ_layout = cute.tile_to_shape(atom, sQ_shape, tuple(range(len(sQ_shape))))
         o_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, self.o_cols), dt
         )
@@ -641,52 +619,51 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
                 cute.arch.barrier_arrive(barrier_id=BAR_PINGPONG0, number_of_threads=2 * WG)
 
         H = self.hooks
-        # per-WG state that outlives an item when items overlap (``overlap_items``): O, S / P
-        # and the rows' statistics; ``done_m`` / ``done_l``: the finished item's, for its epilogue
-        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((TQ, D)), Float32)
-        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((TQ, TN)), Float32)
-        rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((TQ, TN)), self.dtype)
-        tOrP = cute.make_tensor(rP.iterator, wgmma_acc_as_a(rP.layout))
-        row_m = cute.make_rmem_tensor((n_rows,), Float32)
-        row_l = cute.make_rmem_tensor((n_rows,), Float32)
-        done_m = cute.make_rmem_tensor((n_rows,), Float32)
-        done_l = cute.make_rmem_tensor((n_rows,), Float32)
-        corr = cute.make_rmem_tensor((n_rows,), Float32)
-        st = SoftmaxState(row_m, row_l, corr)
-        st_done = SoftmaxState(done_m, done_l, corr)
-
+        # O, P and the row statistics: per item, or with items back to back made once (they
+        # outlive an item); both ways nothing else is live across items
+        kept = self._wg_acc(thr_qk, thr_pv, n_rows) if const_expr(self.overlap) else None
         item0, item_end = mWorkIndptr[cta], mWorkIndptr[cta + 1]
         if item0 < item_end:
-            self._load_q(mQ, ItemInfo(mWork, item0, group, gdiv), sQ[None, None, 0], g2s, wg, tw)
-        started = Int32(0)  # 1: this item's first block ran in the previous item's last step
+            self._load_q(mQ, ItemInfo(mWork, item0, group, gdiv), self._q_buf(sQ, 0), g2s, wg, tw)
+        # 1: this item's first block ran in the previous item's last step (without overlap a
+        # trace-time 0, so that kernel traces as the plain item loop: nothing live across items)
+        started = Int32(0) if const_expr(self.overlap) else 0
         for item in cutlass.range(item0, item_end, unroll=1):
             info = ItemInfo(mWork, item, group, gdiv)
             kv_start, kv_end = info.kv_start, info.kv_end
             first, n_blocks = self._block_range(info, tc)
-            qb = (item - item0) % 2 if const_expr(self.overlap) else 0  # this item's Q buffer
+            qb = (item - item0) % 2 if const_expr(self.overlap) else None  # this item's Q buffer
+            acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((TQ, TN)), Float32)
+            acc_O, rP, tOrP, st, st_done = kept if const_expr(self.overlap) else self._wg_acc(thr_qk, thr_pv, n_rows)
+            row_m, row_l, corr = st
 
             if started == 0:  # this WG's Q rows: prefetched before the loop or during the previous item
                 cute.arch.cp_async_wait_group(0)
                 if const_expr(H.has_transform_q):  # rotate the WG's Q rows in place once all landed
                     cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
-                    self._rotate_q(sQ[None, None, 0], tw, wg, info, tc)
+                    self._rotate_q(self._q_buf(sQ, 0), tw, wg, info, tc)
                 cute.arch.fence_view_async_shared()  # generic-proxy writes -> read by wgmma (async proxy)
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
             if const_expr(self.overlap):  # the next item's Q into the other buffer (its last reader,
                 if item + 1 < item_end:  # the item before, finished its QKs before this item's barrier)
-                    self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), sQ[None, None, 1 - qb], g2s, wg, tw)
+                    self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), self._q_buf(sQ, 1 - qb), g2s, wg, tw)
             rows = self._item_rows(info, tScS, n_rows, tc)
 
             # Blocks from last to first.  Software pipeline within the WG: S(j) = Q K(j)^T is
             # issued together with O += P(j-1) V(j-1), and the softmax of S(j) runs while that
             # PV is still on the tensor cores; across WGs, ping-pong barriers order the GEMM
             # issue so one WG's softmax overlaps the other's GEMMs.
-            last_wait = Int32(1)  # the item's last PV still to be issued and waited for here
+            last_wait = Int32(1) if const_expr(self.overlap) else 1  # the last PV still to be issued here
+            if const_expr(not self.overlap):
+                row_m.fill(-Float32.inf)
+                row_l.fill(0.0)
+                acc_O.fill(0.0)
             if n_blocks > first:
                 if started == 0:
-                    row_m.fill(-Float32.inf)
-                    row_l.fill(0.0)
-                    acc_O.fill(0.0)
+                    if const_expr(self.overlap):
+                        row_m.fill(-Float32.inf)
+                        row_l.fill(0.0)
+                        acc_O.fill(0.0)
                     blk = kv_start + (n_blocks - 1) * TN
                     first_words = self._mask_words(blk, rows, tc)
                     if const_expr(H.has_bias):
@@ -726,7 +703,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
                     self._rescale_o(acc_O, corr)
                 if const_expr(not self.overlap):
                     if item + 1 < item_end:  # every QK of this item is done: sQ is free
-                        self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), sQ[None, None, 0], g2s, wg, tw)
+                        self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), self._q_buf(sQ, 0), g2s, wg, tw)
                 v_state = state.clone()  # V of the item's last block; K of the next item's first
                 state.advance()
                 if const_expr(self.overlap):
@@ -751,20 +728,37 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
                     self._pv(mma_pv, acc_O, tOrP, tOrV, v_state)
                     warpgroup.wait_group(0)
                     pipe_v.consumer_release(v_state)
-                    for r in cutlass.range_constexpr(n_rows):
-                        done_m[r] = row_m[r]
-                        done_l[r] = row_l[r]
+                    if const_expr(self.overlap):
+                        for r in cutlass.range_constexpr(n_rows):
+                            st_done.row_m[r] = row_m[r]
+                            st_done.row_l[r] = row_l[r]
             else:
                 if const_expr(not self.overlap):
                     if item + 1 < item_end:  # no KV block: this item's Q is not used at all
-                        self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), sQ[None, None, 0], g2s, wg, tw)
-                done_m.fill(-Float32.inf)
-                done_l.fill(0.0)
-                acc_O.fill(0.0)
+                        self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), self._q_buf(sQ, 0), g2s, wg, tw)
+                if const_expr(self.overlap):
+                    st_done.row_m.fill(-Float32.inf)
+                    st_done.row_l.fill(0.0)
+                    acc_O.fill(0.0)
             self._epilogue(acc_O, st_done, tOcO, sO, gm, thr, info, tc)
-            started = 1 - last_wait
-            if started != 0:
-                acc_O.fill(0.0)
+            if const_expr(self.overlap):
+                started = 1 - last_wait
+                if started != 0:
+                    acc_O.fill(0.0)
+
+    def _q_buf(self, sQ, b):
+        """Q buffer ``b`` (items back to back: two; else sQ is the one)."""
+        return sQ[None, None, b] if const_expr(self.overlap) else sQ
+
+    def _wg_acc(self, thr_qk, thr_pv, n_rows):
+        """A consumer thread's O, P (and P as the A operand), softmax state, and the state the
+        epilogue reads: the same, or with items back to back its own (``_next_item_first_block``)."""
+        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_q, self.head_dim_vo)), Float32)
+        rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_q, self.tile_n)), self.dtype)
+        tOrP = cute.make_tensor(rP.iterator, wgmma_acc_as_a(rP.layout))
+        stats = [cute.make_rmem_tensor((n_rows,), Float32) for _ in range(5)]
+        st = SoftmaxState(stats[0], stats[1], stats[4])
+        return acc_O, rP, tOrP, st, SoftmaxState(stats[2], stats[3], stats[4]) if const_expr(self.overlap) else st
 
     @cute.jit
     def _next_item_first_block(

@@ -44,6 +44,31 @@ class ItemRows(NamedTuple):
     vals: Any
 
 
+class WgMma(NamedTuple):
+    """A consumer thread's GEMMs and their operand fragments (Q per buffer, K / V per stage)
+    and its score coordinates (``n_rows`` rows per thread)."""
+
+    mma_qk: Any
+    mma_pv: Any
+    tSrQ: Any
+    tSrK: Any
+    tOrV: Any
+    tScS: Any
+    n_rows: int
+
+
+class WgAcc(NamedTuple):
+    """A consumer thread's accumulators: S, P (``rP``, and its A-operand view ``tOrP``), O, the
+    running softmax state ``st`` and ``done``, the statistics of the item whose epilogue is next."""
+
+    acc_S: Any
+    rP: Any
+    tOrP: Any
+    acc_O: Any
+    st: Any
+    done: Any
+
+
 class PrefillSoftmax:
     """Masked / mask-free online softmax of one block (see the module docstring)."""
 
