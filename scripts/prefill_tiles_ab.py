@@ -34,7 +34,11 @@ HD128 = {
     "sequential": dict(overlap_items=0),  # items one after the other, 112 keys, P not pinned
 }
 HD64 = {"main": {}, "overlap": dict(overlap_items=1)}
-HD256 = {"main": {}, "pin": dict(pin_p=1)}
+HD256 = {
+    "main": {},  # 64 keys, P pinned (PINNED)
+    "unpinned": dict(pin_p=0),
+    "pingpong": dict(pingpong=1),
+}
 
 
 # (case, lengths, causal, head dim, variants, tile_q values the plan may pick)

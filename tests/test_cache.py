@@ -208,6 +208,16 @@ def test_instruction_checks_match_and_count():
     # the prefill family's own ratio check is the counting form, not a bare regex
     found = check_instructions(BATCH_PREFILL_SM90.expect["sm_90a"], "wgmma.mma_async setmaxnreg", serialized)
     assert found["wgmma async (SASS)"] is False
+    # the must-not-match form: descriptors moved from per-thread registers inside a wgmma batch
+    # (between its arrive and its gsb0 commit), not R2UR elsewhere
+    uniform = "R2UR UR4, R2 ;\nWARPGROUP.ARRIVE ;\n" + "HGMMA.64x128x16 R24, gdesc[UR20], R24 ;\n" * 7
+    uniform += "HGMMA.64x128x16 R24, gdesc[UR20], R24, gsb0 ;\nR2UR UR5, R3 ;\n"
+    hgmma = "HGMMA.64x128x16 R24, gdesc[UR20], R24 ;\n"
+    per_thread = uniform.replace(hgmma, hgmma + "R2UR UR20, R22 ;\n", 1)
+    label = "uniform descriptors (SASS)"
+    assert check_instructions({label: BATCH_PREFILL_SM90.expect["sm_90a"][label]}, "", uniform) == {label: True}
+    assert check_instructions({label: BATCH_PREFILL_SM90.expect["sm_90a"][label]}, "", per_thread) == {label: False}
+    assert check_instructions({"x": "sass!R2UR"}, "", None) == {"x": None}
 
 
 def _published(s):

@@ -57,8 +57,9 @@ from cutlass.utils import LayoutEnum
 from ..families.prefill_fp8 import VT_GROUP, vt_key
 from ..variants.dsl import LOG2E
 from .fragments import WG, pin_fragment, wgmma_mn_view
-from .prefill_sm90 import BAR_PINGPONG0, BAR_WG0, SMEM_MAX, BatchPrefillSm90, Gmem, PrefillConfig, Stages, WgThread
+from .prefill_sm90 import BAR_PINGPONG0, BatchPrefillSm90, Gmem, PrefillConfig, Stages
 from .prefill_sm90_softmax import ItemRows, SoftmaxState
+from .prefill_sm90_tiles import SMEM_MAX
 from .work import ItemInfo, TraceCtx, row_token, tok_head
 
 # (keys per block, K / V^T stages) per head dim.  hd128: 192 keys x 2 stages ran 1.16x / 1.08x
@@ -338,23 +339,8 @@ class BatchPrefillFp8(BatchPrefillSm90):
         sQ, sK, sVt, sO, pipe_k, pipe_v = sm.sQ, sm.sK, sm.sV, sm.sO, sm.pipe_k, sm.pipe_v
         group, gdiv = tc.group, tc.group_div
         TN, D, TQ = self.tile_n, self.head_dim, self.tile_q
-        wg = ct // WG
-        tw = ct % WG
-        lane = ct % 32
-        bar_wg = BAR_WG0 + wg
-        thr_qk = mma_qk.get_slice(ct)
-        thr_pv = mma_pv.get_slice(ct)
-        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
-        tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
-        tScS = wgmma_mn_view(thr_qk.partition_C(cute.make_identity_tensor((TQ, TN))))
-        tS0 = wgmma_mn_view(mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((TQ, TN))))
-        col_off = tuple(tS0[0, c][1] - tS0[0, 0][1] for c in range(cute.size(tS0, mode=[1])))
-        tOcO = wgmma_mn_view(thr_pv.partition_C(cute.make_identity_tensor((TQ, D))))
-        tO0 = wgmma_mn_view(mma_pv.get_slice(0).partition_C(cute.make_identity_tensor((TQ, D))))
-        o_col_off = tuple(tO0[0, c][1] - tO0[0, 0][1] for c in range(cute.size(tO0, mode=[1])))
-        tc = dataclasses.replace(tc, col_off=col_off, o_col_off=o_col_off)
-        thr = WgThread(wg, tw, lane, bar_wg)
+        thr, thr_qk, thr_pv, tSrQ, tSrK, tOrV, tScS, tOcO, tc = self._wg_operands(mma_qk, mma_pv, sQ, sK, sVt, ct, tc)
+        wg, tw, lane, bar_wg = thr
         n_rows = cute.size(tScS, mode=[0])
         g2s = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.qkv, num_bits_per_copy=128

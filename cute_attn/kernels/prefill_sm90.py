@@ -75,40 +75,8 @@ from .prefill_sm90_hooks import PrefillHooks
 from .prefill_sm90_io import PrefillRowIO
 from .prefill_sm90_producer import BAR_PRODUCER, BOX_WARPS, ROW_RING, PrefillProducer, check_gather_swizzle
 from .prefill_sm90_softmax import PrefillSoftmax, SoftmaxState, WgAcc, WgMma
+from .prefill_sm90_tiles import KV_TILES, KV_TILES_VO, OVERLAP_TILES, PINNED, REGS, SMEM_MAX
 from .work import ItemInfo, TraceCtx, row_token
-
-SMEM_MAX = 232448  # bytes of shared memory per block on sm_90
-
-# (tile_n, stages) per (head dim, cp.async gather): what fits 227 KB of shared memory next to the Q
-# and output tiles and leaves ptxas enough registers to keep the wgmmas asynchronous: at hd128 x
-# 128 keys (and hd256 x 80) without ``pin_p`` it serializes every wgmma ("C7512 ... insufficient
-# register resources"), which costs ~30 %.
-KV_TILES = {
-    (64, False): (128, 4),
-    (64, True): (128, 4),
-    (96, False): (112, 4),  # 128 keys: serialized wgmmas with the page boxes' and the gather's registers
-    (96, True): (112, 4),
-    (128, False): (112, 2),
-    (128, True): (96, 2),
-    (256, False): (64, 2),
-    (256, True): (48, 2),
-}
-# the same per (head_dim_qk, head_dim_vo, gather) of the asymmetric kernels: at 192 / 128 the
-# registers are hd128's (the QK GEMM's K-dimension lives in shared memory) and 112 keys of K
-# (2 x 42 KB), V (2 x 28 KB), Q (48 KB) and O (32 KB) fill 220 KB
-# keys per block where items run back to back by default (``overlap_items``: two Q buffers, P
-# pinned), per (head dim, gather): hd128 x 128 keys ran 1.02 / 1.08 / 1.10x main's speed on the
-# H200 (ragged 2 x 8k non-causal / causal, the varlen32 batch; 112 keys back to back 0.97 / 0.95 /
-# 0.93x: the causal diagonal of a 128-row tile is one 128-key block, two of 112)
-OVERLAP_TILES = {(128, False): 128}
-KV_TILES_VO = {
-    (192, 128, False): (112, 2),
-    (192, 128, True): (96, 2),
-}
-# registers per thread after setmaxnreg, (producer, consumers): 3 warpgroups share 64512
-# registers (168 each at launch); the TMA producer needs few, the cp.async gather more.  With one
-# consumer warpgroup the pool is ample.
-REGS = {(2, False): (24, 240), (2, True): (56, 224), (1, False): (56, 256), (1, True): (56, 256)}
 
 # named barriers (0 is __syncthreads): per consumer WG (1, 2), the two ping-pong barriers (3, 4)
 # and the gather producer's (prefill_sm90_producer)
@@ -138,7 +106,7 @@ class PrefillConfig:
     keys_transformed: bool = False
     lazy_rescale: int = 1
     head_dim_vo: int = 0  # of v and the output (0: head_dim)
-    pin_p: int = 0  # 1: P's conversion pinned where it is written (fragments.pin_fragment; fewer registers)
+    pin_p: int = -1  # 1: P converted where it is written (fragments.pin_fragment; fewer registers); -1: PINNED
     overlap_items: int = (
         -1
     )  # 1: items back to back (the next one's first block with this one's last); -1: OVERLAP_TILES
@@ -166,7 +134,7 @@ class PrefillConfig:
             p.get("keys_transformed", False),
             p.get("lazy_rescale", 1),
             p.get("head_dim_vo", 0),
-            p.get("pin_p", 0),
+            p.get("pin_p", -1),
             p.get("overlap_items", -1),
         )
 
@@ -294,10 +262,11 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
         self.o_cols = head_dim_vo if head_dim_vo <= 128 else head_dim_vo // 2
         can = plain and self.pingpong and self._smem_bytes(2) <= SMEM_MAX
         assert can or not self.overlap, "overlap_items: needs two ping-pong consumers, no variant, smem for 2 Q tiles"
-        self.q_bufs = 2 if self.overlap else 1
         # P pinned (``_store_p``) where S's registers are needed back early: the step across items,
-        # and the hd128 masked-variant path (without it ptxas serializes the CustomMask specs' wgmmas)
-        self.pin_p = bool(cfg.pin_p) or self.overlap or (self.mask_all and head_dim == 128)
+        # the hd256 plain kernels (``PINNED``) and the hd128 masked-variant path (without it ptxas
+        # serializes the CustomMask specs' wgmmas)
+        pin = (plain and (head_dim, self.gather) in PINNED) or (self.mask_all and head_dim == 128)
+        self.pin_p = (pin if cfg.pin_p < 0 else bool(cfg.pin_p)) or self.overlap
 
     def _smem_bytes(self, q_bufs: int) -> int:
         """Shared memory of the tiles (``host``'s ``Smem``, alignment padding included)."""
@@ -588,27 +557,10 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
         mQ, mWork, mWorkIndptr = gm.mQ, gm.mWork, gm.mWorkIndptr
         sQ, sK, sV, sO, pipe_k, pipe_v = sm.sQ, sm.sK, sm.sV, sm.sO, sm.pipe_k, sm.pipe_v
         group, gdiv = tc.group, tc.group_div
-        TN, D, TQ = self.tile_n, self.head_dim_vo, self.tile_q  # D: O's columns
-        wg = ct // WG  # consumer warpgroup 0 / 1: packed rows [64 wg, 64 wg + 64) of the tile
-        tw = ct % WG
-        lane = ct % 32
-        bar_wg = BAR_WG0 + wg
-        thr_qk = mma_qk.get_slice(ct)
-        thr_pv = mma_pv.get_slice(ct)
-        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+        TN, TQ = self.tile_n, self.tile_q
         sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
-        tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
-        tScS = wgmma_mn_view(thr_qk.partition_C(cute.make_identity_tensor((TQ, TN))))
-        # column c of a thread's scores is key tScS[0, 0] + col_off[c] (the same static offsets
-        # for every thread; thread 0's coordinates are compile-time numbers), and the same for O
-        tS0 = wgmma_mn_view(mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((TQ, TN))))
-        col_off = tuple(tS0[0, c][1] - tS0[0, 0][1] for c in range(cute.size(tS0, mode=[1])))
-        tOcO = wgmma_mn_view(thr_pv.partition_C(cute.make_identity_tensor((TQ, D))))
-        tO0 = wgmma_mn_view(mma_pv.get_slice(0).partition_C(cute.make_identity_tensor((TQ, D))))
-        o_col_off = tuple(tO0[0, c][1] - tO0[0, 0][1] for c in range(cute.size(tO0, mode=[1])))
-        tc = dataclasses.replace(tc, col_off=col_off, o_col_off=o_col_off)
-        thr = WgThread(wg, tw, lane, bar_wg)
+        thr, thr_qk, thr_pv, tSrQ, tSrK, tOrV, tScS, tOcO, tc = self._wg_operands(mma_qk, mma_pv, sQ, sK, sVt, ct, tc)
+        wg, tw, lane, bar_wg = thr
         n_rows = cute.size(tScS, mode=[0])  # rows this thread holds (2)
         g2s = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128
@@ -745,6 +697,32 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
                 started = 1 - last_wait
                 if started != 0:
                     acc_O.fill(0.0)
+
+    def _wg_operands(self, mma_qk, mma_pv, sQ, sK, sVt, ct, tc: TraceCtx):
+        """A consumer thread's place (``WgThread``), its MMA slices, the GEMM operands in shared
+        memory, the coordinates of its S and O accumulators and ``tc`` with their static column
+        offsets.  The warpgroup index is made warp-uniform and the shared-memory operands are
+        partitioned through the WG's first thread (the same descriptors for all 128), so the
+        wgmma descriptors and barrier ids live in uniform registers (per thread, ptxas rebuilt
+        each descriptor before every wgmma: 3 % slower at hd128, ~10 % at hd256)."""
+        TN, D, TQ = self.tile_n, self.head_dim_vo, self.tile_q
+        wg = cute.arch.make_warp_uniform(ct // WG)  # rows [64 wg, 64 wg + 64) of the tile
+        thr = WgThread(wg, ct % WG, ct % 32, BAR_WG0 + wg)
+        thr_qk, thr_pv = mma_qk.get_slice(ct), mma_pv.get_slice(ct)
+        wg_qk, wg_pv = mma_qk.get_slice(wg * WG), mma_pv.get_slice(wg * WG)
+        tSrQ = mma_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = mma_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrV = mma_pv.make_fragment_B(wg_pv.partition_B(sVt))
+        tScS = wgmma_mn_view(thr_qk.partition_C(cute.make_identity_tensor((TQ, TN))))
+        tOcO = wgmma_mn_view(thr_pv.partition_C(cute.make_identity_tensor((TQ, D))))
+        # column c of a thread's scores is key tScS[0, 0] + col_off[c] (the same static offsets
+        # for every thread; thread 0's coordinates are compile-time numbers), and the same for O
+        tS0 = wgmma_mn_view(mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((TQ, TN))))
+        tO0 = wgmma_mn_view(mma_pv.get_slice(0).partition_C(cute.make_identity_tensor((TQ, D))))
+        col_off = tuple(tS0[0, c][1] - tS0[0, 0][1] for c in range(cute.size(tS0, mode=[1])))
+        o_col_off = tuple(tO0[0, c][1] - tO0[0, 0][1] for c in range(cute.size(tO0, mode=[1])))
+        tc = dataclasses.replace(tc, col_off=col_off, o_col_off=o_col_off)
+        return thr, thr_qk, thr_pv, tSrQ, tSrK, tOrV, tScS, tOcO, tc
 
     def _q_buf(self, sQ, b):
         """Q buffer ``b`` (items back to back: two; else sQ is the one)."""

@@ -97,14 +97,20 @@ def disassemble(cubin: Path) -> tuple[Optional[str], Optional[str]]:
 
 def check_instructions(expect: dict, ptx: str, sass: Optional[str]) -> dict:
     """{label: True/False/None}; None when the SASS was needed but no disassembler is installed.
-    A pattern is ``ptx:REGEX`` / ``sass:REGEX`` (must match) or ``sass%A/B>=R`` (at least R
-    matches of regex A per match of regex B)."""
+    A pattern is ``ptx:REGEX`` / ``sass:REGEX`` (must match), ``sass!REGEX`` (must not match) or
+    ``sass%A/B>=R`` (at least R matches of regex A per match of regex B)."""
     found = {}
     for label, pattern in expect.items():
         ratio = pattern.startswith("sass%")  # "sass%A/B>=r": count(A) >= r * count(B), e.g. wgmma per batch
-        where, sep, rx = ("sass", "%", pattern[len("sass%") :]) if ratio else pattern.partition(":")
+        absent = pattern.startswith("sass!")
+        if ratio or absent:
+            where, sep, rx = "sass", pattern[4], pattern[len("sass%") :]
+        else:
+            where, sep, rx = pattern.partition(":")
         if where not in ("ptx", "sass") or not sep:
-            raise ValueError(f"instruction pattern {label!r}: {pattern!r} is not ptx:REGEX, sass:REGEX or sass%A/B>=R")
+            raise ValueError(
+                f"instruction pattern {label!r}: {pattern!r} is not ptx:REGEX, sass:REGEX, sass!REGEX or sass%A/B>=R"
+            )
         text = ptx if where == "ptx" else sass
         if text is None:
             found[label] = None
@@ -113,6 +119,8 @@ def check_instructions(expect: dict, ptx: str, sass: Optional[str]) -> dict:
             den, _, r_min = rest.partition(">=")
             n_den = len(re.findall(den, text))  # none at all: nothing was checked, not a pass
             found[label] = n_den > 0 and len(re.findall(num, text)) >= float(r_min) * n_den
+        elif absent:
+            found[label] = re.search(rx, text) is None
         else:
             found[label] = bool(re.search(rx, text))
     return found
