@@ -3,7 +3,10 @@ few times, for profilers (ncu / nsys); ``--knob k=v`` swaps in a knob kernel (as
 
     ncu --clock-control none -k regex:kernel_fp8 --launch-skip 1 --launch-count 1 \\
         --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis \\
-        --section MemoryWorkloadAnalysis python scripts/profile_fp8.py [--causal]
+        --section MemoryWorkloadAnalysis python scripts/profile_fp8.py [--causal] [--impl flashinfer]
+
+``--impl flashinfer``: FlashInfer's fa3 fp8 prefill on the same inputs (its fp8 module: the
+overlay of ``fi_fp8_overlay.py``; its kernel name holds ``Fp8`` / ``fp8``).
 
 What to read: whether the tensor pipe is busy while the softmax runs (the kernel's 128 x 192 step
 takes about the GEMMs' plus the softmax's time, BENCHMARKS.md "fp8 attention"), and the consumer
@@ -27,12 +30,17 @@ def main():
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--knob", action="append", default=[], help="spec knob k=v (repeatable)")
+    ap.add_argument("--impl", choices=("ours", "flashinfer"), default="ours")
     a = ap.parse_args()
     from cute_attn.runtime.loader import kernel
 
     gen = torch.Generator().manual_seed(0)
     q8, k8, v8 = (torch.randn(B * S, H, 128, generator=gen).to(DT).to(FP8).cuda() for _ in range(3))
-    w, call = _fp8_run(peers.ours(), _indptr([S] * B), q8, k8, v8, a.causal)
+    if a.impl == "flashinfer":  # unit scales, passed positionally as the bench does
+        fi = peers.flashinfer()
+        w, call = _fp8_run(fi, _indptr([S] * B), q8, k8, v8, a.causal, fi.prefill_kw, (1.0, 1.0, 1.0))
+    else:
+        w, call = _fp8_run(peers.ours(), _indptr([S] * B), q8, k8, v8, a.causal)
     if a.knob:
         kn = {k: int(v) for k, v in (x.split("=") for x in a.knob)}
         st = w._state

@@ -19,7 +19,8 @@ from cute_attn.presets import preset_specs
 from cute_attn.runtime.build import find_tool
 from cute_attn.runtime.cache import lookup
 
-pytestmark = pytest.mark.compile
+# one worker builds the module-scoped cache (under xdist each worker would build its own)
+pytestmark = [pytest.mark.compile, pytest.mark.xdist_group("prefill_mma_aot")]
 
 
 @pytest.fixture(scope="module")
