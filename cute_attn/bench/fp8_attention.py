@@ -77,8 +77,18 @@ def bench_fp8_attention(res, quick: bool) -> None:
             run, why = peers.fi_call(lambda: _fp8_run(fi, ind, q8, k8, v8, causal, fi.prefill_kw, fi_scales)[1])
             if run is None:
                 peers.say("flashinfer", why, f"{name} fp8")
-            elif peers.check_output("flashinfer fp8 prefill", run.out, runs["fp8"].out)[1]:
-                runs["fi_fp8"] = run
+            else:
+                # held to ours' standard (relative L2 against the bf16 run on the same values), not
+                # to closeness to our output: each rounds P to e4m3 against its own running max, so
+                # rows over few keys (the causal start) differ by e4m3 steps of P (H200 at 7e5cf5e:
+                # max abs diff 7.8e-2 causal)
+                fi_err = _rel(run.out, runs["bf16"].out)
+                if fi_err < MAX_REL:
+                    runs["fi_fp8"] = run
+                else:
+                    print(
+                        f"  {name}: FlashInfer's fp8 output differs from the bf16 run (rel {fi_err:.3e}); not recorded"
+                    )
         t = interleaved(dict(runs), calls=5 if quick else 15)
         flops = _flops(lens, H, D, causal)
         case = f"{name}/fp8"
