@@ -98,6 +98,12 @@ class Ins:
     neg: bool
     op: str
     args: list
+    parts: tuple = ()  # op split at '.', made once (the interpreter runs each instruction ~1e5 times)
+    base: str = ""
+
+    def __post_init__(self):
+        self.parts = tuple(self.op.split("."))
+        self.base = self.parts[0]
 
 
 def _split_args(rest: str) -> list:
@@ -201,6 +207,9 @@ class Thread:
     pending: list = field(default_factory=list)  # copies issued since the last commit
 
 
+_LITERALS: dict = {}  # literal operand token -> its value
+
+
 class CTA:
     """One CTA of the kernel: ``run()`` executes it to completion."""
 
@@ -223,6 +232,12 @@ class CTA:
 
     # ---- operands ----
     def val(self, th: Thread, tok: str) -> int:
+        r = th.regs.get(tok)
+        if r is not None:
+            return r
+        r = _LITERALS.get(tok)
+        if r is not None:
+            return r
         tok = tok.strip()
         r = th.regs.get(tok)
         if r is not None:
@@ -236,16 +251,19 @@ class CTA:
                 return 0  # read before written: only in dead code paths of the interpreter
             raise KeyError(tok)
         if tok.startswith("0f") and len(tok) == 10:
-            return int(tok[2:], 16)
-        if tok.startswith("0d") and len(tok) == 18:
-            return int(tok[2:], 16)
-        if re.fullmatch(r"-?\d+", tok):
-            return int(tok)
-        if re.fullmatch(r"-?0[xX][0-9a-fA-F]+", tok):
-            return int(tok, 16)
-        if tok == "__dynamic_shmem__0":
-            return 0
-        raise KeyError(tok)
+            r = int(tok[2:], 16)
+        elif tok.startswith("0d") and len(tok) == 18:
+            r = int(tok[2:], 16)
+        elif re.fullmatch(r"-?\d+", tok):
+            r = int(tok)
+        elif re.fullmatch(r"-?0[xX][0-9a-fA-F]+", tok):
+            r = int(tok, 16)
+        elif tok == "__dynamic_shmem__0":
+            r = 0
+        else:
+            raise KeyError(tok)
+        _LITERALS[tok] = r  # a literal's value, whatever the thread
+        return r
 
     def addr(self, th: Thread, tok: str):
         inner = tok.strip()[1:-1]
@@ -301,7 +319,7 @@ class CTA:
                 if bool(p) == ins.neg:
                     th.pc += 1
                     continue
-            base = ins.op.split(".")[0]
+            base = ins.base
             if base in ("mma", "ldmatrix", "shfl", "vote"):
                 th.waiting = "warp"
                 return
@@ -322,7 +340,7 @@ class CTA:
 
     def _exec(self, th: Thread, ins: Ins, base: str) -> None:  # noqa: C901 (one dispatch)
         op, a = ins.op, ins.args
-        parts = op.split(".")
+        parts = ins.parts
         ty = parts[-1]
         R = th.regs
         if base == "ld":
