@@ -3,7 +3,7 @@ head dim 128, int32 indices: what its ragged wrapper plans for the fp8 attention
 machine and pack it into an overlay of the trimmed FlashInfer tree, as ``fi_mla_overlay.py``
 does for MLA (same steps, same work folder layout; only the generated module differs).
 
-    python scripts/fi_fp8_overlay.py build/fi          # nvcc on one core
+    MAX_JOBS=2 python scripts/fi_fp8_overlay.py build/fi   # 11 nvcc units: ~40 min on one core
 
 Output: ``WORK/fi_fp8_overlay.tar.xz``; unpack it over the trimmed tree on the GPU machine after
 ``setup.sh`` (``tar -xJf ... -C $FI_WORK/site``)."""

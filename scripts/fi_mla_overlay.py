@@ -100,9 +100,16 @@ def main(gen: str = GEN, out_name: str = "fi_mla_overlay.tar.xz"):
     (stubs / "empty.c").write_text("")
     sh("gcc", "-shared", "-fPIC", "-o", str(stubs / "libcuda.so"), "-Wl,-soname,libcuda.so.1", str(stubs / "empty.c"))
     cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    # CUTLASS's tensor_fill.h (pulled in by the fp8 prefill) wants <curand_kernel.h>, which this
+    # machine's toolkit lacks: the trimmed tree carries NVIDIA's redistributable copies
+    fallback = work / "curand"
+    if not (fallback / "_fallback_include").exists():
+        with tarfile.open(SHARED / "dist/fi_site.tar.xz") as t:
+            t.extractall(fallback, members=[m for m in t.getmembers() if m.name.startswith("_fallback_include/")])
+    cpath = ":".join(filter(None, [str(fallback / "_fallback_include"), os.environ.get("CPATH", "")]))
     env = dict(os.environ, FLASHINFER_WORKSPACE_BASE=str(work / "ws"), FLASHINFER_CUDA_ARCH_LIST="9.0a",
-               CUDA_HOME=cuda, MAX_JOBS="1", PATH=f"{extra / 'bin'}:{os.environ['PATH']}",
-               FLASHINFER_EXTRA_LDFLAGS=f"-L{stubs}")  # fmt: skip
+               CUDA_HOME=cuda, MAX_JOBS=os.environ.get("MAX_JOBS", "1"), PATH=f"{extra / 'bin'}:{os.environ['PATH']}",
+               FLASHINFER_EXTRA_LDFLAGS=f"-L{stubs}", CPATH=cpath)  # fmt: skip
     (work / "gen.py").write_text(gen)
     found, so = set(), None
     for mode, path in (("build", [full, tvm, extra]), ("scan", [full, tvm, extra, shadow])):
