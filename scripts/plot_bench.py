@@ -2,9 +2,10 @@
 
     python scripts/plot_bench.py [OUT_DIR] [--json benchmarks/results.json] [--commit SHA]
 
-For each group (decode, prefill, cascade, sparse, variants) it takes the newest commit that has
-records of that group (by the records' date, then git's history order; ``--commit`` picks one)
-and plots, per case, every peer's time over ours (``flashinfer``, ``sdpa_cudnn``, ``flex``, ...:
+For each group (decode, prefill, cascade, sparse, variants) it takes the commit whose run
+compared the most cases of that group with a peer (ties: the newest, by the records' date, then
+git's history order; a later run of a few cases does not hide the last full one; ``--commit``
+picks one) and plots, per case, every peer's time over ours (``flashinfer``, ``sdpa_cudnn``, ``flex``, ...:
 its ``us`` record over ``cute_attn``'s ``us`` of the same case and commit, or its ``ratio``
 record where a ``us`` is missing): > 1 = we are faster.  Writes ``OUT_DIR/bench_<group>.png``
 (default OUT_DIR: benchmarks/plots).  Needs matplotlib.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -37,7 +39,14 @@ COLORS = {
 }
 
 
+# the decode geometry sweeps' records (scripts/decode_hd64_sweep.py: block rows, stages, CTAs,
+# heads per item): development A/Bs, not the bench's cases
+SWEEP = re.compile(r"/bn\d+_s\d+_c\d+_h\d+")
+
+
 def group_of(case: str):
+    if SWEEP.search(case):
+        return None
     for g, prefixes in GROUPS.items():
         if case.startswith(prefixes):
             return g
@@ -69,6 +78,15 @@ def newest_commit(records: list, order: list) -> str:
     for r in records:
         dates[r["commit"]] = max(dates[r["commit"]], r.get("date", ""))
     return max(dates, key=lambda c: (dates[c], rank(c)))
+
+
+def fullest_commit(records: list, order: list) -> str:
+    """The commit whose records compare the most cases with a peer; ties: the newest."""
+    by_commit = defaultdict(list)
+    for r in records:
+        by_commit[r["commit"]].append(r)
+    most = max(len(ratios(rs)) for rs in by_commit.values())
+    return newest_commit([r for c, rs in by_commit.items() if len(ratios(rs)) == most for r in rs], order)
 
 
 def ratios(records: list) -> dict:
@@ -175,7 +193,7 @@ def main(argv=None) -> int:
         if not recs:
             print(f"{group}: no records")
             continue
-        commit = a.commit or newest_commit(recs, order)
+        commit = a.commit or fullest_commit(recs, order)
         recs = [r for r in recs if r["commit"] == commit] if not a.commit else recs
         data = ratios(recs)
         if not data:
