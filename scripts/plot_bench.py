@@ -85,8 +85,9 @@ def fullest_commit(records: list, order: list) -> str:
     by_commit = defaultdict(list)
     for r in records:
         by_commit[r["commit"]].append(r)
-    most = max(len(ratios(rs)) for rs in by_commit.values())
-    return newest_commit([r for c, rs in by_commit.items() if len(ratios(rs)) == most for r in rs], order)
+    cases = {c: len(ratios(rs)) for c, rs in by_commit.items()}
+    most = max(cases.values())
+    return newest_commit([r for c, rs in by_commit.items() if cases[c] == most for r in rs], order)
 
 
 def ratios(records: list) -> dict:

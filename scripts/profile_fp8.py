@@ -6,7 +6,8 @@ few times, for profilers (ncu / nsys); ``--knob k=v`` swaps in a knob kernel (as
         --section MemoryWorkloadAnalysis python scripts/profile_fp8.py [--causal] [--impl flashinfer]
 
 ``--impl flashinfer``: FlashInfer's fa3 fp8 prefill on the same inputs (its fp8 module: the
-overlay of ``fi_fp8_overlay.py``; its kernel name holds ``Fp8`` / ``fp8``).
+overlay of ``fi_fp8_overlay.py``); its kernel name is not ``kernel_fp8``: profile without ``-k``
+(the script launches no other kernel) and skip the warm-up call's launch.
 
 What to read: whether the tensor pipe is busy while the softmax runs (the kernel's 128 x 192 step
 takes about the GEMMs' plus the softmax's time, BENCHMARKS.md "fp8 attention"), and the consumer

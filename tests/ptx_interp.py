@@ -581,7 +581,7 @@ class CTA:
 
     # ---- warp-wide instructions ----
     def _warp_op(self, lanes, ins: Ins) -> None:
-        base = ins.op.split(".")[0]
+        base = ins.base
         if base == "shfl":
             self._shfl(lanes, ins)
         elif base == "vote":
@@ -592,7 +592,7 @@ class CTA:
             self._mma(lanes, ins)
 
     def _shfl(self, lanes, ins: Ins) -> None:
-        mode = ins.op.split(".")[2]
+        mode = ins.parts[2]
         d = ins.args[0].split("|")[0]
         vals = [self.val(t, ins.args[1]) for t in lanes]
         bs = [self.val(t, ins.args[2]) for t in lanes]
@@ -601,7 +601,7 @@ class CTA:
             t.regs[d] = vals[src] if 0 <= src < 32 else vals[i]
 
     def _vote(self, lanes, ins: Ins) -> None:
-        mode = ins.op.split(".")[2]  # vote.sync.any.pred d, p, membermask
+        mode = ins.parts[2]  # vote.sync.any.pred d, p, membermask
         d = ins.args[0]
         ps = [bool(self.val(t, ins.args[1].lstrip("!"))) != ins.args[1].startswith("!") for t in lanes]
         res = {"any": any(ps), "all": all(ps), "uni": len(set(ps)) == 1}[mode]
@@ -630,7 +630,7 @@ class CTA:
                 t.regs[dsts[m]] = lo | (hi << 16)
 
     def _mma(self, lanes, ins: Ins) -> None:
-        parts = ins.op.split(".")
+        parts = ins.parts
         shape = parts[3]
         assert shape == "m16n8k16", ins.op
         in_t = parts[7]
