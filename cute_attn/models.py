@@ -281,8 +281,10 @@ def model_specs(m: ModelAttention, arch: str) -> list:
                 )
                 for tile in prefill.TILES:
                     specs.append(prefill_spec(arch, dt, d, tile, False, c, cap_flag, win, v))
-                    if kv is None:  # an fp8 cache: always the KV pass, then the ragged kernel
+                    if kv is None:  # an fp8 cache: the paged one through the KV pass, then the ragged kernel
                         specs += [prefill_spec(arch, dt, d, tile, True, c, cap_flag, win, v, pb) for pb in boxes]
+                    elif prefill.kv8_serves(dt, kv, d, d, False, v):  # a ragged one widened in the kernel
+                        specs.append(prefill_spec(arch, dt, d, tile, False, c, cap_flag, win, v, kv_dtype=kv))
         # speculative decoding: a tree mask over the paged cache (short queries: the small tile)
         c, cap_flag, win, v = resolve_variant(
             custom_mask=True, window_left=1 if window else -1, logits_soft_cap=50.0 if cap else None

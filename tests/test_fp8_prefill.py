@@ -1,6 +1,9 @@
-"""Batch prefill over an fp8 KV cache (float8_e4m3fn / float8_e5m2, fp16 / bf16 queries): the KV
-pass (``kernels/kv_pass.py``) dequantizes the paged or ragged cache into contiguous 16-bit K / V,
-then the unchanged 16-bit prefill kernel runs (``wrappers/kv_gather.py``).
+"""Batch prefill over an fp8 KV cache (float8_e4m3fn / float8_e5m2, fp16 / bf16 queries): a
+ragged cache at head dim 128 is read by the kernel itself, which widens each block in shared
+memory (``kernels/prefill_sm90_kv8.py``); any other -- paged, other head dims, RoPE, or
+``kv_pass=True`` -- goes through the KV pass (``kernels/kv_pass.py``), which dequantizes it into
+contiguous 16-bit K / V for the unchanged 16-bit kernel (``wrappers/kv_gather.py``).  Both
+widen exactly, so the in-kernel path must match the pass's bit for bit.
 
 The reference is the fp32 one (``cute_attn.testing``) on the *dequantized* K / V (fp8 -> fp32,
 and fp8 -> fp16 / bf16 in the pass, are exact), so the tests measure the kernels, not the
@@ -194,7 +197,10 @@ GPU_IDS = [c[0] for c in GPU_CASES]
 def test_fp8_prefill(case):
     _, args, kw = case
     c = run_case(*args, **kw)
-    assert c.w._gathered is not None and not c.w._spec_kw["paged"]  # always the pass, then the ragged kernel
+    assert not c.w._spec_kw["paged"]  # a paged cache always through the pass, then the ragged kernel
+    in_kernel = args[0] == "ragged" and args[-1] == 128  # the kernel widens a ragged hd128 cache itself
+    assert (c.w._gathered is None) == in_kernel
+    assert c.w._spec_kw.get("kv_dtype") == (kw.get("kv", "e4m3") if in_kernel else None)
     if "soft_cap" in kw:
         assert c.w._tile == 128  # the soft-cap / window kernels are compiled for 128-row tiles
 
@@ -230,9 +236,64 @@ def test_fp8_deterministic(kind):
 def test_fp8_small_workspace_own_buffer(kind):
     """A 48 MiB workspace holds the plan but not 2 x 40000 tokens x 8 heads x 128 x 2 bytes: the
     pass writes into a buffer of the wrapper's own."""
-    c = run_case(kind, [2000, 30], [40000, 30], 32, 8, 128, causal=True, workspace=_ws(DEV, 48))
+    c = run_case(kind, [2000, 30], [40000, 30], 32, 8, 128, causal=True, workspace=_ws(DEV, 48),
+                 kv_pass=kind == "ragged" or None)  # fmt: skip
     assert c.w._gathered[0].data_ptr() != c.w._workspace.data_ptr() + c.w._state.gather.offset
     assert not c.w._state.gather.in_workspace
+
+
+KV8_CASES = [
+    ("e4m3", BF, False, LENS),  # short requests: 64-row tiles
+    ("e5m2", F16, True, LENS),
+    ("e4m3", F16, True, ([4000, 1, 700], [4000, 9000, 700])),  # 128-row tiles, a split request
+    ("e5m2", BF, False, ([2048, 300], [2048, 300])),
+]
+
+
+@gpu
+@pytest.mark.parametrize("kv,q_dtype,causal,lens", KV8_CASES)
+def test_fp8_ragged_in_kernel_matches_pass(kv, q_dtype, causal, lens):
+    """The kernel's own widening of a ragged fp8 cache against the KV pass's (``kv_pass=True``)
+    on the same inputs: both widen exactly and the consumers are the same code, so the outputs
+    and LSE must be equal bit for bit (and both match the reference)."""
+    seed = int(torch.randint(1 << 30, ()).item())
+    own = plan_case("ragged", *lens, 32, 8, 128, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed)
+    pas = plan_case("ragged", *lens, 32, 8, 128, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed, kv_pass=True)
+    assert own.w._gathered is None and own.w._spec_kw["kv_dtype"] == kv
+    assert pas.w._gathered is not None and "kv_dtype" not in pas.w._spec_kw
+    assert own.w._tile == pas.w._tile
+    o1, l1 = own.run(0.5, 2.0)
+    o2, l2 = pas.run(0.5, 2.0)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+@gpu
+@pytest.mark.parametrize("kv", ["e4m3", "e5m2"])
+def test_fp8_ragged_in_kernel_every_byte(kv):
+    """K and V drawn over every finite fp8 byte (subnormals, the largest values, both zeros):
+    the kernel's widening against the pass's, bit for bit (a small sm_scale keeps the logits of
+    values up to 448 / 57344 finite in fp32)."""
+    from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
+
+    f8 = FP8[kv]
+    finite = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(f8).float().isfinite()
+    byte_vals = torch.arange(256, dtype=torch.int32)[finite].to(torch.uint8)
+    n, hq, hk, d = 1500, 16, 4, 128
+    pick = lambda: byte_vals[torch.randint(len(byte_vals), (n, hk, d))].view(f8).cuda()  # noqa: E731
+    k, v = pick(), pick()
+    q = (torch.randn(n, hq, d) * 0.01).to(BF).cuda()
+    ind = torch.tensor([0, 700, n], dtype=torch.int32)
+    outs = []
+    for kv_pass in (None, True):
+        w = BatchPrefillWithRaggedKVCacheWrapper(_ws(DEV))
+        w.plan(ind, ind, hq, hk, d, causal=True, q_data_type=BF, kv_data_type=f8, sm_scale=1e-4, kv_pass=kv_pass)
+        assert (w._gathered is None) == (kv_pass is None)
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((n, hq), float("nan"), device=DEV)
+        w.run(q, k, v, out=out, lse=lse)
+        outs.append((out, lse))
+    assert outs[0][0].isfinite().all() and outs[0][1].isfinite().all()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 @gpu
@@ -401,6 +462,19 @@ def test_cpu_fp8_specs_and_abi():
     fp8 = [s for s in shipped_specs("sm_90a") if "kv_dtype" in s.pdict]
     assert len(fp8) == 2 * 3 * 2 * 2  # output dtype x head dim x fp8 kind x paged / ragged
     assert set(fp8) <= set(preset_specs("default", "sm_90a")) and not shipped_specs("sm_100a")
+    # the ragged kernels that widen an fp8 cache themselves: head dim 128 only, an fp8 K / V in the ABI
+    from cute_attn.families import prefill
+
+    kv8 = [s for s in prefill.shipped_specs("sm_90a") if "kv_dtype" in s.pdict]
+    assert {(s.pdict["head_dim"], s.pdict["paged"]) for s in kv8} == {(128, False)}
+    assert {s.pdict["kv_dtype"] for s in kv8} == {"e4m3", "e5m2"} and set(kv8) <= set(preset_specs("default", "sm_90a"))
+    abi = {a.name: a for a in get_family("batch_prefill_sm90").abi(kv8[0].pdict)}
+    assert abi["mK"].dtype == abi["mV"].dtype == kv8[0].pdict["kv_dtype"] and abi["mQ"].dtype == kv8[0].pdict["dtype"]
+    for bad in (dict(head_dim=64), dict(paged=True), dict(head_dim=192, head_dim_vo=128)):
+        args = dict(dtype="bf16", head_dim=128, tile_q=128, paged=False) | bad
+        with pytest.raises(ValueError, match="through the KV pass"):
+            prefill.prefill_spec("sm_90a", args.pop("dtype"), args.pop("head_dim"), args.pop("tile_q"),
+                                 args.pop("paged"), kv_dtype="e4m3", **args)  # fmt: skip
 
 
 def _calls(emu):
@@ -435,6 +509,51 @@ def test_cpu_fp8_ragged_wiring(emu, layout, kv, q_dtype, causal):
     assert _calls(emu)[:2] == ["kv_pass", "batch_prefill_sm90"]
     assert emu.calls[0][1]["kv_dtype"] == kv and not emu.calls[0][1]["paged"]
     assert c.w._gathered[0].shape == (1, 149, 2, 64)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv,q_dtype", [("e4m3", F16), ("e5m2", BF)])
+def test_cpu_fp8_ragged_in_kernel_wiring(emu, layout, kv, q_dtype):
+    """Ragged at head dim 128: the kernel (spec ``kv_dtype``) reads the fp8 cache itself, no pass;
+    ``kv_pass=True`` takes the pass; RoPE takes it too (the pass rotates the keys)."""
+    lens = ([1, 17, 40, 0, 9], [1, 40, 90, 9, 9])
+    c = run_case("ragged", *lens, 8, 2, 128, layout=layout, kv=kv, q_dtype=q_dtype, causal=True, device="cpu",
+                 workspace=_cpu_ws(), seed=4, k_scale=0.5, v_scale=2.0)  # fmt: skip
+    assert _calls(emu)[0] == "batch_prefill_sm90" and "kv_pass" not in _calls(emu)
+    assert emu.calls[0][1]["kv_dtype"] == kv and not emu.calls[0][1]["paged"]
+    assert c.w._gathered is None and c.w._state.pass_module is None
+    emu.calls.clear()
+    c = run_case("ragged", *lens, 8, 2, 128, layout=layout, kv=kv, q_dtype=q_dtype, device="cpu",
+                 workspace=_cpu_ws(), seed=4, kv_pass=True)  # fmt: skip
+    assert _calls(emu)[:2] == ["kv_pass", "batch_prefill_sm90"] and "kv_dtype" not in emu.calls[1][1]
+    c = plan_case("ragged", *lens, 8, 2, 128, kv=kv, q_dtype=q_dtype, device="cpu", workspace=_cpu_ws(), seed=4,
+                  pos_encoding_mode="ROPE_LLAMA")  # fmt: skip
+    assert "kv_dtype" not in c.w._spec_kw and c.w._spec_kw["keys_transformed"] and c.w._state.pass_module is not None
+
+
+def test_cpu_fp8_ragged_in_kernel_missing(emu, monkeypatch):
+    """A cache built without the widening kernel: the plan falls back to the pass (kv_pass unset)
+    or fails (kv_pass=False); a 16-bit ragged plan refuses kv_pass."""
+    import cute_attn.wrappers.prefill_base as P
+    from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
+    from cute_attn.runtime.loader import KernelNotAvailable
+
+    load = P.kernel
+
+    def no_kv8(family, arch, **params):
+        if "kv_dtype" in params and family == "batch_prefill_sm90":
+            raise KernelNotAvailable("not in this cache")
+        return load(family, arch, **params)
+
+    monkeypatch.setattr(P, "kernel", no_kv8)
+    c = run_case("ragged", [5, 30], [20, 30], 8, 2, 128, device="cpu", workspace=_cpu_ws(), seed=5)
+    assert _calls(emu)[:2] == ["kv_pass", "batch_prefill_sm90"] and c.w._gathered is not None
+    with pytest.raises(KernelNotAvailable):
+        plan_case("ragged", [5, 30], [20, 30], 8, 2, 128, device="cpu", workspace=_cpu_ws(), kv_pass=False)
+    w = BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws())
+    ind = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="only dequantizes an fp8"):
+        w.plan(ind, ind, 8, 2, 128, q_data_type=BF, kv_pass=True)
 
 
 @pytest.mark.parametrize("kind", ["paged", "ragged"])

@@ -7,7 +7,7 @@ import sys
 from .common import Results
 
 GROUPS = (
-    "copy", "merge", "launch", "decode", "fp8", "fp8attn", "prefill", "head_dims", "portable", "variants", "cascade",
+    "copy", "merge", "launch", "decode", "fp8", "fp8prefill", "fp8attn", "prefill", "head_dims", "portable", "variants", "cascade",
     "sparse", "mla", "merge_sweep",
 )  # fmt: skip
 
@@ -40,6 +40,10 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         from . import fp8
 
         fp8.bench_fp8(res, quick)
+    if "fp8prefill" in groups and "fp8" not in groups:  # the fp8 group's prefill half alone
+        from .fp8_prefill import bench_fp8_prefill
+
+        bench_fp8_prefill(res, quick)
     if "fp8attn" in groups:
         from . import fp8_attention
 

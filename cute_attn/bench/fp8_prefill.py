@@ -2,12 +2,14 @@
 bf16 time), ours and FlashInfer's where it runs.
 
 The s8192 prefill cases (``bench/prefill.py``: batch 2 x 16 heads, head dim 128, bf16 queries,
-causal and not) with K / V in ``float8_e4m3fn``: ragged (the KV pass dequantizes K / V, then the
-16-bit kernel) and paged at page 16 (the pass gathers and dequantizes), beside the bf16 ragged
-and paged runs; all timed in turns (``interleaved``: the H200's clocks drift).  Records under
-the bf16 case name plus ``/fp8kv``: ``us``, ``TFLOP/s`` (the attention's FLOPs, as the prefill
-bench) and ``vs_bf16`` = fp8 time / bf16 time of the same layout; ``.../page16/fp8kv`` likewise
-against the bf16 page-16 run.  Our fp8 output is checked against our bf16 run on the dequantized
+causal and not) with K / V in ``float8_e4m3fn``: ragged (the kernel widens the fp8 blocks in
+shared memory, ``kernels/prefill_sm90_kv8.py``), ragged through the KV pass instead
+(``kv_pass=True``: the pass dequantizes K / V, then the 16-bit kernel) and paged at page 16 (the
+pass gathers and dequantizes), beside the bf16 ragged and paged runs; all timed in turns
+(``interleaved``: the H200's clocks drift).  Records under the bf16 case name plus ``/fp8kv``:
+``us``, ``TFLOP/s`` (the attention's FLOPs, as the prefill bench) and ``vs_bf16`` = fp8 time /
+bf16 time of the same layout; ``.../fp8kv/kv_pass`` the ragged run through the pass;
+``.../page16/fp8kv`` against the bf16 page-16 run.  Our fp8 output is checked against our bf16 run on the dequantized
 K / V before anything is recorded.  FlashInfer's fp8 prefill (its ``fa2`` paged wrapper, fp8 KV
 with bf16 queries; JIT with ``CUTE_ATTN_BENCH_FI_JIT=1``) beside it, its output checked against
 ours, ``ratio`` = its time / ours.
@@ -51,9 +53,16 @@ def bench_fp8_prefill(res, quick: bool) -> None:
         k16, v16 = k8.to(DT), v8.to(DT)  # exactly the fp8 values: the two runs attend the same K / V
         ind = _indptr(lens)
         runs = {}
-        for tag, k, v, kw in (("bf16", k16, v16, {}), ("fp8", k8, v8, {"kv_data_type": FP8})):
+        for tag, k, v, kw in (
+            ("bf16", k16, v16, {}),
+            ("fp8", k8, v8, {"kv_data_type": FP8}),
+            ("fp8_pass", k8, v8, {"kv_data_type": FP8, "kv_pass": True}),
+        ):
             ws = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
             runs[f"ragged_{tag}"] = peers.ragged_prefill(lib, ws, ind, q, k, v, causal, D, **kw)
+        # which path each fp8 run took (the kernel's widening needs its spec in the cache)
+        widened = runs["ragged_fp8"].wrapper._spec_kw.get("kv_dtype") is not None
+        assert runs["ragged_fp8_pass"].wrapper._gathered is not None
         paged16 = _paged_cache(lens, k16, v16, D, PAGE, gen)
         cache16 = paged16[0]
         paged8 = ((cache16[0].to(FP8), cache16[1].to(FP8)),) + paged16[1:]
@@ -61,7 +70,11 @@ def bench_fp8_prefill(res, quick: bool) -> None:
             runs[f"page16_{tag}"] = _paged(lib, torch.empty(512 << 20, dtype=torch.uint8, device="cuda"), paged, q,
                                            causal, kvd)  # fmt: skip
         ref = runs["ragged_bf16"].out
-        bad = [t for t in ("ragged_fp8", "page16_fp8") if not peers.check_output(f"ours {t}", runs[t].out, ref)[1]]
+        bad = [
+            t
+            for t in ("ragged_fp8", "ragged_fp8_pass", "page16_fp8")
+            if not peers.check_output(f"ours {t}", runs[t].out, ref)[1]
+        ]
         if bad:
             print(f"  {name}: our fp8 output differs from the bf16 run on the same values ({bad}); not recorded")
             continue
@@ -79,6 +92,8 @@ def bench_fp8_prefill(res, quick: bool) -> None:
             res.add(case, "cute_attn", "TFLOP/s", _tflops(flops, t[f"{layout}_fp8"]))
             res.add(case, "cute_attn", "vs_bf16", t[f"{layout}_fp8"] / t[f"{layout}_bf16"])
             res.add(case + "/bf16_same_run", "cute_attn", "us", t[f"{layout}_bf16"])
+        res.add(f"{name}/fp8kv/kv_pass", "cute_attn", "us", t["ragged_fp8_pass"])
+        res.add(f"{name}/fp8kv/kv_pass", "cute_attn", "vs_bf16", t["ragged_fp8_pass"] / t["ragged_bf16"])
         cols = ["n/a", "n/a"]
         if "fi_fp8" in t:
             res.add(f"{name}/page16/fp8kv", "flashinfer", "us", t["fi_fp8"])
@@ -87,6 +102,9 @@ def bench_fp8_prefill(res, quick: bool) -> None:
         for layout in ("ragged", "page16"):
             a, b = t[f"{layout}_bf16"], t[f"{layout}_fp8"]
             c = cols if layout == "page16" else ["", ""]
-            print(f"{name + ' ' + layout:<56} {a:8.1f} {b:8.1f} {b / a:7.3f} {_tflops(flops, b):8.1f} "
+            tag = layout + (" (in-kernel)" if layout == "ragged" and widened else "")
+            print(f"{name + ' ' + tag:<56} {a:8.1f} {b:8.1f} {b / a:7.3f} {_tflops(flops, b):8.1f} "
                   f"{c[0]:>8} {c[1]:>8}")  # fmt: skip
+        a, b = t["ragged_bf16"], t["ragged_fp8_pass"]
+        print(f"{name + ' ragged (KV pass)':<56} {a:8.1f} {b:8.1f} {b / a:7.3f} {_tflops(flops, b):8.1f}")
         del runs, paged8, paged16, k8, v8, k16, v16

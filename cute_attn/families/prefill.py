@@ -24,6 +24,7 @@ SHIPPED_HEAD_DIMS = (64, 128, 256)  # the default grid (96: the test matrix and 
 # (head_dim_qk, head_dim_vo) pairs besides the equal ones: DeepSeek-V3/R1's prefill (MLA in its
 # non-absorbed form: q/k 128 nope + 64 rope dims, v 128)
 HEAD_DIM_PAIRS = ((192, 128),)
+KV8_HEAD_DIMS = (128,)  # an fp8 cache widened in the kernel (kernels/prefill_sm90_kv8.py says why only 128)
 TILES = (64, 128)  # packed query rows per work item: one or two consumer warpgroups
 FIXED_SPLIT_TILE = 128  # fixed_split_size: a tile that does not depend on the batch
 PAGE_BOX = 16  # paged K/V by TMA, one box per 16 rows of a page (page sizes k*16)
@@ -97,6 +98,20 @@ def serves(head_dim: int, head_dim_vo: int) -> bool:
     return (head_dim, head_dim_vo) in HEAD_DIM_PAIRS
 
 
+def kv8_serves(dtype: str, kv_dtype: str, head_dim: int, head_dim_vo: int, paged: bool, variant) -> bool:
+    """Whether the kernel reads an fp8 cache itself (``kernels/prefill_sm90_kv8.py``): f16 /
+    bf16 queries, ragged K / V at head dim 128, no key transform (that takes the KV pass, which
+    then dequantizes as well).  Other fp8 prefills take the pass."""
+    return (
+        dtype in dtypes.ATTENTION
+        and kv_dtype in dtypes.FP8
+        and head_dim == head_dim_vo
+        and head_dim in KV8_HEAD_DIMS
+        and not paged
+        and not (variant is not None and vbase.Hooks(variant).has_transform_k)
+    )
+
+
 def regular_gather(head_dim: int) -> bool:
     """Whether rows of ``head_dim`` suit the producer's and consumers' per-thread 16-byte chunk
     pairs (the key / query transforms: RoPE): 128-byte swizzle atoms and a chunk count that
@@ -116,12 +131,22 @@ def prefill_spec(
     variant=None,
     page_box: int = 0,
     head_dim_vo: int | None = None,
+    kv_dtype: str | None = None,
 ) -> Spec:
     """One ``batch_prefill_sm90`` specialization; ``variant``: the traced variant beyond the
     static flags, None for the plain kernel; ``page_box``: see :func:`page_box_for` (a
     parameter only when set); ``head_dim_vo``: v / output's head dim (a parameter only when it
-    differs from ``head_dim``); ``keys_transformed`` follows from the rest."""
+    differs from ``head_dim``); ``kv_dtype``: an fp8 cache the kernel widens itself (a parameter
+    only when set: :func:`kv8_serves`); ``keys_transformed`` follows from the rest."""
     extra = variant_params(variant) if variant is not None else {}
+    if kv_dtype is not None and kv_dtype != dtype:
+        dv = head_dim if head_dim_vo is None else head_dim_vo
+        if not kv8_serves(dtype, kv_dtype, head_dim, dv, paged, variant):
+            raise ValueError(
+                f"batch_prefill_sm90: a {kv_dtype} cache with {dtype} queries at head dims {head_dim} / {dv} "
+                f"(paged={paged}, variant={variant!r}) is read through the KV pass, not by the kernel"
+            )
+        extra["kv_dtype"] = kv_dtype
     if head_dim_vo is not None and head_dim_vo != head_dim:
         extra["head_dim_vo"] = int(head_dim_vo)
     if paged and page_box:
@@ -151,16 +176,18 @@ def prefill_specs(
     causal=(False, True),
     variants=((False, False),),
     page_boxes=(PAGE_BOX, 0),
+    kv_names=(None,),
 ) -> list:
     """Specializations over a grid; ``head_dims``: ints (q/k = v/o) or (qk, vo) pairs;
     ``variants``: the (soft_cap, window) pairs; ``page_boxes``: the paged kernels (TMA per
-    16-row page box for page sizes k*16, the cp.async gather for the others).  Empty for any
-    arch but sm_90a."""
+    16-row page box for page sizes k*16, the cp.async gather for the others); ``kv_names``:
+    the cache dtypes (None: the query's; an fp8 one only where the kernel widens it,
+    :func:`kv8_serves`).  Empty for any arch but sm_90a."""
     if arch != ARCH:
         return []
     pairs = [d if isinstance(d, tuple) else (d, d) for d in head_dims]
     return [
-        prefill_spec(arch, dt, d, t, p, c, cap, win, page_box=pb, head_dim_vo=dv)
+        prefill_spec(arch, dt, d, t, p, c, cap, win, page_box=pb, head_dim_vo=dv, kv_dtype=kv)
         for dt in dtype_names
         for d, dv in pairs
         for t in tiles
@@ -168,6 +195,8 @@ def prefill_specs(
         for c in causal
         for cap, win in variants
         for pb in (page_boxes if p else (0,))
+        for kv in kv_names
+        if kv is None or kv8_serves(dt, kv, d, dv, p, None)
     ]
 
 
@@ -186,8 +215,14 @@ def merge_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=SHIPPED_HEAD_
 def shipped_specs(arch: str) -> list:
     """Per dtype x head dim (64 / 128 / 256) x tile x ragged/paged (both page paths) x causal:
     the plain kernel; soft-cap, window and both at head dim 128, tile 128, ragged; the
-    DeepSeek-style prefill (192 / 128, bf16) over the same grid; the merges of the tiles."""
+    DeepSeek-style prefill (192 / 128, bf16) over the same grid; a ragged fp8 cache (e4m3 /
+    e5m2) widened in the kernel at head dim 128, both tiles, plain and with the flags at tile
+    128; the merges of the tiles."""
     flags = ((True, False), (False, True), (True, True))
     extra = prefill_specs(arch, head_dims=(128,), tiles=(128,), paged=(False,), variants=flags)
     deepseek = prefill_specs(arch, dtype_names=("bf16",), head_dims=HEAD_DIM_PAIRS)
-    return prefill_specs(arch, head_dims=SHIPPED_HEAD_DIMS) + extra + deepseek + merge_specs(arch)
+    kv8 = prefill_specs(arch, head_dims=KV8_HEAD_DIMS, paged=(False,), kv_names=dtypes.FP8)
+    kv8 += prefill_specs(
+        arch, head_dims=KV8_HEAD_DIMS, tiles=(128,), paged=(False,), variants=flags, kv_names=dtypes.FP8
+    )
+    return prefill_specs(arch, head_dims=SHIPPED_HEAD_DIMS) + extra + deepseek + kv8 + merge_specs(arch)

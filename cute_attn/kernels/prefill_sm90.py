@@ -73,6 +73,7 @@ from ..variants.trace import make_entry
 from .fragments import WG, pin_fragment, wgmma_acc_as_a, wgmma_mn_view
 from .prefill_sm90_hooks import PrefillHooks
 from .prefill_sm90_io import PrefillRowIO
+from .prefill_sm90_kv8 import KV8_HEAD_DIMS, PrefillKv8, check_kv8_layouts
 from .prefill_sm90_producer import BAR_PRODUCER, BOX_WARPS, ROW_RING, PrefillProducer, check_gather_swizzle
 from .prefill_sm90_softmax import PrefillSoftmax, SoftmaxState, WgAcc, WgMma
 from .prefill_sm90_tiles import KV_TILES, KV_TILES_VO, OVERLAP_TILES, PINNED, REGS, SMEM_MAX
@@ -110,6 +111,7 @@ class PrefillConfig:
     overlap_items: int = (
         -1
     )  # 1: items back to back (the next one's first block with this one's last); -1: OVERLAP_TILES
+    kv_dtype: Any = None  # DSL fp8 type of an fp8 K / V widened in the kernel (prefill_sm90_kv8); None: dtype
 
     @classmethod
     def from_spec(cls, p: dict) -> PrefillConfig:
@@ -136,6 +138,7 @@ class PrefillConfig:
             p.get("head_dim_vo", 0),
             p.get("pin_p", -1),
             p.get("overlap_items", -1),
+            to_dsl(p["kv_dtype"]) if p.get("kv_dtype") else None,
         )
 
 
@@ -166,7 +169,8 @@ class Tma(NamedTuple):
 
 class Stages(NamedTuple):
     """Shared memory: the Q tile, the K / V stage rings, the output staging tile and the gather
-    producer's row addresses (None without gather), plus the K / V pipelines."""
+    producer's row addresses (None without gather), plus the K / V pipelines; with an fp8 cache
+    widened in the kernel, the fp8 views of the rings and their TMA pipelines."""
 
     sQ: Any
     sK: Any
@@ -175,6 +179,10 @@ class Stages(NamedTuple):
     sRows: Any
     pipe_k: Any
     pipe_v: Any
+    sK8: Any = None
+    sV8: Any = None
+    pipe_k8: Any = None
+    pipe_v8: Any = None
 
 
 class WgThread(NamedTuple):
@@ -186,7 +194,7 @@ class WgThread(NamedTuple):
     bar_wg: Any
 
 
-class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRowIO):
+class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks, PrefillRowIO):
     """The kernel: configuration, host launch, the CTA's roles and the consumers' block loop and
     epilogue; the producer, the online softmax and the variant hooks are its mixins
     (``prefill_sm90_producer`` / ``_softmax`` / ``_hooks``)."""
@@ -215,6 +223,10 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
         # a TMA write cannot be followed by a producer pass without another barrier).
         self.page_box = cfg.page_box if paged and not H.has_transform_k else 0
         self.gather = (paged and not self.page_box) or H.has_transform_k
+        # an fp8 cache by TMA, widened by the producer (prefill_sm90_kv8): ragged, plain keys
+        self.kv8 = cfg.kv_dtype
+        kv8_ok = not (paged or self.gather) and head_dim == head_dim_vo and head_dim in KV8_HEAD_DIMS
+        assert self.kv8 is None or kv8_ok, "kv_dtype: ragged K / V of one head dim in KV8_HEAD_DIMS, no key transform"
         # paged TMA: producer warps that issue a block's boxes (box b by warp b % box_warps)
         self.box_warps = cfg.box_warps or BOX_WARPS
         self.causal = cfg.causal
@@ -244,6 +256,8 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
         if self.page_box and self.num_mma_wg == 2 and head_dim_vo <= 128:
             # paged TMA: the page lookups want a few more producer registers (24 spills a little);
             # hd256 consumers need all 240 (at 232 ptxas serializes the wgmmas)
+            self.producer_regs, self.mma_regs = 32, 232
+        if self.kv8 is not None and self.num_mma_wg == 2:  # the widening's chunks; hd128 consumers fit 232
             self.producer_regs, self.mma_regs = 32, 232
         if cfg.producer_regs and self.num_mma_wg == 2:  # knob: 3 warpgroups share 504 registers per lane
             self.producer_regs, self.mma_regs = cfg.producer_regs, (504 - cfg.producer_regs) // 2 // 8 * 8
@@ -322,6 +336,12 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
         if const_expr(self.gather):
             check_gather_swizzle(sK_layout, TN, D)
             check_gather_swizzle(sV_layout, TN, DV)
+        s8_layout = None  # an fp8 cache: its (TN, D) tile, loaded into the upper half of a stage
+        if const_expr(self.kv8 is not None):
+            f8 = self.kv8
+            atom8 = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, f8, D), f8)
+            s8_layout = cute.tile_to_shape(atom8, (TN, D), (0, 1))
+            check_kv8_layouts(sK_layout, s8_layout, TN, D)
         mma_qk = sm90_utils.make_trivial_tiled_mma(
             dt,
             dt,
@@ -354,12 +374,11 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
             else:
                 k3 = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2]))
                 v3 = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2]))
-                tma_k, tK = cpasync.make_tiled_tma_atom(
-                    cpasync.CopyBulkTensorTileG2SOp(), k3, cute.select(sK_layout, mode=[0, 1]), (TN, D)
-                )
-                tma_v, tV = cpasync.make_tiled_tma_atom(
-                    cpasync.CopyBulkTensorTileG2SOp(), v3, cute.select(sV_layout, mode=[0, 1]), (TN, DV)
-                )
+                box_k, box_v = cute.select(sK_layout, mode=[0, 1]), cute.select(sV_layout, mode=[0, 1])
+                if const_expr(self.kv8 is not None):  # fp8 boxes into the stages' upper halves
+                    box_k = box_v = s8_layout
+                tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k3, box_k, (TN, D))
+                tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v3, box_v, (TN, DV))
 
         @cute.struct
         class Smem:
@@ -407,6 +426,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
             sO_layout,
             sK_layout,
             sV_layout,
+            s8_layout,
             mma_qk,
             mma_pv,
             Smem,
@@ -455,6 +475,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
         sO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        s8_layout: Optional[cute.ComposedLayout],
         mma_qk: cute.TiledMma,
         mma_pv: cute.TiledMma,
         Smem: cutlass.Constexpr,
@@ -520,6 +541,9 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
                 tx_count=self.tile_n * d * (self.dtype.width // 8),
                 defer_sync=True,
             )
+        kv8 = None
+        if const_expr(self.kv8 is not None):  # an fp8 cache widened by the producer
+            mk_pipe, kv8 = self._kv8_pipelines(smem, sK, sV, s8_layout, mma_threads)
         pipe_k = mk_pipe(st.mbar_k.data_ptr())
         pipe_v = mk_pipe(st.mbar_v.data_ptr(), self.head_dim_vo)
         pipeline.pipeline_init_arrive(is_relaxed=True)
@@ -527,9 +551,14 @@ class BatchPrefillSm90(PrefillProducer, PrefillSoftmax, PrefillHooks, PrefillRow
 
         gm = Gmem(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse)
         sm = Stages(sQ, sK, sV, sO, sRows, pipe_k, pipe_v)
+        if const_expr(self.kv8 is not None):
+            sm = Stages(sQ, sK, sV, sO, sRows, pipe_k, pipe_v, *kv8)
         if tidx < WG:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            self._produce(gm, Tma(tma_k, tK, tma_v, tV), sm, cta, tidx, warp_idx, tc)
+            if const_expr(self.kv8 is not None):
+                self._produce_kv8(gm, Tma(tma_k, tK, tma_v, tV), sm, cta, warp_idx, tc)
+            else:
+                self._produce(gm, Tma(tma_k, tK, tma_v, tV), sm, cta, tidx, warp_idx, tc)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._consume(gm, sm, mma_qk, mma_pv, cta, tidx - WG, tc)

@@ -109,6 +109,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
         uniform_q_len: Optional[int] = None,
         variant=None,
         prefill_backend: Optional[str] = None,
+        kv_pass: Optional[bool] = None,
     ) -> None:
         """FlashInfer's arguments.  Index arrays are best passed on the CPU (a CUDA one is read
         back, which synchronizes).  ``head_dim_vo`` (None: ``head_dim_qk``): v's and the output's
@@ -133,9 +134,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
         follow the KV in ``run()``).
 
         ``kv_data_type`` ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` with fp16 / bf16
-        queries: an fp8 K / V, dequantized to the query dtype by the KV pass before the kernel
-        (``wrappers/kv_gather.py``: into the workspace when it has room, else a buffer of the
-        wrapper's own); the output is in the query dtype; run() applies its scales.
+        queries: an fp8 K / V, widened by the kernel in shared memory at head dim 128 without
+        RoPE (``kernels/prefill_sm90_kv8.py``), else (or where that kernel is not built, or
+        with ``kv_pass=True``) dequantized by the KV pass first (``wrappers/kv_gather.py``;
+        ``kv_pass=False``: the kernel's or an error).  Output in the query dtype; run()
+        applies its scales.
 
         ``prefill_backend`` (cute_attn's own): ``"prefill_sm90"`` (wgmma, Hopper) or
         ``"prefill_mma_sync"`` (the portable kernel, every arch; a 16-bit cache only) instead of
@@ -165,6 +168,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
                 ("o_indptr", o_indptr),
             ),
         )
+        if kv_pass is not None and kv_dtype == q_dtype:
+            raise ValueError(f"kv_pass={kv_pass} with a {q_dtype} ragged cache: the pass only dequantizes an fp8 one")
         qo_h = as_index_array("qo_indptr", qo_indptr)
         kv_h = as_index_array("kv_indptr", kv_indptr)
         if qo_h.shape != kv_h.shape:
@@ -196,6 +201,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchPrefillBase):
             custom_mask=custom_mask,
             packed_custom_mask=packed_custom_mask,
             variant=variant,
+            kv_pass=kv_pass,
             kv_dtype=kv_dtype,
             prefill_backend=prefill_backend,
         )

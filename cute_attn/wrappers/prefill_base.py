@@ -42,7 +42,7 @@ from ..families.backends import NoBackend, backend_for, choose_prefill_backend, 
 from ..families.base import variant_params
 from ..families.kv_pass import kv_pass_spec
 from ..families.merge import merge_partials_spec
-from ..families.prefill import FIXED_SPLIT_TILE, keys_pretransformed, page_box_for, regular_gather
+from ..families.prefill import FIXED_SPLIT_TILE, keys_pretransformed, kv8_serves, page_box_for, regular_gather
 from ..families.prefill_mma import BATCH_PREFILL_MMA
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import KernelNotAvailable, kernel
@@ -212,8 +212,9 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         """Validate lengths, (re)make the planner, plan + upload, pick the kernels. Returns the
         plan's state without its device inputs (``_commit`` adds them once their copies are
         queued).  ``kv_pass`` (paged): gather the cache by the KV pass first (True), never
-        (False) or when it pays (None); an fp8 ``kv_dtype`` always runs the pass (paged or
-        ragged: it dequantizes the cache for the 16-bit kernel).  ``head_dim_vo``: V's and the
+        (False) or when it pays (None).  An fp8 ``kv_dtype``: a ragged cache at head dim 128
+        is widened by the kernel itself (``kv_pass=True``: by the pass instead); any other
+        runs the pass, which dequantizes it for the 16-bit kernel.  ``head_dim_vo``: V's and the
         output's head dim (None: ``head_dim``); the kernels never transform keys or queries
         (RoPE) at other than the power-of-two head dims, and the KV pass gathers K / V only of
         equal head dims.  ``prefill_backend``: the kernel by its backend name
@@ -332,7 +333,23 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
                 )
         lim, grow = self._choose_limits(batch, total_q, hq, hk, dv, num_ctas)  # partial rows of dv
         gather = None  # kv_gather.Gather: where the KV pass writes contiguous K / V
-        if (self._PAGED or launch["kv_dtype"] is not None) and not portable:
+        # a ragged fp8 cache the kernel widens itself (kernels/prefill_sm90_kv8.py), unless the
+        # pass is asked for; a cache built without that kernel still serves the plan by the pass
+        kv8 = (
+            not self._PAGED
+            and kv_name is not None
+            and not portable
+            and not kv_pass
+            and kv8_serves(launch["dtype"], kv_name, d, dv, False, var)
+        )
+        if kv8:
+            try:
+                k = self._kernels(arch, backend, num_sms, launch, tile, d, var, page_size, None, kv8=True)
+            except KernelNotAvailable:
+                if kv_pass is False:
+                    raise
+                kv8 = False
+        if (self._PAGED or launch["kv_dtype"] is not None) and not portable and not kv8:
             # batch-invariant plans take the pass only when asked: the model weighs the whole batch;
             # K and V of different head dims never (the pass has one)
             want = False if (kv_pass is None and batch_invariant) or dv != d else kv_pass
@@ -348,7 +365,8 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         # modules first (loaded here, outside any capture): a missing one must fail before the
         # new plan overwrites the workspace that the previous plan's state still describes
         try:
-            k = self._kernels(arch, backend, num_sms, launch, tile, d, var, page_size, gather)
+            if not kv8:
+                k = self._kernels(arch, backend, num_sms, launch, tile, d, var, page_size, gather)
         except KernelNotAvailable:
             if gather is None or kv_pass or launch["kv_dtype"] is not None:
                 raise
@@ -412,10 +430,11 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             logits_soft_cap=float(logits_soft_cap or 0.0),
         )
 
-    def _kernels(self, arch, backend, num_sms, launch, tile, d, var, page_size, gather):
+    def _kernels(self, arch, backend, num_sms, launch, tile, d, var, page_size, gather, kv8=False):
         """Load the plan's modules: (the kernel's spec params (``paged``: it reads a paged cache
         itself), the KV pass's variant, the pass module or None, the pass's grid, the attention
-        module); sets ``launch["page_box"]``."""
+        module); sets ``launch["page_box"]``.  ``kv8``: the kernel reads the (ragged) fp8 cache
+        itself, no pass."""
         paged = self._PAGED and gather is None  # the kernel reads the cache itself
         portable = backend.family == BATCH_PREFILL_MMA.name  # every page size; keys rotated in-kernel
         launch["page_box"] = 0 if portable else page_box_for(paged, int(page_size))
@@ -432,12 +451,14 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             spec_kw["head_dim_vo"] = launch["head_dim_vo"]
         if launch["page_box"]:
             spec_kw["page_box"] = launch["page_box"]
+        if kv8:
+            spec_kw["kv_dtype"] = launch["kv_dtype"]
         pretransformed = keys_pretransformed(paged, var) and not portable
         if pretransformed:
             spec_kw["keys_transformed"] = True
         pass_var = var if pretransformed else None  # the pass's variant: K's transform
         gathers = self._PAGED and gather is not None  # the pass reads the page table
-        pass_spec = kv_pass_spec(arch, launch["dtype"], d, gathers, pass_var, launch["kv_dtype"])
+        pass_spec = kv_pass_spec(arch, launch["dtype"], d, gathers, pass_var, None if kv8 else launch["kv_dtype"])
         pass_module, pass_grid = None, 0
         if pass_spec is not None:
             kv_backend = backend_for("kv_pass", arch)
