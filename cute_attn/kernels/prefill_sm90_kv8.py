@@ -32,7 +32,6 @@ Head dim 128 only: at 256 the consumers need 240 registers and leave the produce
 to hold a row's chunks; at 64 a 16-bit row is one atom and the fp8 rows would straddle others.
 """
 
-from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
