@@ -1,7 +1,8 @@
 """One eager ragged-prefill call of ours or FlashInfer's (fa3) between ``cudaProfilerStart`` /
 ``Stop``, for Nsight Compute on the same inputs: batch 2 x 8192, 16 / 16 heads, bf16 (the
 bench's ``prefill/hd{D}/{causal,noncausal}/s8192``).  ``KNOBS``: spec parameters over the plan's
-kernel (ours only), e.g. ``tile_n=128,pin_p=0``.
+kernel (ours only), e.g. ``tile_n=128,pin_p=0``; ``kv=e4m3`` (or ``e5m2``) makes K / V an fp8
+cache of the same values (ours: the kernel widens it at hd128, ``kernels/prefill_sm90_kv8.py``).
 
     ncu --profile-from-start off --section SpeedOfLight ... \
         python scripts/profile_prefill.py {ours|flashinfer} [causal|noncausal|varlen] [HEAD_DIM] [KNOBS]
@@ -26,13 +27,18 @@ def main():
     causal = mode in ("causal", "varlen")
     d = int(sys.argv[3]) if len(sys.argv) > 3 else 128
     knobs = dict(kv.split("=") for kv in sys.argv[4].split(",")) if len(sys.argv) > 4 and sys.argv[4] else {}
+    kv = knobs.pop("kv", None)
     h = 16
     lens = varlen32_lengths() if mode == "varlen" else [8192] * 2
     ind = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(len(lens))], dtype=torch.int32)
     q = torch.randn(sum(lens), h, d, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)
     lib = peers.flashinfer() if impl == "flashinfer" else peers.ours()
-    call = peers.ragged_prefill(lib, lib.workspace(256), ind, q, k, v, causal, d)
+    plan_kw = {}
+    if kv:
+        f8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[kv]
+        k, v, plan_kw = k.to(f8), v.to(f8), {"kv_data_type": f8}
+    call = peers.ragged_prefill(lib, lib.workspace(256), ind, q, k, v, causal, d, **plan_kw)
     if knobs:
         from cute_attn.runtime.loader import kernel
 
@@ -46,7 +52,7 @@ def main():
     call()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
-    print(impl, mode, d, knobs or "", "done")
+    print(impl, mode, d, knobs or "", kv or "", "done")
 
 
 if __name__ == "__main__":

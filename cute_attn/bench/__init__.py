@@ -7,8 +7,8 @@ import sys
 from .common import Results
 
 GROUPS = (
-    "copy", "merge", "launch", "decode", "fp8", "fp8prefill", "fp8attn", "prefill", "head_dims", "portable", "variants", "cascade",
-    "sparse", "mla", "merge_sweep",
+    "copy", "merge", "launch", "decode", "fp8", "fp8prefill", "fp8attn", "prefill", "head_dims", "portable", "variants",
+    "cascade", "sparse", "mla", "merge_sweep",
 )  # fmt: skip
 
 

@@ -64,6 +64,32 @@ def fp8x4_to_f16x4_interleaved(x, kind: str, *, loc=None, ip=None):
     return _two_out(asm, [x], loc, ip)
 
 
+# fp8 -> bf16 by integer ops and one bf16 multiply (``fp8x4_to_bf16x4``): the byte's bits shifted
+# into a bf16's (shift, mask: sign, then exponent and mantissa) and the exponent bias difference
+# as a factor (2^120 for e4m3: bf16's bias 127 - e4m3's 7; 2^112 for e5m2)
+_BF16_WIDEN = {"e4m3": (4, 0x87F087F0, 0x7B807B80), "e5m2": (5, 0x8FE08FE0, 0x77807780)}
+
+
+@dsl_user_op
+def fp8x4_to_bf16x4(x, kind: str, *, loc=None, ip=None):
+    """Bytes (b0, b1, b2, b3) of ``x`` -> (bf16x2 (b0, b1), bf16x2 (b2, b3)), low half first,
+    without conversion instructions: ``prmt`` sign-extends each byte into a 16-bit lane, a shift
+    and a mask leave sign | exponent | mantissa in bf16's places, and one ``mul.rn.bf16x2`` by
+    2^(127 - bias) rescales -- exact for every finite value (bf16's subnormals carry e4m3's and
+    e5m2's).  NaN and Inf bytes come out finite (e4m3 NaN as +-480; e5m2 Inf / NaN as +-2^16 ..
+    +-1.75 x 2^16).  Why: ``cvt`` (F2FP) conversions run on the pipe the softmax's exponentials
+    use, and a kernel that widens K and V next to the softmax cannot spare it."""
+    shift, mask, factor = _BF16_WIDEN[kind]
+    asm = (
+        "{ .reg .b32 a, b, f; "
+        "prmt.b32 a, $2, 0, 0x9180; prmt.b32 b, $2, 0, 0xB3A2; "
+        f"shl.b32 a, a, {shift}; shl.b32 b, b, {shift}; "
+        f"and.b32 a, a, {mask:#x}; and.b32 b, b, {mask:#x}; "
+        f"mov.b32 f, {factor:#x}; mul.rn.bf16x2 $0, a, f; mul.rn.bf16x2 $1, b, f; }}"
+    )
+    return _two_out(asm, [x], loc, ip)
+
+
 def _one_out(asm: str, x, loc, ip) -> Int32:
     res = llvm.inline_asm(
         T.i32(),

@@ -112,6 +112,7 @@ class PrefillConfig:
         -1
     )  # 1: items back to back (the next one's first block with this one's last); -1: OVERLAP_TILES
     kv_dtype: Any = None  # DSL fp8 type of an fp8 K / V widened in the kernel (prefill_sm90_kv8); None: dtype
+    kv8_cvt: int = 0  # 1: widen to bf16 by cvt instructions (NaN kept) instead of integer ops (knob)
 
     @classmethod
     def from_spec(cls, p: dict) -> PrefillConfig:
@@ -139,6 +140,7 @@ class PrefillConfig:
             p.get("pin_p", -1),
             p.get("overlap_items", -1),
             to_dsl(p["kv_dtype"]) if p.get("kv_dtype") else None,
+            p.get("kv8_cvt", 0),
         )
 
 
@@ -168,9 +170,8 @@ class Tma(NamedTuple):
 
 
 class Stages(NamedTuple):
-    """Shared memory: the Q tile, the K / V stage rings, the output staging tile and the gather
-    producer's row addresses (None without gather), plus the K / V pipelines; with an fp8 cache
-    widened in the kernel, the fp8 views of the rings and their TMA pipelines."""
+    """Shared memory: the Q tile, the K / V stage rings, the output staging tile, the gather's row
+    addresses (or None), the K / V pipelines; for an fp8 cache, the rings' fp8 views and pipelines."""
 
     sQ: Any
     sK: Any

@@ -32,7 +32,6 @@ Head dim 128 only: at 256 the consumers need 240 registers and leave the produce
 to hold a row's chunks; at 64 a 16-bit row is one atom and the fp8 rows would straddle others.
 """
 
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr, pipeline
@@ -41,7 +40,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..families.prefill import KV8_HEAD_DIMS
-from .fp8 import f16x2_to_bf16x2, fp8_kind, fp8x4_to_f16x4
+from .fp8 import f16x2_to_bf16x2, fp8_kind, fp8x4_to_bf16x4, fp8x4_to_f16x4
 from .work import ItemInfo
 
 __all__ = ["KV8_HEAD_DIMS", "KV8_WARPS", "PrefillKv8", "check_kv8_layouts"]
@@ -214,9 +213,12 @@ class PrefillKv8:
         kind = fp8_kind(self.kv8)
         out = []
         for x in words:
-            a, b = fp8x4_to_f16x4(x, kind)
-            if const_expr(self.dtype is cutlass.BFloat16):
-                a, b = f16x2_to_bf16x2(a), f16x2_to_bf16x2(b)
+            if const_expr(self.dtype is cutlass.BFloat16 and not self.cfg.kv8_cvt):
+                a, b = fp8x4_to_bf16x4(x, kind)
+            else:
+                a, b = fp8x4_to_f16x4(x, kind)
+                if const_expr(self.dtype is cutlass.BFloat16):
+                    a, b = f16x2_to_bf16x2(a), f16x2_to_bf16x2(b)
             out += [a, b]
         st_shared_v4(addr0, out[:4])
         st_shared_v4(addr1, out[4:])
