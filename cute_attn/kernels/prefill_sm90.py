@@ -544,7 +544,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
             )
         kv8 = None
         if const_expr(self.kv8 is not None):  # an fp8 cache widened by the producer
-            mk_pipe, kv8 = self._kv8_pipelines(smem, sK, sV, s8_layout, mma_threads)
+            mk_pipe, kv8 = self._kv8_pipelines(smem, st.sO, s8_layout, mma_threads)
         pipe_k = mk_pipe(st.mbar_k.data_ptr())
         pipe_v = mk_pipe(st.mbar_v.data_ptr(), self.head_dim_vo)
         pipeline.pipeline_init_arrive(is_relaxed=True)
@@ -628,6 +628,8 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
             if const_expr(self.overlap):  # the next item's Q into the other buffer (its last reader,
                 if item + 1 < item_end:  # the item before, finished its QKs before this item's barrier)
+                    if const_expr(self.kv8 is not None):  # ... and its epilogue staged O there
+                        cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
                     self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), self._q_buf(sQ, 1 - qb), g2s, wg, tw)
             rows = self._item_rows(info, tScS, n_rows, tc)
 
@@ -722,7 +724,10 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
                     st_done.row_m.fill(-Float32.inf)
                     st_done.row_l.fill(0.0)
                     acc_O.fill(0.0)
-            self._epilogue(acc_O, st_done, tOcO, sO, gm, thr, info, tc)
+            # an fp8 cache with items back to back: sO holds the fp8 staging tiles, and O goes out
+            # through this item's Q buffer (its QKs are done; the next load into it waits above)
+            o_stage = self._q_buf(sQ, qb) if const_expr(self.kv8 is not None and self.overlap) else sO
+            self._epilogue(acc_O, st_done, tOcO, o_stage, gm, thr, info, tc)
             if const_expr(self.overlap):
                 started = 1 - last_wait
                 if started != 0:
@@ -822,27 +827,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
             sm.pipe_v.consumer_release(v_state)
             self._store_p(acc.acc_S, acc.rP)
         return last_wait
-
-    @cute.jit
-    def _zero_v_tail(self, sV, state, valid, tw, bar_wg):
-        """TMA fills a block's rows past KV_END with whatever follows in memory (the next
-        request, a page's unused slots, stale data in a CUDA-graph buffer): zero those V rows
-        before P V, as P = 0 there would not cancel a NaN or Inf (0 * NaN = NaN).  Both consumer
-        WGs write the same zeros; each fences and syncs its own threads before its PV.  Only
-        the item's last block can be partial; the cp.async gather re-reads the last valid
-        token instead."""
-        if const_expr(not self.gather):
-            if valid < self.tile_n:
-                zero = cute.make_rmem_tensor((8,), self.dtype)
-                zero.fill(0.0)
-                cv = self.chunks_vo
-                for idx in cutlass.range(tw, (self.tile_n - valid) * cv, WG, unroll=1):
-                    cute.autovec_copy(
-                        zero,
-                        cute.local_tile(sV[valid + idx // cv, None, state.index], (8,), (idx % cv,)),
-                    )
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
 
     @cute.jit
     def _qk(self, mma_qk, acc_S, tSrQ, tSrK, state, qb=None):

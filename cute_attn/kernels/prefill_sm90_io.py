@@ -2,7 +2,8 @@
 ``cp.async`` (GQA addressing: packed row r is token r // group of head kv_head * group + r %
 group), and the item's normalized rows out -- final rows (value dtype + LSE) through the
 staging tile as 16-byte stores, each row to its own (token, head) address, or a split item's
-fp32 partial rows straight from registers for the ⊕ merge.
+fp32 partial rows straight from registers for the ⊕ merge; and the zeroing of V rows past the
+item's keys in shared memory.
 
 A mixin of ``BatchPrefillSm90``: its methods read the kernel's configuration from ``self``,
 the item from an ``ItemInfo`` and the launch's values from a ``TraceCtx`` (``work.py``).
@@ -113,3 +114,24 @@ class PrefillRowIO:
                         cute.autovec_copy(pair, cute.local_tile(mPartO[slot_row, None], (2,), (tOcO[0, c][1] // 2,)))
                     if lane % 4 == 0:
                         mPartLse[slot_row] = lse[r]
+
+    @cute.jit
+    def _zero_v_tail(self, sV, state, valid, tw, bar_wg):
+        """TMA fills a block's rows past KV_END with whatever follows in memory (the next
+        request, a page's unused slots, stale data in a CUDA-graph buffer): zero those V rows
+        before P V, as P = 0 there would not cancel a NaN or Inf (0 * NaN = NaN).  Both consumer
+        WGs write the same zeros; each fences and syncs its own threads before its PV.  Only
+        the item's last block can be partial; the cp.async gather re-reads the last valid
+        token instead."""
+        if const_expr(not self.gather):
+            if valid < self.tile_n:
+                zero = cute.make_rmem_tensor((8,), self.dtype)
+                zero.fill(0.0)
+                cv = self.chunks_vo
+                for idx in cutlass.range(tw, (self.tile_n - valid) * cv, WG, unroll=1):
+                    cute.autovec_copy(
+                        zero,
+                        cute.local_tile(sV[valid + idx // cv, None, state.index], (8,), (idx % cv,)),
+                    )
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)

@@ -8,28 +8,31 @@ in 16 bits before the kernel starts -- 3 bytes moved per element, ~80 us at 2 x 
 Here the fp8 bytes are read once by TMA, and the widening runs on the producer warpgroup, whose
 warps otherwise only issue TMA.
 
-In place, so no shared memory is added: a 16-bit stage tile of D = 128 columns is two
-128-byte-swizzled atom columns (columns 0..63, then 64..127, each ``TN x 128`` bytes), and the
-fp8 tile (one 128-byte atom column of ``TN x 128`` bytes, the same swizzle) is loaded into the
-second.  Widening fp8 row r writes 16-bit row r: its columns 0..63 into the first atom column
-(free), its columns 64..127 over the very bytes of fp8 row r (the swizzle permutes 16-byte
-chunks within a row's 128 bytes only).  So a warp that owns whole rows reads all of them, syncs
-its lanes (``bar.warp.sync``), then writes: no other warp's rows are touched.  Lane l takes row
-l % 8 of an 8-row group and 16-byte chunks q and q + 4 (q = l // 8): the eight lanes of a
-quarter-warp hit eight distinct chunk positions (the swizzle XORs the chunk with the row), so
-neither the loads nor the stores conflict.
+Staging: each tensor has one fp8 tile of ``TN x D`` bytes (16 KB at hd128) that its TMA fills
+while the consumers still read the 16-bit stages, so the load's latency is off the path from a
+stage's release to its refill (widening straight into the stage's own upper half, tried first,
+waited for every TMA there and ran 1.36x / 1.38x the bf16 time).  With items back to back
+(``overlap``) the two staging tiles are the output staging tile ``sO`` (32 KB: 128 x 128 16-bit
+values) and the output goes out through the item's own Q buffer instead, free once its QKs are
+done; otherwise (one Q buffer) they are shared memory of their own, which then fits.
 
-Roles: warps 0-1 widen K, warps 2-3 V, each pair on its own stage ring, so K's and V's TMA
-latencies overlap (one warp per pair issues the TMA).  Per block: wait for the 16-bit stage to
-be free (the consumers' release), TMA the fp8 block into its upper half (``pipe8``: the
-transaction barrier), widen, ``fence.proxy.async`` (generic-proxy stores, then wgmma reads
-through the async proxy), arrive on the stage's full barrier (64 threads).  Each e4m3 / e5m2
-value is exactly an fp16 and a bf16 value: ``cvt.rn.f16x2.e4m3x2`` (NaN stays NaN), then
-through fp32 to bf16.  ``k_scale`` / ``v_scale`` are folded by the wrapper (softmax scale,
-output), as for the pass.
+Roles: warps 0-1 widen K, warps 2-3 V, so K's and V's TMA latencies overlap; the first warp of
+a pair issues its TMA.  Per block: wait for the fp8 tile (``pipe8``: the TMA's transaction
+barrier), wait for the 16-bit stage to be free (the consumers' release), widen, ``fence.proxy
+.async`` (generic-proxy stores, then wgmma reads through the async proxy), arrive on the stage's
+full barrier (64 threads), release the fp8 tile, and the issuing warp loads the next block into
+it.  Lane l takes row l % 8 of each 8-row group and 16-byte fp8 chunks q and q + 4 (q = l // 8):
+the eight lanes of a quarter-warp hit eight distinct chunk positions (the 128-byte swizzle XORs
+the chunk with the row), so neither the loads nor the 16-bit stores conflict.
 
-Head dim 128 only: at 256 the consumers need 240 registers and leave the producer 24, too few
-to hold a row's chunks; at 64 a 16-bit row is one atom and the fp8 rows would straddle others.
+Widening: ``fp8.fp8x4_to_bf16x4`` for bf16 queries (integer ops and one bf16 multiply: the
+``cvt`` conversions share the pipe of the softmax's exponentials; exact for finite values, NaN /
+Inf bytes come out finite -- the KV pass keeps them; spec knob ``kv8_cvt=1`` widens by ``cvt``),
+``cvt.rn.f16x2.e4m3x2`` (one instruction per pair) for fp16 queries.  ``k_scale`` / ``v_scale``
+are folded by the wrapper (softmax scale, output), as for the pass.
+
+Head dim 128 only: at 256 the consumers need 240 registers and leave the producer 24, too few for
+a row's chunks; at 64 the fp8 rows are 64-byte atoms (another lane mapping, not written).
 """
 
 import cutlass
@@ -44,6 +47,7 @@ from .fp8 import f16x2_to_bf16x2, fp8_kind, fp8x4_to_bf16x4, fp8x4_to_f16x4
 from .work import ItemInfo
 
 __all__ = ["KV8_HEAD_DIMS", "KV8_WARPS", "PrefillKv8", "check_kv8_layouts"]
+
 KV8_WARPS = 2  # producer warps per tensor (K: warps 0-1, V: warps 2-3); the first issues the TMA
 
 
@@ -56,7 +60,7 @@ def ld_shared_v4(addr, *, loc=None, ip=None):
         [Int32(addr).ir_value(loc=loc, ip=ip)],
         "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
         "=r,=r,=r,=r,r",
-        has_side_effects=True,  # kept in order with the stores and bar.warp.sync around it
+        has_side_effects=True,  # kept in order with the barrier waits and stores around it
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
@@ -99,44 +103,49 @@ def check_kv8_layouts(s16_layout, s8_layout, TN: int, D: int):
 class PrefillKv8:
     """The fp8-KV producer of ``BatchPrefillSm90`` (see the module docstring)."""
 
-    def _kv8_pipelines(self, smem, sK, sV, s8_layout, mma_threads):
+    def _kv8_pipelines(self, smem, sO_range, s8_layout, mma_threads):
         """(the 16-bit stage rings' pipeline maker, (sK8, sV8, pipe_k8, pipe_v8)): the rings are
         filled by KV8_WARPS producer warps each (one arrive per thread) and released by every
-        consumer thread; the fp8 tiles come by a TMA pipeline those warps consume (one release
-        per warp)."""
-        T = pipeline.Agent.Thread
+        consumer thread; each fp8 staging tile comes by a one-slot TMA pipeline those warps
+        consume (one release per warp).  ``sO_range``: the output staging tile's memory, which
+        holds the two fp8 tiles when items run back to back (module docstring)."""
+        Th = pipeline.Agent.Thread
+        TN, D = self.tile_n, self.head_dim
         mk_pipe = lambda bar, d=None: pipeline.PipelineAsync.create(  # noqa: E731
             barrier_storage=bar,
             num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(T, 32 * KV8_WARPS),
-            consumer_group=pipeline.CooperativeGroup(T, mma_threads),
+            producer_group=pipeline.CooperativeGroup(Th, 32 * KV8_WARPS),
+            consumer_group=pipeline.CooperativeGroup(Th, mma_threads),
             defer_sync=True,
         )
 
         @cute.struct
         class Kv8Bars:
-            mbar_k8: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            mbar_v8: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar_k8: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_v8: cute.struct.MemRange[cutlass.Int64, 2]
 
-        bars = smem.allocate(Kv8Bars)
+        @cute.struct
+        class Kv8Staging:
+            s8: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * TN * D], 1024]
+
+        st = smem.allocate(Kv8Bars)
+        if const_expr(self.overlap):
+            assert self.tile_q * self.o_cols * (self.dtype.width // 8) >= 2 * TN * D, "sO holds both fp8 tiles"
+            base = sO_range.data_ptr()
+        else:
+            base = smem.allocate(Kv8Staging).s8.data_ptr()
         mk_pipe8 = lambda bar: pipeline.PipelineTmaAsync.create(  # noqa: E731
             barrier_storage=bar,
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(T, 1),
-            consumer_group=pipeline.CooperativeGroup(T, KV8_WARPS),
-            tx_count=self.tile_n * self.head_dim,  # one byte per element
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(Th, 1),
+            consumer_group=pipeline.CooperativeGroup(Th, KV8_WARPS),
+            tx_count=TN * D,  # one byte per element
             defer_sync=True,
         )
-        views = (self._kv8_view(sK, s8_layout), self._kv8_view(sV, s8_layout))
-        return mk_pipe, views + (mk_pipe8(bars.mbar_k8.data_ptr()), mk_pipe8(bars.mbar_v8.data_ptr()))
-
-    def _kv8_view(self, sX, s8_layout):
-        """The fp8 tiles inside the 16-bit stage ring ``sX``: stage s's upper half (byte offset
-        ``TN * D``), with the fp8 tile's swizzled layout and the ring's stage stride."""
-        TN, D = self.tile_n, self.head_dim
-        ptr = cute.recast_ptr(sX.iterator, s8_layout.inner, dtype=self.kv8)
-        staged = cute.append(s8_layout.outer, cute.make_layout(self.stages, stride=2 * TN * D))
-        return cute.make_tensor(ptr + TN * D, staged)
+        ptr = cute.recast_ptr(base, s8_layout.inner, dtype=self.kv8)
+        staged = cute.append(s8_layout.outer, cute.make_layout(1))
+        views = (cute.make_tensor(ptr, staged), cute.make_tensor(ptr + TN * D, staged))
+        return mk_pipe, views + (mk_pipe8(st.mbar_k8.data_ptr()), mk_pipe8(st.mbar_v8.data_ptr()))
 
     @cute.jit
     def _produce_kv8(self, gm, tma, sm, cta, warp_idx, tc):
@@ -150,14 +159,15 @@ class PrefillKv8:
     @cute.jit
     def _stream_kv8(self, gm, tma_x, tX, sX, sX8, pipe, pipe8, cta, w, tc):
         """One tensor's blocks, in the consumers' order (last block first), item after item:
-        warp w = 0 of the pair waits for the 16-bit stage and issues the fp8 TMA; both warps wait
-        for it to land, widen their rows, fence and arrive on the stage's full barrier."""
+        warp w = 0 of the pair loads each block into the fp8 tile as soon as the previous one is
+        widened; both warps wait for it and for the 16-bit stage, widen their rows, fence and
+        arrive on the stage's full barrier."""
         mKvIndptr, mWork, mWorkIndptr = gm.mKvIndptr, gm.mWork, gm.mWorkIndptr
         TN, D = self.tile_n, self.head_dim
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        load = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        base = sX.iterator.toint()
+        load = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        base, src = sX.iterator.toint(), sX8.iterator.toint()
         for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1], unroll=1):
             info = ItemInfo(mWork, item, tc.group, tc.group_div)
             first, n_blocks = self._block_range(info, tc)
@@ -166,46 +176,49 @@ class PrefillKv8:
             tXs, tXg = cpasync.tma_partition(
                 tma_x, 0, cute.make_layout(1), cute.group_modes(sX8, 0, 2), cute.group_modes(gX, 0, 2)
             )
-            for j in cutlass.range(n_blocks - first, unroll=1):
-                if w == 0:
+            nb = n_blocks - first
+            for j in cutlass.range(-1, nb, unroll=1):
+                if j >= 0:
+                    pipe8.consumer_wait(landed)
                     pipe.producer_acquire(state)  # the consumers are done with the stage's last block
-                    pipe8.producer_acquire(load)
-                    cute.copy(
-                        tma_x,
-                        tXg[None, n_blocks - 1 - j],
-                        tXs[None, load.index],
-                        tma_bar_ptr=pipe8.producer_get_barrier(load),
-                    )
-                    load.advance()
-                pipe8.consumer_wait(landed)
-                self._widen(base + landed.index * (TN * D * 2), w)
-                cute.arch.fence_view_async_shared()  # generic stores -> read by wgmma (async proxy)
-                pipe.producer_commit(state)
-                pipe8.consumer_release(landed)
-                landed.advance()
-                state.advance()
+                    self._widen(src, base + state.index * (TN * D * 2), w)
+                    cute.arch.fence_view_async_shared()  # generic stores -> read by wgmma (async proxy)
+                    pipe.producer_commit(state)
+                    pipe8.consumer_release(landed)
+                    landed.advance()
+                    state.advance()
+                if w == 0:
+                    if j + 1 < nb:  # the next block into the fp8 tile, once both warps have read it
+                        pipe8.producer_acquire(load)
+                        cute.copy(
+                            tma_x,
+                            tXg[None, n_blocks - 2 - j],
+                            tXs[None, 0],
+                            tma_bar_ptr=pipe8.producer_get_barrier(load),
+                        )
+                        load.advance()
 
     @cute.jit
-    def _widen(self, stage, w):
-        """Widen the fp8 tile in the upper half of the 16-bit stage tile at shared byte address
-        ``stage`` into the whole tile: this warp's 8-row groups w, w + KV8_WARPS, ... (the
-        lane mapping and the order of reads and writes: the module docstring)."""
-        TN, D = self.tile_n, self.head_dim
+    def _widen(self, src, stage, w):
+        """Widen the fp8 tile at shared byte address ``src`` into the 16-bit stage tile at
+        ``stage``: this warp's 8-row groups w, w + KV8_WARPS, ... (the lane mapping: the module
+        docstring)."""
+        TN = self.tile_n
         lane = cute.arch.lane_idx()
         r8, q = lane % 8, lane // 8
         # byte offsets of this lane's chunks in a 128-byte row: fp8 chunks q (columns 16q ..,
-        # widened into the first atom column) and q + 4 (into the second, over the fp8 row);
-        # their 16-bit chunks 2q and 2q + 1
-        src = [((q + 4 * k) ^ r8) * 16 for k in range(2)]
-        dst = [((2 * q + h) ^ r8) * 16 for h in range(2)]
-        row0 = stage + (w * 8 + r8) * 128
+        # widened into the first 16-bit atom column) and q + 4 (into the second); their 16-bit
+        # chunks 2q and 2q + 1
+        ch8 = [((q + 4 * k) ^ r8) * 16 for k in range(2)]
+        ch16 = [((2 * q + h) ^ r8) * 16 for h in range(2)]
+        row8 = src + (w * 8 + r8) * 128
+        row16 = stage + (w * 8 + r8) * 128
         for i in cutlass.range_constexpr(TN // (8 * KV8_WARPS)):
-            row = row0 + i * (8 * KV8_WARPS * 128)
-            lo = ld_shared_v4(row + TN * D + src[0])
-            hi = ld_shared_v4(row + TN * D + src[1])
-            self._store_widened(row + dst[0], row + dst[1], lo)  # first atom column: nothing to clobber
-            cute.arch.sync_warp()  # every lane has read its fp8 row chunks before any is overwritten
-            self._store_widened(row + TN * 128 + dst[0], row + TN * 128 + dst[1], hi)
+            off = i * (8 * KV8_WARPS * 128)
+            chunks = [ld_shared_v4(row8 + off + ch8[k]) for k in range(2)]
+            for k in cutlass.range_constexpr(2):
+                col = row16 + off + k * (TN * 128)  # 16-bit atom column k
+                self._store_widened(col + ch16[0], col + ch16[1], chunks[k])
 
     def _store_widened(self, addr0, addr1, words):
         """16 fp8 values (four Int32) -> two 16-byte chunks of the query dtype at ``addr0`` and
