@@ -38,6 +38,7 @@ import pytest
 import torch
 from test_prefill_gpu import _cpu_ws, _cumsum, _Emulated, _fake_cuda, _gen, _ws, check, emu, make_paged, make_ragged  # noqa: F401
 
+from cute_attn.families.backends import kv8_widening_pays
 from cute_attn.testing import ragged_reference
 
 gpu = pytest.mark.gpu
@@ -198,7 +199,13 @@ def test_fp8_prefill(case):
     _, args, kw = case
     c = run_case(*args, **kw)
     assert not c.w._spec_kw["paged"]  # a paged cache always through the pass, then the ragged kernel
-    in_kernel = args[0] == "ragged" and args[-1] == 128  # the kernel widens a ragged hd128 cache itself
+    # a ragged hd128 cache: widened by the kernel where the model says it beats the pass
+    kind, qo, kv, hq, hk, d = args
+    in_kernel = kind == "ragged" and d == 128
+    if in_kernel:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        in_kernel = kv8_widening_pays(qo, kv, hq, hk, d, kw.get("causal", False), c.w._tile, sms,
+                                      kw.get("window_left", -1))  # fmt: skip
     assert (c.w._gathered is None) == in_kernel
     assert c.w._spec_kw.get("kv_dtype") == (kw.get("kv", "e4m3") if in_kernel else None)
     if "soft_cap" in kw:
@@ -257,7 +264,7 @@ def test_fp8_ragged_in_kernel_matches_pass(kv, q_dtype, causal, lens):
     on the same inputs: both widen exactly and the consumers are the same code, so the outputs
     and LSE must be equal bit for bit (and both match the reference)."""
     seed = int(torch.randint(1 << 30, ()).item())
-    own = plan_case("ragged", *lens, 32, 8, 128, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed)
+    own = plan_case("ragged", *lens, 32, 8, 128, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed, kv_pass=False)
     pas = plan_case("ragged", *lens, 32, 8, 128, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed, kv_pass=True)
     assert own.w._gathered is None and own.w._spec_kw["kv_dtype"] == kv
     assert pas.w._gathered is not None and "kv_dtype" not in pas.w._spec_kw
@@ -284,10 +291,10 @@ def test_fp8_ragged_in_kernel_every_byte(kv):
     q = (torch.randn(n, hq, d) * 0.01).to(BF).cuda()
     ind = torch.tensor([0, 700, n], dtype=torch.int32)
     outs = []
-    for kv_pass in (None, True):
+    for kv_pass in (False, True):
         w = BatchPrefillWithRaggedKVCacheWrapper(_ws(DEV))
         w.plan(ind, ind, hq, hk, d, causal=True, q_data_type=BF, kv_data_type=f8, sm_scale=1e-4, kv_pass=kv_pass)
-        assert (w._gathered is None) == (kv_pass is None)
+        assert (w._gathered is None) == (kv_pass is False)
         out = torch.full_like(q, float("nan"))
         lse = torch.full((n, hq), float("nan"), device=DEV)
         w.run(q, k, v, out=out, lse=lse)
@@ -554,6 +561,36 @@ def test_cpu_fp8_ragged_in_kernel_missing(emu, monkeypatch):
     ind = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="only dequantizes an fp8"):
         w.plan(ind, ind, 8, 2, 128, q_data_type=BF, kv_pass=True)
+
+
+def test_cpu_fp8_widening_or_pass(emu, monkeypatch):
+    """The cost model (families.backends.kv8_widening_pays) picks the pass for long prefills and
+    the kernel's widening for short queries over long keys; CUDA-graph mode and fixed_split_size
+    always widen (nothing may depend on the batch), and a graph-mode re-plan with kv_pass=True
+    is refused."""
+    import cute_attn.wrappers.prefill_base as P
+    from cute_attn.prefill import BatchPrefillWithRaggedKVCacheWrapper
+
+    monkeypatch.setattr(P, "sm_count_of_index", lambda i: 132)  # the model's constants are an H200's
+    pays = lambda qo, kv, causal: kv8_widening_pays(qo, kv, 16, 16, 128, causal, 128, 132)  # noqa: E731
+    assert not pays([8192] * 2, [8192] * 2, True) and not pays([8192] * 2, [8192] * 2, False)
+    assert pays([512] * 2, [8192] * 2, True) and pays([4] * 64, [4096] * 64, True) and pays([9], [9], False)
+    long_ = plan_case("ragged", [6000], [6000], 8, 8, 128, device="cpu", workspace=_cpu_ws(256), causal=True)
+    assert long_.w._gathered is not None
+    short = plan_case("ragged", [64, 64], [6000, 5000], 8, 8, 128, device="cpu", workspace=_cpu_ws(256))
+    assert short.w._gathered is None and short.w._spec_kw["kv_dtype"] == "e4m3"
+    fixed = plan_case("ragged", [6000], [6000], 8, 8, 128, device="cpu", workspace=_cpu_ws(256), causal=True,
+                      fixed_split_size=4096)  # fmt: skip
+    assert fixed.w._gathered is None
+    ind = _fake_cuda(torch.zeros(3, dtype=torch.int32))
+    w = BatchPrefillWithRaggedKVCacheWrapper(_cpu_ws(256), use_cuda_graph=True, qo_indptr_buf=ind,
+                                             kv_indptr_buf=_fake_cuda(torch.zeros(3, dtype=torch.int32)))  # fmt: skip
+    kw = dict(causal=True, q_data_type=BF, kv_data_type=torch.float8_e4m3fn)
+    for n in (6000, 100):
+        w.plan(torch.tensor([0, n]), torch.tensor([0, n]), 8, 8, 128, **kw)
+        assert w._gathered is None and w._spec_kw["kv_dtype"] == "e4m3"
+    with pytest.raises(ValueError, match="changed"):
+        w.plan(torch.tensor([0, 100]), torch.tensor([0, 100]), 8, 8, 128, kv_pass=True, **kw)
 
 
 @pytest.mark.parametrize("kind", ["paged", "ragged"])

@@ -268,6 +268,37 @@ PASS_SAVES_TRANSFORM = 1.0  # in-kernel gather + transform_k of every K block
 PASS_SAVES_BOXES = 0.08  # in-kernel TMA page boxes (page sizes k*16)
 
 
+# When a ragged fp8 cache is better widened by the kernel (``kernels/prefill_sm90_kv8.py``) than
+# dequantized by the KV pass.  The pass reads 1 and writes 2 bytes per element of K and V once
+# (~2.6 TB/s of those bytes: 78 us at 2 x 8k x 16 heads, hd128, H200); the kernel widens every
+# 128-key block again for every query tile that reads it, ~0.47 us of an SM's time per
+# (tile, block) where the kernel is compute-bound (2 x 8k: 1.28x / 1.31x the bf16 time, causal /
+# not, against the pass's 1.10x / 1.05x; BENCHMARKS.md).  So the widening pays for short queries
+# over long keys (chunked prefill, appends, speculative decoding), the pass for long prefills.
+KV8_PASS_RATE = 2.6e12  # bytes / s the dequantizing pass moves (1 read + 2 written per element)
+KV8_WIDEN_S = 0.47e-6  # seconds of one SM per (query tile, 128-key block) widened in the kernel
+KV8_BLOCK = 128  # keys per block of the hd128 kernel
+KV8_PASS_LAUNCH_S = 3e-6  # the pass's own launch and tail: what decides for small batches
+
+
+def kv8_widening_pays(
+    qo_lens, kv_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int, causal: bool, tile_q: int, num_sms: int,
+    window_left: int = -1,
+) -> bool:  # fmt: skip
+    """Whether the kernel's own widening of a ragged fp8 cache beats the dequantizing KV pass,
+    by the model above: the pass costs a launch and 6 x kv_tokens x kv_heads x head_dim bytes; the widening
+    one unit per (query tile, key block), a tile being ``tile_q`` packed rows (GQA) of one kv
+    head and its blocks the keys its queries attend on average."""
+    qo = np.asarray(qo_lens, dtype=np.float64)
+    kv = np.asarray(kv_lens, dtype=np.float64)
+    group = num_qo_heads // num_kv_heads
+    keys = attended_pairs(qo_lens, kv_lens, causal, window_left) / np.maximum(qo, 1.0)  # per query, on average
+    units = num_kv_heads * float((np.ceil(qo * group / tile_q) * np.ceil(keys / KV8_BLOCK)).sum())
+    t_widen = units * KV8_WIDEN_S / max(num_sms, 1)
+    t_pass = KV8_PASS_LAUNCH_S + 6.0 * num_kv_heads * head_dim * float(kv.sum()) / KV8_PASS_RATE
+    return t_widen < t_pass
+
+
 def attended_pairs(qo_lens, kv_lens, causal: bool, window_left: int = -1) -> np.ndarray:
     """(query, key) pairs each request attends: causal is bottom-right aligned; a window hides
     the keys more than ``window_left`` to the left of a query."""

@@ -38,7 +38,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..families.backends import NoBackend, backend_for, choose_prefill_backend, kv_pass_pays
+from ..families.backends import NoBackend, backend_for, choose_prefill_backend, kv8_widening_pays, kv_pass_pays
 from ..families.base import variant_params
 from ..families.kv_pass import kv_pass_spec
 from ..families.merge import merge_partials_spec
@@ -317,7 +317,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             if self._fixed is None:
                 self._max_rows = max(total_q, 1)
             else:
-                changed = [k for k in self._fixed if k != "tile_q" and self._fixed[k] != launch[k]]
+                changed = [k for k in self._fixed if k not in ("tile_q", "kv8") and self._fixed[k] != launch[k]]
                 if changed:
                     raise ValueError(
                         f"use_cuda_graph=True: plan() changed {changed} since the first plan; a captured "
@@ -333,8 +333,10 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
                 )
         lim, grow = self._choose_limits(batch, total_q, hq, hk, dv, num_ctas)  # partial rows of dv
         gather = None  # kv_gather.Gather: where the KV pass writes contiguous K / V
-        # a ragged fp8 cache the kernel widens itself (kernels/prefill_sm90_kv8.py), unless the
-        # pass is asked for; a cache built without that kernel still serves the plan by the pass
+        # a ragged fp8 cache the kernel widens itself (kernels/prefill_sm90_kv8.py) where that
+        # beats the dequantizing pass (short queries over long keys: kv8_widening_pays) or where
+        # nothing may depend on the batch (CUDA graphs, fixed_split_size; kv_pass=False forces
+        # it, True the pass); a cache built without that kernel still serves the plan by the pass
         kv8 = (
             not self._PAGED
             and kv_name is not None
@@ -342,6 +344,13 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             and not kv_pass
             and kv8_serves(launch["dtype"], kv_name, d, dv, False, var)
         )
+        if kv8 and kv_pass is None and not (self._use_cuda_graph or batch_invariant):
+            kv8 = kv8_widening_pays(qo_len, kv_lens, hq, hk, d, bool(causal), tile, num_sms, window_left)
+        if self._use_cuda_graph and self._fixed is not None and self._fixed["kv8"] != kv8:
+            raise ValueError(
+                "use_cuda_graph=True: plan() changed kv_pass since the first plan (a captured run() bakes it)"
+            )
+        launch["kv8"] = kv8
         if kv8:
             try:
                 k = self._kernels(arch, backend, num_sms, launch, tile, d, var, page_size, None, kv8=True)
