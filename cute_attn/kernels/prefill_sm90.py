@@ -244,6 +244,9 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
         plain = tile_q == 128 and cfg.variant is None and head_dim_vo == head_dim
         auto = plain and (head_dim, self.gather) in OVERLAP_TILES
         self.overlap = auto if cfg.overlap_items < 0 else bool(cfg.overlap_items)
+        # an fp8 cache: staging tiles per tensor (prefill_sm90_kv8): one in sO with items back
+        # to back, else two of their own (which the one-Q-buffer kernels have room for)
+        self.kv8_slots = 1 if self.overlap else 2
         if self.overlap and auto:
             dn = OVERLAP_TILES[head_dim, self.gather]
         self.tile_n = cfg.tile_n or dn

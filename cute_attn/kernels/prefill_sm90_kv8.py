@@ -8,13 +8,14 @@ in 16 bits before the kernel starts -- 3 bytes moved per element, ~80 us at 2 x 
 Here the fp8 bytes are read once by TMA, and the widening runs on the producer warpgroup, whose
 warps otherwise only issue TMA.
 
-Staging: each tensor has one fp8 tile of ``TN x D`` bytes (16 KB at hd128) that its TMA fills
+Staging: each tensor has fp8 tiles of ``TN x D`` bytes (16 KB at hd128) that its TMA fills
 while the consumers still read the 16-bit stages, so the load's latency is off the path from a
 stage's release to its refill (widening straight into the stage's own upper half, tried first,
 waited for every TMA there and ran 1.36x / 1.38x the bf16 time).  With items back to back
-(``overlap``) the two staging tiles are the output staging tile ``sO`` (32 KB: 128 x 128 16-bit
-values) and the output goes out through the item's own Q buffer instead, free once its QKs are
-done; otherwise (one Q buffer) they are shared memory of their own, which then fits.
+(``overlap``) there is one per tensor, in the output staging tile ``sO`` (32 KB: 128 x 128
+16-bit values), and the output goes out through the item's own Q buffer instead, free once its
+QKs are done; otherwise (one Q buffer, 64-row tiles) two per tensor of their own (64 KB), which
+then fit, so a memory-bound batch keeps two loads in flight.
 
 Roles: warps 0-1 widen K, warps 2-3 V, so K's and V's TMA latencies overlap; the first warp of
 a pair issues its TMA.  Per block: wait for the fp8 tile (``pipe8``: the TMA's transaction
@@ -119,14 +120,16 @@ class PrefillKv8:
             defer_sync=True,
         )
 
+        n8 = self.kv8_slots
+
         @cute.struct
         class Kv8Bars:
-            mbar_k8: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_v8: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k8: cute.struct.MemRange[cutlass.Int64, 2 * n8]
+            mbar_v8: cute.struct.MemRange[cutlass.Int64, 2 * n8]
 
         @cute.struct
         class Kv8Staging:
-            s8: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * TN * D], 1024]
+            s8: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * n8 * TN * D], 1024]
 
         st = smem.allocate(Kv8Bars)
         if const_expr(self.overlap):
@@ -136,15 +139,15 @@ class PrefillKv8:
             base = smem.allocate(Kv8Staging).s8.data_ptr()
         mk_pipe8 = lambda bar: pipeline.PipelineTmaAsync.create(  # noqa: E731
             barrier_storage=bar,
-            num_stages=1,
+            num_stages=n8,
             producer_group=pipeline.CooperativeGroup(Th, 1),
             consumer_group=pipeline.CooperativeGroup(Th, KV8_WARPS),
             tx_count=TN * D,  # one byte per element
             defer_sync=True,
         )
         ptr = cute.recast_ptr(base, s8_layout.inner, dtype=self.kv8)
-        staged = cute.append(s8_layout.outer, cute.make_layout(1))
-        views = (cute.make_tensor(ptr, staged), cute.make_tensor(ptr + TN * D, staged))
+        staged = cute.append(s8_layout.outer, cute.make_layout(n8, stride=TN * D))
+        views = (cute.make_tensor(ptr, staged), cute.make_tensor(ptr + n8 * TN * D, staged))
         return mk_pipe, views + (mk_pipe8(st.mbar_k8.data_ptr()), mk_pipe8(st.mbar_v8.data_ptr()))
 
     @cute.jit
@@ -165,8 +168,9 @@ class PrefillKv8:
         mKvIndptr, mWork, mWorkIndptr = gm.mKvIndptr, gm.mWork, gm.mWorkIndptr
         TN, D = self.tile_n, self.head_dim
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        load = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        n8 = self.kv8_slots
+        load = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, n8)
+        landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, n8)
         base, src = sX.iterator.toint(), sX8.iterator.toint()
         for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1], unroll=1):
             info = ItemInfo(mWork, item, tc.group, tc.group_div)
@@ -177,23 +181,23 @@ class PrefillKv8:
                 tma_x, 0, cute.make_layout(1), cute.group_modes(sX8, 0, 2), cute.group_modes(gX, 0, 2)
             )
             nb = n_blocks - first
-            for j in cutlass.range(-1, nb, unroll=1):
+            for j in cutlass.range(-n8, nb, unroll=1):  # j < 0: the first blocks' loads only
                 if j >= 0:
                     pipe8.consumer_wait(landed)
                     pipe.producer_acquire(state)  # the consumers are done with the stage's last block
-                    self._widen(src, base + state.index * (TN * D * 2), w)
+                    self._widen(src + landed.index * (TN * D), base + state.index * (TN * D * 2), w)
                     cute.arch.fence_view_async_shared()  # generic stores -> read by wgmma (async proxy)
                     pipe.producer_commit(state)
                     pipe8.consumer_release(landed)
                     landed.advance()
                     state.advance()
                 if w == 0:
-                    if j + 1 < nb:  # the next block into the fp8 tile, once both warps have read it
+                    if j + n8 < nb:  # block j + n8 into the slot just widened, once both warps read it
                         pipe8.producer_acquire(load)
                         cute.copy(
                             tma_x,
-                            tXg[None, n_blocks - 2 - j],
-                            tXs[None, 0],
+                            tXg[None, n_blocks - 1 - (j + n8)],
+                            tXs[None, load.index],
                             tma_bar_ptr=pipe8.producer_get_barrier(load),
                         )
                         load.advance()
