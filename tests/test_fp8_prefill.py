@@ -198,15 +198,15 @@ GPU_IDS = [c[0] for c in GPU_CASES]
 def test_fp8_prefill(case):
     _, args, kw = case
     c = run_case(*args, **kw)
-    assert not c.w._spec_kw["paged"]  # a paged cache always through the pass, then the ragged kernel
-    # a ragged hd128 cache: widened by the kernel where the model says it beats the pass
+    # hd128, ragged or in page boxes (page sizes k*16): widened by the kernel where the model says
+    # it beats the pass; else through the pass, then the ragged kernel
     kind, qo, kv, hq, hk, d = args
-    in_kernel = kind == "ragged" and d == 128
+    in_kernel = d == 128 and (kind == "ragged" or kw.get("page_size", 16) % 16 == 0)
     if in_kernel:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         in_kernel = kv8_widening_pays(qo, kv, hq, hk, d, kw.get("causal", False), c.w._tile, sms,
                                       kw.get("window_left", -1))  # fmt: skip
-    assert (c.w._gathered is None) == in_kernel
+    assert (c.w._gathered is None) == in_kernel and c.w._spec_kw["paged"] == (kind == "paged" and in_kernel)
     assert c.w._spec_kw.get("kv_dtype") == (kw.get("kv", "e4m3") if in_kernel else None)
     if "soft_cap" in kw:
         assert c.w._tile == 128  # the soft-cap / window kernels are compiled for 128-row tiles
@@ -243,8 +243,7 @@ def test_fp8_deterministic(kind):
 def test_fp8_small_workspace_own_buffer(kind):
     """A 48 MiB workspace holds the plan but not 2 x 40000 tokens x 8 heads x 128 x 2 bytes: the
     pass writes into a buffer of the wrapper's own."""
-    c = run_case(kind, [2000, 30], [40000, 30], 32, 8, 128, causal=True, workspace=_ws(DEV, 48),
-                 kv_pass=kind == "ragged" or None)  # fmt: skip
+    c = run_case(kind, [2000, 30], [40000, 30], 32, 8, 128, causal=True, workspace=_ws(DEV, 48), kv_pass=True)
     assert c.w._gathered[0].data_ptr() != c.w._workspace.data_ptr() + c.w._state.gather.offset
     assert not c.w._state.gather.in_workspace
 
@@ -332,11 +331,12 @@ def _graph_paged(hq, hk, d, ps, max_b, max_pages, ws_mb=128):
 
 
 @gpu
-@pytest.mark.parametrize("ws_mb", [512, 40])  # room past the plan for the pass, or a buffer of its own
-def test_fp8_cuda_graph_paged_replay_with_new_plans(ws_mb):
+# the pass with room past the plan or a buffer of its own; the kernel's widening (page boxes)
+@pytest.mark.parametrize("ws_mb,kv_pass", [(512, True), (40, True), (512, None)])
+def test_fp8_cuda_graph_paged_replay_with_new_plans(ws_mb, kv_pass):
     """Capture run() once (scales as floats), re-plan with other lengths and pages, replay: the
-    pass (its bound read on the device, its token offsets padded to the batch capacity) and
-    the kernel follow the new plan."""
+    pass (its bound read on the device, its token offsets padded to the batch capacity) or the
+    widening kernel (CUDA-graph mode's default at page 16) follow the new plan."""
     hq, hk, d, ps, max_b, t_max, max_pages = 32, 8, 128, 16, 4, 2048, 4096
     gen = _gen()
     w = _graph_paged(hq, hk, d, ps, max_b, max_pages, ws_mb)
@@ -352,7 +352,8 @@ def test_fp8_cuda_graph_paged_replay_with_new_plans(ws_mb):
         last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv, pages)], dtype=torch.int32)
         qo_t, indptr = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(pages), dtype=torch.int32)
         w.plan(qo_t, indptr, indices, last, hq, hk, d, ps, q_data_type=BF, kv_data_type=torch.float8_e4m3fn,
-               causal=True)  # fmt: skip
+               causal=True, kv_pass=kv_pass)  # fmt: skip
+        assert (w._gathered is None) == (kv_pass is None)
         return qo_t, indptr, indices, last
 
     plan([1024, 1024, 0, 0], [1024, 30000, 5, 16])  # the first plan fixes the pass's region
@@ -374,7 +375,9 @@ def test_fp8_cuda_graph_paged_replay_with_new_plans(ws_mb):
         ref_o, ref_lse = paged_reference(q[:n], deq, qo_t, indptr, indices, last, kv_layout="HND", causal=True,
                                          sm_scale=0.5 / math.sqrt(d))  # fmt: skip
         check(out, lse, 2.0 * ref_o, ref_lse, BF, rows=n)
-    if ws_mb == 40:  # the first plan's 31045 kv tokens, rounded up to a power of two
+    if kv_pass is None:
+        assert w._spec_kw["paged"] and w._spec_kw["page_box"] == 16 and w._spec_kw["kv_dtype"] == "e4m3"
+    elif ws_mb == 40:  # the first plan's 31045 kv tokens, rounded up to a power of two
         assert not w._state.gather.in_workspace and w._state.gather.tokens == 32768
         with pytest.raises(ValueError, match="kv tokens exceed"):
             plan([1, 1, 1, 1], [40000, 1, 1, 1])
@@ -473,7 +476,8 @@ def test_cpu_fp8_specs_and_abi():
     from cute_attn.families import prefill
 
     kv8 = [s for s in prefill.shipped_specs("sm_90a") if "kv_dtype" in s.pdict]
-    assert {(s.pdict["head_dim"], s.pdict["paged"]) for s in kv8} == {(128, False)}
+    pages = {(s.pdict["head_dim"], s.pdict["paged"], s.pdict.get("page_box")) for s in kv8}
+    assert pages == {(128, False, None), (128, True, 16)}
     assert {s.pdict["kv_dtype"] for s in kv8} == {"e4m3", "e5m2"} and set(kv8) <= set(preset_specs("default", "sm_90a"))
     abi = {a.name: a for a in get_family("batch_prefill_sm90").abi(kv8[0].pdict)}
     assert abi["mK"].dtype == abi["mV"].dtype == kv8[0].pdict["kv_dtype"] and abi["mQ"].dtype == kv8[0].pdict["dtype"]

@@ -143,6 +143,18 @@ def _short_queries(res, lib, gen, quick, name, qo, kv, hq, hk) -> None:
         out = torch.empty_like(q)
         runs[tag] = peers.Call(lambda w=w, k=k, v=v, out=out: w.run(q, k, v, out=out), out, w)
         runs[tag]()
+    # the same keys in pages of 16 (a serving cache): the plan's choice and the pass, fp8 and bf16
+    (kc, vc), _, kvi, idx, last = _paged_cache(kv, k8.to(DT), v8.to(DT), D, PAGE, gen)
+    for tag, cache, kw in (
+        ("page16_bf16", (kc, vc), {}),
+        ("page16_fp8", (kc.to(FP8), vc.to(FP8)), {"kv_data_type": FP8}),
+        ("page16_fp8_pass", (kc.to(FP8), vc.to(FP8)), {"kv_data_type": FP8, "kv_pass": True}),
+    ):
+        w = lib.mod.BatchPrefillWithPagedKVCacheWrapper(torch.empty(512 << 20, dtype=torch.uint8, device="cuda"))
+        w.plan(qi, kvi, idx, last, hq, hk, D, PAGE, causal=True, q_data_type=DT, prefill_backend="prefill_sm90", **kw)
+        out = torch.empty_like(q)
+        runs[tag] = peers.Call(lambda w=w, c=cache, out=out: w.run(q, c, out=out), out, w)
+        runs[tag]()
     bad = [n for n in runs if n != "bf16" and not peers.check_output(f"ours {n}", runs[n].out, runs["bf16"].out)[1]]
     if bad:
         print(f"  {name}: fp8 output differs from the bf16 run ({bad}); not recorded")
@@ -160,4 +172,15 @@ def _short_queries(res, lib, gen, quick, name, qo, kv, hq, hk) -> None:
     for tag, label in (("fp8", "widened" if widened else "KV pass"), ("fp8_kernel", "kv_pass=False"),
                        ("fp8_pass", "kv_pass=True")):  # fmt: skip
         a, b = t["bf16"], t[tag]
+        print(f"{name + ' ' + label:<56} {a:8.1f} {b:8.1f} {b / a:7.3f} {_tflops(flops, b):8.1f}")
+    pw = runs["page16_fp8"].wrapper._gathered is None
+    for tag, sub in (("page16_fp8", "page16/fp8kv"), ("page16_fp8_pass", "page16/fp8kv/kv_pass")):
+        res.add(f"{name}/{sub}", "cute_attn", "us", t[tag])
+        res.add(f"{name}/{sub}", "cute_attn", "vs_bf16", t[tag] / t["page16_bf16"])
+    res.add(f"{name}/page16/fp8kv/bf16_same_run", "cute_attn", "us", t["page16_bf16"])
+    for tag, label in (
+        ("page16_fp8", "page16 " + ("widened" if pw else "KV pass")),
+        ("page16_fp8_pass", "page16 kv_pass=True"),
+    ):
+        a, b = t["page16_bf16"], t[tag]
         print(f"{name + ' ' + label:<56} {a:8.1f} {b:8.1f} {b / a:7.3f} {_tflops(flops, b):8.1f}")

@@ -98,16 +98,19 @@ def serves(head_dim: int, head_dim_vo: int) -> bool:
     return (head_dim, head_dim_vo) in HEAD_DIM_PAIRS
 
 
-def kv8_serves(dtype: str, kv_dtype: str, head_dim: int, head_dim_vo: int, paged: bool, variant) -> bool:
+def kv8_serves(
+    dtype: str, kv_dtype: str, head_dim: int, head_dim_vo: int, paged: bool, variant, page_box: int = 0
+) -> bool:
     """Whether the kernel reads an fp8 cache itself (``kernels/prefill_sm90_kv8.py``): f16 /
-    bf16 queries, ragged K / V at head dim 128, no key transform (that takes the KV pass, which
-    then dequantizes as well).  Other fp8 prefills take the pass."""
+    bf16 queries, K / V by TMA (ragged, or paged in page boxes: page sizes k*16) at head dim 128,
+    no key transform (that takes the KV pass, which then dequantizes as well).  Other fp8
+    prefills take the pass."""
     return (
         dtype in dtypes.ATTENTION
         and kv_dtype in dtypes.FP8
         and head_dim == head_dim_vo
         and head_dim in KV8_HEAD_DIMS
-        and not paged
+        and (not paged or bool(page_box))
         and not (variant is not None and vbase.Hooks(variant).has_transform_k)
     )
 
@@ -141,7 +144,7 @@ def prefill_spec(
     extra = variant_params(variant) if variant is not None else {}
     if kv_dtype is not None and kv_dtype != dtype:
         dv = head_dim if head_dim_vo is None else head_dim_vo
-        if not kv8_serves(dtype, kv_dtype, head_dim, dv, paged, variant):
+        if not kv8_serves(dtype, kv_dtype, head_dim, dv, paged, variant, page_box):
             raise ValueError(
                 f"batch_prefill_sm90: a {kv_dtype} cache with {dtype} queries at head dims {head_dim} / {dv} "
                 f"(paged={paged}, variant={variant!r}) is read through the KV pass, not by the kernel"
@@ -196,7 +199,7 @@ def prefill_specs(
         for cap, win in variants
         for pb in (page_boxes if p else (0,))
         for kv in kv_names
-        if kv is None or kv8_serves(dt, kv, d, dv, p, None)
+        if kv is None or kv8_serves(dt, kv, d, dv, p, None, pb)
     ]
 
 
@@ -215,14 +218,14 @@ def merge_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=SHIPPED_HEAD_
 def shipped_specs(arch: str) -> list:
     """Per dtype x head dim (64 / 128 / 256) x tile x ragged/paged (both page paths) x causal:
     the plain kernel; soft-cap, window and both at head dim 128, tile 128, ragged; the
-    DeepSeek-style prefill (192 / 128, bf16) over the same grid; a ragged fp8 cache (e4m3 /
-    e5m2) widened in the kernel at head dim 128, both tiles, plain and with the flags at tile
-    128; the merges of the tiles."""
+    DeepSeek-style prefill (192 / 128, bf16) over the same grid; an fp8 cache (e4m3 / e5m2)
+    widened in the kernel at head dim 128, ragged and in page boxes, both tiles, and with the
+    flags at tile 128; the merges of the tiles."""
     flags = ((True, False), (False, True), (True, True))
     extra = prefill_specs(arch, head_dims=(128,), tiles=(128,), paged=(False,), variants=flags)
     deepseek = prefill_specs(arch, dtype_names=("bf16",), head_dims=HEAD_DIM_PAIRS)
-    kv8 = prefill_specs(arch, head_dims=KV8_HEAD_DIMS, paged=(False,), kv_names=dtypes.FP8)
+    kv8 = prefill_specs(arch, head_dims=KV8_HEAD_DIMS, page_boxes=(PAGE_BOX,), kv_names=dtypes.FP8)
     kv8 += prefill_specs(
-        arch, head_dims=KV8_HEAD_DIMS, tiles=(128,), paged=(False,), variants=flags, kv_names=dtypes.FP8
+        arch, head_dims=KV8_HEAD_DIMS, tiles=(128,), variants=flags, page_boxes=(PAGE_BOX,), kv_names=dtypes.FP8
     )
     return prefill_specs(arch, head_dims=SHIPPED_HEAD_DIMS) + extra + deepseek + kv8 + merge_specs(arch)

@@ -226,8 +226,8 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
         self.gather = (paged and not self.page_box) or H.has_transform_k
         # an fp8 cache by TMA, widened by the producer (prefill_sm90_kv8): ragged, plain keys
         self.kv8 = cfg.kv_dtype
-        kv8_ok = not (paged or self.gather) and head_dim == head_dim_vo and head_dim in KV8_HEAD_DIMS
-        assert self.kv8 is None or kv8_ok, "kv_dtype: ragged K / V of one head dim in KV8_HEAD_DIMS, no key transform"
+        kv8_ok = not self.gather and head_dim == head_dim_vo and head_dim in KV8_HEAD_DIMS
+        assert self.kv8 is None or kv8_ok, "kv_dtype: K / V by TMA (ragged, page boxes), one head dim in KV8_HEAD_DIMS"
         # paged TMA: producer warps that issue a block's boxes (box b by warp b % box_warps)
         self.box_warps = cfg.box_warps or BOX_WARPS
         self.causal = cfg.causal
@@ -372,7 +372,13 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
         # path has no TMA descriptor at all.  K at D = head_dim, V at DV = head_dim_vo.
         tma_k = tK = tma_v = tV = None
         if const_expr(not self.gather):
-            if const_expr(self.page_box):
+            if const_expr(self.page_box and self.kv8 is not None):  # fp8 boxes into a staging tile
+                s8_staged = cute.make_composed_layout(
+                    s8_layout.inner, 0, cute.append(s8_layout.outer, cute.make_layout(1))
+                )
+                tma_k, tK = self._page_box_tma(mK, s8_staged, D, self.kv8)
+                tma_v, tV = self._page_box_tma(mV, s8_staged, DV, self.kv8)
+            elif const_expr(self.page_box):
                 tma_k, tK = self._page_box_tma(mK, sK_layout, D)
                 tma_v, tV = self._page_box_tma(mV, sV_layout, DV)
             else:
@@ -436,11 +442,11 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
             Smem,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
-    def _page_box_tma(self, mX, sX_layout, D):
+    def _page_box_tma(self, mX, sX_layout, D, dt=None):
         """The TMA atom and global view of paged K or V (rows of D) read in boxes of (page_box,
         D): the cache viewed as (page_size, D, kv_heads, pages), each box written into a row
-        slice of the stage tile."""
-        PB, dt = self.page_box, self.dtype
+        slice of the stage tile (``dt``: its element type, the kernel's dtype by default)."""
+        PB, dt = self.page_box, dt or self.dtype
         x4 = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[1, 3, 2, 0]))
         stage0 = cute.make_tensor(cute.make_ptr(dt, 0, cute.AddressSpace.smem, assumed_align=1024), sX_layout.outer)[
             None, None, 0

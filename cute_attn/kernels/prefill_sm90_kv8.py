@@ -172,14 +172,17 @@ class PrefillKv8:
         load = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, n8)
         landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, n8)
         base, src = sX.iterator.toint(), sX8.iterator.toint()
+        pdiv = cute.FastDivmodDivisorV2(gm.mK.shape[1])  # paged: token -> (page, slot)
         for item in cutlass.range(mWorkIndptr[cta], mWorkIndptr[cta + 1], unroll=1):
             info = ItemInfo(mWork, item, tc.group, tc.group_div)
             first, n_blocks = self._block_range(info, tc)
-            row0 = mKvIndptr[info.req] + info.kv_start
-            gX = cute.local_tile(cute.domain_offset((row0, 0), tX[None, None, info.kv_head]), (TN, D), (None, 0))
-            tXs, tXg = cpasync.tma_partition(
-                tma_x, 0, cute.make_layout(1), cute.group_modes(sX8, 0, 2), cute.group_modes(gX, 0, 2)
-            )
+            tXs = tXg = None
+            if const_expr(not self.paged):
+                row0 = mKvIndptr[info.req] + info.kv_start
+                gX = cute.local_tile(cute.domain_offset((row0, 0), tX[None, None, info.kv_head]), (TN, D), (None, 0))
+                tXs, tXg = cpasync.tma_partition(
+                    tma_x, 0, cute.make_layout(1), cute.group_modes(sX8, 0, 2), cute.group_modes(gX, 0, 2)
+                )
             nb = n_blocks - first
             for j in cutlass.range(-n8, nb, unroll=1):  # j < 0: the first blocks' loads only
                 if j >= 0:
@@ -193,14 +196,33 @@ class PrefillKv8:
                     state.advance()
                 if w == 0:
                     if j + n8 < nb:  # block j + n8 into the slot just widened, once both warps read it
-                        pipe8.producer_acquire(load)
-                        cute.copy(
-                            tma_x,
-                            tXg[None, n_blocks - 1 - (j + n8)],
-                            tXs[None, load.index],
-                            tma_bar_ptr=pipe8.producer_get_barrier(load),
-                        )
+                        if const_expr(self.paged):
+                            self._issue_pages(gm, tma_x, tX, sX8, pipe8, load, info, n_blocks - 1 - (j + n8), pdiv)
+                        else:
+                            pipe8.producer_acquire(load)
+                            cute.copy(
+                                tma_x,
+                                tXg[None, n_blocks - 1 - (j + n8)],
+                                tXs[None, load.index],
+                                tma_bar_ptr=pipe8.producer_get_barrier(load),
+                            )
                         load.advance()
+
+    @cute.jit
+    def _issue_pages(self, gm, tma_x, tX, sX8, pipe8, load, info, block, pdiv):
+        """A paged block into the staging slot ``load.index``: TN / page_box TMA boxes, each from
+        its own page (lane b looks up box b's page and slot; the boxes' coordinates go to the TMA
+        as warp-uniform values by shuffles, ``prefill_sm90_producer``)."""
+        lane = cute.arch.lane_idx()
+        pg, rw = self._box_page(
+            gm.mKvIndices, lane, info.kv_start + block * self.tile_n, info.kv_end, gm.mKvIndptr[info.req], pdiv
+        )
+        boxes = []
+        for b in cutlass.range_constexpr(self.tile_n // self.page_box):
+            page = cute.arch.make_warp_uniform(cute.arch.shuffle_sync(pg, b))
+            boxes.append((b, page, cute.arch.make_warp_uniform(cute.arch.shuffle_sync(rw, b))))
+        pipe8.producer_acquire(load)
+        self._load_pages(tma_x, tX, sX8, pipe8, load.index, boxes, cute.arch.make_warp_uniform(info.kv_head))
 
     @cute.jit
     def _widen(self, src, stage, w):

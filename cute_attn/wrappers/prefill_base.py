@@ -333,16 +333,16 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
                 )
         lim, grow = self._choose_limits(batch, total_q, hq, hk, dv, num_ctas)  # partial rows of dv
         gather = None  # kv_gather.Gather: where the KV pass writes contiguous K / V
-        # a ragged fp8 cache the kernel widens itself (kernels/prefill_sm90_kv8.py) where that
-        # beats the dequantizing pass (short queries over long keys: kv8_widening_pays) or where
-        # nothing may depend on the batch (CUDA graphs, fixed_split_size; kv_pass=False forces
-        # it, True the pass); a cache built without that kernel still serves the plan by the pass
+        # an fp8 cache the kernel widens itself (kernels/prefill_sm90_kv8.py; ragged, or paged in
+        # page boxes) where that beats the dequantizing pass (short queries over long keys:
+        # kv8_widening_pays) or where nothing may depend on the batch (CUDA graphs,
+        # fixed_split_size; kv_pass=False forces it, True the pass); a cache built without that
+        # kernel still serves the plan by the pass
         kv8 = (
-            not self._PAGED
-            and kv_name is not None
+            kv_name is not None
             and not portable
             and not kv_pass
-            and kv8_serves(launch["dtype"], kv_name, d, dv, False, var)
+            and kv8_serves(launch["dtype"], kv_name, d, dv, self._PAGED, var, page_box_for(self._PAGED, int(page_size)))
         )
         if kv8 and kv_pass is None and not (self._use_cuda_graph or batch_invariant):
             kv8 = kv8_widening_pays(qo_len, kv_lens, hq, hk, d, bool(causal), tile, num_sms, window_left)
