@@ -283,8 +283,8 @@ def model_specs(m: ModelAttention, arch: str) -> list:
                     specs.append(prefill_spec(arch, dt, d, tile, False, c, cap_flag, win, v))
                     if kv is None:  # an fp8 cache: the paged one through the KV pass, then the ragged kernel
                         specs += [prefill_spec(arch, dt, d, tile, True, c, cap_flag, win, v, pb) for pb in boxes]
-                    elif prefill.kv8_serves(dt, kv, d, d, False, v):  # a ragged one widened in the kernel
-                        specs.append(prefill_spec(arch, dt, d, tile, False, c, cap_flag, win, v, kv_dtype=kv))
+                    else:  # or widened in the kernel (short queries), ragged and in page boxes
+                        specs += _kv8_specs(arch, dt, d, tile, c, cap_flag, win, v, kv)
         # speculative decoding: a tree mask over the paged cache (short queries: the small tile)
         c, cap_flag, win, v = resolve_variant(
             custom_mask=True, window_left=1 if window else -1, logits_soft_cap=50.0 if cap else None
@@ -294,12 +294,23 @@ def model_specs(m: ModelAttention, arch: str) -> list:
                 specs += [prefill_spec(arch, dt, d, tile, True, c, cap_flag, win, v, pb) for pb in boxes]
             else:
                 specs.append(prefill_spec(arch, dt, d, tile, False, c, cap_flag, win, v))
+                specs += _kv8_specs(arch, dt, d, tile, c, cap_flag, win, v, kv)
     if kv is None:
         specs.append(kv_pass.kv_pass_spec(arch, dt, d, True, None))
     else:  # the dequantizing passes of a paged and a ragged fp8 cache
         specs += [kv_pass.kv_pass_spec(arch, dt, d, paged, None, kv) for paged in (True, False)]
     specs += [merge.merge_partials_spec(arch, dt, d, t) for t in prefill.TILES]
     return list(dict.fromkeys(specs))
+
+
+def _kv8_specs(arch, dt, d, tile, causal, cap, window, variant, kv) -> list:
+    """The prefill kernels that widen an fp8 cache themselves (ragged, and paged in page boxes)
+    where they serve the model's shape (``families.prefill.kv8_serves``)."""
+    return [
+        prefill_spec(arch, dt, d, tile, paged, causal, cap, window, variant, pb, kv_dtype=kv)
+        for paged, pb in ((False, 0), (True, PAGE_BOX))
+        if prefill.kv8_serves(dt, kv, d, d, paged, variant, pb)
+    ]
 
 
 def _mla_model_specs(m: ModelAttention, arch: str) -> list:

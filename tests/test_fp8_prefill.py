@@ -858,7 +858,8 @@ def test_cpu_fp8_errors(emu):
 
 def test_models_kv_cache_dtype():
     """compile --model: a config's kv_cache_dtype (vLLM's names) or a compressed-tensors fp8 KV
-    scheme picks the fp8 kernel set: fp8 decode, the dequantizing passes, no paged prefill."""
+    scheme picks the fp8 kernel set: fp8 decode, the dequantizing passes, and of the paged
+    prefill kernels only those that widen the fp8 cache themselves."""
     from cute_attn.models import BUILTIN, from_config, model_specs, with_kv_cache_dtype
 
     cfg = dict(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, torch_dtype="bfloat16")
@@ -876,7 +877,8 @@ def test_models_kv_cache_dtype():
     passes = [s.pdict for s in specs if s.family == "kv_pass"]
     assert sorted(p["paged"] for p in passes) == [False, True] and all(p["kv_dtype"] == "e4m3" for p in passes)
     assert all(s.pdict.get("kv_dtype") == "e4m3" for s in specs if s.family == "paged_decode")
-    assert not any(s.pdict["paged"] for s in specs if s.family == "batch_prefill_sm90")
+    paged = [s.pdict for s in specs if s.family == "batch_prefill_sm90" and s.pdict["paged"]]
+    assert paged and all(p["kv_dtype"] == "e4m3" and p["page_box"] == 16 for p in paged)  # only the widening ones
     assert all("kv_dtype" in s.pdict for s in model_specs(m, "sm_100a") if s.family == "paged_decode")
 
 

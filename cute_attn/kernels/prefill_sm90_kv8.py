@@ -1,6 +1,8 @@
 """An fp8 KV cache read by the Hopper prefill kernel itself (``prefill_sm90.py``, spec
-``kv_dtype``): K and V arrive by TMA as fp8 and the producer warpgroup widens them to the query
-dtype in shared memory, where the 16-bit wgmma reads them.
+``kv_dtype``): K and V arrive by TMA as fp8 -- ragged: one box per block; paged (page sizes
+k*16): one box per 16-row page run, a lane of the issuing warp looking up each box's page --
+and the producer warpgroup widens them to the query dtype in shared memory, where the 16-bit
+wgmma reads them.
 
 Why in the kernel: the other way, the KV pass (``kv_pass.py``), writes the whole cache out again
 in 16 bits before the kernel starts -- 3 bytes moved per element, ~80 us at 2 x 8k x 16 heads

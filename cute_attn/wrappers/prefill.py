@@ -488,10 +488,11 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
         ``False``: never (the kernel gathers each block itself).
 
         ``kv_data_type`` ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` with fp16 / bf16
-        queries: an fp8 cache, always read by the KV pass, which dequantizes it to the query
-        dtype (``wrappers/kv_gather.py``: in the workspace when it has room, else in a buffer of
-        the wrapper's own; CUDA-graph mode included, where the first plan fixes the region);
-        ``kv_pass=False`` is then an error.  The output is in the query dtype.
+        queries: an fp8 cache.  At head dim 128, page sizes k*16, no RoPE the kernel may widen it
+        itself (``kernels/prefill_sm90_kv8.py``: where the plan's cost model says so, always in
+        CUDA-graph mode, ``kv_pass=False`` forces it); else the KV pass gathers and dequantizes
+        it (``wrappers/kv_gather.py``: in the workspace when it has room, else a buffer of the
+        wrapper's own; in CUDA-graph mode the first plan fixes it).  Output in the query dtype.
         ``prefill_backend``: as in the ragged wrapper's plan."""
         fixed_split_size = compat.split_size(fixed_split_size)
         q_dtype, kv_dtype, d, dv, arch = self._check_common(
