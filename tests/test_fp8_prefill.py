@@ -766,6 +766,49 @@ def test_cpu_fp8_cuda_graph_paged_page16_replans(emu):
         check(out, lse, 2.0 * ref_o, ref_lse, BF, rows=n)
 
 
+def test_cpu_fp8_cuda_graph_paged_widening_replans(emu):
+    """CUDA-graph mode at page 16, hd128: the kernel widens the paged cache (page boxes) for every
+    plan (the first fixes it; re-plans with other lengths keep it, outputs checked); a re-plan
+    asking for the pass is refused."""
+    from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
+    from cute_attn.testing import paged_reference
+
+    hq, hk, d, ps, max_b, max_pages = 8, 2, 128, 16, 4, 256
+    gen = _gen(11)
+    w = BatchPrefillWithPagedKVCacheWrapper(
+        _cpu_ws(), kv_layout="NHD", use_cuda_graph=True,
+        qo_indptr_buf=_fake_cuda(torch.zeros(max_b + 1, dtype=torch.int32)),
+        paged_kv_indptr_buf=_fake_cuda(torch.zeros(max_b + 1, dtype=torch.int32)),
+        paged_kv_indices_buf=_fake_cuda(torch.zeros(max_pages, dtype=torch.int32)),
+        paged_kv_last_page_len_buf=_fake_cuda(torch.zeros(max_b, dtype=torch.int32)),
+    )  # fmt: skip
+    kc = torch.randn(max_pages, ps, hk, d, generator=gen).to(torch.float8_e4m3fn)
+    vc = torch.randn(max_pages, ps, hk, d, generator=gen).to(torch.float8_e4m3fn)
+    q = torch.randn(120, hq, d, generator=gen).to(BF)
+
+    def plan(qo, kv, **kw):
+        pages = [(n + ps - 1) // ps for n in kv]
+        indices = torch.randperm(max_pages, generator=gen)[: sum(pages)].to(torch.int32)
+        last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv, pages)], dtype=torch.int32)
+        qo_t, indptr = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(pages), dtype=torch.int32)
+        w.plan(qo_t, indptr, indices, last, hq, hk, d, ps, q_data_type=BF, kv_data_type=torch.float8_e4m3fn,
+               causal=True, **kw)  # fmt: skip
+        return qo_t, indptr, indices, last
+
+    for qo, kv in (([100, 20], [600, 20]), ([1, 3, 4], [1000, 3, 40])):
+        qo_t, indptr, indices, last = plan(qo, kv)
+        assert w._gathered is None and w._spec_kw["paged"] and w._spec_kw["page_box"] == 16
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((120, hq), float("nan"))
+        w.run(q, (kc, vc), out=out, lse=lse)
+        n = int(qo_t[-1])
+        ref_o, ref_lse = paged_reference(q[:n], (kc.float(), vc.float()), qo_t, indptr, indices, last,
+                                         kv_layout="NHD", causal=True)  # fmt: skip
+        check(out, lse, ref_o, ref_lse, BF, rows=n)
+    with pytest.raises(ValueError, match="changed"):
+        plan([3], [30], kv_pass=True)
+
+
 @pytest.fixture
 def emu_variants(monkeypatch, emu):
     """``emu`` with the variant emulation of tests/test_prefill_variants_gpu.py for the kernel."""

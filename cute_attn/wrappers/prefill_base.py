@@ -317,7 +317,9 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             if self._fixed is None:
                 self._max_rows = max(total_q, 1)
             else:
-                changed = [k for k in self._fixed if k not in ("tile_q", "kv8") and self._fixed[k] != launch[k]]
+                # kv8 and an fp8 plan's page_box are known only once the kernels are chosen (below)
+                late = ("tile_q", "kv8") + (("page_box",) if kv_name is not None else ())
+                changed = [k for k in self._fixed if k not in late and self._fixed[k] != launch[k]]
                 if changed:
                     raise ValueError(
                         f"use_cuda_graph=True: plan() changed {changed} since the first plan; a captured "
@@ -383,6 +385,10 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             # kernels (an older `compile --preset`) still serves the plan by the in-kernel gather
             gather = None
             k = self._kernels(arch, backend, num_sms, launch, tile, d, var, page_size, gather)
+        if self._use_cuda_graph and self._fixed is not None and self._fixed["page_box"] != launch["page_box"]:
+            raise ValueError(
+                "use_cuda_graph=True: plan() changed ['page_box'] since the first plan (a captured run() bakes it)"
+            )
         spec_kw, pass_var, pass_module, pass_grid, attn = k
         ms = merge_partials_spec(arch, launch["dtype"], dv, tile)
         merge = kernel(ms.family, arch, **ms.pdict)
