@@ -11,7 +11,9 @@ Roles (warpgroups of 128 threads):
   pipelines, so K of the next block can land while V of the current one is still read).
   Contiguous (ragged) KV: one TMA box per block, issued by warp 0.  Paged KV: one TMA box per
   16-row page run, or (any page size, 1 included) all 128 threads gather 16-byte chunks of each
-  token's row with ``cp.async`` into the very same swizzled tile.
+  token's row with ``cp.async`` into the very same swizzled tile.  An fp8 cache (spec
+  ``kv_dtype``): fp8 boxes into staging tiles, widened into the stages by the producer's warps
+  (``prefill_sm90_kv8.py``).
 - WG 1 (and 2), the consumers, own 64 query rows each: they load their Q rows (cp.async,
   GQA addressing), then per KV block S = Q·Kᵀ (wgmma, both operands in shared memory), mask +
   online softmax in registers (``prefill_sm90_softmax.py``), O += P·V (wgmma, P from
