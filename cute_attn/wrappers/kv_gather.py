@@ -6,8 +6,8 @@ Where the pass writes (a :class:`Gather`, 256-byte aligned, K then V):
 * a 16-bit paged cache (the gather is an optimization, ``kv_pass_pays``): past the plan's
   sections in the float workspace, or not at all (the kernel gathers the pages itself) when
   it has no room; ``kv_pass=True`` there is an error naming the bytes;
-* an fp8 cache, paged or ragged (the 16-bit prefill kernel reads only the pass's output, so
-  the pass always runs): the workspace when it has room, else a buffer of the wrapper's own,
+* an fp8 cache, paged or ragged, unless the prefill kernel widens it itself (:func:`widens`):
+  the workspace when it has room, else a buffer of the wrapper's own,
   grown to the largest plan -- an engine's usual 128 MiB workspace does not hold 2 x 2 bytes
   per element of a long context, and a plan must not fail for that.  In CUDA-graph mode the
   first fp8 plan fixes the region (a captured run() bakes its address and extent): all the
@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from ..abi import dtypes
+from ..families.backends import kv8_widening_pays
+from ..families.prefill import kv8_serves, page_box_for
 from ..sched import WorkspaceLayout
 from . import common
 
@@ -102,6 +104,25 @@ def _fp8_region(w, start: int, kv_tokens: int, row: int) -> Gather:
         w._gather_buf = buf = None  # the old one is freed first
         buf = w._gather_buf = torch.empty(2 * per, dtype=torch.uint8, device=w._device)
     return Gather(buf, 0, per, kv_tokens, False)
+
+
+def widens(w, launch, kv_pass, dims, variant, page_size: int, batch, tile: int, num_sms: int, invariant: bool) -> bool:
+    """Whether the prefill kernel widens this plan's fp8 cache itself (``kernels/prefill_sm90_kv8.py``;
+    ragged, or paged in page boxes) instead of the dequantizing pass: where it serves the plan
+    and beats the pass (``families.backends.kv8_widening_pays``, on ``batch`` = (qo lengths, kv
+    lengths, qo heads, kv heads, causal, window_left)), or always where nothing may depend on the
+    batch (CUDA graphs, ``invariant``: fixed_split_size); ``kv_pass`` False forces it, True the
+    pass.  ``launch``: the plan's launch parameters (dtype, the cache's fp8 name)."""
+    d, dv = dims
+    kv_name = launch["kv_dtype"]
+    pb = page_box_for(w._PAGED, page_size)
+    ok = kv_name is not None and not kv_pass and kv8_serves(launch["dtype"], kv_name, d, dv, w._PAGED, variant, pb)
+    if ok and kv_pass is None and not (w._use_cuda_graph or invariant):
+        qo, kv, hq, hk, causal, window_left = batch
+        ok = kv8_widening_pays(qo, kv, hq, hk, d, causal, tile, num_sms, window_left)
+    if w._use_cuda_graph and w._fixed is not None and w._fixed["kv8"] != ok:
+        raise ValueError("use_cuda_graph=True: plan() changed kv_pass since the first plan (a captured run() bakes it)")
+    return ok
 
 
 def gather_region(w, want, fp8: bool, lim, num_ctas: int, kv_tokens: int, row: int, pays) -> Optional[Gather]:

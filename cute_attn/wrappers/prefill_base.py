@@ -38,11 +38,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..families.backends import NoBackend, backend_for, choose_prefill_backend, kv8_widening_pays, kv_pass_pays
+from ..families.backends import NoBackend, backend_for, choose_prefill_backend, kv_pass_pays
 from ..families.base import variant_params
 from ..families.kv_pass import kv_pass_spec
 from ..families.merge import merge_partials_spec
-from ..families.prefill import FIXED_SPLIT_TILE, keys_pretransformed, kv8_serves, page_box_for, regular_gather
+from ..families.prefill import FIXED_SPLIT_TILE, keys_pretransformed, page_box_for, regular_gather
 from ..families.prefill_mma import BATCH_PREFILL_MMA
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import KernelNotAvailable, kernel
@@ -335,31 +335,18 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
                 )
         lim, grow = self._choose_limits(batch, total_q, hq, hk, dv, num_ctas)  # partial rows of dv
         gather = None  # kv_gather.Gather: where the KV pass writes contiguous K / V
-        # an fp8 cache the kernel widens itself (kernels/prefill_sm90_kv8.py; ragged, or paged in
-        # page boxes) where that beats the dequantizing pass (short queries over long keys:
-        # kv8_widening_pays) or where nothing may depend on the batch (CUDA graphs,
-        # fixed_split_size; kv_pass=False forces it, True the pass); a cache built without that
-        # kernel still serves the plan by the pass
-        kv8 = (
-            kv_name is not None
-            and not portable
-            and not kv_pass
-            and kv8_serves(launch["dtype"], kv_name, d, dv, self._PAGED, var, page_box_for(self._PAGED, int(page_size)))
-        )
-        if kv8 and kv_pass is None and not (self._use_cuda_graph or batch_invariant):
-            kv8 = kv8_widening_pays(qo_len, kv_lens, hq, hk, d, bool(causal), tile, num_sms, window_left)
-        if self._use_cuda_graph and self._fixed is not None and self._fixed["kv8"] != kv8:
-            raise ValueError(
-                "use_cuda_graph=True: plan() changed kv_pass since the first plan (a captured run() bakes it)"
-            )
+        # an fp8 cache the kernel widens itself, where that pays (kv_gather.widens)
+        kv8 = not portable and kv_gather.widens(
+            self, launch, kv_pass, (d, dv), var, int(page_size), (qo_len, kv_lens, hq, hk, bool(causal), window_left),
+            tile, num_sms, batch_invariant,
+        )  # fmt: skip
+        try:  # a cache built without the widening kernel still serves the plan by the pass
+            k = self._kernels(arch, backend, num_sms, launch, tile, d, var, page_size, None, kv8=True) if kv8 else None
+        except KernelNotAvailable:
+            if kv_pass is False:
+                raise
+            kv8 = False
         launch["kv8"] = kv8
-        if kv8:
-            try:
-                k = self._kernels(arch, backend, num_sms, launch, tile, d, var, page_size, None, kv8=True)
-            except KernelNotAvailable:
-                if kv_pass is False:
-                    raise
-                kv8 = False
         if (self._PAGED or launch["kv_dtype"] is not None) and not portable and not kv8:
             # batch-invariant plans take the pass only when asked: the model weighs the whole batch;
             # K and V of different head dims never (the pass has one)
@@ -386,9 +373,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             gather = None
             k = self._kernels(arch, backend, num_sms, launch, tile, d, var, page_size, gather)
         if self._use_cuda_graph and self._fixed is not None and self._fixed["page_box"] != launch["page_box"]:
-            raise ValueError(
-                "use_cuda_graph=True: plan() changed ['page_box'] since the first plan (a captured run() bakes it)"
-            )
+            raise ValueError("use_cuda_graph=True: plan() changed ['page_box'] since the first plan (run() bakes it)")
         spec_kw, pass_var, pass_module, pass_grid, attn = k
         ms = merge_partials_spec(arch, launch["dtype"], dv, tile)
         merge = kernel(ms.family, arch, **ms.pdict)
@@ -448,7 +433,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
     def _kernels(self, arch, backend, num_sms, launch, tile, d, var, page_size, gather, kv8=False):
         """Load the plan's modules: (the kernel's spec params (``paged``: it reads a paged cache
         itself), the KV pass's variant, the pass module or None, the pass's grid, the attention
-        module); sets ``launch["page_box"]``.  ``kv8``: the kernel reads the (ragged) fp8 cache
+        module); sets ``launch["page_box"]``.  ``kv8``: the kernel reads (and widens) the fp8 cache
         itself, no pass."""
         paged = self._PAGED and gather is None  # the kernel reads the cache itself
         portable = backend.family == BATCH_PREFILL_MMA.name  # every page size; keys rotated in-kernel
