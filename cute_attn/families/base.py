@@ -29,6 +29,15 @@ class KernelFamily:
     abi: Callable[[dict], Sequence[Arg]]  # params -> host-function arguments (stream excluded)
     # arch -> {label: regex}; each regex must match the PTX ("ptx:" prefix) or SASS ("sass:")
     expect: Dict[str, Dict[str, str]] = field(default_factory=dict)
+    # params -> {label: why}: checks of ``expect`` a specialization is known to fail (an open
+    # performance gap, named and explained where the family is declared); they are not checked
+    # for it and its meta.json lists them under "known_gaps"
+    known_gaps: Callable[[dict], Dict[str, str]] = lambda params: {}
+
+    def expect_for(self, arch: str, params: dict) -> Dict[str, str]:
+        """``expect[arch]`` without the specialization's known gaps."""
+        gaps = self.known_gaps(params)
+        return {k: v for k, v in self.expect.get(arch, {}).items() if k not in gaps}
 
     def load_builder(self) -> Callable:
         mod, fn = self.builder.split(":")

@@ -209,7 +209,8 @@ def compile_into(spec: Spec, out: Path) -> dict:
         },
         "compile_seconds": round(compile_s, 3),
         "link_seconds": round(link_s, 3),
-        "instructions": check_instructions(family.expect.get(spec.arch, {}), ptx, sass),
+        "instructions": check_instructions(family.expect_for(spec.arch, spec.pdict), ptx, sass),
+        "known_gaps": family.known_gaps(spec.pdict),
         "resources": parse_resources(res),
     }
 
