@@ -318,16 +318,31 @@ def test_fp8_rope(kind, kv):
     check(out, lse, ref_o, ref_lse, BF)
 
 
-def _graph_paged(hq, hk, d, ps, max_b, max_pages, ws_mb=128):
+def _graph_paged(ws, layout, max_b, max_pages, index_buf):
+    """A CUDA-graph-mode paged wrapper with FlashInfer's index buffers (``index_buf(n)``: an
+    int32 buffer of n entries, on the GPU or a fake CUDA one)."""
     from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
 
     bufs = dict(
-        qo_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device=DEV),
-        paged_kv_indptr_buf=torch.zeros(max_b + 1, dtype=torch.int32, device=DEV),
-        paged_kv_indices_buf=torch.zeros(max_pages, dtype=torch.int32, device=DEV),
-        paged_kv_last_page_len_buf=torch.zeros(max_b, dtype=torch.int32, device=DEV),
+        qo_indptr_buf=index_buf(max_b + 1),
+        paged_kv_indptr_buf=index_buf(max_b + 1),
+        paged_kv_indices_buf=index_buf(max_pages),
+        paged_kv_last_page_len_buf=index_buf(max_b),
     )
-    return BatchPrefillWithPagedKVCacheWrapper(_ws(DEV, ws_mb), kv_layout="HND", use_cuda_graph=True, **bufs)
+    return BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout=layout, use_cuda_graph=True, **bufs)
+
+
+def _cpu_index_buf(n):
+    return _fake_cuda(torch.zeros(n, dtype=torch.int32))
+
+
+def _random_pages(qo, kv, ps, max_pages, gen):
+    """(qo indptr, page indptr, page ids, last page lengths) of requests with ``kv`` tokens in
+    pages of ``ps`` drawn at random from ``max_pages``."""
+    pages = [(n + ps - 1) // ps for n in kv]
+    indices = torch.randperm(max_pages, generator=gen)[: sum(pages)].to(torch.int32)
+    last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv, pages)], dtype=torch.int32)
+    return torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(pages), dtype=torch.int32), indices, last
 
 
 @gpu
@@ -339,7 +354,7 @@ def test_fp8_cuda_graph_paged_replay_with_new_plans(ws_mb, kv_pass):
     widening kernel (CUDA-graph mode's default at page 16) follow the new plan."""
     hq, hk, d, ps, max_b, t_max, max_pages = 32, 8, 128, 16, 4, 2048, 4096
     gen = _gen()
-    w = _graph_paged(hq, hk, d, ps, max_b, max_pages, ws_mb)
+    w = _graph_paged(_ws(DEV, ws_mb), "HND", max_b, max_pages, lambda n: torch.zeros(n, dtype=torch.int32, device=DEV))
     kc = torch.randn(max_pages, hk, ps, d, generator=gen).to(torch.float8_e4m3fn).cuda()
     vc = torch.randn(max_pages, hk, ps, d, generator=gen).to(torch.float8_e4m3fn).cuda()
     q = torch.randn(t_max, hq, d, generator=gen).to(BF).cuda()
@@ -347,10 +362,7 @@ def test_fp8_cuda_graph_paged_replay_with_new_plans(ws_mb, kv_pass):
     lse = torch.empty(t_max, hq, device=DEV)
 
     def plan(qo, kv):
-        pages = [(n + ps - 1) // ps for n in kv]
-        indices = torch.randperm(max_pages, generator=gen)[: sum(pages)].to(torch.int32)
-        last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv, pages)], dtype=torch.int32)
-        qo_t, indptr = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(pages), dtype=torch.int32)
+        qo_t, indptr, indices, last = _random_pages(qo, kv, ps, max_pages, gen)
         w.plan(qo_t, indptr, indices, last, hq, hk, d, ps, q_data_type=BF, kv_data_type=torch.float8_e4m3fn,
                causal=True, kv_pass=kv_pass)  # fmt: skip
         assert (w._gathered is None) == (kv_pass is None)
@@ -734,26 +746,16 @@ def test_cpu_fp8_cuda_graph_paged_page16_replans(emu):
     fp8 plan fixes the ragged kernel (the pass gathers, page_box 0), and re-plans with other
     lengths and pages keep it (the H200 run at 904362b refused them: the plan's page_box was
     compared before the pass took the pages)."""
-    from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
     from cute_attn.testing import paged_reference
 
     hq, hk, d, ps, max_b, max_pages = 8, 2, 64, 16, 4, 256
     gen = _gen(9)
-    w = BatchPrefillWithPagedKVCacheWrapper(
-        _cpu_ws(), kv_layout="HND", use_cuda_graph=True,
-        qo_indptr_buf=_fake_cuda(torch.zeros(max_b + 1, dtype=torch.int32)),
-        paged_kv_indptr_buf=_fake_cuda(torch.zeros(max_b + 1, dtype=torch.int32)),
-        paged_kv_indices_buf=_fake_cuda(torch.zeros(max_pages, dtype=torch.int32)),
-        paged_kv_last_page_len_buf=_fake_cuda(torch.zeros(max_b, dtype=torch.int32)),
-    )  # fmt: skip
+    w = _graph_paged(_cpu_ws(), "HND", max_b, max_pages, _cpu_index_buf)
     kc = torch.randn(max_pages, hk, ps, d, generator=gen).to(torch.float8_e4m3fn)
     vc = torch.randn(max_pages, hk, ps, d, generator=gen).to(torch.float8_e4m3fn)
     q = torch.randn(200, hq, d, generator=gen).to(BF)
     for qo, kv in (([100, 100, 0, 0], [100, 2000, 5, 16]), ([1, 199, 0, 0], [900, 199, 1, 1]), ([3, 1, 4], [3, 1, 4])):
-        pages = [(n + ps - 1) // ps for n in kv]
-        indices = torch.randperm(max_pages, generator=gen)[: sum(pages)].to(torch.int32)
-        last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv, pages)], dtype=torch.int32)
-        qo_t, indptr = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(pages), dtype=torch.int32)
+        qo_t, indptr, indices, last = _random_pages(qo, kv, ps, max_pages, gen)
         w.plan(qo_t, indptr, indices, last, hq, hk, d, ps, q_data_type=BF, kv_data_type=torch.float8_e4m3fn,
                causal=True)  # fmt: skip
         assert "page_box" not in w._spec_kw and not w._spec_kw["paged"]
@@ -770,27 +772,17 @@ def test_cpu_fp8_cuda_graph_paged_widening_replans(emu):
     """CUDA-graph mode at page 16, hd128: the kernel widens the paged cache (page boxes) for every
     plan (the first fixes it; re-plans with other lengths keep it, outputs checked); a re-plan
     asking for the pass is refused."""
-    from cute_attn.prefill import BatchPrefillWithPagedKVCacheWrapper
     from cute_attn.testing import paged_reference
 
     hq, hk, d, ps, max_b, max_pages = 8, 2, 128, 16, 4, 256
     gen = _gen(11)
-    w = BatchPrefillWithPagedKVCacheWrapper(
-        _cpu_ws(), kv_layout="NHD", use_cuda_graph=True,
-        qo_indptr_buf=_fake_cuda(torch.zeros(max_b + 1, dtype=torch.int32)),
-        paged_kv_indptr_buf=_fake_cuda(torch.zeros(max_b + 1, dtype=torch.int32)),
-        paged_kv_indices_buf=_fake_cuda(torch.zeros(max_pages, dtype=torch.int32)),
-        paged_kv_last_page_len_buf=_fake_cuda(torch.zeros(max_b, dtype=torch.int32)),
-    )  # fmt: skip
+    w = _graph_paged(_cpu_ws(), "NHD", max_b, max_pages, _cpu_index_buf)
     kc = torch.randn(max_pages, ps, hk, d, generator=gen).to(torch.float8_e4m3fn)
     vc = torch.randn(max_pages, ps, hk, d, generator=gen).to(torch.float8_e4m3fn)
     q = torch.randn(120, hq, d, generator=gen).to(BF)
 
     def plan(qo, kv, **kw):
-        pages = [(n + ps - 1) // ps for n in kv]
-        indices = torch.randperm(max_pages, generator=gen)[: sum(pages)].to(torch.int32)
-        last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv, pages)], dtype=torch.int32)
-        qo_t, indptr = torch.tensor(_cumsum(qo), dtype=torch.int32), torch.tensor(_cumsum(pages), dtype=torch.int32)
+        qo_t, indptr, indices, last = _random_pages(qo, kv, ps, max_pages, gen)
         w.plan(qo_t, indptr, indices, last, hq, hk, d, ps, q_data_type=BF, kv_data_type=torch.float8_e4m3fn,
                causal=True, **kw)  # fmt: skip
         return qo_t, indptr, indices, last

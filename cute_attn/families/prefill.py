@@ -76,8 +76,7 @@ BATCH_PREFILL_SM90 = register(
         known_gaps=lambda p: (
             {
                 "uniform descriptors (SASS)": "hd64, 64-row tiles, ragged causal bf16: ptxas rebuilds the P V "
-                "wgmmas' V descriptors per wgmma (R2UR; so at fa37fa5 too, found when CI's covering set "
-                "first compiled it in session 25); open"
+                "wgmmas' V descriptors per wgmma (R2UR); open"
             }
             if (p["head_dim"], p["tile_q"], p["paged"], p["causal"], p["dtype"]) == (64, 64, False, True, "bf16")
             and len(p) == 7
