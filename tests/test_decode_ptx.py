@@ -55,9 +55,15 @@ class _Interpreted:
                 regions[st.data_ptr()] = mem.add(torch.empty(0, dtype=torch.uint8).set_(st).numpy())
             bases[id(t)] = regions[st.data_ptr()] + t.storage_offset() * t.element_size()
         # the host function's launch values (kernels/decode.py ``host``), in fp32
-        params = ptx_interp.pack_params(self.abi[:11], tensors, mem, bases)
         scale_log2 = np.float32(sm_scale) * np.float32(LOG2E)
-        params += [int(group).to_bytes(4, "little"), np.float32(scale_log2).tobytes(), np.float32(sm_scale).tobytes()]
+        if self.params["head_dim"] == 512:
+            # kernels/decode_wide.py runs the MLA kernel's body: (q, q, k, v, ..), group, causal 0
+            params = ptx_interp.pack_params(self.abi[:1] + self.abi[:11], tensors[:1] + tensors, mem, bases)
+            params += [int(group).to_bytes(4, "little"), (0).to_bytes(4, "little"), np.float32(scale_log2).tobytes()]
+        else:
+            params = ptx_interp.pack_params(self.abi[:11], tensors, mem, bases)
+            params += [int(group).to_bytes(4, "little"), np.float32(scale_log2).tobytes()]
+            params.append(np.float32(sm_scale).tobytes())
         for cta in range(num_ctas):
             c = ptx_interp.CTA(self.ptx, params, mem, 128, ctaid=cta, order=self.order)
             c.run()
@@ -94,7 +100,7 @@ def interp(request, monkeypatch, ptx_of):  # noqa: F811
     return mods
 
 
-def run_decode(kv_lens, page_size, hq, hk, d, heads_per_item, seed, ctas_per_sm=2):
+def run_decode(kv_lens, page_size, hq, hk, d, heads_per_item, seed, ctas_per_sm=2, layout="NHD"):
     from cute_attn import BatchDecodeWithPagedKVCacheWrapper
     from cute_attn.testing import paged_reference
 
@@ -109,13 +115,16 @@ def run_decode(kv_lens, page_size, hq, hk, d, heads_per_item, seed, ctas_per_sm=
     used = torch.zeros(total, dtype=torch.bool)
     used[indices.long()] = True
     k[~used], v[~used] = float("nan"), float("nan")  # pages no request owns are never read
+    cache = (k, v)
+    if layout == "HND":  # the same values in [pages, kv_heads, page_size, head_dim] storage
+        cache = tuple(x.transpose(1, 2).contiguous() for x in (k, v))
     q = torch.randn(len(kv_lens), hq, d, generator=gen).to(torch.bfloat16)
-    w = BatchDecodeWithPagedKVCacheWrapper(_cpu_ws(), ctas_per_sm=ctas_per_sm)
+    w = BatchDecodeWithPagedKVCacheWrapper(_cpu_ws(), kv_layout=layout, ctas_per_sm=ctas_per_sm)
     w.plan(indptr, indices, last, hq, hk, d, page_size, q_data_type=torch.bfloat16, heads_per_item=heads_per_item)
     assert w._hpi == heads_per_item
     out = torch.full_like(q, float("nan"))
     lse = torch.full((len(kv_lens), hq), float("nan"))
-    w.run(q, (k, v), out=out, lse=lse)
+    w.run(q, cache, out=out, lse=lse)
     ref_o, ref_lse = paged_reference(q, (k, v), None, indptr, indices, last)
     assert not out.isnan().any() and not lse.isnan().any()
     # a request with no keys: o = 0, lse = -inf (the contract, ``cute_attn.sched``)
@@ -142,6 +151,8 @@ CASES = [
     # and split requests (a device run read a wrong output for bn128 h1 on the bench's lognormal batch)
     ([1, 5, 300, 40, 1000, 2, 129, 64, 700, 33], 16, 16, 2, 1, 128, 3),
     ([3, 900, 1, 17, 128, 257, 1, 2000], 16, 16, 2, 1, 128, 3, 1),
+    # MQA (32 query heads on one kv head): a token's 32 rows are two 16-row items
+    ([45, 300, 2], 16, 32, 1, 1, 128, 3),
 ]
 
 
@@ -157,7 +168,7 @@ def test_compiled_decode_matches_reference(interp, case, monkeypatch):
     w = run_decode(kv, ps, hq, hk, 64, hpi, seed=len(kv) * 7 + hpi, ctas_per_sm=(case[7:] or (2,))[0])
     assert interp and all(m.steps > 0 for m in interp)
     p = interp[0].params
-    assert p.get("block_n", 64) == bn and p.get("tile_q", 16) == (32 if hpi * hq // hk > 16 else 16)
+    assert p.get("block_n", 64) == bn and p.get("tile_q", 16) == (32 if hpi > 1 and hpi * hq // hk > 16 else 16)
     if kv == [70, 5, 130]:  # 4 CTAs: this one is split, and the merge folds the kernel's partials
         assert w._state.plan.has_split
 
@@ -177,4 +188,23 @@ def test_compiled_decode_hd96(interp, case):
     w = run_decode(kv, ps, hq, hk, 96, hpi, seed=len(kv) * 5 + hpi)
     assert interp and all(m.steps > 0 for m in interp) and interp[0].params["head_dim"] == 96
     if hpi == 1:
+        assert w._state.plan.has_split
+
+
+# head dim 512 (kernels/decode_wide.py: the MLA kernel's split of the contraction and of the
+# output columns over the warps, K and V from their own heads): split + merge, page size 1, an
+# empty request, GQA 8 and MHA, HND strides.
+HD512 = [
+    ([70, 5, 300], 16, 8, 1, "NHD"),  # GQA 8: 8 rows of 16; split + merge
+    ([33, 0, 90], 1, 4, 4, "NHD"),  # MHA, four kv heads, page size 1, an empty request
+    ([41, 97], 16, 8, 2, "HND"),  # GQA 4, HND strides
+]
+
+
+@pytest.mark.parametrize("case", HD512, ids=lambda c: f"kv{'_'.join(map(str, c[0]))}-p{c[1]}-h{c[2]}x{c[3]}-{c[4]}")
+def test_compiled_decode_hd512(interp, case):
+    kv, ps, hq, hk, layout = case
+    w = run_decode(kv, ps, hq, hk, 512, 1, seed=len(kv) * 11 + hq, layout=layout)
+    assert interp and all(m.steps > 0 for m in interp) and interp[0].params["head_dim"] == 512
+    if max(kv) >= 300:
         assert w._state.plan.has_split

@@ -7,8 +7,8 @@ import sys
 from .common import Results
 
 GROUPS = (
-    "copy", "merge", "launch", "decode", "fp8", "fp8prefill", "fp8attn", "prefill", "head_dims", "portable", "variants",
-    "cascade", "sparse", "mla", "merge_sweep",
+    "copy", "merge", "launch", "decode", "decode_shapes", "fp8", "fp8prefill", "fp8attn", "prefill", "head_dims",
+    "portable", "variants", "cascade", "sparse", "mla", "merge_sweep",
 )  # fmt: skip
 
 
@@ -36,6 +36,8 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         merge.sweep_merge(res)
     if "decode" in groups:
         decode.bench_decode(res, quick)
+    elif "decode_shapes" in groups:
+        decode.bench_decode(res, quick, shapes_only=True)
     if "fp8" in groups:
         from . import fp8
 

@@ -95,8 +95,14 @@ def decode_cases():
 
 
 def shape_cases():
-    """Decode cases of other head shapes: (name, kv lengths, page size, q heads, kv heads, head dim)."""
-    return [("bs64/kv4096/page16", [4096] * 64, 16, 64, 8, 64)]  # gpt-oss: 64 q / 8 kv heads, d64
+    """Decode cases of other head shapes: (name, kv lengths, page size, q heads, kv heads, head dim):
+    gpt-oss (64 q / 8 kv heads, d64), head dim 512 (kernels/decode_wide.py; 16 q / 2 kv heads)
+    and MQA (32 q heads on one kv head: two 16-row items per token)."""
+    return [
+        ("bs64/kv4096/page16", [4096] * 64, 16, 64, 8, 64),
+        ("bs64/kv4096/page16", [4096] * 64, 16, 16, 2, 512),
+        ("bs64/kv4096/page16", [4096] * 64, 16, 32, 1, 128),
+    ]
 
 
 def _fi_decode(fi, ws, q, cache, indptr, indices, last, hq, hk, d, ps, ours_run):
@@ -179,11 +185,15 @@ def _decode_case(res, lib_ours, fi, ws, ws_fi, gen, name, kv_lens, ps, hq, hk, d
     )
 
 
-def bench_decode(res, quick: bool) -> None:
+def bench_decode(res, quick: bool, shapes_only: bool = False) -> None:
+    """The decode cases (``quick``: the first three), then the other head shapes; ``shapes_only``
+    (group ``decode_shapes``): those alone."""
     lib_ours, fi = peers.ours(), peers.flashinfer()
     gen = torch.Generator().manual_seed(0)
     cases = [(n, lens, ps, HQ, HK, D) for n, lens, ps in decode_cases()]
-    if quick:
+    if shapes_only:
+        cases = shape_cases()
+    elif quick:
         cases = cases[:3]
     else:
         cases += shape_cases()

@@ -1,6 +1,6 @@
-"""The paged decode family (``kernels/decode.py``, ``decode_fp8.py`` for an fp8 cache:
-``mma.sync`` + ``cp.async``, both arches): its ABI, the instructions its binary must hold, and
-the specializations that ship.
+"""The paged decode family (``kernels/decode.py``, ``decode_fp8.py`` for an fp8 cache,
+``decode_wide.py`` at head dim 512: ``mma.sync`` + ``cp.async``, both arches): its ABI, the
+instructions its binary must hold, and the specializations that ship.
 
 Spec parameters: ``dtype`` (query and output), ``kv_dtype`` (an fp8 cache, ``e4m3`` /
 ``e5m2``; absent for a cache of ``dtype``: ``kernels/decode_fp8.py``), ``head_dim``, ``stages``
@@ -21,7 +21,10 @@ from ..variants.builtins import SlidingWindow, SoftCap
 from .base import KernelFamily, cache_arg, i32_arg, register, spec_variant, variant_params
 from .spec import Spec
 
-HEAD_DIMS = (64, 96, 128, 256)
+HEAD_DIMS = (64, 96, 128, 256, 512)
+# served by kernels/decode_wide.py (the MLA kernel's geometry: warps split the contraction and
+# the output columns): a 16-bit cache, no variant, one kv head per 16-row item
+WIDE_HEAD_DIMS = (512,)
 # an fp8 cache's rows are head_dim bytes: 96 would leave 96-byte rows, which the fp8 kernel's
 # 64- / 128-byte swizzle atoms do not tile (an fp8 cache at 96 decodes on the prefill path)
 FP8_HEAD_DIMS = (64, 128, 256)
@@ -29,15 +32,16 @@ TILE_Q = 16  # packed rows per work item: the kernel's m16 MMA tile
 PACKED_HEADS = (4, 2)  # kv heads per work item the kernel is built for, besides 1
 # head dim 96 gathers a 192-byte row as 64-byte atom rows, 32 rows per pass of the 128 threads:
 # a stage's 64 rows then hold at most two heads' 32 tokens (four would leave 16, fewer than a pass)
-MAX_PACKED_HEADS = {96: 2}
-STAGES = {64: 3, 96: 4, 128: 3, 256: 2}  # KV pipeline depth of a 16-bit cache's BLOCK_N-row stages
+MAX_PACKED_HEADS = {96: 2, 512: 1}
+STAGES = {64: 3, 96: 4, 128: 3, 256: 2, 512: 3}  # KV pipeline depth of a 16-bit cache's BLOCK_N-row stages
 FP8_STAGES = {64: 4, 128: 3, 256: 2}  # of an fp8 cache's (64 rows of D 16-bit pairs: 16 KB at hd128)
 # KV rows (tokens x packed heads) per stage, 16-bit caches.  Head dim 64: 128-row stages (32 KB,
 # hd128's stage bytes) at 3 stages ran 0.5-5 % faster than 64-row ones at 4 on all four hd64
 # batches of the H200 sweeps (scripts/decode_hd64_sweep.py: gpt-oss 64 x 4k 130.0 against 131.1
 # us, 4.13 TB/s; the lognormal batches 118.5-119.6 against 124.4-126.1 us)
-BLOCK_N = {64: 128, 96: 64, 128: 64, 256: 64}
-CTAS_PER_SM = {64: 2, 96: 2, 128: 2, 256: 1}  # what shared memory (and 248 registers/thread) allow
+# head dim 512: 32 rows of K and of V per stage (64 KB; 3 stages + Q + scores: 216 KB)
+BLOCK_N = {64: 128, 96: 64, 128: 64, 256: 64, 512: 32}
+CTAS_PER_SM = {64: 2, 96: 2, 128: 2, 256: 1, 512: 1}  # what shared memory (and 248 registers/thread) allow
 # the variants whose kernels ship for FlashInfer's plain / soft-cap / window options, packed
 # and unpacked (so the wrapper's default packing rule packs only those)
 SHIPPED_VARIANTS = (None, SoftCap(), SlidingWindow(), SoftCap() + SlidingWindow())
@@ -102,17 +106,19 @@ def packing_params(heads_per_item: int) -> dict:
 
 def decode_tile(heads_per_item: int, group: int) -> int:
     """Packed rows per item of a plan with ``heads_per_item`` kv heads of GQA group ``group``:
-    16 (one m16 tile) where they fit, else 32 (``tile_q``: four heads of GQA 8, one per warp)."""
-    return 16 if heads_per_item * group <= TILE_Q else 2 * TILE_Q
+    32 for four heads of GQA 8 (``tile_q``: one per warp), else 16 (one m16 tile; a token's
+    rows beyond 16 -- GQA 32, MQA -- are the next items)."""
+    return 2 * TILE_Q if heads_per_item * group > TILE_Q and heads_per_item > 1 else TILE_Q
 
 
 def packed_ok(heads_per_item: int, group: int, head_dim: int = 0) -> bool:
     """Whether the kernel packs ``heads_per_item`` kv heads of GQA ``group`` (at ``head_dim``; 0:
     any): all rows in one 16-row tile, or four heads of 8 rows each, two per 16-row group
-    (``tile_q`` 32); at most ``MAX_PACKED_HEADS`` of the head dim."""
+    (``tile_q`` 32); at most ``MAX_PACKED_HEADS`` of the head dim.  One kv head per item serves
+    any group (a token's rows beyond 16 are the next items)."""
     if heads_per_item > MAX_PACKED_HEADS.get(head_dim, PACKED_HEADS[0]):
         return False
-    return heads_per_item * group <= TILE_Q or (heads_per_item == 4 and group == 8)
+    return heads_per_item == 1 or heads_per_item * group <= TILE_Q or (heads_per_item == 4 and group == 8)
 
 
 def kv_params(dtype: str, kv_dtype: str | None) -> dict:
@@ -138,6 +144,11 @@ def decode_spec(
     ``Hooks.packs_heads``), cache dtype (``kv_dtype``: None or ``dtype``, or fp8) and packed
     rows per item (``decode_tile``)."""
     kvp = kv_params(dtype, kv_dtype)
+    if head_dim in WIDE_HEAD_DIMS and (vbase.components(variant) or kvp):
+        what = "an fp8 cache" if kvp else f"the variant {variant!r}"
+        raise NotImplementedError(
+            f"paged_decode: {what} at head dim {head_dim} (kernels/decode_wide.py serves a 16-bit cache, no variant)"
+        )
     if kvp and head_dim not in FP8_HEAD_DIMS:
         raise ValueError(f"paged_decode: an fp8 cache at head dim {head_dim} (fp8 head dims: {FP8_HEAD_DIMS})")
     if heads_per_item > MAX_PACKED_HEADS.get(head_dim, PACKED_HEADS[0]):
@@ -170,8 +181,9 @@ def shipped_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=HEAD_DIMS, 
     for dt in dtype_names:
         for d in head_dims:
             heads = [h for h in PACKED_HEADS if h <= MAX_PACKED_HEADS.get(d, h)]
+            variants = (None,) if d in WIDE_HEAD_DIMS else SHIPPED_VARIANTS
             for kv in kv_names if d in FP8_HEAD_DIMS else (None,):
-                out += [decode_spec(arch, dt, d, v, kv_dtype=kv) for v in SHIPPED_VARIANTS]
+                out += [decode_spec(arch, dt, d, v, kv_dtype=kv) for v in variants]
                 out += [decode_spec(arch, dt, d, v, h, kv) for h in heads for v in SHIPPED_VARIANTS]
             out.append(Spec.make("merge_partials", arch, dtype=dt, head_dim=d, tile_q=TILE_Q))
     return out

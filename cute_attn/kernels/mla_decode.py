@@ -111,16 +111,18 @@ class MlaConfig:
 
 class Cursor:
     """The load cursor: the item it is in, its next block ``nb`` of ``n``, the item's token range
-    [start, end) and its page-table offset ``base``.  Carried through the kernel's loops as six
-    Int32 values in this order (``__extract_mlir_values__``)."""
+    [start, end), its page-table offset ``base`` and kv head ``head`` (0 for MLA's one latent
+    head).  Carried through the kernel's loops as seven Int32 values in this order
+    (``__extract_mlir_values__``)."""
 
-    FIELDS = ("item", "nb", "n", "start", "end", "base")
+    FIELDS = ("item", "nb", "n", "start", "end", "base", "head")
 
-    def __init__(self, item, nb, n, start, end, base):
+    def __init__(self, item, nb, n, start, end, base, head):
         self.item, self.nb, self.n, self.start, self.end, self.base = item, nb, n, start, end, base
+        self.head = head
 
     def next_block(self):
-        return Cursor(self.item, self.nb + 1, self.n, self.start, self.end, self.base)
+        return Cursor(self.item, self.nb + 1, self.n, self.start, self.end, self.base, self.head)
 
     def astuple(self):
         return tuple(getattr(self, f) for f in self.FIELDS)
@@ -151,10 +153,10 @@ class LoadStream:
     item_end: Any
 
 
-def smem_off(r, j, t, s, rows: int):
-    """Element offset of row r, 16-byte chunk 8 j + t (j < 9: chunk column j of the swizzle
-    atom; t < 8), slice s of a (rows, 576, n) tile: 128-byte rows, chunk XOR (row mod 8)."""
-    return s * (rows * D_QK) + j * (rows * 64) + r * 64 + (t ^ (r % 8)) * 8
+def smem_off(r, j, t, s, rows: int, width: int = D_QK):
+    """Element offset of row r, 16-byte chunk 8 j + t (j < width / 64: chunk column j of the
+    swizzle atom; t < 8), slice s of a (rows, width, n) tile: 128-byte rows, chunk XOR (row mod 8)."""
+    return s * (rows * width) + j * (rows * 64) + r * 64 + (t ^ (r % 8)) * 8
 
 
 def swizzle_atom():
@@ -177,6 +179,7 @@ class MlaDecode:
         assert self.tile_q * THREADS_PER_ROW == self.threads  # Q staging: one row per 8 threads
         self.tile_stages = self.stages  # 16-bit [32, 576] tiles in shared memory: the ring itself
         self.mma_dtype = self.dtype  # the MMA's operand dtype (P is converted to it)
+        self.width = D_QK  # values per row of the stage and Q tiles
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
@@ -228,8 +231,8 @@ class MlaDecode:
 
     def smem_layouts(self):
         """(stage ring layout, Q staging layout, the shared-memory struct): trace-time values."""
-        kv_layout = cute.tile_to_shape(swizzle_atom(), (BLOCK_N, D_QK, self.tile_stages), (0, 1, 2))
-        q_layout = cute.tile_to_shape(swizzle_atom(), (self.tile_q, D_QK), (0, 1))
+        kv_layout = cute.tile_to_shape(swizzle_atom(), (BLOCK_N, self.width, self.tile_stages), (0, 1, 2))
+        q_layout = cute.tile_to_shape(swizzle_atom(), (self.tile_q, self.width), (0, 1))
         fields = self._smem_fields(kv_layout, q_layout)
         # built from evaluated annotations: this module's are strings (``from __future__``)
         return kv_layout, q_layout, cute.struct(type("Smem", (), {"__annotations__": fields}))
@@ -260,13 +263,13 @@ class MlaDecode:
 
     def _check_smem_off(self, layout, rows: int, slices):
         """Trace time: ``smem_off`` agrees with the layout's own offsets (``slices`` of a
-        (rows, 576, n) layout, None for a (rows, 576) one)."""
+        (rows, width, n) layout, None for a (rows, width) one)."""
         for r in range(rows):
-            for c in range(ROW_CHUNKS):
+            for c in range(self.width // 8):
                 for s in range(slices or 1):
                     crd = (r, c * 8, s) if slices else (r, c * 8)
                     want = cute.crd2idx(crd, layout)
-                    got = smem_off(r, c // 8, c % 8, s, rows)
+                    got = smem_off(r, c // 8, c % 8, s, rows, self.width)
                     if want != got:
                         raise AssertionError(f"smem_off({r}, {c}, {s}) = {got}, layout {want}")
 
@@ -335,7 +338,7 @@ class MlaDecode:
         # goes to stage t % stages); one cp.async group per block and one block issued per
         # computed block, so the wait for block t is always "all but the stages - 2 newest".
         z = Int32(0)
-        cur = self._cursor_next(ld, Cursor(item_begin - 1, z, z, z, z, z))
+        cur = self._cursor_next(ld, Cursor(item_begin - 1, z, z, z, z, z, z))
         for s in cutlass.range_constexpr(self.stages - 1):
             cur = self._cursor_issue(ld, s, cur)
         g = Int32(0)  # blocks computed so far: the stream position of this item's block 0
@@ -556,17 +559,18 @@ class MlaDecode:
         """The cursor past an exhausted item moves on to the next item that has blocks (or to the
         end of the list), then looks up the pages of its next block (the lookups stay one block
         ahead of the copies).  The while loop runs on the fields unpacked into locals."""
-        c_item, c_nb, c_n, c_start, c_end, c_base = cur.astuple()
+        c_item, c_nb, c_n, c_start, c_end, c_base, c_head = cur.astuple()
         while (c_nb >= c_n) & (c_item + 1 < ld.item_end):
             c_item = c_item + 1
             info = ItemInfo(ld.mWork, c_item, ld.group)
             c_start, c_end = info.kv_start, info.kv_end
             c_base = ld.mKvIndptr[info.req]
+            c_head = info.kv_head
             c_n = (c_end - c_start + BLOCK_N - 1) // BLOCK_N
             c_nb = Int32(0)
         if c_nb < c_n:
             self._lookup(ld, c_base, c_start + c_nb * BLOCK_N, c_end)
-        return Cursor(c_item, c_nb, c_n, c_start, c_end, c_base)
+        return Cursor(c_item, c_nb, c_n, c_start, c_end, c_base, c_head)
 
     @cute.jit
     def _cursor_issue(self, ld: LoadStream, stage: Int32, cur: Cursor):
@@ -574,7 +578,7 @@ class MlaDecode:
         cp.async group (empty once the CTA's items are all issued, so the count the compute
         waits on stays exact)."""
         if cur.nb < cur.n:
-            self._issue_kv(ld, cur.start + cur.nb * BLOCK_N, cur.end, stage)
+            self._issue_kv(ld, cur.start + cur.nb * BLOCK_N, cur.end, stage, cur.head)
             cur = self._cursor_next(ld, cur.next_block())
         cute.arch.cp_async_commit_group()
         return cur
@@ -603,8 +607,9 @@ class MlaDecode:
         return r, ld.mCkv[page, slot, None].iterator.toint(), ld.mKpe[page, slot, None].iterator.toint()
 
     @cute.jit
-    def _issue_kv(self, ld: LoadStream, blk_start: Int32, kv_end: Int32, stage: Int32):
-        """cp.async this thread's chunks of the block's rows into a stage: per row, ckv chunks
+    def _issue_kv(self, ld: LoadStream, blk_start: Int32, kv_end: Int32, stage: Int32, head: Int32):
+        """cp.async this thread's chunks of the block's rows (of kv head ``head``: MLA has one) into
+        a stage: per row, ckv chunks
         t, t + 8, .., t + 56 and kpe chunk t (t = tidx mod 8): 8 threads read a row's 1152 bytes
         as 9 fully used 128-byte lines."""
         t = ld.tidx % THREADS_PER_ROW

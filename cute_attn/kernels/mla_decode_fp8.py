@@ -158,7 +158,7 @@ class MlaDecodeFp8(MlaDecode):
 
     # ---- loads -------------------------------------------------------------------------------
     @cute.jit
-    def _issue_kv(self, ld: LoadStream, blk_start: Int32, kv_end: Int32, stage: Int32):
+    def _issue_kv(self, ld: LoadStream, blk_start: Int32, kv_end: Int32, stage: Int32, head: Int32):
         """cp.async this thread's chunks of the block's rows into ring stage ``stage``: per row,
         ckv chunks t, t + 8, t + 16, t + 24 (one per atom: the row's 8 threads fill an atom row's
         128 bytes) and, threads t < 4, kpe chunk t."""

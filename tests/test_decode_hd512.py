@@ -1,0 +1,167 @@
+"""Decode at head dim 512 (``kernels/decode_wide.py``) and GQA groups above 16 on the GPU,
+against the fp32 reference (``test_decode_gpu``'s cases and tolerances: relative L2 of the
+output bf16 2e-2 / fp16 4e-3, LSE absolute 2e-3, -inf exactly where the reference has it;
+unused pages NaN, outputs pre-filled with NaN)."""
+
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+from cute_attn import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache
+from cute_attn.testing import paged_reference, single_reference
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_decode_gpu import TOL, check, run_case  # noqa: E402
+
+gpu = pytest.mark.gpu
+D = 512
+
+
+def _lens():
+    """Lengths 0 / 1 / odd / a block's edge / long (split and merged), shuffled."""
+    rng = random.Random()
+    kv = [0, 1, 17, 31, 32, 33, 129, 300 + 2 * rng.randrange(50) + 1, 4096 + rng.randrange(100)]
+    rng.shuffle(kv)
+    return kv
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("hq,hk", [(8, 8), (32, 8), (16, 2), (64, 4)])
+def test_decode_hd512_grid(page_size, layout, hq, hk):
+    kv = _lens()
+    w = run_case(len(kv), kv, page_size, hq, hk, D, torch.bfloat16, layout)[0]
+    assert w._state.decode is not None and not w._routed and w._hpi == 1
+
+
+@gpu
+@pytest.mark.parametrize("single_tensor", [False, True])
+def test_decode_hd512_f16(single_tensor):
+    kv = _lens()
+    run_case(len(kv), kv, 16, 32, 8, D, torch.float16, "NHD", single_tensor)
+
+
+@gpu
+@pytest.mark.parametrize("d", [128, D])
+@pytest.mark.parametrize("hq,hk", [(32, 1), (64, 2)])
+def test_decode_groups_above_16(d, hq, hk):
+    """MQA / GQA 32: a token's 32 rows are two 16-row items."""
+    kv = _lens()
+    w = run_case(len(kv), kv, 16, hq, hk, d, torch.bfloat16)[0]
+    assert w._state.decode is not None and w._state.plan.has_split
+
+
+@gpu
+@pytest.mark.parametrize("kv", ["e4m3", "e5m2"])
+def test_decode_fp8_group_32(kv):
+    """An fp8 cache at GQA 32 (kernels/decode_fp8.py, 16-row items), against the reference on the
+    dequantized cache (test_fp8_decode_gpu's tolerances)."""
+    from test_fp8_decode_gpu import run_case as run_fp8_case
+
+    run_fp8_case([0, 1, 77, 3000, 129], 16, 32, 1, 128, torch.bfloat16, kv)
+
+
+@gpu
+def test_decode_hd512_deterministic():
+    kv = [5000, 17, 40000, 800]
+    w, q, cache, out, lse = run_case(len(kv), kv, 16, 32, 8, D, torch.bfloat16)
+    assert w._state.plan.has_split
+    out2, lse2 = w.run(q, cache, return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@gpu
+def test_decode_hd512_cuda_graph_replay():
+    """One captured run() replayed over re-plans (plan() and fast_decode_plan), each replay
+    checked against the reference."""
+    from cute_attn.decode import fast_decode_plan
+
+    hq, hk, ps, max_b = 16, 4, 16, 6
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    max_pages = 1200
+    bufs = dict(
+        paged_kv_indptr_buffer=torch.zeros(max_b + 1, dtype=torch.int32, device="cuda"),
+        paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device="cuda"),
+        paged_kv_last_page_len_buffer=torch.zeros(max_b, dtype=torch.int32, device="cuda"),
+    )
+    w = BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True, **bufs
+    )
+    k = torch.randn(max_pages, ps, hk, D, generator=gen).to(torch.bfloat16).cuda()
+    v = torch.randn(max_pages, ps, hk, D, generator=gen).to(torch.bfloat16).cuda()
+    q = torch.randn(max_b, hq, D, generator=gen).to(torch.bfloat16).cuda()
+    out = torch.empty_like(q)
+    g = None
+    for t, kv_lens in enumerate(([100] * max_b, [3000, 1, 17, 9000, 64, 5], [1] * max_b, [2000] * max_b)):
+        pages = [(n + ps - 1) // ps for n in kv_lens]
+        indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0)), dtype=torch.int32)
+        indices = torch.randperm(max_pages, generator=gen)[: int(indptr[-1])].to(torch.int32)
+        last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv_lens, pages)], dtype=torch.int32)
+        if t % 2 == 0:
+            w.plan(indptr, indices, last, hq, hk, D, ps, q_data_type=torch.bfloat16)
+        else:
+            bufs["paged_kv_indices_buffer"][: indices.numel()].copy_(indices)
+            fast_decode_plan(w, indptr, bufs["paged_kv_indices_buffer"], last, hq, hk, D, ps,
+                             q_data_type=torch.bfloat16, global_override_indptr_cpu=indptr)  # fmt: skip
+        if g is None:
+            w.run(q, (k, v), out=out)  # warm-up: loads the modules outside capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                w.run(q, (k, v), out=out)
+        ref_o, _ = paged_reference(q, (k, v), None, indptr, indices, last)
+        out.fill_(float("nan"))
+        g.replay()
+        err = ((out.float() - ref_o).norm() / ref_o.norm()).item()
+        assert not torch.isnan(out).any() and err < TOL[torch.bfloat16], (kv_lens, err)
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv_len", [1, 77, 5000])
+def test_single_decode_hd512(layout, kv_len):
+    hq, hk = 16, 2
+    q = torch.randn(hq, D, dtype=torch.bfloat16, device="cuda")
+    shape = (kv_len, hk, D) if layout == "NHD" else (hk, kv_len, D)
+    k = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    out, lse = single_decode_with_kv_cache(q, k, v, kv_layout=layout, return_lse=True)
+    ref_o, ref_lse = single_reference(q, k, v, kv_layout=layout)
+    check(out.unsqueeze(0), lse.unsqueeze(0), ref_o.unsqueeze(0), ref_lse.unsqueeze(0), torch.bfloat16)
+
+
+@gpu
+def test_decode_hd512_unsupported_options_raise_before_launch():
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+    ind = torch.tensor([0, 1], dtype=torch.int32)
+    for kw in (dict(logits_soft_cap=30.0), dict(window_left=100)):
+        with pytest.raises(NotImplementedError, match="head dim 512"):
+            w.plan(ind, ind[:1], ind[1:], 8, 8, D, 16, q_data_type=torch.bfloat16, **kw)
+    with pytest.raises((NotImplementedError, ValueError), match="512"):
+        w.plan(ind, ind[:1], ind[1:], 8, 8, D, 16, q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="heads_per_item"):
+        w.plan(ind, ind[:1], ind[1:], 8, 8, D, 16, q_data_type=torch.bfloat16, heads_per_item=2)
+
+
+def test_cpu_hd512_specs():
+    """The spec rules at 512 (no GPU): plain 16-bit decode ships on both arches; variants, fp8
+    and head packing are refused by name; GQA above 16 is 16-row items."""
+    from cute_attn.families import decode
+    from cute_attn.variants.builtins import SoftCap
+
+    for arch in ("sm_90a", "sm_100a"):
+        got = [s for s in decode.shipped_specs(arch) if s.family == "paged_decode" and s.pdict["head_dim"] == D]
+        assert len(got) == 2 and {s.pdict["dtype"] for s in got} == {"f16", "bf16"}
+        assert all(s.pdict["variant"] == "none" and s.pdict["block_n"] == 32 for s in got)
+    with pytest.raises(NotImplementedError, match="SoftCap"):
+        decode.decode_spec("sm_90a", "bf16", D, SoftCap())
+    with pytest.raises(NotImplementedError, match="fp8"):
+        decode.decode_spec("sm_90a", "bf16", D, kv_dtype="e4m3")
+    with pytest.raises(ValueError, match="kv heads per item"):
+        decode.decode_spec("sm_90a", "bf16", D, heads_per_item=2)
+    assert decode.decode_tile(1, 32) == 16 and decode.packed_ok(1, 32) and decode.decode_tile(4, 8) == 32
+    assert not decode.packed_ok(2, 16) and not decode.packed_ok(2, 4, D)
