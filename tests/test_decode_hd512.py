@@ -49,10 +49,26 @@ def test_decode_hd512_f16(single_tensor):
 @pytest.mark.parametrize("d", [128, D])
 @pytest.mark.parametrize("hq,hk", [(32, 1), (64, 2)])
 def test_decode_groups_above_16(d, hq, hk):
-    """MQA / GQA 32: a token's 32 rows are two 16-row items."""
+    """MQA / GQA 32: at 128 the plan runs on the prefill kernel (one 64-row tile per token and kv
+    head, ``decode_engine.MAX_DECODE_GROUP``); at 512 on the decode kernel, a token's 32 rows
+    as two 16-row items."""
     kv = _lens()
     w = run_case(len(kv), kv, 16, hq, hk, d, torch.bfloat16)[0]
-    assert w._state.decode is not None and w._state.plan.has_split
+    assert w._routed == (d == 128)
+    if d == D:
+        assert w._state.decode is not None and w._state.plan.has_split
+
+
+@gpu
+def test_decode_group_32_on_the_decode_kernel(monkeypatch):
+    """The decode kernel's own path at GQA 32 (what a plan with a variant takes): forced by
+    turning the routing off."""
+    import cute_attn.wrappers.decode as W
+
+    monkeypatch.setattr(W, "decodes_on_prefill", lambda *a, **k: False)
+    kv = _lens()
+    w = run_case(len(kv), kv, 16, 32, 1, 128, torch.bfloat16)[0]
+    assert not w._routed and w._state.decode is not None
 
 
 @gpu
@@ -101,10 +117,13 @@ def test_decode_hd512_cuda_graph_replay():
         indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0)), dtype=torch.int32)
         indices = torch.randperm(max_pages, generator=gen)[: int(indptr[-1])].to(torch.int32)
         last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv_lens, pages)], dtype=torch.int32)
+        # the caller writes the index buffers in place (fast_decode_plan copies nothing, as SGLang)
+        bufs["paged_kv_indptr_buffer"].copy_(indptr)
+        bufs["paged_kv_indices_buffer"][: indices.numel()].copy_(indices)
+        bufs["paged_kv_last_page_len_buffer"].copy_(last)
         if t % 2 == 0:
             w.plan(indptr, indices, last, hq, hk, D, ps, q_data_type=torch.bfloat16)
         else:
-            bufs["paged_kv_indices_buffer"][: indices.numel()].copy_(indices)
             fast_decode_plan(w, indptr, bufs["paged_kv_indices_buffer"], last, hq, hk, D, ps,
                              q_data_type=torch.bfloat16, global_override_indptr_cpu=indptr)  # fmt: skip
         if g is None:

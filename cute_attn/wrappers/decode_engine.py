@@ -39,10 +39,21 @@ def _replaced(st, **changes):
     return new
 
 
-def decodes_on_prefill(head_dim, kv_data_type) -> bool:
-    """Whether decode at ``head_dim`` over a ``kv_data_type`` cache plans on the prefill kernels
-    (a head dim or cache the decode kernel does not serve: an fp8 cache at 96)."""
-    return head_dim not in head_dims_for(common.is_fp8(kv_data_type)) and head_dim in PREFILL_HEAD_DIMS
+# decode of GQA groups above this many query heads per kv head (MQA) plans on the prefill
+# kernels where they serve the head dim: the decode kernel's 16-row items would read each
+# token's keys once per 16 query heads, the prefill kernel's 64-row tiles once
+MAX_DECODE_GROUP = 16
+
+
+def decodes_on_prefill(head_dim, kv_data_type, group: int = 1, plain: bool = True) -> bool:
+    """Whether decode at ``head_dim`` over a ``kv_data_type`` cache plans on the prefill kernels:
+    a head dim or cache the decode kernel does not serve (an fp8 cache at 96), or a 16-bit cache
+    at a GQA ``group`` above ``MAX_DECODE_GROUP`` where the plan is ``plain`` (no variant, custom
+    mask or head packing: what the routed plan cannot take)."""
+    if head_dim not in PREFILL_HEAD_DIMS:
+        return False
+    fp8 = common.is_fp8(kv_data_type)
+    return head_dim not in head_dims_for(fp8) or (plain and not fp8 and group > MAX_DECODE_GROUP)
 
 
 class DecodeEngineAPI:
@@ -491,7 +502,8 @@ class DecodeEngineAPI:
         """FlashInfer's ``workspace_size``: (float workspace bytes, int workspace bytes) that
         plan() with these arguments needs; no side effects.  The int bytes are 0 (the plan lives
         in the float workspace)."""
-        on_prefill = decodes_on_prefill(head_dim, kv_data_type)
+        group = num_qo_heads // num_kv_heads if isinstance(num_kv_heads, int) and num_kv_heads > 0 else 1
+        on_prefill = decodes_on_prefill(head_dim, kv_data_type, group)
         dims = PREFILL_HEAD_DIMS if on_prefill else SUPPORTED_HEAD_DIMS
         common.check_heads(num_qo_heads, num_kv_heads, head_dim, dims)
         if block_tables is not None or seq_lens is not None:
