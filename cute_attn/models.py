@@ -253,6 +253,15 @@ def model_specs(m: ModelAttention, arch: str) -> list:
     if m.mla:
         return _mla_model_specs(m, arch)
     dt, d, kv = m.dtype, m.head_dim, m.kv_dtype
+    if d in prefill_mma.WIDE_HEAD_DIMS:  # plain attention on the wide kernels (kernels/decode_wide.py)
+        if kv is not None or m.sliding_window is not None or m.logits_soft_cap is not None or m.sinks:
+            raise ValueError(f"{m.name}: head_dim {d} serves a 16-bit cache without window, soft-cap or sinks")
+        specs = [
+            decode_spec(arch, dt, d),
+            merge.merge_partials_spec(arch, dt, d, decode.TILE_Q),
+            kept_update_spec(arch),
+        ]
+        return list(dict.fromkeys(specs + [s for s in prefill_mma.wide_specs(arch) if s.pdict["dtype"] == dt]))
     heads = [1] + [
         h
         for h in decode.PACKED_HEADS

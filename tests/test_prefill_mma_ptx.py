@@ -61,6 +61,16 @@ class _Interpreted:
             if st.data_ptr() not in regions:
                 regions[st.data_ptr()] = mem.add(torch.empty(0, dtype=torch.uint8).set_(st).numpy())
             bases[id(t)] = regions[st.data_ptr()] + t.storage_offset() * t.element_size()
+        if self.params["head_dim"] == 512:
+            # kernels/decode_wide.py runs the MLA kernel's body: (q, q, k, v, ..), group, causal, scale
+            params = ptx_interp.pack_params(self.abi[:1] + self.abi[:11], tensors[:1] + tensors, mem, bases)
+            params += [int(group).to_bytes(4, "little"), int(self.params["causal"]).to_bytes(4, "little")]
+            params.append((np.float32(sm_scale) * np.float32(LOG2E)).tobytes())
+            for cta in range(num_ctas):
+                c = ptx_interp.CTA(self.ptx, params, mem, 8 * self.params["tile_q"], ctaid=cta, order=self.order)
+                c.run()
+                self.steps += c.executed
+            return
         # the host function's launch values (kernels/prefill_mma.py ``host``), in fp32
         cap = np.float32(soft_cap) if soft_cap > 0 else np.float32(1.0)
         scale_log2 = cap * np.float32(LOG2E) if self.params["soft_cap"] else np.float32(sm_scale) * np.float32(LOG2E)
@@ -126,6 +136,11 @@ CASES = [
     ([8, 3], [19, 100], 8, 2, 96, torch.float16, 0, True, None, -1, {}, 32),
     ([33, 2], [150, 2], 4, 2, 96, torch.bfloat16, 1, True, 30.0, 20, {}, 64),
     ([20], [200], 4, 2, 96, torch.bfloat16, 16, True, None, -1, dict(fixed_split_size=4), 64),  # (in pages)
+    # head dim 512 (kernels/decode_wide.py: 16- and 32-row tiles, one and two warp groups)
+    ([1, 2], [70, 33], 8, 2, 512, torch.bfloat16, 16, False, None, -1, {}, 16),
+    ([8, 3], [19, 100], 8, 2, 512, torch.float16, 0, True, None, -1, {}, 32),
+    ([50, 7], [20, 90], 2, 2, 512, torch.bfloat16, 1, True, None, -1, {}, 32),  # causal qo > kv, page 1
+    ([20], [200], 4, 2, 512, torch.bfloat16, 0, True, None, -1, dict(fixed_split_size=128), 32),  # split + merge
 ]
 
 

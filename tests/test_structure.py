@@ -135,8 +135,8 @@ def test_host_edits_change_no_key(tmp_path, base_keys, rel):
         ("kernels/prefill_mma.py", {"batch_prefill_mma"}),
         ("kernels/prefill_sm90_softmax.py", {"batch_prefill_sm90", "batch_prefill_fp8_sm90"}),  # fp8: a subclass
         ("kernels/kv_pass.py", {"kv_pass"}),
-        # the wgmma kernel reuses its copy map; decode at head dim 512 (kernels/decode_wide.py) its body
-        ("kernels/mla_decode.py", {"mla_decode", "mla_decode_sm90", "paged_decode"}),
+        # the wgmma kernel reuses its copy map; head dim 512 (kernels/decode_wide.py) its body
+        ("kernels/mla_decode.py", {"mla_decode", "mla_decode_sm90", "paged_decode", "batch_prefill_mma"}),
         ("kernels/mla_decode_sm90.py", {"mla_decode_sm90"}),
         ("kernels/merge.py", {"merge_states", "merge_pair", "merge_partials"}),
         ("families/merge.py", {"merge_states", "merge_pair", "merge_partials"}),

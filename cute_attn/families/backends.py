@@ -26,6 +26,7 @@ class Backend:
     head_dims: tuple
     dtypes: tuple
     tiles: tuple = ()  # packed query rows per work item the kernel is built for
+    tiles_by_head_dim: Dict[int, tuple] = field(default_factory=dict)  # where a head dim has fewer
     ctas_per_sm: Dict[int, int] = field(default_factory=dict)  # head_dim -> CTAs per SM (default 1)
     planner: Dict[str, float] = field(default_factory=dict)  # the planner's cost parameters
     planner_by_head_dim: Dict[int, Dict[str, float]] = field(default_factory=dict)  # overrides per head dim
@@ -34,6 +35,9 @@ class Backend:
 
     def ctas_for(self, head_dim: int) -> int:
         return self.ctas_per_sm.get(head_dim, 1)
+
+    def tiles_for(self, head_dim: int) -> tuple:
+        return self.tiles_by_head_dim.get(head_dim, self.tiles)
 
     def planner_for(self, head_dim: int) -> Dict[str, float]:
         """The planner's parameters for a head dim (``planner`` with its overrides)."""
@@ -152,9 +156,12 @@ BACKENDS = (
         prefill_mma.HEAD_DIMS,
         dtypes.ATTENTION,
         tiles=prefill_mma.TILES,
+        tiles_by_head_dim=prefill_mma.TILES_BY_HEAD_DIM,
         ctas_per_sm=prefill_mma.CTAS_PER_SM,
         planner={"alpha": 8, "balance_tol": 0.01},
-        shipped=lambda arch: prefill_mma.shipped_specs(arch, portable_tiles(arch), portable_paged(arch)),
+        shipped=lambda arch: (
+            prefill_mma.shipped_specs(arch, portable_tiles(arch), portable_paged(arch)) + prefill_mma.wide_specs(arch)
+        ),
     ),  # fmt: skip
     Backend(
         "kv_pass",
@@ -234,10 +241,13 @@ def choose_prefill_backend(
     the pages with cp.async), which take the portable kernel -- unless the plan needs the KV
     pass (an fp8 cache, ``kv_pass=True``: it feeds only the wgmma kernel) or must not depend on
     the batch (``fixed_split_size``) or has head dims (``head_dims``: (qk, vo)) it does not serve
-    (or ``HOPPER_WGMMA_ONLY_HEAD_DIMS``)."""
+    (or ``HOPPER_WGMMA_ONLY_HEAD_DIMS``).  A head dim only a later backend serves takes it."""
     if name is not None:
         return backend_for("prefill", arch, name)
     first = backend_for("prefill", arch)
+    if head_dims is not None and not first.serves_head_dims(*head_dims):
+        # 512: the portable family's wide kernel
+        return next((b for b in backends_for("prefill", arch) if b.serves_head_dims(*head_dims)), first)
     limit = HOPPER_PORTABLE_MAX_ROWS["gather" if gathers else "tma"]
     if first.name != PORTABLE_PREFILL and not needs_pass and not batch_invariant and 0 < packed_rows <= limit:
         portable = backend_for("prefill", arch, PORTABLE_PREFILL)

@@ -18,11 +18,18 @@ from .prefill import prefill_abi
 from .spec import Spec
 
 # decode's geometry (kernels/decode.py): 128- or 64-byte swizzle atoms (96: three 64-byte atom columns)
-HEAD_DIMS = (64, 96, 128, 256)
+HEAD_DIMS = (64, 96, 128, 256, 512)
 SHIPPED_HEAD_DIMS = (64, 128, 256)  # the default grid (96: the test matrix and model sets, as the wgmma kernel's)
+# served by kernels/decode_wide.py (the MLA kernel's warp split of the contraction and the output
+# columns): 16- or 32-row tiles (one or two warp groups), no soft-cap / window / variant; its
+# stages of 32 K + 32 V rows (64 KB) that fit shared memory beside Q and the score exchange
+WIDE_HEAD_DIMS = (512,)
+WIDE_TILES = (16, 32)
+WIDE_STAGES = {16: 3, 32: 2}  # 216 / 176 KB
 
 TILES = (16, 32, 64)  # packed query rows per work item
-CTAS_PER_SM = {64: 2, 96: 2, 128: 2, 256: 1}  # what shared memory allows (kernels/prefill_mma.py STAGES)
+TILES_BY_HEAD_DIM = {d: WIDE_TILES for d in WIDE_HEAD_DIMS}
+CTAS_PER_SM = {64: 2, 96: 2, 128: 2, 256: 1, 512: 1}  # what shared memory allows (kernels/prefill_mma.py STAGES)
 
 BATCH_PREFILL_MMA = register(
     KernelFamily(
@@ -60,6 +67,14 @@ def prefill_mma_spec(
     """One ``batch_prefill_mma`` specialization; ``variant``: the traced variant beyond the
     static flags (None: the plain kernel); ``knobs``: ``stages`` / ``warps_m`` (absent: the
     kernel's defaults)."""
+    if head_dim in WIDE_HEAD_DIMS:
+        if soft_cap or window or variant is not None:
+            raise NotImplementedError(
+                f"batch_prefill_mma: soft-cap, a window or a variant at head dim {head_dim} (kernels/decode_wide.py "
+                "serves plain causal / non-causal attention)"
+            )
+        if tile_q not in WIDE_TILES:
+            raise ValueError(f"batch_prefill_mma: tile_q {tile_q} at head dim {head_dim} (tiles {WIDE_TILES})")
     extra = variant_params(variant) if variant is not None else {}
     extra.update({k: int(v) for k, v in knobs.items() if v})
     return Spec.make(
@@ -85,15 +100,18 @@ def prefill_mma_specs(
     causal=(False, True),
     variants=((False, False),),
 ) -> list:
-    """Specializations over a grid; ``variants``: the (soft_cap, window) pairs."""
+    """Specializations over a grid; ``variants``: the (soft_cap, window) pairs (at head dim 512
+    only its tiles and the plain kernel)."""
     return [
         prefill_mma_spec(arch, dt, d, t, p, c, cap, win)
         for dt in dtype_names
         for d in head_dims
         for t in tiles
+        if t in TILES_BY_HEAD_DIM.get(d, TILES)
         for p in paged
         for c in causal
         for cap, win in variants
+        if d not in WIDE_HEAD_DIMS or not (cap or win)
     ]
 
 
@@ -104,6 +122,7 @@ def merge_specs(arch: str, dtype_names=dtypes.ATTENTION, head_dims=HEAD_DIMS, ti
         for dt in dtype_names
         for d in head_dims
         for t in tiles
+        if t in TILES_BY_HEAD_DIM.get(d, TILES)
     ]
 
 
@@ -117,3 +136,11 @@ def shipped_specs(arch: str, tiles=TILES, paged=(False, True)) -> list:
     extra = prefill_mma_specs(arch, head_dims=(128,), tiles=tiles, paged=paged, variants=flags)
     main = prefill_mma_specs(arch, head_dims=SHIPPED_HEAD_DIMS, tiles=tiles, paged=paged)
     return main + extra + merge_specs(arch, head_dims=SHIPPED_HEAD_DIMS, tiles=tiles)
+
+
+def wide_specs(arch: str) -> list:
+    """Head dim 512 (every arch's only prefill there): both tiles, ragged and paged, causal or
+    not, and their merges."""
+    return prefill_mma_specs(arch, head_dims=WIDE_HEAD_DIMS, tiles=WIDE_TILES) + merge_specs(
+        arch, head_dims=WIDE_HEAD_DIMS, tiles=WIDE_TILES
+    )

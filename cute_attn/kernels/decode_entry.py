@@ -21,7 +21,7 @@ def build_paged_decode(spec):
 
     cfg = DecodeConfig.from_spec(spec.pdict)
     if cfg.head_dim == WIDE_HEAD_DIM:
-        kernel = WideDecode(cfg)
+        kernel = WideDecode.for_decode(cfg)
     elif cfg.kv_dtype is not None:
         kernel = PagedDecodeFp8(cfg)
     else:  # tile_q 32: two row groups of 16 (``PagedDecode.head_split``)

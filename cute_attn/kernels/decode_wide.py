@@ -17,13 +17,18 @@ kernel's hooks:
   exchange take 216 KB (one CTA per SM).
 - No RoPE part: the contraction is the 512 K columns (8 k16 steps per warp, Q held as 32
   registers per thread).
-- The ABI is ``paged_decode``'s (``families/decode.decode_abi_fixed``): one query token per
-  request, so the MLA kernel's causal scalar is 0.  Work items, page lookups (``in_cache``),
-  the ring that never drains at item boundaries, partial slots for the merge kernel and the
-  epilogue are the MLA kernel's.
+- Two entries: ``host`` takes ``paged_decode``'s ABI (``families/decode.decode_abi_fixed``: one
+  query token per request, so the MLA kernel's causal scalar is 0); ``host_prefill`` the
+  prefill ABI of ``batch_prefill_mma`` at head dim 512 (16- or 32-row tiles of packed query
+  rows, paged or ragged K / V -- ragged reads token ``kv_indptr[req] + pos`` of a
+  ``[1, tokens, kv_heads, 512]`` view --, causal bottom-right as a static flag).  Work items,
+  page lookups (``in_cache``), the ring that never drains at item boundaries, partial slots for
+  the merge kernel and the epilogue are the MLA kernel's.
 
 No variants (soft-cap, windows, RoPE in the kernel): the wrappers reject them at this head dim
-before a launch.  No Hopper-only instruction: the same code compiles for sm_100a.
+before a launch.  No Hopper-only instruction: the same code compiles for sm_100a.  A prefill
+here is an ``mma.sync`` kernel with 16 / 32-row tiles: correct for any length, but long
+prefills are far from what a wgmma kernel would reach.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 from ..variants.dsl import LOG2E
 from .copy import cp_async_16
@@ -45,14 +50,32 @@ ATOMS = HEAD_DIM // 64  # 64-wide swizzle atoms per row: 8 (a row's 8 threads co
 
 
 class WideDecode(MlaDecode):
-    def __init__(self, cfg):
-        """``cfg``: the spec's ``kernels.decode.DecodeConfig`` (head dim 512, no variant, one kv
-        head per item, a 16-bit cache)."""
-        assert cfg.head_dim == HEAD_DIM and cfg.variant is None, cfg
-        assert cfg.heads_per_item == 1 and cfg.kv_dtype is None and cfg.tile_q % ROWS == 0, cfg
-        super().__init__(MlaConfig(cfg.dtype, cfg.tile_q // ROWS, cfg.stages))
+    def __init__(self, dtype, tile_q: int, stages: int, paged: bool = True, causal: bool = False):
+        """A 16-bit cache, ``tile_q`` packed rows per item (16 or 32: one or two warp groups),
+        ``stages`` KV blocks in flight; ``paged`` (else ragged K / V, ``[1, tokens, kv_heads,
+        512]`` with token offsets ``kv_indptr``) and ``causal`` (bottom-right) for the prefill
+        entry (``host_prefill``)."""
+        assert tile_q % ROWS == 0, tile_q
+        super().__init__(MlaConfig(dtype, tile_q // ROWS, stages))
         self.width = HEAD_DIM
         self.tile_stages = 2 * self.stages  # K of stage s in ring slice 2 s, V in 2 s + 1
+        self.paged = paged
+        self.causal = causal
+
+    @classmethod
+    def for_decode(cls, cfg):
+        """The ``paged_decode`` spec's kernel (``kernels.decode.DecodeConfig``: head dim 512, no
+        variant, one kv head per item, a 16-bit cache)."""
+        assert cfg.head_dim == HEAD_DIM and cfg.variant is None, cfg
+        assert cfg.heads_per_item == 1 and cfg.kv_dtype is None, cfg
+        return cls(cfg.dtype, cfg.tile_q, cfg.stages)
+
+    @classmethod
+    def for_prefill(cls, cfg, stages: int):
+        """The ``batch_prefill_mma`` spec's kernel (``kernels.prefill_mma.PrefillMmaConfig``: head
+        dim 512, no soft-cap, window or variant)."""
+        assert cfg.head_dim == HEAD_DIM and cfg.variant is None and not (cfg.soft_cap or cfg.window), cfg
+        return cls(cfg.dtype, cfg.tile_q, stages, cfg.paged, cfg.causal)
 
     @cute.jit
     def host(
@@ -78,6 +101,40 @@ class WideDecode(MlaDecode):
         """The host function behind the generated entry (``variants.trace.make_entry``): the
         ``paged_decode`` arguments mapped onto the MLA kernel's (Q as both query parts -- the
         second is never read --, K and V as its two caches, causal 0)."""
+        tensors = (mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse)
+        self._launch(tensors, group, sm_scale, num_ctas, stream)
+
+    @cute.jit
+    def host_prefill(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mKvIndptr: cute.Tensor,
+        mKvIndices: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mWork: cute.Tensor,
+        mWorkIndptr: cute.Tensor,
+        mPartO: cute.Tensor,
+        mPartLse: cute.Tensor,
+        group: Int32,
+        sm_scale: Float32,
+        soft_cap: Float32,
+        window_left: Int32,
+        num_ctas: Int32,
+        var_tensors: tuple,
+        var_scalars: tuple,
+        stream: cuda.CUstream,
+    ):
+        """The ``batch_prefill_mma`` host function (the prefill ABI; soft-cap and window are not
+        served at this head dim, so their scalars are unused)."""
+        tensors = (mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse)
+        self._launch(tensors, group, sm_scale, num_ctas, stream)
+
+    def _launch(self, tensors: tuple, group, sm_scale, num_ctas, stream):
+        """Both entries' launch (traced inline into the calling host function)."""
+        mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse = tensors
         kv_layout, q_layout, Smem = self.smem_layouts()
         self._check_smem_off(kv_layout, BLOCK_N, 2)
         self._check_smem_off(q_layout, self.tile_q, None)
@@ -95,7 +152,7 @@ class WideDecode(MlaDecode):
             mPartO,
             mPartLse,
             group,
-            Int32(0),
+            Int32(1 if self.causal else 0),
             sm_scale * LOG2E,
             kv_layout,
             q_layout,
@@ -158,6 +215,14 @@ class WideDecode(MlaDecode):
             dst = cute.make_ptr(self.dtype, base + off * 2, cute.AddressSpace.smem, assumed_align=16)
             cute.autovec_copy(frags[c], cute.make_tensor(dst, cute.make_layout((8,))))
 
+    def _lookup(self, ld: LoadStream, page_base: Int32, blk_start: Int32, kv_end: Int32):
+        """Paged: the MLA kernel's page lookups.  Ragged: the request's first token in K / V
+        (``page_base`` is its token offset), kept for the copies."""
+        if self.paged:
+            MlaDecode._lookup(self, ld, page_base, blk_start, kv_end)
+        else:
+            ld.rows[0] = page_base
+
     @cute.jit
     def _issue_kv(self, ld: LoadStream, blk_start: Int32, kv_end: Int32, stage: Int32, head: Int32):
         """cp.async this thread's chunks of the block's rows of kv head ``head`` into a stage: per
@@ -165,8 +230,13 @@ class WideDecode(MlaDecode):
         1024 bytes of each as 8 fully used 128-byte lines.  ``ld.mCkv`` / ``ld.mKpe`` hold K / V."""
         t = ld.tidx % THREADS_PER_ROW
         for i in cutlass.range_constexpr(self.n_lookups):
-            _, slot = divmod(self._row_pos(ld.tidx, i, blk_start, kv_end), ld.page_size)
-            page = in_cache(ld.rows[i], ld.mCkv.shape[0])
+            pos = self._row_pos(ld.tidx, i, blk_start, kv_end)
+            if const_expr(self.paged):
+                _, slot = divmod(pos, ld.page_size)
+                page = in_cache(ld.rows[i], ld.mCkv.shape[0])
+            else:  # ragged: token base + pos of the one "page"
+                slot = ld.rows[0] + pos
+                page = Int32(0)
             r = ld.tidx // THREADS_PER_ROW + i * self.row_step
             k_row = ld.mCkv[page, slot, head, None].iterator.toint()
             v_row = ld.mKpe[page, slot, head, None].iterator.toint()

@@ -701,9 +701,14 @@ def build_batch_prefill_mma(spec):
     """The jit entry for a ``batch_prefill_mma`` spec (the variant re-created from the spec's
     text and checked against its fingerprint)."""
     from ..families.prefill import prefill_abi_fixed
+    from ..families.prefill_mma import WIDE_HEAD_DIMS, WIDE_STAGES
     from ..variants.base import abi_args
+    from .decode_wide import WideDecode
 
     cfg = PrefillMmaConfig.from_spec(spec.pdict)
+    if cfg.head_dim in WIDE_HEAD_DIMS:  # rows too wide for this kernel's warps (kernels/decode_wide.py)
+        wide = WideDecode.for_prefill(cfg, cfg.stages or WIDE_STAGES[cfg.tile_q])
+        return make_entry(wide, prefill_abi_fixed(spec.pdict), abi_args(None), host="host_prefill")
     return make_entry(PrefillMma(cfg), prefill_abi_fixed(spec.pdict), abi_args(cfg.variant))
 
 

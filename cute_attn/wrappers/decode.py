@@ -35,8 +35,8 @@ from ..variants.binding import VariantBinding
 from ..variants.builtins import CustomMask, mask_kv_bounds
 from . import common, compat, guards, scales
 from .compiled import compilable_run
-from .decode_engine import DecodeEngineAPI, decodes_on_prefill, fast_decode_plan  # noqa: F401
-from .decode_packing import MIN_PACKED_ITEMS_PER_CTA, heads_per_item  # noqa: F401  (re-exported)
+from .decode_engine import DecodeEngineAPI, fast_decode_plan  # noqa: F401
+from .decode_packing import MIN_PACKED_ITEMS_PER_CTA, decodes_on_prefill, heads_per_item  # noqa: F401  (re-exported)
 from .kept_device import DeviceKeep
 from .masks import device_mask, packed_mask
 from .options import check_options, decode_variant

@@ -19,13 +19,14 @@ from ..abi.kept import KS_BAD_LENGTHS, KS_UNBALANCED
 from ..families.backends import backend_for
 from ..families.base import variant_params
 from ..families.decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
-from ..families.decode import decode_spec, decode_tile, head_dims_for
+from ..families.decode import decode_spec, decode_tile
 from ..families.prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..sched import WorkspaceLayout, kv_lens_from_paged
 from ..sched.inputs import as_index_array, check_indptr, paged_lengths_valid, step_kv_lens
 from ..variants.binding import VariantBinding
 from . import common, compat, guards
+from .decode_packing import decodes_on_prefill
 from .options import decode_variant
 
 
@@ -37,23 +38,6 @@ def _replaced(st, **changes):
     new.__dict__.update(st.__dict__)
     new.__dict__.update(changes)
     return new
-
-
-# decode of GQA groups above this many query heads per kv head (MQA) plans on the prefill
-# kernels where they serve the head dim: the decode kernel's 16-row items would read each
-# token's keys once per 16 query heads, the prefill kernel's 64-row tiles once
-MAX_DECODE_GROUP = 16
-
-
-def decodes_on_prefill(head_dim, kv_data_type, group: int = 1, plain: bool = True) -> bool:
-    """Whether decode at ``head_dim`` over a ``kv_data_type`` cache plans on the prefill kernels:
-    a head dim or cache the decode kernel does not serve (an fp8 cache at 96), or a 16-bit cache
-    at a GQA ``group`` above ``MAX_DECODE_GROUP`` where the plan is ``plain`` (no variant, custom
-    mask or head packing: what the routed plan cannot take)."""
-    if head_dim not in PREFILL_HEAD_DIMS:
-        return False
-    fp8 = common.is_fp8(kv_data_type)
-    return head_dim not in head_dims_for(fp8) or (plain and not fp8 and group > MAX_DECODE_GROUP)
 
 
 class DecodeEngineAPI:

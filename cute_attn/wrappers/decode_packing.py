@@ -1,5 +1,7 @@
-"""How many kv heads a decode work item carries (head packing): the default rule and the
-checks of a requested value (``BatchDecodeWithPagedKVCacheWrapper.plan(heads_per_item=)``)."""
+"""How a decode plan lays out its rows: on the decode kernel or the prefill kernels
+(``decodes_on_prefill``), and how many kv heads a decode work item carries (head packing: the
+default rule and the checks of a requested value,
+``BatchDecodeWithPagedKVCacheWrapper.plan(heads_per_item=)``)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,26 @@ from typing import Optional
 import numpy as np
 
 from ..families.base import variant_params
-from ..families.decode import MAX_PACKED_HEADS, PACKED_HEADS, SHIPPED_VARIANTS, decode_tile, packed_ok
+from ..families.decode import MAX_PACKED_HEADS, PACKED_HEADS, SHIPPED_VARIANTS, decode_tile, head_dims_for, packed_ok
+from ..families.prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
+from . import common
+
+# decode of GQA groups above this many query heads per kv head (MQA) plans on the prefill
+# kernels where they serve the head dim: the decode kernel's 16-row items would read each
+# token's keys once per 16 query heads, the prefill kernel's 64-row tiles once
+MAX_DECODE_GROUP = 16
+
+
+def decodes_on_prefill(head_dim, kv_data_type, group: int = 1, plain: bool = True) -> bool:
+    """Whether decode at ``head_dim`` over a ``kv_data_type`` cache plans on the prefill kernels:
+    a head dim or cache the decode kernel does not serve (an fp8 cache at 96), or a 16-bit cache
+    at a GQA ``group`` above ``MAX_DECODE_GROUP`` where the plan is ``plain`` (no variant, custom
+    mask or head packing: what the routed plan cannot take)."""
+    if head_dim not in PREFILL_HEAD_DIMS:
+        return False
+    fp8 = common.is_fp8(kv_data_type)
+    return head_dim not in head_dims_for(fp8) or (plain and not fp8 and group > MAX_DECODE_GROUP)
+
 
 # Head packing (h kv heads per work item) is chosen where, with it, the batch still has at
 # least this many items per CTA and no item is longer than a CTA's fair share: the items

@@ -38,7 +38,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..families.backends import NoBackend, backend_for, choose_prefill_backend, kv_pass_pays
+from ..families.backends import NoBackend, backend_for, backends_for, choose_prefill_backend, kv_pass_pays
 from ..families.base import variant_params
 from ..families.kv_pass import kv_pass_spec
 from ..families.merge import merge_partials_spec
@@ -161,10 +161,10 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         check_options(pos_encoding_mode, variant)
         arch = arch_of_index(self._dev)
         try:
-            backend = backend_for("prefill", arch)
+            backend_for("prefill", arch)
         except NoBackend as e:
             raise NoBackend(f"batch prefill cannot run on cuda:{self._dev} ({arch}): {e}") from None
-        d, dv = check_head_dims(backend, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo)
+        d, dv = check_head_dims(backends_for("prefill", arch), num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo)
         if dv != d and kv_dtype != q_dtype:
             raise NotImplementedError(
                 f"an fp8 KV cache with head_dim_vo ({dv}) != head_dim_qk ({d}) is not supported yet (the "
@@ -302,12 +302,12 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         )
 
         if batch_invariant:  # the tile may not depend on the batch either
-            tile = min(FIXED_SPLIT_TILE, max(backend.tiles))
+            tile = min(FIXED_SPLIT_TILE, max(backend.tiles_for(d)))
         elif portable and hooks.has_transform_k:
             tile = min(backend.tiles)  # the portable kernel rotates keys in-kernel with whole K fragments only
         else:  # the planner's rule, onto the kernel's tiles
-            want = choose_cta_tile_q(total_q * group, with_q)
-            tile = min([t for t in backend.tiles if t >= want] or [max(backend.tiles)])
+            want, tiles = choose_cta_tile_q(total_q * group, with_q), backend.tiles_for(d)
+            tile = min([t for t in tiles if t >= want] or [max(tiles)])
         if disable_split_kv:
             split_tokens = common.NO_SPLIT
 

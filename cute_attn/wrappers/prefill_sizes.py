@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..families.backends import backend_for, backends_for
+from ..families.backends import backends_for
 from ..runtime.arch import sm_count_of_index
 from ..sched import WorkspaceLayout
 from ..sched.workspace import MIN_CTA_TILE_Q
@@ -27,23 +27,24 @@ def round_rows(n: int) -> int:
     return max(1024, 1 << max(int(n) - 1, 0).bit_length())
 
 
-def check_head_dims(backend, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo) -> tuple:
+def check_head_dims(backends, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo) -> tuple:
     """(head_dim_qk, head_dim_vo) as ints (``head_dim_vo`` None: ``head_dim_qk``), checked
-    against what the backend serves, and the head counts."""
+    against what one of the arch's prefill ``backends`` serves, and the head counts."""
     dv = head_dim_qk if head_dim_vo is None else head_dim_vo
     for name, d in (("head_dim_qk", head_dim_qk), ("head_dim_vo", dv)):
         if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 1:
             raise ValueError(f"{name} must be a positive int, got {d!r}")
+    equal = tuple(sorted({d for b in backends for d in b.head_dims}))
     if int(dv) != int(head_dim_qk):
-        if not backend.serves_head_dims(int(head_dim_qk), int(dv)):
-            pairs = ", ".join(f"{a}/{b}" for a, b in backend.head_dim_pairs) or "none"
+        if not any(b.serves_head_dims(int(head_dim_qk), int(dv)) for b in backends):
+            pairs = ", ".join(sorted({f"{a}/{b}" for be in backends for a, b in be.head_dim_pairs})) or "none"
             raise ValueError(
                 f"head_dim_qk {head_dim_qk} with head_dim_vo {dv} is not supported; supported: equal head dims "
-                f"{backend.head_dims}, or (qk/vo) {pairs}"
+                f"{equal}, or (qk/vo) {pairs}"
             )
         common.check_heads(num_qo_heads, num_kv_heads, int(head_dim_qk), (int(head_dim_qk),))
     else:
-        common.check_heads(num_qo_heads, num_kv_heads, head_dim_qk, backend.head_dims)
+        common.check_heads(num_qo_heads, num_kv_heads, head_dim_qk, equal)
     return int(head_dim_qk), int(dv)
 
 
@@ -51,8 +52,7 @@ def prefill_workspace_bytes(device_index, arch, batch, total_q, hq, hk, d, have,
     """The float workspace bytes a prefill plan of these sizes uses in a workspace of ``have``
     bytes (the partial-output room shrunk to fit, as plan() does), for ``workspace_size``;
     ``dv``: head_dim_vo (None: ``d``), the partial outputs' width."""
-    backend = backend_for("prefill", arch)
-    d, dv = check_head_dims(backend, hq, hk, d, dv)
+    d, dv = check_head_dims(backends_for("prefill", arch), hq, hk, d, dv)
     # the most CTAs any of the arch's prefill kernels runs (the plan picks one per batch)
     num_ctas = sm_count_of_index(device_index) * max(b.ctas_for(d) for b in backends_for("prefill", arch))
     return WorkspaceLayout(partial_limits(have, num_ctas, batch, total_q, hq, hk, dv), num_ctas).total_bytes

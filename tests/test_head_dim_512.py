@@ -1,7 +1,8 @@
-"""Decode at head dim 512 (``kernels/decode_wide.py``) and GQA groups above 16 on the GPU,
-against the fp32 reference (``test_decode_gpu``'s cases and tolerances: relative L2 of the
-output bf16 2e-2 / fp16 4e-3, LSE absolute 2e-3, -inf exactly where the reference has it;
-unused pages NaN, outputs pre-filled with NaN)."""
+"""Head dim 512 (``kernels/decode_wide.py``) in decode and in both prefill wrappers, and decode
+of GQA groups above 16, on the GPU against the fp32 reference (``test_decode_gpu``'s and
+``test_prefill_gpu``'s cases and tolerances: relative L2 of the output bf16 2e-2 / fp16 4e-3,
+LSE absolute 2e-3, -inf exactly where the reference has it; unused pages NaN, outputs
+pre-filled with NaN)."""
 
 import os
 import random
@@ -15,6 +16,7 @@ from cute_attn.testing import paged_reference, single_reference
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_decode_gpu import TOL, check, run_case  # noqa: E402
+from test_prefill_gpu import run_paged, run_ragged  # noqa: E402
 
 gpu = pytest.mark.gpu
 D = 512
@@ -166,6 +168,69 @@ def test_decode_hd512_unsupported_options_raise_before_launch():
         w.plan(ind, ind[:1], ind[1:], 8, 8, D, 16, q_data_type=torch.bfloat16, heads_per_item=2)
 
 
+# prefill (the portable family's wide kernel on every arch): qo / kv lengths with 0 / 1 / odd /
+# causal queries longer than keys, GQA 1 / 4 / 8 (16- and 32-row tiles), split + merge
+PREFILL = [
+    ([1, 7, 33, 0, 300], [1, 40, 33, 5, 1200], 8, 8),
+    ([64, 3, 17], [64, 900, 10], 16, 4),
+    ([200, 1], [200, 3000], 32, 4),
+]
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("qo,kv,hq,hk", PREFILL)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_ragged_prefill_hd512(qo, kv, hq, hk, causal, layout):
+    w = run_ragged(qo, kv, hq, hk, D, torch.bfloat16, causal=causal, layout=layout)[0]
+    assert w._state.family == "batch_prefill_mma" and w._tile in (16, 32)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("qo,kv,hq,hk", PREFILL)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_paged_prefill_hd512(qo, kv, hq, hk, causal, page_size):
+    w = run_paged(qo, kv, page_size, hq, hk, D, torch.bfloat16, causal=causal)[0]
+    assert w._state.family == "batch_prefill_mma"
+
+
+@gpu
+def test_prefill_hd512_f16_split_deterministic():
+    qo, kv = [40, 2], [8000, 3000]
+    w, (q, k, v), out, lse = run_ragged(qo, kv, 8, 2, D, torch.float16, causal=True, fixed_split_size=1024)
+    assert w._plan.has_split
+    out2, lse2 = w.run(q, k, v, return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@gpu
+def test_multi_token_decode_hd512():
+    """q_len_per_req = 3 (speculative decoding) at 512: the decode wrapper's causal paged prefill."""
+    from cute_attn.testing import ragged_reference
+
+    hq, hk, ps, n = 16, 2, 16, 3
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    kv = [3, 50, 700]
+    pages = [(x + ps - 1) // ps for x in kv]
+    indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0)), dtype=torch.int32)
+    indices = torch.randperm(int(indptr[-1]), generator=gen).to(torch.int32)
+    last = torch.tensor([x - (p - 1) * ps for x, p in zip(kv, pages)], dtype=torch.int32)
+    k = torch.randn(int(indptr[-1]), ps, hk, D, generator=gen).to(torch.bfloat16).cuda()
+    v = torch.randn(int(indptr[-1]), ps, hk, D, generator=gen).to(torch.bfloat16).cuda()
+    q = torch.randn(len(kv) * n, hq, D, generator=gen).to(torch.bfloat16).cuda()
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+    w.plan(indptr, indices, last, hq, hk, D, ps, q_data_type=torch.bfloat16, q_len_per_req=n)
+    out, lse = w.run(q, (k, v), return_lse=True)
+    rows = [torch.cat([t[int(indices[j])] for j in range(int(indptr[b]), int(indptr[b + 1]))])[: kv[b]] for b in
+            range(len(kv)) for t in (k, v)]  # fmt: skip
+    k_r, v_r = torch.cat(rows[0::2]), torch.cat(rows[1::2])
+    qo_ind = torch.arange(len(kv) + 1, dtype=torch.int32) * n
+    kv_ind = torch.tensor([0] + list(torch.tensor(kv).cumsum(0)), dtype=torch.int32)
+    ref_o, ref_lse = ragged_reference(q, k_r, v_r, qo_ind, kv_ind, causal=True)
+    check(out, lse, ref_o, ref_lse, torch.bfloat16)
+
+
 def test_cpu_hd512_specs():
     """The spec rules at 512 (no GPU): plain 16-bit decode ships on both arches; variants, fp8
     and head packing are refused by name; GQA above 16 is 16-row items."""
@@ -184,3 +249,24 @@ def test_cpu_hd512_specs():
         decode.decode_spec("sm_90a", "bf16", D, heads_per_item=2)
     assert decode.decode_tile(1, 32) == 16 and decode.packed_ok(1, 32) and decode.decode_tile(4, 8) == 32
     assert not decode.packed_ok(2, 16) and not decode.packed_ok(2, 4, D)
+
+
+def test_cpu_hd512_prefill_specs():
+    """The portable family at 512: its two tiles ship on both arches (ragged and paged, causal or
+    not, both dtypes, with their merges); what it does not serve is refused by name; the backend
+    choice sends 512 to it on Hopper."""
+    from cute_attn.families import prefill_mma
+    from cute_attn.families.backends import backend_for, choose_prefill_backend, shipped_specs
+
+    for arch in ("sm_90a", "sm_100a"):
+        got = [s for s in shipped_specs(arch) if s.family == "batch_prefill_mma" and s.pdict["head_dim"] == D]
+        assert len(got) == 16 and {s.pdict["tile_q"] for s in got} == {16, 32}
+        merges = [s for s in shipped_specs(arch) if s.family == "merge_partials" and s.pdict["head_dim"] == D]
+        assert {(s.pdict["dtype"], s.pdict["tile_q"]) for s in merges} >= {(dt, t) for dt in ("f16", "bf16") for t in
+                                                                             (16, 32)}  # fmt: skip
+        assert choose_prefill_backend(arch, 64.0, head_dims=(D, D)).name == "prefill_mma_sync"
+    assert backend_for("prefill", "sm_90a", "prefill_mma_sync").tiles_for(D) == (16, 32)
+    with pytest.raises(NotImplementedError, match="head dim 512"):
+        prefill_mma.prefill_mma_spec("sm_90a", "bf16", D, 16, True, soft_cap=True)
+    with pytest.raises(ValueError, match="tile_q 64"):
+        prefill_mma.prefill_mma_spec("sm_90a", "bf16", D, 64, True)
