@@ -7,7 +7,9 @@ causal (with d_qk = d_vo = d this is ``bench/prefill.py``'s 4·h·d·s²).  Case
 * ``prefill/hd192_128/causal/h128/s{S}``: batch 2 x S tokens, 128 heads;
 * ``prefill/hd128/causal/h128/s{S}``: the same shape at 128 / 128, timed in the same turns (its
   ``ratio`` under ``cute_attn``: the 192/128 time over it; the FLOP ratio is 320 / 256 = 1.25);
-* ``prefill/hd96/causal/h32/s8192``: batch 2 x 8k, 32 heads.
+* ``prefill/hd96/causal/h32/s8192``: batch 2 x 8k, 32 heads;
+* ``prefill/hd512/causal/h8/s4096``: batch 2 x 4k, 8 heads, on the wide ``mma.sync`` kernel
+  (``kernels/decode_wide.py``; torch's SDPA backends stop at head dim 256).
 
 FlashInfer's fa3 / fa2 at 192 / 128 are not prebuilt in the trimmed tree (they would JIT-compile
 for minutes on the GPU machine): reported as a skip.  Outputs of each case are checked against
@@ -91,3 +93,21 @@ def bench_head_dims(res, quick: bool) -> None:
     res.add(case, "cute_attn", "us", t96)
     res.add(case, "cute_attn", "TFLOP/s", f96 / t96 / 1e6)
     print(f"{case:44s} {t96:10.1f} us  {f96 / t96 / 1e6:6.1f} TFLOP/s")
+    del c96
+    torch.cuda.empty_cache()
+    bench_hd512(res, quick)
+
+
+def bench_hd512(res, quick: bool) -> None:
+    """Head dim 512: a causal 2 x 4k ragged prefill, 8 heads, TFLOP/s."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    calls = 5 if quick else 15
+    s512 = 2048 if quick else 4096
+    c512 = _case([s512, s512], 8, 512, 512, gen)
+    _check(*c512[1:], s512)
+    t512 = interleaved({"hd512": c512[0]}, calls)["hd512"]
+    f512 = _flops([s512, s512], 8, 512, 512)
+    case = f"prefill/hd512/causal/h8/s{s512}"
+    res.add(case, "cute_attn", "us", t512)
+    res.add(case, "cute_attn", "TFLOP/s", f512 / t512 / 1e6)
+    print(f"{case:44s} {t512:10.1f} us  {f512 / t512 / 1e6:6.1f} TFLOP/s")
