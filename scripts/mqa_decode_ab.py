@@ -62,7 +62,7 @@ def main() -> None:
         assert diff < 1e-2, diff
         t = interleaved({k: r.replay for k, r in runs.items()}, 25)
         kv_bytes = sum(lens) * hk * d * 2 * 2
-        case = f"decode/hd{d}/gqa{hq // hk}/{name}"
+        case = f"decode/hd{d}/gqa{hq // hk}/{name}" if hk == 1 else f"decode/hd{d}/gqa{hq // hk}/kvh{hk}/{name}"
         line = [f"{case:36s} rel diff {diff:.1e}"]
         for k, us in t.items():
             impl = "cute_attn" if k == "routed" else "cute_attn_decode_kernel" if k == "decode_kernel" else k
