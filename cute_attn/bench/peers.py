@@ -194,12 +194,15 @@ class Call:
 
 class DecodeRun:
     """A CUDA-graph-enabled ``BatchDecodeWithPagedKVCacheWrapper`` of ``lib`` (its own index
-    buffers), planned, warmed up, and its ``run()`` captured: ``replay`` times the graph
-    (``eager`` where the capture failed: ``graph_why`` says why), ``eager`` the plain call."""
+    buffers), planned, warmed up, and ``layers`` calls of its ``run()`` captured in one graph
+    (an engine step of that many layers: what runs once per step -- our kept-plan update --
+    runs once): ``replay`` times the graph (``eager`` where the capture failed: ``graph_why``
+    says why; divide by ``layers``), ``eager`` one plain call."""
 
     def __init__(
-        self, lib: Lib, ws, q, cache, indptr, indices, last, hq, hk, d, page_size, plan_kw=None, with_lse=None
-    ):
+        self, lib: Lib, ws, q, cache, indptr, indices, last, hq, hk, d, page_size, plan_kw=None, with_lse=None,
+        layers: int = 1,
+    ):  # fmt: skip
         w = lib.mod.BatchDecodeWithPagedKVCacheWrapper(
             ws,
             kv_layout="NHD",
@@ -219,8 +222,12 @@ class DecodeRun:
             kw["lse"] = torch.empty(q.shape[0], q.shape[1], device="cuda")
         self.eager = lambda: w.run(q, cache, **kw)
         self.eager()  # loads the module outside the capture
-        self.graph, self.graph_why = capture(self.eager)
-        self.replay = self.graph.replay if self.graph is not None else self.eager
+        self.layers = layers
+        self.graph, self.graph_why = capture(lambda: [self.eager() for _ in range(layers)])
+        if self.graph is not None:
+            self.replay = self.graph.replay
+        else:
+            self.replay = lambda: [self.eager() for _ in range(layers)]
 
 
 def ragged_prefill(lib: Lib, ws, lens_indptr, q, k, v, causal, d, **plan_kw) -> Call:
