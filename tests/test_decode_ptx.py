@@ -57,8 +57,8 @@ class _Interpreted:
         # the host function's launch values (kernels/decode.py ``host``), in fp32
         scale_log2 = np.float32(sm_scale) * np.float32(LOG2E)
         if self.params["head_dim"] == 512:
-            # kernels/decode_wide.py runs the MLA kernel's body: (q, q, k, v, ..), group, causal 0
-            params = ptx_interp.pack_params(self.abi[:1] + self.abi[:11], tensors[:1] + tensors, mem, bases)
+            # kernels/decode_wide.py runs the MLA kernel's body: the ABI's tensors, group, causal 0
+            params = ptx_interp.pack_params(self.abi[:11], tensors, mem, bases)
             params += [int(group).to_bytes(4, "little"), (0).to_bytes(4, "little"), np.float32(scale_log2).tobytes()]
         else:
             params = ptx_interp.pack_params(self.abi[:11], tensors, mem, bases)

@@ -102,7 +102,9 @@ def test_shipped_and_models():
     fams = lambda specs: {s.family for s in specs}  # noqa: E731
     assert "batch_prefill_mma" in fams(preset_specs("default", "sm_100a"))
     hopper = [s for s in preset_specs("default", "sm_90a") if s.family == "batch_prefill_mma"]
-    assert {s.pdict["tile_q"] for s in hopper} == {16}  # the batches the Hopper rule gives it
+    # the batches the Hopper rule gives it; head dim 512 (only this family serves it) both tiles
+    assert {s.pdict["tile_q"] for s in hopper if s.pdict["head_dim"] != 512} == {16}
+    assert {s.pdict["tile_q"] for s in hopper if s.pdict["head_dim"] == 512} == {16, 32}
     assert "batch_prefill_sm90" not in fams(preset_specs("default", "sm_100a"))
     llama = model_specs(BUILTIN["llama-3"], "sm_100a")
     tiles = {s.pdict["tile_q"] for s in llama if s.family == "batch_prefill_mma"}

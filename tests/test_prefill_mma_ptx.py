@@ -62,8 +62,8 @@ class _Interpreted:
                 regions[st.data_ptr()] = mem.add(torch.empty(0, dtype=torch.uint8).set_(st).numpy())
             bases[id(t)] = regions[st.data_ptr()] + t.storage_offset() * t.element_size()
         if self.params["head_dim"] == 512:
-            # kernels/decode_wide.py runs the MLA kernel's body: (q, q, k, v, ..), group, causal, scale
-            params = ptx_interp.pack_params(self.abi[:1] + self.abi[:11], tensors[:1] + tensors, mem, bases)
+            # kernels/decode_wide.py runs the MLA kernel's body: the ABI's tensors, group, causal, scale
+            params = ptx_interp.pack_params(self.abi[:11], tensors, mem, bases)
             params += [int(group).to_bytes(4, "little"), int(self.params["causal"]).to_bytes(4, "little")]
             params.append((np.float32(sm_scale) * np.float32(LOG2E)).tobytes())
             for cta in range(num_ctas):

@@ -99,8 +99,8 @@ class WideDecode(MlaDecode):
         stream: cuda.CUstream,
     ):
         """The host function behind the generated entry (``variants.trace.make_entry``): the
-        ``paged_decode`` arguments mapped onto the MLA kernel's (Q as both query parts -- the
-        second is never read --, K and V as its two caches, causal 0)."""
+        ``paged_decode`` arguments mapped onto the MLA kernel's (Q as its one query part, K and V
+        as its two caches, causal 0: the kernel's parameters keep the ABI's tensor order)."""
         tensors = (mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse)
         self._launch(tensors, group, sm_scale, num_ctas, stream)
 
@@ -139,8 +139,7 @@ class WideDecode(MlaDecode):
         self._check_smem_off(kv_layout, BLOCK_N, 2)
         self._check_smem_off(q_layout, self.tile_q, None)
         self.kernel(
-            mQ,
-            mQ,
+            (mQ,),
             mK,
             mV,
             mKvIndptr,
@@ -196,7 +195,7 @@ class WideDecode(MlaDecode):
 
     # ---- loads ------------------------------------------------------------------------------
     @cute.jit
-    def _stage_q(self, mQn: cute.Tensor, mQp: cute.Tensor, sQ: cute.Tensor, info: ItemInfo, tidx: Int32):
+    def _stage_q(self, mQ: tuple, sQ: cute.Tensor, info: ItemInfo, tidx: Int32):
         """The item's Q tile into the staging tile: row tidx / 8, chunks t, t + 8, .. (t = tidx
         mod 8); all loads first, then the stores.  Rows past num_rows re-read row 0 and are never
         written out."""
@@ -207,7 +206,7 @@ class WideDecode(MlaDecode):
         frags = []
         for c in cutlass.range_constexpr(ATOMS):
             frag = cute.make_rmem_tensor((8,), self.dtype)
-            cute.autovec_copy(cute.local_tile(mQn[tok, head, None], (8,), (t + 8 * c,)), frag)
+            cute.autovec_copy(cute.local_tile(mQ[0][tok, head, None], (8,), (t + 8 * c,)), frag)
             frags.append(frag)
         base = sQ.iterator.toint()
         for c in cutlass.range_constexpr(ATOMS):

@@ -208,8 +208,7 @@ class MlaDecode:
         self._check_smem_off(q_layout, self.tile_q, None)
         tiled_mma = self.make_mma()
         self.kernel(
-            mQn,
-            mQp,
+            (mQn, mQp),
             mCkv,
             mKpe,
             mKvIndptr,
@@ -277,8 +276,7 @@ class MlaDecode:
     @cute.kernel
     def kernel(
         self,
-        mQn: cute.Tensor,
-        mQp: cute.Tensor,
+        mQ: tuple,
         mCkv: cute.Tensor,
         mKpe: cute.Tensor,
         mKvIndptr: cute.Tensor,
@@ -367,7 +365,7 @@ class MlaDecode:
                 # Q: 16-byte loads into the staging tile, one barrier, then this warp's steps into
                 # registers.  The next item writes the tile only after this item's blocks, each
                 # behind a barrier, so every warp has read it by then.
-                self._stage_q(mQn, mQp, sQ, info, tidx)
+                self._stage_q(mQ, sQ, info, tidx)
                 cute.arch.sync_threads()
                 self._load_q(s2r_q, sQ, tSrQ, grp, wg, lane)
 
@@ -532,10 +530,12 @@ class MlaDecode:
 
     # ---- loads ------------------------------------------------------------------------------
     @cute.jit
-    def _stage_q(self, mQn: cute.Tensor, mQp: cute.Tensor, sQ: cute.Tensor, info: ItemInfo, tidx: Int32):
+    def _stage_q(self, mQ: tuple, sQ: cute.Tensor, info: ItemInfo, tidx: Int32):
         """The item's Q tile into the staging tile: row tidx / 8 of the tile, its 16-byte chunks
         t, t + 8, .. of q_nope and chunk t of q_pe (t = tidx mod 8); all loads first, then the
-        stores.  Rows past num_rows re-read row 0 and are never written out."""
+        stores.  Rows past num_rows re-read row 0 and are never written out.  ``mQ``: (q_nope,
+        q_pe), the kernel's query parts (a tuple: a subclass's query may be one tensor)."""
+        mQn, mQp = mQ
         r = tidx // THREADS_PER_ROW
         t = tidx % THREADS_PER_ROW
         j = r if r < info.num_rows else 0
