@@ -41,7 +41,7 @@ def main() -> None:
         q = torch.randn(len(lens), hq, d, device="cuda", dtype=torch.bfloat16)
         runs = {"routed": peers.DecodeRun(ours, ws, q, cache, indptr, indices, last, hq, hk, d, ps)}
         assert runs["routed"].wrapper._routed
-        D.decodes_on_prefill = lambda hd, kv, group=1, plain=True: routed_rule(hd, kv)  # noqa: E731
+        D.decodes_on_prefill = lambda hd, kv, *heads, plain=True: routed_rule(hd, kv)  # noqa: E731
         try:
             ws2 = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
             runs["decode_kernel"] = peers.DecodeRun(ours, ws2, q, cache, indptr, indices, last, hq, hk, d, ps)

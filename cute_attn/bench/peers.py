@@ -223,11 +223,9 @@ class DecodeRun:
         self.eager = lambda: w.run(q, cache, **kw)
         self.eager()  # loads the module outside the capture
         self.layers = layers
-        self.graph, self.graph_why = capture(lambda: [self.eager() for _ in range(layers)])
-        if self.graph is not None:
-            self.replay = self.graph.replay
-        else:
-            self.replay = lambda: [self.eager() for _ in range(layers)]
+        step = lambda: [self.eager() for _ in range(layers)]  # noqa: E731
+        self.graph, self.graph_why = capture(step)
+        self.replay = self.graph.replay if self.graph is not None else step
 
 
 def ragged_prefill(lib: Lib, ws, lens_indptr, q, k, v, causal, d, **plan_kw) -> Call:

@@ -14,16 +14,16 @@ from __future__ import annotations
 from ..abi import dtypes
 from ..abi.archs import ARCHS
 from .base import KernelFamily, register, variant_params
+from .decode import WIDE_HEAD_DIMS
 from .prefill import prefill_abi
 from .spec import Spec
 
 # decode's geometry (kernels/decode.py): 128- or 64-byte swizzle atoms (96: three 64-byte atom columns)
 HEAD_DIMS = (64, 96, 128, 256, 512)
 SHIPPED_HEAD_DIMS = (64, 128, 256)  # the default grid (96: the test matrix and model sets, as the wgmma kernel's)
-# served by kernels/decode_wide.py (the MLA kernel's warp split of the contraction and the output
-# columns): 16- or 32-row tiles (one or two warp groups), no soft-cap / window / variant; its
-# stages of 32 K + 32 V rows (64 KB) that fit shared memory beside Q and the score exchange
-WIDE_HEAD_DIMS = (512,)
+# WIDE_HEAD_DIMS (decode's): served by kernels/decode_wide.py, 16- or 32-row tiles (one or two
+# warp groups), no soft-cap / window / variant; its stages of 32 K + 32 V rows (64 KB) that fit
+# shared memory beside Q and the score exchange
 WIDE_TILES = (16, 32)
 WIDE_STAGES = {16: 3, 32: 2}  # 216 / 176 KB
 

@@ -38,7 +38,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ..variants.dsl import LOG2E
 from .copy import cp_async_16
 from .mla_decode import BLOCK_N, GROUP_WARPS, ROWS, THREADS_PER_ROW, LoadStream, MlaConfig, MlaDecode, smem_off
 from .pages import in_cache
@@ -101,8 +100,8 @@ class WideDecode(MlaDecode):
         """The host function behind the generated entry (``variants.trace.make_entry``): the
         ``paged_decode`` arguments mapped onto the MLA kernel's (Q as its one query part, K and V
         as its two caches, causal 0: the kernel's parameters keep the ABI's tensor order)."""
-        tensors = (mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse)
-        self._launch(tensors, group, sm_scale, num_ctas, stream)
+        tensors = (mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse)
+        self._launch((mQ,), tensors, group, Int32(0), sm_scale, num_ctas, stream)
 
     @cute.jit
     def host_prefill(
@@ -129,35 +128,8 @@ class WideDecode(MlaDecode):
     ):
         """The ``batch_prefill_mma`` host function (the prefill ABI; soft-cap and window are not
         served at this head dim, so their scalars are unused)."""
-        tensors = (mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse)
-        self._launch(tensors, group, sm_scale, num_ctas, stream)
-
-    def _launch(self, tensors: tuple, group, sm_scale, num_ctas, stream):
-        """Both entries' launch (traced inline into the calling host function)."""
-        mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse = tensors
-        kv_layout, q_layout, Smem = self.smem_layouts()
-        self._check_smem_off(kv_layout, BLOCK_N, 2)
-        self._check_smem_off(q_layout, self.tile_q, None)
-        self.kernel(
-            (mQ,),
-            mK,
-            mV,
-            mKvIndptr,
-            mKvIndices,
-            mO,
-            mLse,
-            mWork,
-            mWorkIndptr,
-            mPartO,
-            mPartLse,
-            group,
-            Int32(1 if self.causal else 0),
-            sm_scale * LOG2E,
-            kv_layout,
-            q_layout,
-            self.make_mma(),
-            Smem,
-        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        tensors = (mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse)
+        self._launch((mQ,), tensors, group, Int32(1 if self.causal else 0), sm_scale, num_ctas, stream)
 
     # ---- the shared tiles each warp reads (runtime offsets: whole 8 x 64 swizzle atoms) ------
     def _block_tile(self, sKV, ld: LoadStream, stage):

@@ -203,30 +203,18 @@ class MlaDecode:
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
+        tensors = (mCkv, mKpe, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse)
+        self._launch((mQn, mQp), tensors, group, causal, sm_scale, num_ctas, stream)
+
+    def _launch(self, mQ: tuple, tensors: tuple, group, causal, sm_scale, num_ctas, stream):
+        """Every entry's launch (traced inline into the calling host function): the query parts
+        (``kernel``'s ``mQ``), then the kernel's tensors from the caches to the partial LSEs."""
         kv_layout, q_layout, Smem = self.smem_layouts()
         self._check_smem_off(kv_layout, BLOCK_N, min(2, self.tile_stages))
         self._check_smem_off(q_layout, self.tile_q, None)
-        tiled_mma = self.make_mma()
-        self.kernel(
-            (mQn, mQp),
-            mCkv,
-            mKpe,
-            mKvIndptr,
-            mKvIndices,
-            mO,
-            mLse,
-            mWork,
-            mWorkIndptr,
-            mPartO,
-            mPartLse,
-            group,
-            causal,
-            sm_scale * LOG2E,
-            kv_layout,
-            q_layout,
-            tiled_mma,
-            Smem,
-        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        self.kernel(mQ, *tensors, group, causal, sm_scale * LOG2E, kv_layout, q_layout, self.make_mma(), Smem).launch(
+            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream
+        )
 
     def smem_layouts(self):
         """(stage ring layout, Q staging layout, the shared-memory struct): trace-time values."""

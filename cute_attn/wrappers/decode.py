@@ -232,9 +232,8 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         # several query tokens per request, a head dim / cache only the prefill kernels serve (an
         # fp8 cache at 96) or a GQA group above 16: a causal paged prefill of q_len_per_req rows
         # per request (FlashInfer's tensor-core decode)
-        group = num_qo_heads // num_kv_heads if isinstance(num_kv_heads, int) and num_kv_heads > 0 else 1
         plain = variant is None and custom_mask is None and packed_custom_mask is None and heads_per_item is None
-        if q_len_per_req > 1 or decodes_on_prefill(head_dim, kv_data_type, group, plain):
+        if q_len_per_req > 1 or decodes_on_prefill(head_dim, kv_data_type, num_qo_heads, num_kv_heads, plain):
             return self._plan_multi(
                 indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, q_len_per_req,
                 pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,

@@ -486,8 +486,7 @@ class DecodeEngineAPI:
         """FlashInfer's ``workspace_size``: (float workspace bytes, int workspace bytes) that
         plan() with these arguments needs; no side effects.  The int bytes are 0 (the plan lives
         in the float workspace)."""
-        group = num_qo_heads // num_kv_heads if isinstance(num_kv_heads, int) and num_kv_heads > 0 else 1
-        on_prefill = decodes_on_prefill(head_dim, kv_data_type, group)
+        on_prefill = decodes_on_prefill(head_dim, kv_data_type, num_qo_heads, num_kv_heads)
         dims = PREFILL_HEAD_DIMS if on_prefill else SUPPORTED_HEAD_DIMS
         common.check_heads(num_qo_heads, num_kv_heads, head_dim, dims)
         if block_tables is not None or seq_lens is not None:

@@ -20,15 +20,19 @@ from . import common
 MAX_DECODE_GROUP = 16
 
 
-def decodes_on_prefill(head_dim, kv_data_type, group: int = 1, plain: bool = True) -> bool:
+def decodes_on_prefill(head_dim, kv_data_type, num_qo_heads=1, num_kv_heads=1, plain: bool = True) -> bool:
     """Whether decode at ``head_dim`` over a ``kv_data_type`` cache plans on the prefill kernels:
     a head dim or cache the decode kernel does not serve (an fp8 cache at 96), or a 16-bit cache
-    at a GQA ``group`` above ``MAX_DECODE_GROUP`` where the plan is ``plain`` (no variant, custom
-    mask or head packing: what the routed plan cannot take)."""
+    at a GQA group above ``MAX_DECODE_GROUP`` where the plan is ``plain`` (no variant, custom
+    mask or head packing: what the routed plan cannot take).  Head counts are checked later:
+    here a bad one counts as group 1."""
     if head_dim not in PREFILL_HEAD_DIMS:
         return False
     fp8 = common.is_fp8(kv_data_type)
-    return head_dim not in head_dims_for(fp8) or (plain and not fp8 and group > MAX_DECODE_GROUP)
+    if head_dim not in head_dims_for(fp8):
+        return True
+    counts = all(isinstance(h, (int, np.integer)) and h > 0 for h in (num_qo_heads, num_kv_heads))
+    return plain and not fp8 and counts and num_qo_heads // num_kv_heads > MAX_DECODE_GROUP
 
 
 # Head packing (h kv heads per work item) is chosen where, with it, the batch still has at
