@@ -212,14 +212,23 @@ class MlaDecodeSeesaw(MlaDecodeSm90):
         return row_lim
 
     @cute.jit
-    def _load(self, io, sh, info, page_base, page_size, blk: Int32, buf: int, atoms, mb: int, tw):
+    def _load(self, io, sh, info, page_base, page_size, blk: Int32, buf: int, atoms, mb: int, tw, pages=None):
         """Copy ``atoms`` of block ``blk`` of the item into buffer ``buf``; mbarrier ``mb``
         completes when this warpgroup's copies landed."""
         self._issue_kv(
             io.mCkv, io.mKpe, io.mKvIndices, page_base, info.kv_start + blk * BLOCK_N, info.kv_end, page_size,
-            sh.kv_base, buf, tw, atoms,
+            sh.kv_base, buf, tw, atoms, pages,
         )  # fmt: skip
         cute.arch.cp_async_mbarrier_arrive_noinc(sh.mbar + mb)
+
+    @cute.jit
+    def _next_pages(self, io, info, page_base, page_size, b: Int32, tw):
+        """The page ids of blocks b and b + 1 (the next pair's), read at the top of a pair so
+        the lookups are in flight during the scores (past the item they clamp to its last key,
+        and are not used)."""
+        pa = self._kv_pages(io.mKvIndices, page_base, info.kv_start + b * BLOCK_N, info.kv_end, page_size, tw)
+        pb = self._kv_pages(io.mKvIndices, page_base, info.kv_start + (b + 1) * BLOCK_N, info.kv_end, page_size, tw)
+        return pa, pb
 
     # ---- WG 0: block 2i, O[:, 0:256] ------------------------------------------------------------
     @cute.jit
@@ -271,6 +280,7 @@ class MlaDecodeSeesaw(MlaDecodeSm90):
                 ph_q = ph_q ^ 1
             for pr in cutlass.range((n_blocks + 1) // 2, unroll=1):
                 b0 = 2 * pr
+                pg2, pg3 = self._next_pages(io, info, page_base, page_size, b0 + 2, tw)
                 self._scores(mma_qk, acc_S, tSrQ, tSrK, 0, sh.mbar, (MB_B0L, K_L), (MB_B0RE, K_R + K_E), ph_l, ph_re)
                 ph_l = ph_l ^ 1
                 ph_re = ph_re ^ 1
@@ -284,7 +294,7 @@ class MlaDecodeSeesaw(MlaDecodeSm90):
                 self._rescale(acc_O, corr)
                 self._pv(mma_pv_r, acc_O, tOrP, tOrV_r, 0)
                 if b0 + 2 < n_blocks:  # buffer 0's ckv 0-255 are free: block b0 + 2's
-                    self._load(io, sh, info, page_base, page_size, b0 + 2, 0, ATOMS_L, MB_B0L, tw)
+                    self._load(io, sh, info, page_base, page_size, b0 + 2, 0, ATOMS_L, MB_B0L, tw, pg2)
                 cute.arch.barrier(barrier_id=BAR_S1, number_of_threads=2 * WG)
                 # P0 and what O_L, l hold move to WG 1's max m1 (1 when block b0 + 1 kept m0)
                 S = wgmma_mn_view(acc_S)
@@ -304,7 +314,7 @@ class MlaDecodeSeesaw(MlaDecodeSm90):
                 if b0 + 1 < n_blocks:
                     self._pv(mma_pv_s, acc_O, tOsP1, tOrV_s, 1)
                     if b0 + 3 < n_blocks:  # buffer 1's ckv 0-255 and kpe are free: block b0 + 3's
-                        self._load(io, sh, info, page_base, page_size, b0 + 3, 1, ATOMS_L + ATOM_E, MB_B1LE, tw)
+                        self._load(io, sh, info, page_base, page_size, b0 + 3, 1, ATOMS_L + ATOM_E, MB_B1LE, tw, pg3)
 
             # epilogue: l = WG 0's + WG 1's partial sums; 1 / l for WG 1
             cute.arch.barrier(barrier_id=BAR_L, number_of_threads=2 * WG)
@@ -378,6 +388,7 @@ class MlaDecodeSeesaw(MlaDecodeSm90):
                 ph_q = ph_q ^ 1
             for pr in cutlass.range((n_blocks + 1) // 2, unroll=1):
                 b1 = 2 * pr + 1
+                pg2, pg3 = self._next_pages(io, info, page_base, page_size, b1 + 1, tw)
                 if b1 < n_blocks:
                     self._scores(
                         mma_qk, acc_S, tSrQ, tSrK, 1, sh.mbar, (MB_B1R, K_R), (MB_B1LE, K_L + K_E), ph_r, ph_le
@@ -404,11 +415,11 @@ class MlaDecodeSeesaw(MlaDecodeSm90):
                 if b1 < n_blocks:
                     self._pv(mma_pv_r, acc_O, tOrP, tOrV_r, 1)
                     if b1 + 2 < n_blocks:  # buffer 1's ckv 256-511 are free: block b1 + 2's
-                        self._load(io, sh, info, page_base, page_size, b1 + 2, 1, ATOMS_R, MB_B1R, tw)
+                        self._load(io, sh, info, page_base, page_size, b1 + 2, 1, ATOMS_R, MB_B1R, tw, pg3)
                 cute.arch.barrier(barrier_id=BAR_P0, number_of_threads=2 * WG)
                 self._pv(mma_pv_s, acc_O, tOsP0, tOrV_s, 0)
                 if b1 + 1 < n_blocks:  # buffer 0's ckv 256-511 and kpe are free: block b1 + 1's
-                    self._load(io, sh, info, page_base, page_size, b1 + 1, 0, ATOMS_R + ATOM_E, MB_B0RE, tw)
+                    self._load(io, sh, info, page_base, page_size, b1 + 1, 0, ATOMS_R + ATOM_E, MB_B0RE, tw, pg2)
 
             for r in cutlass.range_constexpr(n_rows):
                 l_part = quad_sum(row_l[r])

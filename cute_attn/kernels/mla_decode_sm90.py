@@ -463,21 +463,18 @@ class MlaDecodeSm90:
     @cute.jit
     def _issue_kv(
         self, mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw,
-        atoms=tuple(range(D_QK // 64)),
+        atoms=tuple(range(D_QK // 64)), pages=None,
     ):  # fmt: skip
         """cp.async a block's 64 latent rows into a stage: row 16 i + tw / 8 is token
         blk_start + row (past kv_end: the last valid token again, masked later), chunk t of each
         64-column swizzle atom in ``atoms`` (atoms 0-7: ckv chunks t, t + 8, ..; atom 8: kpe
-        chunk t).  The page lookups first (all in flight together)."""
+        chunk t).  The page lookups first (all in flight together), unless ``pages`` has them
+        (``_kv_pages`` of the same block)."""
         t = tw % THREADS_PER_ROW
         n = BLOCK_N // LOAD_ROWS
         num_pages = mCkv.shape[0]
-        pages = cute.make_rmem_tensor((n,), Int32)
-        for i in cutlass.range_constexpr(n):
-            p = blk_start + tw // THREADS_PER_ROW + i * LOAD_ROWS
-            p = cutlass.select_(p < kv_end, p, kv_end - 1)
-            pg, _ = divmod(p, page_size)
-            pages[i] = mKvIndices[page_base + pg]
+        if const_expr(pages is None):
+            pages = self._kv_pages(mKvIndices, page_base, blk_start, kv_end, page_size, tw)
         for i in cutlass.range_constexpr(n):
             r = tw // THREADS_PER_ROW + i * LOAD_ROWS
             p = blk_start + r
@@ -493,6 +490,18 @@ class MlaDecodeSm90:
                     cp_async_16(kv_base + d, ckv + (t + 8 * c) * 16)
                 else:
                     cp_async_16(kv_base + d, kpe + t * 16)
+
+    @cute.jit
+    def _kv_pages(self, mKvIndices, page_base, blk_start, kv_end, page_size, tw):
+        """The page ids of this thread's rows of a block (``_issue_kv``'s rows)."""
+        n = BLOCK_N // LOAD_ROWS
+        pages = cute.make_rmem_tensor((n,), Int32)
+        for i in cutlass.range_constexpr(n):
+            p = blk_start + tw // THREADS_PER_ROW + i * LOAD_ROWS
+            p = cutlass.select_(p < kv_end, p, kv_end - 1)
+            pg, _ = divmod(p, page_size)
+            pages[i] = mKvIndices[page_base + pg]
+        return pages
 
     # ---- epilogue ------------------------------------------------------------------------------
     @cute.jit
