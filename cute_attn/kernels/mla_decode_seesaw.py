@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from .fragments import WG, quad_max, quad_sum, wgmma_acc_as_a, wgmma_mn_view
@@ -135,20 +135,34 @@ class MlaDecodeSeesaw(MlaDecodeSm90):
 
     # ---- shared steps ---------------------------------------------------------------------------
     @cute.jit
-    def _scores(self, mma_qk, acc_S, tSrQ, tSrK, buf: int, mbar, first, then, ph_a, ph_b):
-        """S = Q Kᵀ of the block in ``buf``: the k steps of part ``first`` once mbarrier
-        ``first[0]`` completed phase ``ph_a``, then those of ``then`` after ``then[0]``."""
+    def _qk_part(self, mma_qk, acc_S, tSrQ, tSrK, buf: int, mbar, ph, ks, first: bool):
+        """Issue the score GEMM's k steps ``ks`` over the block in ``buf`` once mbarrier ``mbar``
+        completed phase ``ph`` (``first``: the first part, which starts from zero)."""
+        cute.arch.mbarrier_wait(mbar, ph)
+        if const_expr(first):
+            warpgroup.fence()
         atom = cute.make_mma_atom(mma_qk.op)
-        cute.arch.mbarrier_wait(mbar + first[0], ph_a)
+        for i in cutlass.range_constexpr(len(ks)):
+            atom.set(warpgroup.Field.ACCUMULATE, not (first and i == 0))
+            k = ks[i]
+            cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, buf], acc_S)
+
+    @cute.jit
+    def _issue_pv(self, mma, acc_O, tA, tOrV, buf: int):
+        """Issue and commit O += P V over the block in ``buf`` (the caller waits)."""
+        atom = cute.make_mma_atom(mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.fence()
-        for i in cutlass.range_constexpr(len(first[1])):
-            atom.set(warpgroup.Field.ACCUMULATE, i != 0)
-            k = first[1][i]
-            cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, buf], acc_S)
-        cute.arch.mbarrier_wait(mbar + then[0], ph_b)
-        for i in cutlass.range_constexpr(len(then[1])):
-            k = then[1][i]
-            cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, buf], acc_S)
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            cute.gemm(atom, acc_O, tA[None, None, k], tOrV[None, None, k, buf], acc_O)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _qk1(self, mma_qk, acc_S, tSrQ, tSrK, mbar, ph_r, ph_le):
+        """WG 1's scores of the block in buffer 1: the ckv columns 256-511 it copied itself
+        first, then those WG 0 copied; waited."""
+        self._qk_part(mma_qk, acc_S, tSrQ, tSrK, 1, mbar + MB_B1R, ph_r, K_R, True)
+        self._qk_part(mma_qk, acc_S, tSrQ, tSrK, 1, mbar + MB_B1LE, ph_le, K_L + K_E, False)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
 
@@ -188,16 +202,6 @@ class MlaDecodeSeesaw(MlaDecodeSm90):
                 l_blk = l_blk + p
             row_l[r] = row_l[r] * corr[r] + l_blk
         return m_new
-
-    @cute.jit
-    def _pv(self, mma, acc_O, tA, tOrV, buf: int):
-        atom = cute.make_mma_atom(mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-            cute.gemm(atom, acc_O, tA[None, None, k], tOrV[None, None, k, buf], acc_O)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
 
     @cute.jit
     def _row_limits(self, info: ItemInfo, tScS, causal):
@@ -275,15 +279,19 @@ class MlaDecodeSeesaw(MlaDecodeSm90):
             rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_Q, BLOCK_N)), self.dtype)
             tOrP = cute.make_tensor(rP.iterator, wgmma_acc_as_a(rP.layout))
             corr = cute.make_rmem_tensor((n_rows,), Float32)
-            if n_blocks > 0:
+            if n_blocks > 0:  # the scores of block 0
                 cute.arch.mbarrier_wait(sh.mbar + MB_Q, ph_q)
                 ph_q = ph_q ^ 1
-            for pr in cutlass.range((n_blocks + 1) // 2, unroll=1):
-                b0 = 2 * pr
-                pg2, pg3 = self._next_pages(io, info, page_base, page_size, b0 + 2, tw)
-                self._scores(mma_qk, acc_S, tSrQ, tSrK, 0, sh.mbar, (MB_B0L, K_L), (MB_B0RE, K_R + K_E), ph_l, ph_re)
+                self._qk_part(mma_qk, acc_S, tSrQ, tSrK, 0, sh.mbar + MB_B0L, ph_l, K_L, True)
+                self._qk_part(mma_qk, acc_S, tSrQ, tSrK, 0, sh.mbar + MB_B0RE, ph_re, K_R + K_E, False)
+                warpgroup.commit_group()
                 ph_l = ph_l ^ 1
                 ph_re = ph_re ^ 1
+                warpgroup.wait_group(0)
+            for pr in cutlass.range((n_blocks + 1) // 2, unroll=1):
+                # enters with S0 of block b0 in acc_S; leaves with the next pair's
+                b0 = 2 * pr
+                pg2, pg3 = self._next_pages(io, info, page_base, page_size, b0 + 2, tw)
                 self._mask(acc_S, tScS, row_lim, info.kv_start + b0 * BLOCK_N)
                 m0 = self._exp(acc_S, row_m, row_m, corr, row_l, scale_log2)
                 for r in cutlass.range_constexpr(n_rows):
@@ -292,7 +300,8 @@ class MlaDecodeSeesaw(MlaDecodeSm90):
                 cute.arch.barrier_arrive(barrier_id=BAR_M, number_of_threads=2 * WG)
                 rP.store(acc_S.load().to(self.dtype))
                 self._rescale(acc_O, corr)
-                self._pv(mma_pv_r, acc_O, tOrP, tOrV_r, 0)
+                self._issue_pv(mma_pv_r, acc_O, tOrP, tOrV_r, 0)
+                warpgroup.wait_group(0)
                 if b0 + 2 < n_blocks:  # buffer 0's ckv 0-255 are free: block b0 + 2's
                     self._load(io, sh, info, page_base, page_size, b0 + 2, 0, ATOMS_L, MB_B0L, tw, pg2)
                 cute.arch.barrier(barrier_id=BAR_S1, number_of_threads=2 * WG)
@@ -312,9 +321,21 @@ class MlaDecodeSeesaw(MlaDecodeSm90):
                 cute.arch.barrier_arrive(barrier_id=BAR_P0, number_of_threads=2 * WG)
                 self._rescale(acc_O, corr)
                 if b0 + 1 < n_blocks:
-                    self._pv(mma_pv_s, acc_O, tOsP1, tOrV_s, 1)
-                    if b0 + 3 < n_blocks:  # buffer 1's ckv 0-255 and kpe are free: block b0 + 3's
-                        self._load(io, sh, info, page_base, page_size, b0 + 3, 1, ATOMS_L + ATOM_E, MB_B1LE, tw, pg3)
+                    self._issue_pv(mma_pv_s, acc_O, tOsP1, tOrV_s, 1)
+                    if b0 + 2 < n_blocks:
+                        # the next pair's scores start on the part copied first, under P V1L
+                        self._qk_part(mma_qk, acc_S, tSrQ, tSrK, 0, sh.mbar + MB_B0L, ph_l, K_L, True)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(1)  # P V1L
+                        if b0 + 3 < n_blocks:  # buffer 1's ckv 0-255 and kpe are free: block b0 + 3's
+                            self._load(
+                                io, sh, info, page_base, page_size, b0 + 3, 1, ATOMS_L + ATOM_E, MB_B1LE, tw, pg3
+                            )
+                        self._qk_part(mma_qk, acc_S, tSrQ, tSrK, 0, sh.mbar + MB_B0RE, ph_re, K_R + K_E, False)
+                        warpgroup.commit_group()
+                        ph_l = ph_l ^ 1
+                        ph_re = ph_re ^ 1
+                    warpgroup.wait_group(0)
 
             # epilogue: l = WG 0's + WG 1's partial sums; 1 / l for WG 1
             cute.arch.barrier(barrier_id=BAR_L, number_of_threads=2 * WG)
@@ -386,15 +407,15 @@ class MlaDecodeSeesaw(MlaDecodeSm90):
             if n_blocks > 0:
                 cute.arch.mbarrier_wait(sh.mbar + MB_Q, ph_q)
                 ph_q = ph_q ^ 1
+            if n_blocks > 1:  # the scores of block 1
+                self._qk1(mma_qk, acc_S, tSrQ, tSrK, sh.mbar, ph_r, ph_le)
+                ph_r = ph_r ^ 1
+                ph_le = ph_le ^ 1
             for pr in cutlass.range((n_blocks + 1) // 2, unroll=1):
+                # enters with S1 of block b1 in acc_S (when it exists); leaves with the next pair's
                 b1 = 2 * pr + 1
                 pg2, pg3 = self._next_pages(io, info, page_base, page_size, b1 + 1, tw)
                 if b1 < n_blocks:
-                    self._scores(
-                        mma_qk, acc_S, tSrQ, tSrK, 1, sh.mbar, (MB_B1R, K_R), (MB_B1LE, K_L + K_E), ph_r, ph_le
-                    )
-                    ph_r = ph_r ^ 1
-                    ph_le = ph_le ^ 1
                     self._mask(acc_S, tScS, row_lim, info.kv_start + b1 * BLOCK_N)
                 else:
                     acc_S.fill(-Float32.inf)  # the pair's second block is past the item
@@ -413,13 +434,20 @@ class MlaDecodeSeesaw(MlaDecodeSm90):
                 cute.arch.barrier_arrive(barrier_id=BAR_S1, number_of_threads=2 * WG)
                 self._rescale(acc_O, corr)
                 if b1 < n_blocks:
-                    self._pv(mma_pv_r, acc_O, tOrP, tOrV_r, 1)
+                    self._issue_pv(mma_pv_r, acc_O, tOrP, tOrV_r, 1)
+                cute.arch.barrier(barrier_id=BAR_P0, number_of_threads=2 * WG)
+                self._issue_pv(mma_pv_s, acc_O, tOsP0, tOrV_s, 0)
+                if b1 < n_blocks:
+                    warpgroup.wait_group(1)  # P V1R
                     if b1 + 2 < n_blocks:  # buffer 1's ckv 256-511 are free: block b1 + 2's
                         self._load(io, sh, info, page_base, page_size, b1 + 2, 1, ATOMS_R, MB_B1R, tw, pg3)
-                cute.arch.barrier(barrier_id=BAR_P0, number_of_threads=2 * WG)
-                self._pv(mma_pv_s, acc_O, tOsP0, tOrV_s, 0)
+                warpgroup.wait_group(0)  # P V0R
                 if b1 + 1 < n_blocks:  # buffer 0's ckv 256-511 and kpe are free: block b1 + 1's
                     self._load(io, sh, info, page_base, page_size, b1 + 1, 0, ATOMS_R + ATOM_E, MB_B0RE, tw, pg2)
+                if b1 + 2 < n_blocks:  # the next pair's scores
+                    self._qk1(mma_qk, acc_S, tSrQ, tSrK, sh.mbar, ph_r, ph_le)
+                    ph_r = ph_r ^ 1
+                    ph_le = ph_le ^ 1
 
             for r in cutlass.range_constexpr(n_rows):
                 l_part = quad_sum(row_l[r])
