@@ -3,7 +3,10 @@ Compute on the same inputs (the bench's compute-bound case by default: 128 heads
 batch 64 x 8k, page 64, causal).
 
     ncu --profile-from-start off --section SpeedOfLight ... \
-        python scripts/profile_mla.py {ours|flashinfer} [HEADS Q_LEN BATCH KV]
+        python scripts/profile_mla.py {ours|flashinfer} [HEADS Q_LEN BATCH KV] [k=v ...]
+
+``k=v`` arguments are knobs of the wgmma kernel's spec (``mla_decode_sm90``), as in
+``scripts/mla_sm90_knobs.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,17 @@ from cute_attn.bench.mla import MlaRun, make_inputs
 
 def main():
     impl = sys.argv[1]
-    heads, q_len, batch, kv = (int(a) for a in sys.argv[2:6]) if len(sys.argv) > 2 else (128, 2, 64, 8192)
+    nums = [a for a in sys.argv[2:] if "=" not in a]
+    kn = dict(a.split("=") for a in sys.argv[2:] if "=" in a)
+    heads, q_len, batch, kv = (int(a) for a in nums) if nums else (128, 2, 64, 8192)
+    if kn:
+        import cute_attn.wrappers.mla as M
+        from cute_attn.families.spec import Spec
+
+        orig = M.mla_sm90_spec
+        M.mla_sm90_spec = lambda arch, dt: Spec.make(
+            "mla_decode_sm90", arch, **{**orig(arch, dt).pdict, **{k: int(v) for k, v in kn.items()}}
+        )
     if impl == "flashinfer":
         import flashinfer.mla as mod
     else:
