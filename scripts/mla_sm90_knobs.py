@@ -96,7 +96,6 @@ def case(name, heads, q_len, kv_lens, ps, variants):
 def main():
     variants = {
         "default": {},
-        "one_scorer": knobs(seesaw=0),
         "alpha2": planner(alpha=2, balance_tol=0.01),
         "exact_order": planner(order_block=1),
     }

@@ -98,7 +98,7 @@ MLA_DECODE = register(
 MLA_DECODE_SM90 = register(
     KernelFamily(
         name="mla_decode_sm90",
-        builder="cute_attn.kernels.mla_entry:build_mla_decode_sm90",
+        builder="cute_attn.kernels.mla_decode_sm90:build_mla_decode_sm90",
         abi=mla_abi,
         expect={
             HOPPER: {
@@ -123,7 +123,6 @@ def mla_sm90_spec(arch: str, dtype: str) -> Spec:
         head_dim_kpe=HEAD_DIM_KPE,
         tile_q=TILE_SM90,
         stages=STAGES_SM90,
-        seesaw=1,
     )
 
 

@@ -72,7 +72,6 @@ class MlaSm90Config:
 
     dtype: Any
     no_loads: bool = False  # diagnostic knob only (wrong output): no KV copies after block 0
-    seesaw: bool = False  # both warpgroups compute scores (kernels/mla_decode_seesaw.py)
 
     @classmethod
     def from_spec(cls, p: dict) -> MlaSm90Config:
@@ -80,7 +79,7 @@ class MlaSm90Config:
 
         assert p["head_dim_ckv"] == D_CKV and p["head_dim_kpe"] == D_KPE, p
         assert p["tile_q"] == TILE_Q and p["stages"] == 2, p
-        return cls(to_dsl(p["dtype"]), bool(p.get("no_loads", 0)), bool(p.get("seesaw", 0)))
+        return cls(to_dsl(p["dtype"]), bool(p.get("no_loads", 0)))
 
 
 class MlaDecodeSm90:
@@ -135,7 +134,12 @@ class MlaDecodeSm90:
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32, (1, 1, 1), (TILE_Q, HALF)
         )
 
-        Smem = self._smem_struct(kv_layout, q_layout)
+        @cute.struct
+        class Smem:
+            sKV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(kv_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(q_layout)], 1024]
+            sRow: cute.struct.Align[cute.struct.MemRange[Float32, TILE_Q], 16]
+
         if const_expr(Smem.size_in_bytes() > SMEM_MAX):
             raise ValueError(f"{Smem.size_in_bytes()} bytes of shared memory > {SMEM_MAX}")
         self.kernel(
@@ -161,20 +165,6 @@ class MlaDecodeSm90:
             mma_pv_s,
             Smem,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
-
-    def _smem_struct(self, kv_layout, q_layout):
-        """The shared-memory struct: the KV stages, Q and ``_smem_fields``' extras (built from
-        evaluated annotations: this module's are strings, and only jit bodies resolve those)."""
-        S = cute.struct
-        fields = {
-            "sKV": S.Align[S.MemRange[self.dtype, cute.cosize(kv_layout)], 1024],
-            "sQ": S.Align[S.MemRange[self.dtype, cute.cosize(q_layout)], 1024],
-            **self._smem_fields(),
-        }
-        return cute.struct(type("Smem", (), {"__annotations__": fields}))
-
-    def _smem_fields(self):
-        return {"sRow": cute.struct.Align[cute.struct.MemRange[Float32, TILE_Q], 16]}
 
     def _check_smem_off(self, layout, rows: int, slices: int):
         """Trace time: ``smem_off`` (the copies' element offsets: 16-byte chunk t of a 64-wide
@@ -461,20 +451,19 @@ class MlaDecodeSm90:
                     cp_async_16(q_base + d, qp + t * 16)
 
     @cute.jit
-    def _issue_kv(
-        self, mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw,
-        atoms=tuple(range(D_QK // 64)), pages=None,
-    ):  # fmt: skip
+    def _issue_kv(self, mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw):
         """cp.async a block's 64 latent rows into a stage: row 16 i + tw / 8 is token
-        blk_start + row (past kv_end: the last valid token again, masked later), chunk t of each
-        64-column swizzle atom in ``atoms`` (atoms 0-7: ckv chunks t, t + 8, ..; atom 8: kpe
-        chunk t).  The page lookups first (all in flight together), unless ``pages`` has them
-        (``_kv_pages`` of the same block)."""
+        blk_start + row (past kv_end: the last valid token again, masked later), its ckv chunks
+        t, t + 8, .. and kpe chunk t.  The page lookups first (all in flight together)."""
         t = tw % THREADS_PER_ROW
         n = BLOCK_N // LOAD_ROWS
         num_pages = mCkv.shape[0]
-        if const_expr(pages is None):
-            pages = self._kv_pages(mKvIndices, page_base, blk_start, kv_end, page_size, tw)
+        pages = cute.make_rmem_tensor((n,), Int32)
+        for i in cutlass.range_constexpr(n):
+            p = blk_start + tw // THREADS_PER_ROW + i * LOAD_ROWS
+            p = cutlass.select_(p < kv_end, p, kv_end - 1)
+            pg, _ = divmod(p, page_size)
+            pages[i] = mKvIndices[page_base + pg]
         for i in cutlass.range_constexpr(n):
             r = tw // THREADS_PER_ROW + i * LOAD_ROWS
             p = blk_start + r
@@ -483,25 +472,12 @@ class MlaDecodeSm90:
             page = in_cache(pages[i], num_pages)
             ckv = mCkv[page, slot, None].iterator.toint()
             kpe = mKpe[page, slot, None].iterator.toint()
-            for ci in cutlass.range_constexpr(len(atoms)):
-                c = atoms[ci]
+            for c in cutlass.range_constexpr(D_QK // 64):
                 d = smem_off(r, c, t, stage, BLOCK_N) * 2
                 if const_expr(c < D_CKV // 64):
                     cp_async_16(kv_base + d, ckv + (t + 8 * c) * 16)
                 else:
                     cp_async_16(kv_base + d, kpe + t * 16)
-
-    @cute.jit
-    def _kv_pages(self, mKvIndices, page_base, blk_start, kv_end, page_size, tw):
-        """The page ids of this thread's rows of a block (``_issue_kv``'s rows)."""
-        n = BLOCK_N // LOAD_ROWS
-        pages = cute.make_rmem_tensor((n,), Int32)
-        for i in cutlass.range_constexpr(n):
-            p = blk_start + tw // THREADS_PER_ROW + i * LOAD_ROWS
-            p = cutlass.select_(p < kv_end, p, kv_end - 1)
-            pg, _ = divmod(p, page_size)
-            pages[i] = mKvIndices[page_base + pg]
-        return pages
 
     # ---- epilogue ------------------------------------------------------------------------------
     @cute.jit
@@ -528,3 +504,8 @@ class MlaDecodeSm90:
                         out[0] = O[r, c] * inv[r]
                         out[1] = O[r, c + 1] * inv[r]
                         cute.autovec_copy(out, cute.local_tile(row, (2,), ((col0 + tOcO[0, c][1]) // 2,)))
+
+
+def build_mla_decode_sm90(spec):
+    """The jit entry of an ``mla_decode_sm90`` spec."""
+    return MlaDecodeSm90(MlaSm90Config.from_spec(spec.pdict))
