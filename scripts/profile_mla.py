@@ -25,13 +25,12 @@ def main():
     kn = dict(a.split("=") for a in sys.argv[2:] if "=" in a)
     heads, q_len, batch, kv = (int(a) for a in nums) if nums else (128, 2, 64, 8192)
     if kn:
-        import cute_attn.wrappers.mla as M
-        from cute_attn.families.spec import Spec
+        from mla_sm90_knobs import knobs  # this script's folder is on sys.path
 
-        orig = M.mla_sm90_spec
-        M.mla_sm90_spec = lambda arch, dt: Spec.make(
-            "mla_decode_sm90", arch, **{**orig(arch, dt).pdict, **{k: int(v) for k, v in kn.items()}}
-        )
+        import cute_attn.wrappers.mla as M
+
+        for name, patch in knobs(**{k: int(v) for k, v in kn.items()}).items():
+            setattr(M, name, patch)
     if impl == "flashinfer":
         import flashinfer.mla as mod
     else:
