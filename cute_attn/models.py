@@ -94,6 +94,8 @@ BUILTIN = {
     # head dim 96: rows of 192 bytes (an fp8 cache at 96 decodes on the prefill kernels, Hopper only)
     "phi-3-mini": ModelAttention("phi-3-mini", 32, 32, 96, sliding_window=2047, global_layers=False),
     "phi-4": ModelAttention("phi-4", 40, 10, 128),
+    # head dim 80: rows of 160 bytes (as at 96, an fp8 cache decodes on the prefill kernels)
+    "phi-2": ModelAttention("phi-2", 32, 32, 80),
     # MLA: prefill over the decompressed K / V (128 heads, q/k 128 nope + 64 rope, v 128)
     "deepseek-v3": ModelAttention("deepseek-v3", 128, 128, 192, head_dim_vo=128, mla=True),
 }

@@ -461,8 +461,8 @@ case(
     dec_plan(num_qo_heads=6, num_kv_heads=4),
     raises(ValueError, r"num_qo_heads \(6\) must be a multiple of num_kv_heads \(4\)"),
 )
-# (80: served by neither the decode nor the prefill kernels)
-case("head_dim_80", DEC, dec_plan(head_dim=80), raises(ValueError, "head_dim 80 is not supported"))
+# (72: served by neither the decode nor the prefill kernels)
+case("head_dim_72", DEC, dec_plan(head_dim=72), raises(ValueError, "head_dim 72 is not supported"))
 case(
     "indptr_float_fractional",
     DEC,
@@ -1109,7 +1109,7 @@ for op, plan_b, run_b, values_b in ((RAG, rag_plan, rag_run, rag_values), (PAG, 
     case(
         "head_dim_vo_unserved_pair", op, plan_b(head_dim_vo=128), raises(ValueError, "head_dim_vo 128 is not supported")
     )
-    case("head_dim_80", op, plan_b(head_dim_qk=80), raises(ValueError, "head_dim 80 is not supported"))
+    case("head_dim_72", op, plan_b(head_dim_qk=72), raises(ValueError, "head_dim 72 is not supported"))
     case("head_dim_vo_not_int", op, plan_b(head_dim_vo="64"), raises(ValueError, "head_dim_vo must be a positive int"))
     case(
         "soft_cap_nan",

@@ -137,6 +137,27 @@ def test_decode_head_dim_96(page_size, layout, hq, hk, hpi, soft_cap, window, dt
     assert not w._routed and w._state.decode is not None and (window >= 0 or w._state.plan.has_split)
 
 
+# head dim 80 (Phi-2's 32 / 32; 160-byte rows in five 32-byte atom columns, one kv head per item):
+# pages, layouts, GQA, soft-cap / window, split + merge (the 33k request), lengths 0 / 1 / odd
+HD80 = [
+    (16, "NHD", 32, 32, None, -1),
+    (1, "HND", 32, 32, None, -1),
+    (64, "NHD", 32, 8, None, -1),
+    (16, "HND", 16, 2, 30.0, -1),
+    (1, "NHD", 32, 8, 50.0, 7),
+]
+
+
+@pytest.mark.parametrize("page_size,layout,hq,hk,soft_cap,window", HD80)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_head_dim_80(page_size, layout, hq, hk, soft_cap, window, dtype):
+    rng = random.Random()
+    kv = [0, 1, 17, 300, 64, 129, 5, 2048 + rng.randrange(64), 33000]
+    rng.shuffle(kv)
+    w = run_case(len(kv), kv, page_size, hq, hk, 80, dtype, layout, soft_cap=soft_cap, window_left=window)[0]
+    assert not w._routed and w._state.decode is not None and (window >= 0 or w._state.plan.has_split)
+
+
 @pytest.mark.parametrize("page_size", [1, 16, 64, 128])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("single_tensor", [False, True])
@@ -393,8 +414,8 @@ def test_capture_without_cuda_graph_flag_is_an_error():
 def test_validation_errors():
     w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
     ind = torch.tensor([0, 1], dtype=torch.int32)
-    with pytest.raises(ValueError, match="head_dim 80"):
-        w.plan(ind, ind[:1], ind[1:], 8, 8, 80, 16)
+    with pytest.raises(ValueError, match="head_dim 72"):
+        w.plan(ind, ind[:1], ind[1:], 8, 8, 72, 16)
     with pytest.raises(ValueError, match="bytes"):  # 1 MiB is too small for batch 1000 x 64 heads
         big = torch.arange(1001, dtype=torch.int32)
         w.plan(big, torch.arange(1000, dtype=torch.int32), torch.ones(1000, dtype=torch.int32), 64, 8, 128, 16)

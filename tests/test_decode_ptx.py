@@ -191,6 +191,23 @@ def test_compiled_decode_hd96(interp, case):
         assert w._state.plan.has_split
 
 
+# head dim 80 (160-byte rows: five 32-byte atom columns gathered in turn, the epilogue's column
+# pieces; one kv head per item -- families/decode.MAX_PACKED_HEADS).
+HD80 = [
+    ([70, 5, 300], 16, 8, 1),  # split + merge
+    ([33, 1, 0, 90], 1, 16, 4),  # page 1, GQA 4, an empty request
+]
+
+
+@pytest.mark.parametrize("case", HD80, ids=lambda c: f"kv{'_'.join(map(str, c[0]))}-p{c[1]}-h{c[2]}x{c[3]}")
+def test_compiled_decode_hd80(interp, case):
+    kv, ps, hq, hk = case
+    w = run_decode(kv, ps, hq, hk, 80, 1, seed=len(kv) * 3 + ps)
+    assert interp and all(m.steps > 0 for m in interp) and interp[0].params["head_dim"] == 80
+    if hq == 8:
+        assert w._state.plan.has_split
+
+
 # head dim 512 (kernels/decode_wide.py: the MLA kernel's split of the contraction and of the
 # output columns over the warps, K and V from their own heads): split + merge, page size 1, an
 # empty request, GQA 8 and MHA, HND strides.

@@ -100,6 +100,14 @@ def test_fp8_decode_head_dims_gqa(d, kv, q_dtype, hq, hk):
     run_case([1, 17, 300, 64, 1000, 129, 5], 16, hq, hk, d, q_dtype, kv)
 
 
+@pytest.mark.parametrize("page_size,layout", [(16, "NHD"), (1, "HND")])
+def test_fp8_decode_head_dim_80(page_size, layout):
+    """Head dim 80 (Phi-2): the decode kernel does not read 80-byte fp8 rows, so the plan runs
+    the KV pass (dequantizing, gathering) and the prefill kernel's causal row per request."""
+    w = run_case([0, 1, 17, 300, 4097, 129], page_size, 32, 32, 80, torch.bfloat16, layout=layout)[0]
+    assert w._routed
+
+
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("single", [False, True])

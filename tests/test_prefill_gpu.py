@@ -1247,8 +1247,8 @@ def test_cpu_validation_errors(emu):
             **kw,
         )
     )
-    with pytest.raises(ValueError, match="head_dim 80"):
-        plan(head_dim_qk=80)
+    with pytest.raises(ValueError, match="head_dim 72"):
+        plan(head_dim_qk=72)
     with pytest.raises(ValueError, match="head_dim_vo 64 is not supported"):
         plan(head_dim_vo=64)
     with pytest.raises(ValueError, match="head_dim_vo must be a positive int"):

@@ -86,7 +86,7 @@ LENS = {
     "zero_one_odd": ([0, 1, 1, 3, 0, 129], [5, 1, 0, 3, 0, 1001]),
     "long": ([4097, 3], [6000, 4001]),
 }
-DIMS = {"192_128": (QK, VO), "96": (96, 96)}
+DIMS = {"192_128": (QK, VO), "96": (96, 96), "80": (80, 80)}
 
 
 # =========================================================================== GPU tests
@@ -118,10 +118,12 @@ def test_paged(dims, page_size, causal, layout):
 
 @gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_paged_kv_pass_hd96(causal):
-    """Head dim 96 through the KV pass (a 96-wide row is 6 thread pairs: 4 of 256 threads idle)."""
+@pytest.mark.parametrize("d", [80, 96])
+def test_paged_kv_pass(d, causal):
+    """Head dims 80 / 96 through the KV pass (rows of 5 / 6 thread pairs: threads past the
+    CTA's whole rows idle)."""
     qo, kv = [300, 1, 77], [1000, 9, 4000]
-    w = run_paged_vo(qo, kv, 1, 16, 4, 96, 96, causal=causal, kv_pass=True)[0]
+    w = run_paged_vo(qo, kv, 1, 16, 4, d, d, causal=causal, kv_pass=True)[0]
     assert w._gathered is not None and not w._spec_kw["paged"]
 
 
@@ -163,15 +165,20 @@ def test_deepseek_128_heads(causal):
 
 
 @gpu
-def test_long_causal_8k():
-    run_ragged_vo([8192], [8192], 16, 16, QK, VO, causal=True)
-    run_ragged_vo([8192, 1], [8192, 8191], 8, 2, 96, 96, causal=True)
+@pytest.mark.parametrize("dims", list(DIMS))
+def test_long_causal_8k(dims):
+    d, dv = DIMS[dims]
+    if dims == "192_128":
+        run_ragged_vo([8192], [8192], 16, 16, d, dv, causal=True)
+    else:
+        run_ragged_vo([8192, 1], [8192, 8191], 8, 2, d, dv, causal=True)
 
 
 @gpu
-def test_hd96_f16():
-    run_ragged_vo(*LENS["mixed"], 16, 4, 96, 96, F16, causal=True)
-    run_ragged_vo(*LENS["mixed"], 16, 4, 96, 96, F16, causal=False)
+@pytest.mark.parametrize("d", [80, 96])
+def test_f16(d):
+    run_ragged_vo(*LENS["mixed"], 16, 4, d, d, F16, causal=True)
+    run_ragged_vo(*LENS["mixed"], 16, 4, d, d, F16, causal=False)
 
 
 @gpu
@@ -246,17 +253,18 @@ def test_cpu_asym_split_merge(emu, paged):
 
 
 @pytest.mark.parametrize("page_size,kv_pass", [(0, None), (1, False), (1, True), (16, None)])
-def test_cpu_hd96(emu, page_size, kv_pass):
+@pytest.mark.parametrize("d", [80, 96])
+def test_cpu_head_dim(emu, d, page_size, kv_pass):
     qo, kv = [1, 17, 130, 0, 64], [1, 40, 500, 9, 64]
     kw = dict(device="cpu", workspace=_cpu_ws(), seed=3, causal=True)
     if page_size:
-        run_paged_vo(qo, kv, page_size, 8, 2, 96, 96, kv_pass=kv_pass, **kw)
+        run_paged_vo(qo, kv, page_size, 8, 2, d, d, kv_pass=kv_pass, **kw)
     else:
-        run_ragged_vo(qo, kv, 8, 2, 96, 96, **kw)
+        run_ragged_vo(qo, kv, 8, 2, d, d, **kw)
     fams = [f for f, _ in emu.calls]
     assert ("kv_pass" in fams) == bool(kv_pass)
     p = [p for f, p in emu.calls if f == "batch_prefill_sm90"][0]
-    assert p["head_dim"] == 96 and "head_dim_vo" not in p
+    assert p["head_dim"] == d and "head_dim_vo" not in p
 
 
 def test_cpu_specs_and_abi():
@@ -291,8 +299,8 @@ def test_cpu_errors(emu):
         plan(head_dim_vo=None)
     with pytest.raises(ValueError, match="head_dim_vo 64 is not supported"):
         plan(head_dim_vo=64)
-    with pytest.raises(ValueError, match="head_dim 80"):
-        plan(head_dim_qk=80, head_dim_vo=80)
+    with pytest.raises(ValueError, match="head_dim 72"):
+        plan(head_dim_qk=72, head_dim_vo=72)
     with pytest.raises(NotImplementedError, match="RoPE"):
         plan(pos_encoding_mode="ROPE_LLAMA")
     with pytest.raises(NotImplementedError, match="RoPE"):
@@ -367,9 +375,10 @@ def test_cpu_gpu_grid_specs_in_all_preset(emu, monkeypatch):
         run_ragged_vo([128], [30000], 16, 4, d, dv, **kw)
         run_ragged_vo([1] * 8, [1, 5, 100, 3000, 64, 65, 1, 7], 32, 8, d, dv, causal=True, **kw)
         run_paged_vo([1] * 8, [1, 5, 100, 3000, 64, 65, 1, 7], 16, 32, 8, d, dv, causal=True, **kw)
-    run_paged_vo([300, 1, 77], [1000, 9, 4000], 1, 16, 4, 96, 96, causal=True, kv_pass=True, **kw)
-    run_ragged_vo(*LENS["mixed"], 16, 4, 96, 96, F16, causal=False, **kw)
-    run_ragged_vo(*LENS["mixed"], 16, 4, 96, 96, F16, causal=True, **kw)
+    for d in (80, 96):
+        for causal in (False, True):
+            run_paged_vo([300, 1, 77], [1000, 9, 4000], 1, 16, 4, d, d, causal=causal, kv_pass=True, **kw)
+            run_ragged_vo(*LENS["mixed"], 16, 4, d, d, F16, causal=causal, **kw)
     assert not missing, sorted(missing)
 
 
@@ -406,8 +415,8 @@ def test_cpu_models_deepseek():
     assert {s.pdict.get("kv_dtype") for s in ds8 if s.family == "mla_decode"} == {"e4m3"}
     with pytest.raises(ValueError, match="head_dim_qk 256 / head_dim_vo 128"):
         model_specs(from_config(dict(cfg, qk_nope_head_dim=192)), "sm_90a")
-    with pytest.raises(ValueError, match="head_dim 80 is not served"):
-        model_specs(from_config(dict(num_attention_heads=32, hidden_size=2560)), "sm_90a")
+    with pytest.raises(ValueError, match="head_dim 72 is not served"):
+        model_specs(from_config(dict(num_attention_heads=32, hidden_size=2304)), "sm_90a")
     # head dim 96 (Phi-3-mini): decode on the decode kernel (one or two kv heads per item), prefill
     # on the wgmma kernel on Hopper (never the portable one there: HOPPER_WGMMA_ONLY_HEAD_DIMS),
     # the portable one elsewhere
@@ -428,16 +437,30 @@ def test_cpu_models_deepseek():
     assert {(s.pdict["tile_q"], s.pdict["paged"], s.pdict["causal"]) for s in hd96 if "paged" in s.pdict} == {
         (t, p, c) for t in (16, 32, 64) for p in (False, True) for c in (False, True)
     }
+    # head dim 80 (Phi-2: 32 / 32 heads): as 96, but one kv head per decode item (160-byte rows)
+    phi2 = from_config(dict(num_attention_heads=32, hidden_size=2560))
+    assert phi2.head_dim == 80 and model_specs(phi2, "sm_90a") == model_specs(resolve_model("phi-2"), "sm_90a")
+    for arch in ("sm_90a", "sm_100a"):
+        hd80 = model_specs(phi2, arch)
+        dec = [s.pdict for s in hd80 if s.family == "paged_decode"]
+        assert dec and all(p["head_dim"] == 80 and "heads_per_item" not in p for p in dec)
+        pre = {s.family for s in hd80} & {"batch_prefill_sm90", "batch_prefill_mma"}
+        assert pre == ({"batch_prefill_sm90"} if arch == "sm_90a" else {"batch_prefill_mma"})
+    hd80_f8 = model_specs(with_kv_cache_dtype(resolve_model("phi-2"), "fp8"), "sm_90a")
+    assert "paged_decode" not in {s.family for s in hd80_f8}
+    assert any(s.family == "kv_pass" and s.pdict.get("kv_dtype") == "e4m3" for s in hd80_f8)
 
 
 @gpu
 @pytest.mark.parametrize("graph", [False, True])
-def test_decode_hd96(graph):
-    """Decode at head dim 96 (Phi-3-mini: 32 / 32 heads, a 2047-token window) on the decode
-    kernel (192-byte rows), one query row per request: lengths 0 / 1 / odd / past the window, and in
-    graph mode one captured run() replayed over re-plans by ``fast_decode_plan``; against the
-    fp32 reference (relative L2 2e-2, LSE 2e-3, -inf where the reference has it).  Its specs
-    are ``compile --model phi-3-mini``'s."""
+@pytest.mark.parametrize("d,window", [(96, 2046), (80, -1)])
+def test_decode_model_head_dims(d, window, graph):
+    """Decode at head dim 96 (Phi-3-mini: 32 / 32 heads, a 2047-token window; 192-byte rows) and
+    80 (Phi-2: 32 / 32 heads, no window; 160-byte rows) on the decode kernel, one query row per
+    request: lengths 0 / 1 / odd / past the window, and in graph mode one captured run()
+    replayed over re-plans by ``fast_decode_plan``; against the fp32 reference (relative L2
+    2e-2, LSE 2e-3, -inf where the reference has it).  Its specs are ``compile --model
+    phi-3-mini`` / ``phi-2``'s."""
     import numpy as np
 
     from cute_attn import BatchDecodeWithPagedKVCacheWrapper
@@ -445,7 +468,7 @@ def test_decode_hd96(graph):
     from cute_attn.testing import paged_reference
 
     hq = hk = 32
-    d, ps, window = 96, 16, 2046
+    ps = 16
     rng = np.random.default_rng(random.randrange(1 << 30))
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
     steps = [np.array([0, 1, 37, 3001, 700, 2047, 5000, 16])]

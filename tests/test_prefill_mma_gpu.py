@@ -2,7 +2,7 @@
 "prefill_mma_sync")``) against the fp32 reference on the GPU, over the prefill grid: the three
 tiles (16 / 32 / 64 packed rows, chosen by the planner's rule from the batch), ragged and paged
 KV (page sizes 1 and 16, NHD and HND), causal and not (queries longer than keys included), GQA
-groups 1 / 4 / 8, head dims 64 / 96 / 128 / 256, fp16 / bf16, query lengths 0 / 1 / odd / long,
+groups 1 / 4 / 8, head dims 64 / 80 / 96 / 128 / 256, fp16 / bf16, query lengths 0 / 1 / odd / long,
 soft-cap and the sliding window, traced variants (sinks on the register epilogue, a custom mask,
 ALiBi, RoPE rotated in-kernel), a split by the planner, bitwise determinism and CUDA-graph
 replay under new plans.  Outputs and LSE pre-filled with NaN, every unowned cache slot NaN
@@ -74,6 +74,15 @@ HD96 = [
     (64, 0, False, BF),
 ]
 HD96_FLAGS = [(64, 1, True, 30.0, 100), (16, 0, False, 50.0, 7)]
+# head dim 80 (160-byte rows in five 32-byte swizzle atom columns), 32 / 8 heads
+HD80 = [
+    (16, 16, False, BF),
+    (16, 1, True, BF),
+    (32, 0, True, BF),
+    (32, 16, True, FP),
+    (64, 16, True, BF),
+    (64, 0, False, BF),
+]
 VARIANTS = [("sink", 64, 0, True), ("custom_mask", 32, 16, False), ("alibi", 16, 16, True), ("rope", 16, 0, True)]
 
 
@@ -107,6 +116,20 @@ def test_portable_head_dim_96(tile, kv, causal, dtype):
 def test_portable_head_dim_96_softcap_window(tile, kv, causal, cap, window):
     qo, kvl = LENS[tile]
     _portable(_run(kv, qo, kvl, 32, 8, 96, BF, causal=causal, soft_cap=cap, window_left=window), tile)
+
+
+@gpu
+@pytest.mark.parametrize("tile,kv,causal,dtype", HD80, ids=lambda x: str(x))
+def test_portable_head_dim_80(tile, kv, causal, dtype):
+    """Head dim 80 (Phi-2's; Blackwell's only prefill kernel at 80)."""
+    qo, kvl = LENS[tile]
+    _portable(_run(kv, qo, kvl, 32, 8, 80, dtype, causal=causal), tile)
+
+
+@gpu
+def test_portable_head_dim_80_softcap_window():
+    qo, kvl = LENS[64]
+    _portable(_run(16, qo, kvl, 32, 8, 80, BF, causal=True, soft_cap=30.0, window_left=100), 64)
 
 
 @gpu
@@ -243,6 +266,9 @@ def test_gpu_cases_use_preset_specs(monkeypatch):
     for tile, kv, causal, cap, window in HD96_FLAGS:
         _portable(run(kv, *LENS[tile], 32, 8, 96, BF, causal=causal, soft_cap=cap, window_left=window), tile)
     run(16, [40, 3000, 17], [20000, 3000, 5000], 8, 2, 96, BF, causal=True)
+    for tile, kv, causal, dtype in HD80:
+        _portable(run(kv, *LENS[tile], 32, 8, 80, dtype, causal=causal), tile)
+    _portable(run(16, *LENS[64], 32, 8, 80, BF, causal=True, soft_cap=30.0, window_left=100), 64)
     run(0, [2048], [2048], 8, 8, 128, BF, causal=True)  # the 8k cases' tiles, shorter
     run(16, [2048, 1], [2048, 2047], 8, 1, 64, BF, causal=True)
     run(16, [40, 3000, 17], [20000, 3000, 5000], 8, 2, 128, BF, causal=True)

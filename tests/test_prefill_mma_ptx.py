@@ -136,6 +136,10 @@ CASES = [
     ([8, 3], [19, 100], 8, 2, 96, torch.float16, 0, True, None, -1, {}, 32),
     ([33, 2], [150, 2], 4, 2, 96, torch.bfloat16, 1, True, 30.0, 20, {}, 64),
     ([20], [200], 4, 2, 96, torch.bfloat16, 16, True, None, -1, dict(fixed_split_size=4), 64),  # (in pages)
+    # head dim 80: 160-byte rows in five 32-byte swizzle atom columns
+    ([1, 2], [70, 33], 8, 2, 80, torch.bfloat16, 16, False, None, -1, {}, 16),
+    ([8, 3], [19, 100], 8, 2, 80, torch.float16, 0, True, None, -1, {}, 32),
+    ([33, 2], [150, 2], 4, 2, 80, torch.bfloat16, 1, True, 30.0, 20, {}, 64),
     # head dim 512 (kernels/decode_wide.py: 16- and 32-row tiles, one and two warp groups)
     ([1, 2], [70, 33], 8, 2, 512, torch.bfloat16, 16, False, None, -1, {}, 16),
     ([8, 3], [19, 100], 8, 2, 512, torch.float16, 0, True, None, -1, {}, 32),

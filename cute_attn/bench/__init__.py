@@ -8,7 +8,7 @@ from .common import Results
 
 GROUPS = (
     "copy", "merge", "launch", "decode", "decode_shapes", "fp8", "fp8prefill", "fp8attn", "prefill", "head_dims",
-    "portable", "variants", "cascade", "sparse", "mla", "merge_sweep",
+    "hd80", "portable", "variants", "cascade", "sparse", "mla", "merge_sweep",
 )  # fmt: skip
 
 
@@ -56,6 +56,11 @@ def run_benchmarks(only=None, json_path=None, quick=False) -> int:
         from . import head_dims
 
         head_dims.bench_head_dims(res, quick)
+    elif "hd80" in groups:  # head dim 80 alone: its prefill (in head_dims) and decode cases
+        from . import head_dims
+
+        head_dims.bench_hd80(res, quick)
+        decode.bench_decode(res, quick, cases=[c for c in decode.shape_cases() if c[5] == 80])
     if "portable" in groups:
         from . import portable
 

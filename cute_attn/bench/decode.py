@@ -100,12 +100,13 @@ def decode_cases():
 
 def shape_cases():
     """Decode cases of other head shapes: (name, kv lengths, page size, q heads, kv heads, head dim):
-    gpt-oss (64 q / 8 kv heads, d64), head dim 512 (kernels/decode_wide.py; 16 q / 2 kv heads)
-    and MQA (32 q heads on one kv head: two 16-row items per token)."""
+    gpt-oss (64 q / 8 kv heads, d64), head dim 512 (kernels/decode_wide.py; 16 q / 2 kv heads),
+    MQA (32 q heads on one kv head: two 16-row items per token) and Phi-2 (32 / 32 heads, d80)."""
     return [
         ("bs64/kv4096/page16", [4096] * 64, 16, 64, 8, 64),
         ("bs64/kv4096/page16", [4096] * 64, 16, 16, 2, 512),
         ("bs64/kv4096/page16", [4096] * 64, 16, 32, 1, 128),
+        ("bs64/kv4096/page16", [4096] * 64, 16, 32, 32, 80),
     ]
 
 
@@ -189,18 +190,16 @@ def _decode_case(res, lib_ours, fi, ws, ws_fi, gen, name, kv_lens, ps, hq, hk, d
     )
 
 
-def bench_decode(res, quick: bool, shapes_only: bool = False) -> None:
+def bench_decode(res, quick: bool, shapes_only: bool = False, cases=None) -> None:
     """The decode cases (``quick``: the first three), then the other head shapes; ``shapes_only``
-    (group ``decode_shapes``): those alone."""
+    (group ``decode_shapes``): those alone; ``cases``: these ``shape_cases()`` rows alone."""
     lib_ours, fi = peers.ours(), peers.flashinfer()
     gen = torch.Generator().manual_seed(0)
-    cases = [(n, lens, ps, HQ, HK, D) for n, lens, ps in decode_cases()]
-    if shapes_only:
+    if cases is None and shapes_only:
         cases = shape_cases()
-    elif quick:
-        cases = cases[:3]
-    else:
-        cases += shape_cases()
+    elif cases is None:
+        cases = [(n, lens, ps, HQ, HK, D) for n, lens, ps in decode_cases()]
+        cases = cases[:3] if quick else cases + shape_cases()
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     ws_fi = fi.workspace(256) if fi is not None else None
     print(

@@ -8,6 +8,9 @@ causal (with d_qk = d_vo = d this is ``bench/prefill.py``'s 4·h·d·s²).  Case
 * ``prefill/hd128/causal/h128/s{S}``: the same shape at 128 / 128, timed in the same turns (its
   ``ratio`` under ``cute_attn``: the 192/128 time over it; the FLOP ratio is 320 / 256 = 1.25);
 * ``prefill/hd96/causal/h32/s8192``: batch 2 x 8k, 32 heads;
+* ``prefill/hd80/{causal,noncausal}/h32/s8192``: batch 2 x 8k, 32 heads (Phi-2's), against torch's
+  SDPA (cuDNN and flash backends, pinned: a backend that cannot run the case raises) and
+  FlashInfer where importable, all timed in turns;
 * ``prefill/hd512/causal/h8/s4096``: batch 2 x 4k, 8 heads, on the wide ``mma.sync`` kernel
   (``kernels/decode_wide.py``; torch's SDPA backends stop at head dim 256).
 
@@ -95,7 +98,49 @@ def bench_head_dims(res, quick: bool) -> None:
     print(f"{case:44s} {t96:10.1f} us  {f96 / t96 / 1e6:6.1f} TFLOP/s")
     del c96
     torch.cuda.empty_cache()
+    bench_hd80(res, quick)
     bench_hd512(res, quick)
+
+
+def bench_hd80(res, quick: bool) -> None:
+    """Head dim 80, ragged 2 x 8k (``quick``: 2 x 4k), 32 heads, causal and not: ours, SDPA's
+    cuDNN / flash backends and FlashInfer's ragged prefill in turns."""
+    from . import peers
+    from .prefill import _row, _sdpa_runner, _turns
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    s, h, d = (4096 if quick else 8192), 32, 80
+    lens = [s, s]
+    q, k, v = (torch.randn(2 * s, h, d, generator=gen, device="cuda").to(DT) for _ in range(3))
+    q4, k4, v4 = (x.view(2, s, h, d).transpose(1, 2).contiguous() for x in (q, k, v))
+    fi = peers.flashinfer()
+    for causal in (True, False):
+        case = f"prefill/hd80/{'causal' if causal else 'noncausal'}/h{h}/s{s}"
+        ours = peers.ragged_prefill(peers.ours(), torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
+                                    _indptr(lens), q, k, v, causal, d)  # fmt: skip
+        if causal:
+            _check(q, k, v, ours.out, s)
+        fns, why = {"ours": ours}, {}
+        for be in ("cudnn", "flash"):
+            fn, why[f"sdpa_{be}"] = _sdpa_runner(be, q4, k4, v4, causal)
+            if fn is not None:
+                fns[f"sdpa_{be}"] = fn
+        fi_call = None
+        if fi is not None:
+            fi_call, why["flashinfer"] = peers.fi_call(
+                lambda: peers.ragged_prefill(fi, fi.workspace(128), _indptr(lens), q, k, v, causal, d)
+            )
+            if fi_call is not None:
+                fns["flashinfer"] = fi_call
+        med = _turns(fns, {"flashinfer"})
+        base = [(i, (med[i], None) if i in med else (None, why[i])) for i in why]
+        if fi_call is not None and "flashinfer" in med:
+            _, ok = peers.check_output(f"flashinfer {case}", fi_call.out, ours.out)
+            if not ok:
+                base = [(i, (None, peers.DIFFERS) if i == "flashinfer" else tw) for i, tw in base]
+        _row(res, case, _flops(lens, h, d, d, causal), med["ours"], base)
+        del ours, fi_call, fns
+        torch.cuda.empty_cache()
 
 
 def bench_hd512(res, quick: bool) -> None:

@@ -65,9 +65,9 @@ PORTABLE_PREFILL = "prefill_mma_sync"
 # 0.992x (within the noise: not taken); 8 and 16 tokens (32 / 64 rows), page 16: 1.025x /
 # 1.131x.  0: never.
 HOPPER_PORTABLE_MAX_ROWS = {"tma": 0, "gather": 16}
-# head dims Hopper keeps on the wgmma kernel whatever the batch: the portable kernel at 96 has
-# not run on a GPU yet (its PTX passes the interpreter tests); ``prefill_backend`` still forces it
-HOPPER_WGMMA_ONLY_HEAD_DIMS = (96,)
+# head dims Hopper keeps on the wgmma kernel whatever the batch (the portable kernel's limits
+# above were measured at 128 only); ``prefill_backend`` still forces it
+HOPPER_WGMMA_ONLY_HEAD_DIMS = (80, 96)
 
 
 def portable_tiles(arch: str, head_dim: int | None = None) -> tuple:

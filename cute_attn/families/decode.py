@@ -21,27 +21,28 @@ from ..variants.builtins import SlidingWindow, SoftCap
 from .base import KernelFamily, cache_arg, i32_arg, register, spec_variant, variant_params
 from .spec import Spec
 
-HEAD_DIMS = (64, 96, 128, 256, 512)
+HEAD_DIMS = (64, 80, 96, 128, 256, 512)
 # served by kernels/decode_wide.py (the MLA kernel's geometry: warps split the contraction and
 # the output columns): a 16-bit cache, no variant, one kv head per 16-row item
 WIDE_HEAD_DIMS = (512,)
-# an fp8 cache's rows are head_dim bytes: 96 would leave 96-byte rows, which the fp8 kernel's
-# 64- / 128-byte swizzle atoms do not tile (an fp8 cache at 96 decodes on the prefill path)
+# an fp8 cache's rows are head_dim bytes: 80 / 96 would leave 80- / 96-byte rows, which the fp8
+# kernel's 64- / 128-byte swizzle atoms do not tile (such a cache decodes on the prefill path)
 FP8_HEAD_DIMS = (64, 128, 256)
 TILE_Q = 16  # packed rows per work item: the kernel's m16 MMA tile
 PACKED_HEADS = (4, 2)  # kv heads per work item the kernel is built for, besides 1
 # head dim 96 gathers a 192-byte row as 64-byte atom rows, 32 rows per pass of the 128 threads:
 # a stage's 64 rows then hold at most two heads' 32 tokens (four would leave 16, fewer than a pass)
-MAX_PACKED_HEADS = {96: 2, 512: 1}
-STAGES = {64: 3, 96: 4, 128: 3, 256: 2, 512: 3}  # KV pipeline depth of a 16-bit cache's BLOCK_N-row stages
+# head dim 80 gathers its 160-byte row as 32-byte atom rows, 64 rows per pass: one head per stage
+MAX_PACKED_HEADS = {80: 1, 96: 2, 512: 1}
+STAGES = {64: 3, 80: 4, 96: 4, 128: 3, 256: 2, 512: 3}  # KV pipeline depth of a 16-bit cache's BLOCK_N-row stages
 FP8_STAGES = {64: 4, 128: 3, 256: 2}  # of an fp8 cache's (64 rows of D 16-bit pairs: 16 KB at hd128)
 # KV rows (tokens x packed heads) per stage, 16-bit caches.  Head dim 64: 128-row stages (32 KB,
 # hd128's stage bytes) at 3 stages ran 0.5-5 % faster than 64-row ones at 4 on all four hd64
 # batches of the H200 sweeps (scripts/decode_hd64_sweep.py: gpt-oss 64 x 4k 130.0 against 131.1
 # us, 4.13 TB/s; the lognormal batches 118.5-119.6 against 124.4-126.1 us)
 # head dim 512: 32 rows of K and of V per stage (64 KB; 3 stages + Q + scores: 216 KB)
-BLOCK_N = {64: 128, 96: 64, 128: 64, 256: 64, 512: 32}
-CTAS_PER_SM = {64: 2, 96: 2, 128: 2, 256: 1, 512: 1}  # what shared memory (and 248 registers/thread) allow
+BLOCK_N = {64: 128, 80: 64, 96: 64, 128: 64, 256: 64, 512: 32}
+CTAS_PER_SM = {64: 2, 80: 2, 96: 2, 128: 2, 256: 1, 512: 1}  # what shared memory (and 248 registers/thread) allow
 # the variants whose kernels ship for FlashInfer's plain / soft-cap / window options, packed
 # and unpacked (so the wrapper's default packing rule packs only those)
 SHIPPED_VARIANTS = (None, SoftCap(), SlidingWindow(), SoftCap() + SlidingWindow())

@@ -19,8 +19,8 @@ from .decode import decode_abi_fixed
 from .spec import Spec
 
 ARCH = HOPPER
-HEAD_DIMS = (64, 96, 128, 256)  # head_dim_qk = head_dim_vo
-SHIPPED_HEAD_DIMS = (64, 128, 256)  # the default grid (96: the test matrix and model sets)
+HEAD_DIMS = (64, 80, 96, 128, 256)  # head_dim_qk = head_dim_vo
+SHIPPED_HEAD_DIMS = (64, 128, 256)  # the default grid (80, 96: the test matrix and model sets)
 # (head_dim_qk, head_dim_vo) pairs besides the equal ones: DeepSeek-V3/R1's prefill (MLA in its
 # non-absorbed form: q/k 128 nope + 64 rope dims, v 128)
 HEAD_DIM_PAIRS = ((192, 128),)

@@ -18,9 +18,10 @@ from .decode import WIDE_HEAD_DIMS
 from .prefill import prefill_abi
 from .spec import Spec
 
-# decode's geometry (kernels/decode.py): 128- or 64-byte swizzle atoms (96: three 64-byte atom columns)
-HEAD_DIMS = (64, 96, 128, 256, 512)
-SHIPPED_HEAD_DIMS = (64, 128, 256)  # the default grid (96: the test matrix and model sets, as the wgmma kernel's)
+# decode's geometry (kernels/decode.py): 128-, 64- or 32-byte swizzle atoms (96: three 64-byte atom
+# columns; 80: five 32-byte ones)
+HEAD_DIMS = (64, 80, 96, 128, 256, 512)
+SHIPPED_HEAD_DIMS = (64, 128, 256)  # the default grid (80, 96: the test matrix and model sets, as the wgmma kernel's)
 # WIDE_HEAD_DIMS (decode's): served by kernels/decode_wide.py, 16- or 32-row tiles (one or two
 # warp groups), no soft-cap / window / variant; its stages of 32 K + 32 V rows (64 KB) that fit
 # shared memory beside Q and the score exchange
@@ -29,7 +30,7 @@ WIDE_STAGES = {16: 3, 32: 2}  # 216 / 176 KB
 
 TILES = (16, 32, 64)  # packed query rows per work item
 TILES_BY_HEAD_DIM = {d: WIDE_TILES for d in WIDE_HEAD_DIMS}
-CTAS_PER_SM = {64: 2, 96: 2, 128: 2, 256: 1, 512: 1}  # what shared memory allows (kernels/prefill_mma.py STAGES)
+CTAS_PER_SM = {64: 2, 80: 2, 96: 2, 128: 2, 256: 1, 512: 1}  # what shared memory allows (kernels/prefill_mma.py STAGES)
 
 BATCH_PREFILL_MMA = register(
     KernelFamily(

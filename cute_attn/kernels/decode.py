@@ -194,7 +194,7 @@ class PagedDecode:
         self.q_chunks = head_dim // 8  # 16-byte chunks per Q row
         self.chunks = self.kv_width // 8  # 16-byte chunks per KV row
         # thread t gathers chunk t % gw (+ gw a, a < col_groups) of rows t // gw + row_step i: gw = a
-        # whole row, or one 64-byte atom row where THREADS is no multiple of a row (192 B: hd96)
+        # whole row, or one atom row where THREADS is no multiple of a row (192 B: hd96; 160 B: hd80)
         self.gather_w = self.chunks if THREADS % self.chunks == 0 else self._atom_w(self.kv_width) // 8
         self.col_groups = self.chunks // self.gather_w
         self.rows_per_thread = self.block_n * self.gather_w // THREADS  # KV rows each thread gathers per block
@@ -215,7 +215,7 @@ class PagedDecode:
         assert self.n_lookups * self.row_step == self.tpb, (head_dim, heads_per_item)
         # the epilogue gives each warp an fp32 [warp_rows, D] buffer in the K and V rows it reads
         # (``_o_buf``: pieces of rows_per_piece fp32 rows per atom column, K then V; where a row
-        # does not divide a piece, head dim 96, pieces of o_cols_per_piece columns of 16 rows)
+        # does not divide a piece, head dims 80 / 96, pieces of o_cols_per_piece columns of 16 rows)
         piece = self.o_region * self._atom_w(self.kv_width) * 2
         halves, fits = self.kv_width // self._atom_w(self.kv_width), piece % (head_dim * 4) == 0
         self.o_rows_per_piece = piece // (head_dim * 4) if fits else 16
@@ -812,23 +812,28 @@ class PagedDecode:
     @staticmethod
     def _atom_w(width: int) -> int:
         """16-bit elements per row of the swizzle atom of a tile ``width`` elements wide: 64
-        (128 B rows), or 32 for the 64 B rows of an fp8 cache at head dim 64."""
-        return 64 if width % 64 == 0 else 32
+        (128 B rows), 32 (64 B: an fp8 cache at head dim 64, 192 B rows at 96) or 16 (32 B:
+        the 160 B rows of head dim 80)."""
+        return 64 if width % 64 == 0 else 32 if width % 32 == 0 else 16
 
     def _swizzle_atom(self, width: int):
         """The 8-row atom of a shared tile: 128 B rows under the 128-byte swizzle (XOR of the
         16-byte chunk with the row mod 8), 64 B rows under the 64-byte one (chunk XOR (row / 2)
-        mod 4); either way ldmatrix's 8 rows of one chunk hit 8 different bank groups."""
+        mod 4), 32 B rows under the 32-byte one (chunk XOR (row / 4) mod 2); each way
+        ldmatrix's 8 rows of one chunk hit 8 different bank groups."""
         aw = self._atom_w(width)
-        bits = 3 if aw == 64 else 2
+        bits = {64: 3, 32: 2, 16: 1}[aw]
         return cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, aw), stride=(aw, 1)))
 
     def _smem_off(self, r, c, s, rows: int, width: int):
         """Element offset of row r, 16-byte chunk c, slice s of a (rows, width, n) tile in this
         kernel's shared layout (``_swizzle_atom``; see ``_check_smem_off``)."""
-        if self._atom_w(width) == 64:
+        aw = self._atom_w(width)
+        if aw == 64:
             return s * (rows * width) + (c // 8) * (rows * 64) + r * 64 + ((c % 8) ^ (r % 8)) * 8
-        return s * (rows * width) + (c // 4) * (rows * 32) + r * 32 + ((c % 4) ^ ((r // 2) % 4)) * 8
+        if aw == 32:
+            return s * (rows * width) + (c // 4) * (rows * 32) + r * 32 + ((c % 4) ^ ((r // 2) % 4)) * 8
+        return s * (rows * width) + (c // 2) * (rows * 16) + r * 16 + ((c % 2) ^ ((r // 4) % 2)) * 8
 
     @cute.jit
     def _store(self, outs: Outputs, kv_ptr: cute.Pointer, o_stage: Int32, stats, tidx: Int32, info, tc):

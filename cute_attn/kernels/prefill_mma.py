@@ -64,12 +64,15 @@ LAZY_RESCALE = 8.0  # base-2 units a row's block max may exceed its kept max by 
 # (two M tiles reusing every K / V fragment: half the shared-memory reads per MMA) and 32 keys
 WARPS_M = {16: 1, 32: 2, 64: 4}
 # K / V pipeline depth per (head dim, tile): what leaves two CTAs per SM room in 228 KB of
-# shared memory at head dims 64 / 96 / 128 (a stage: a Q tile + 64 tokens of K and V); one at
+# shared memory at head dims 64 / 80 / 96 / 128 (a stage: a Q tile + 64 tokens of K and V); one at
 # 256.  Head dim 96 (unmeasured): the most stages two CTAs fit, 108 / 90 / 108 KB per CTA
 STAGES = {
     (64, 16): 4,
     (64, 32): 4,
     (64, 64): 3,
+    (80, 16): 4,
+    (80, 32): 4,
+    (80, 64): 3,
     (96, 16): 4,
     (96, 32): 3,
     (96, 64): 3,

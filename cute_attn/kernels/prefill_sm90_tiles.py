@@ -12,6 +12,8 @@ SMEM_MAX = 232448  # bytes of shared memory per block on sm_90
 KV_TILES = {
     (64, False): (128, 4),
     (64, True): (128, 4),
+    (80, False): (128, 4),
+    (80, True): (128, 4),
     (96, False): (112, 4),  # 128 keys: serialized wgmmas with the page boxes' and the gather's registers
     (96, True): (112, 4),
     (128, False): (112, 2),

@@ -113,21 +113,24 @@ def fp8_prefill_test_specs(arch: str):
 
 def head_dim_test_specs(arch: str):
     """What tests/test_prefill_head_dims.py and the ``head_dims`` bench load beyond ``default``
-    (which ships the 192 / 128 set): head dim 96, bf16 over the prefill grid (tiles, ragged /
-    page boxes / gather, causal), fp16 ragged at tile 128, their merges and the bf16 paged KV
-    pass."""
+    (which ships the 192 / 128 set): head dims 80 and 96, bf16 over the prefill grid (tiles,
+    ragged / page boxes / gather, causal), fp16 ragged at tile 128, their merges and the bf16
+    paged KV pass; at 80 also the e4m3 paged KV pass (an fp8 cache decodes through it)."""
     if arch != PREFILL_ARCH:
         return []
-    specs = prefill_specs(arch, dtype_names=("bf16",), head_dims=(96,))
-    specs += prefill_specs(arch, dtype_names=("f16",), head_dims=(96,), tiles=(128,), paged=(False,))
-    specs += [merge_partials_spec(arch, dt, 96, t) for dt in ("bf16", "f16") for t in TILES]
-    return specs + [kv_pass_spec(arch, "bf16", 96, True, None)]
+    specs = []
+    for d in (80, 96):
+        specs += prefill_specs(arch, dtype_names=("bf16",), head_dims=(d,))
+        specs += prefill_specs(arch, dtype_names=("f16",), head_dims=(d,), tiles=(128,), paged=(False,))
+        specs += [merge_partials_spec(arch, dt, d, t) for dt in ("bf16", "f16") for t in TILES]
+        specs.append(kv_pass_spec(arch, "bf16", d, True, None))
+    return specs + [kv_pass_spec(arch, "bf16", 80, True, None, "e4m3")]
 
 
 def portable_prefill_test_specs(arch: str):
     """What tests/test_prefill_mma_gpu.py loads beyond the shipped portable specs (those ship on
     every arch but Hopper): its grid at bf16 / d128 (tiles 16 / 32 / 64, ragged / paged,
-    causal or not), the head-dim 64 / 96 / 256 cases, soft-cap / window, its variants, and what the
+    causal or not), the head-dim 64 / 80 / 96 / 256 cases, soft-cap / window, its variants, and what the
     bench of the portable kernel adds (the ``warps_m`` knob at tile 64), and the merges of
     those plans (the ``prefill_mma`` preset is all a GPU run of them needs)."""
     from ..families.merge import merge_partials_spec
@@ -152,6 +155,12 @@ def portable_prefill_test_specs(arch: str):
         prefill_mma_spec(arch, "bf16", 96, 64, True, True, True, True),
         prefill_mma_spec(arch, "bf16", 96, 16, False, False, True, True),
     ]
+    # head dim 80 (five 32-byte atom columns): bf16 over tiles x ragged / paged x causal, f16 once
+    out += [prefill_mma_spec(arch, "bf16", 80, t, p, c) for t in (16, 32, 64) for p in (False, True) for c in (0, 1)]
+    out += [
+        prefill_mma_spec(arch, "f16", 80, 32, True, True),
+        prefill_mma_spec(arch, "bf16", 80, 64, True, True, True, True),
+    ]
     cases = dict(variant_test_cases())
     for name, tile, paged, causal in (
         ("sink", 64, False, True),
@@ -166,5 +175,6 @@ def portable_prefill_test_specs(arch: str):
     merges = [("bf16", 128, 16), ("bf16", 128, 32), ("bf16", 128, 64), ("bf16", 256, 32), ("bf16", 256, 64)]
     merges += [("f16", 64, 64), ("bf16", 64, 64)]
     merges += [("bf16", 96, 16), ("bf16", 96, 32), ("bf16", 96, 64), ("f16", 96, 32)]
+    merges += [("bf16", 80, 16), ("bf16", 80, 32), ("bf16", 80, 64), ("f16", 80, 32)]
     out += [merge_partials_spec(arch, dt, d, t) for dt, d, t in merges]
     return list(dict.fromkeys(out))
