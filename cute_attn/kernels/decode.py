@@ -811,9 +811,8 @@ class PagedDecode:
 
     @staticmethod
     def _atom_w(width: int) -> int:
-        """16-bit elements per row of the swizzle atom of a tile ``width`` elements wide: 64
-        (128 B rows), 32 (64 B: an fp8 cache at head dim 64, 192 B rows at 96) or 16 (32 B:
-        the 160 B rows of head dim 80)."""
+        """16-bit elements per atom row of a tile ``width`` elements wide: 64 (128 B), 32 (64 B:
+        fp8 rows at head dim 64, hd96's 192 B rows) or 16 (32 B: hd80's 160 B rows)."""
         return 64 if width % 64 == 0 else 32 if width % 32 == 0 else 16
 
     def _swizzle_atom(self, width: int):
