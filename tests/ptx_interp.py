@@ -214,7 +214,7 @@ class CTA:
     """One CTA of the kernel: ``run()`` executes it to completion."""
 
     def __init__(self, ptx: str, param_bytes: list, mem: Memory, nthreads: int, ctaid: int = 0, smem_bytes: int = 0,
-                 order: str = "forward"):  # fmt: skip
+                 order: str = "forward", grid: int = 1):  # fmt: skip
         self.params, self.prog, self.labels = parse(ptx)
         assert len(param_bytes) == len(self.params), (len(param_bytes), len(self.params))
         self.param_data = {name: data for (name, _), data in zip(self.params, param_bytes)}
@@ -223,7 +223,7 @@ class CTA:
         self.mem = mem
         self.smem = bytearray(smem_bytes or 232448)
         self.threads = [Thread(t) for t in range(nthreads)]
-        self.ctaid = ctaid
+        self.ctaid, self.grid = ctaid, grid
         self.executed = 0
         # the order threads run in between synchronizations: a kernel whose warps race (one
         # writes what another reads with no barrier between) gives different results in the
@@ -244,7 +244,8 @@ class CTA:
             return r
         if tok.startswith("%"):
             special = {"%tid.x": th.tid, "%tid.y": 0, "%tid.z": 0, "%ctaid.x": self.ctaid, "%ctaid.y": 0,
-                       "%ctaid.z": 0, "%ntid.x": len(self.threads), "%laneid": th.tid % 32}  # fmt: skip
+                       "%ctaid.z": 0, "%ntid.x": len(self.threads), "%laneid": th.tid % 32, "%nctaid.x": self.grid,
+                       "%nctaid.y": 1, "%nctaid.z": 1}  # fmt: skip
             if tok in special:
                 return special[tok]
             if re.fullmatch(r"%[a-z]+\d+", tok):
@@ -535,6 +536,8 @@ class CTA:
             r = ~v[0]
         elif base == "neg":
             r = -v[0]
+        elif base == "abs":
+            r = abs(sx(v[0]))
         elif base in ("min", "max"):
             x, y = (sx(v[0]), sx(v[1])) if signed else (v[0] & mask, v[1] & mask)
             r = min(x, y) if base == "min" else max(x, y)

@@ -56,6 +56,7 @@ from cutlass.cute.nvgpu import warp
 from ..variants.base import Ctx, Hooks
 from ..variants.dsl import LOG2E
 from ..variants.trace import transform_fragment
+from . import row_tiles
 from .bitmask import bit_set, row_words
 from .copy import cp_async_16
 from .fragments import mma_acc_as_a, mma_mn_view, quad_max, quad_sum
@@ -81,6 +82,7 @@ class DecodeConfig:
     kv_dtype: Any = None  # the cache's DSL type where it differs from ``dtype`` (fp8)
     block_n: Any = None  # KV rows per stage of a 16-bit cache (None: BLOCK_N)
     tile_q: int = TILE_Q  # packed rows per item: 32 = two row groups of 16, one kv head per warp
+    linear: bool = True  # knob (A/B only): 0 keeps the 32-byte atom rows' gather (``PagedDecode``)
 
     @classmethod
     def from_spec(cls, p: dict) -> DecodeConfig:
@@ -89,7 +91,8 @@ class DecodeConfig:
 
         kv = to_dsl(p["kv_dtype"]) if "kv_dtype" in p else None
         hpi, bn, tq = p.get("heads_per_item", 1), p.get("block_n"), p.get("tile_q", TILE_Q)
-        return cls(to_dsl(p["dtype"]), p["head_dim"], p["stages"], spec_variant(p), hpi, kv, bn, tq)
+        lin = bool(p.get("linear", 1))
+        return cls(to_dsl(p["dtype"]), p["head_dim"], p["stages"], spec_variant(p), hpi, kv, bn, tq, lin)
 
 
 class Outputs(NamedTuple):
@@ -200,6 +203,14 @@ class PagedDecode:
         self.rows_per_thread = self.block_n * self.gather_w // THREADS  # KV rows each thread gathers per block
         self.row_step = THREADS // self.gather_w  # a thread's gathered rows are row_step apart
         assert THREADS % self.gather_w == 0 and self.chunks % self.gather_w == 0, head_dim
+        # 32-byte atom rows (hd80) would have each warp copy touch 16 rows x 32 B; ``linear``: the
+        # block's (row, chunk) pairs numbered row-major, thread t copying pairs t + THREADS i
+        # (a warp copy: 3-4 whole rows), one page lookup per pair (``_slot``)
+        self.linear = self.gather_w == 2 and heads_per_item == 1 and self.block_n * self.chunks % THREADS == 0
+        self.linear = self.linear and getattr(cfg, "linear", True)
+        if self.linear:
+            self.gather_w, self.col_groups = self.chunks, 1
+            self.rows_per_thread = self.block_n * self.chunks // THREADS
         assert self.keys_per_warp % 16 == 0 and stages >= 2
         # Head packing (``heads_per_item`` = H kv heads per item, module doc): a block holds
         # BLOCK_N // H tokens of each of the H heads, head-major; warp w reads head w // (4 // H).
@@ -213,6 +224,8 @@ class PagedDecode:
         self.warps_per_head = NUM_WARPS // heads_per_item
         self.n_lookups = self.tpb // self.row_step  # distinct tokens among a thread's rows of a block
         assert self.n_lookups * self.row_step == self.tpb, (head_dim, heads_per_item)
+        if self.linear:
+            self.n_lookups = self.rows_per_thread
         # the epilogue gives each warp an fp32 [warp_rows, D] buffer in the K and V rows it reads
         # (``_o_buf``: pieces of rows_per_piece fp32 rows per atom column, K then V; where a row
         # does not divide a piece, head dims 80 / 96, pieces of o_cols_per_piece columns of 16 rows)
@@ -612,17 +625,6 @@ class PagedDecode:
                     ld.mQ[tok, head, None].iterator.toint() + c * 16,
                 )
 
-    def _check_smem_off(self, layout, rows: int, width: int):
-        """Trace time: ``_smem_off`` agrees with the layout's own offsets (crd2idx applies this
-        swizzle to element offsets, which is right here: it is declared on elements)."""
-        for r in range(rows):
-            for c in range(width // 8):
-                for s in range(2):
-                    want = cute.crd2idx((r, c * 8, s), layout)
-                    got = self._smem_off(r, c, s, rows, width)
-                    if want != got:
-                        raise AssertionError(f"_smem_off({r}, {c}, {s}) = {got}, layout {want}")
-
     def _o_buf(self, kv_ptr, stage, wid):
         """Warp ``wid``'s fp32 [16, D] epilogue buffer in stage ``stage``: the K and V rows
         [R wid, R wid + R) (R = ``o_region``: in decode the KW keys that only this warp reads),
@@ -773,22 +775,27 @@ class PagedDecode:
     def _row_pos(self, tidx, t, blk_start, kv_end):
         """Token of this thread's t-th distinct token (its rows t, t + n_lookups, ...: one per
         packed head) of the block starting at blk_start, clamped to the last valid token."""
-        p = blk_start + tidx // self.gather_w + t * self.row_step
+        p = blk_start + self._slot(tidx, t)[0]
         return cutlass.select_(p < kv_end, p, kv_end - 1)
+
+    def _slot(self, tidx, i):
+        """(block row, chunk) of this thread's i-th copy (then col_groups atom columns on)."""
+        if self.linear:
+            return (tidx + THREADS * i) // self.chunks, (tidx + THREADS * i) % self.chunks
+        return tidx // self.gather_w + i * self.row_step, tidx % self.gather_w
 
     @cute.jit
     def _issue_kv(self, ld: LoadStream, kv_head: Int32, blk_start: Int32, kv_end: Int32, stage: Int32):
         """cp.async this thread's 16-byte chunks of the block's K and V rows (pages looked up in
         ``ld.rows``) into a stage."""
         tidx, rows = ld.tidx, ld.rows
-        c = tidx % self.gather_w
         k_base, v_base = ld.sK.iterator.toint(), ld.sV.iterator.toint()
         slots = [divmod(self._row_pos(tidx, t, blk_start, kv_end), ld.page_size)[1] for t in range(self.n_lookups)]
         pages = [in_cache(rows[t], ld.mK.shape[0]) for t in range(self.n_lookups)]
         for i in cutlass.range_constexpr(self.rows_per_thread):
-            # block row r = tidx // gather_w + i * row_step: head i // n_lookups of the item's
-            # heads, token t = i % n_lookups of this thread's
-            r = tidx // self.gather_w + i * self.row_step
+            # block row r (``_slot``): head i // n_lookups of the item's heads, token t = i %
+            # n_lookups of this thread's
+            r, c = self._slot(tidx, i)
             t, h = i % self.n_lookups, kv_head * self.hpi + i // self.n_lookups
             d = self._smem_off(r, c, stage, self.block_n, self.kv_width) * 2
             self._copy_row((ld.mK, ld.mV), (pages[t], slots[t], h), (k_base, v_base), d, c)
@@ -809,30 +816,11 @@ class PagedDecode:
             cp_async_16(k_base + d_a, mK[(*at, None)].iterator.toint() + g_a)
             cp_async_16(v_base + d_a, mV[(*at, None)].iterator.toint() + g_a)
 
-    @staticmethod
-    def _atom_w(width: int) -> int:
-        """16-bit elements per atom row of a tile ``width`` elements wide: 64 (128 B), 32 (64 B:
-        fp8 rows at head dim 64, hd96's 192 B rows) or 16 (32 B: hd80's 160 B rows)."""
-        return 64 if width % 64 == 0 else 32 if width % 32 == 0 else 16
-
-    def _swizzle_atom(self, width: int):
-        """The 8-row atom of a shared tile: 128 B rows under the 128-byte swizzle (XOR of the
-        16-byte chunk with the row mod 8), 64 B rows under the 64-byte one (chunk XOR (row / 2)
-        mod 4), 32 B rows under the 32-byte one (chunk XOR (row / 4) mod 2); each way
-        ldmatrix's 8 rows of one chunk hit 8 different bank groups."""
-        aw = self._atom_w(width)
-        bits = {64: 3, 32: 2, 16: 1}[aw]
-        return cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, aw), stride=(aw, 1)))
-
-    def _smem_off(self, r, c, s, rows: int, width: int):
-        """Element offset of row r, 16-byte chunk c, slice s of a (rows, width, n) tile in this
-        kernel's shared layout (``_swizzle_atom``; see ``_check_smem_off``)."""
-        aw = self._atom_w(width)
-        if aw == 64:
-            return s * (rows * width) + (c // 8) * (rows * 64) + r * 64 + ((c % 8) ^ (r % 8)) * 8
-        if aw == 32:
-            return s * (rows * width) + (c // 4) * (rows * 32) + r * 32 + ((c % 4) ^ ((r // 2) % 4)) * 8
-        return s * (rows * width) + (c // 2) * (rows * 16) + r * 16 + ((c % 2) ^ ((r // 4) % 2)) * 8
+    # the shared tiles' geometry (``row_tiles``), as methods: the fp8 and portable kernels use them
+    _atom_w = staticmethod(row_tiles.atom_w)
+    _swizzle_atom = staticmethod(row_tiles.swizzle_atom)
+    _smem_off = staticmethod(row_tiles.smem_off)
+    _check_smem_off = staticmethod(row_tiles.check_smem_off)
 
     @cute.jit
     def _store(self, outs: Outputs, kv_ptr: cute.Pointer, o_stage: Int32, stats, tidx: Int32, info, tc):

@@ -79,7 +79,12 @@ class KvPass:
         self.dtype, self.head_dim, self.paged = dtype, head_dim, paged
         self.in_dtype = kv_dtype if self.convert else dtype
         self.kind = fp8_kind(kv_dtype) if self.convert else None
-        self.vec = 128 // self.in_dtype.width  # input elements per 16-byte load: 8, or 16 of fp8
+        # input elements per load: 8 (16 bytes), or 16 of fp8 -- 8 (8-byte loads) where fp8 rows
+        # are no whole number of 32-byte chunk pairs (80 bytes at head dim 80)
+        self.vec = 128 // self.in_dtype.width
+        if head_dim % (2 * self.vec):
+            self.vec = 8
+        assert head_dim % (2 * self.vec) == 0, head_dim
         self.pieces = self.vec // 8  # 16-byte output pieces per chunk
         self.half = head_dim // (2 * self.vec)  # threads per row: each takes chunks c and c + half
         self.rows_per_cta = THREADS // self.half

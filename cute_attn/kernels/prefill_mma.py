@@ -558,11 +558,11 @@ class PrefillMma(PagedDecode):
             PagedDecode._issue_kv(self, ld, kv_head, blk_start, kv_end, stage)
         else:
             tidx, base = ld.tidx, ld.rows[0]
-            c = tidx % self.gather_w
             k_base, v_base = ld.sK.iterator.toint(), ld.sV.iterator.toint()
             toks = [base + self._row_pos(tidx, i, blk_start, kv_end) for i in range(self.rows_per_thread)]
             for i in range(self.rows_per_thread):
-                d = self._smem_off(tidx // self.gather_w + i * self.row_step, c, stage, self.block_n, self.kv_width) * 2
+                r, c = self._slot(tidx, i)
+                d = self._smem_off(r, c, stage, self.block_n, self.kv_width) * 2
                 self._copy_row((ld.mK, ld.mV), (0, toks[i], kv_head), (k_base, v_base), d, c)
 
     # ---- epilogue of a 64-row tile: one warp per row group, straight from registers ------------

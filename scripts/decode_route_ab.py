@@ -1,10 +1,12 @@
-"""Head-dim-96 decode (Phi-3-mini: 32 / 32 heads, bf16, page 16): the decode kernel (192-byte
-rows, ``families/decode.HEAD_DIMS``) against the route it replaced -- one causal row per request
-on the paged prefill kernel (the wgmma one on Hopper) -- CUDA-graph replays timed in turns (two
-rounds of 40 calls, medians), outputs checked against the fp32 reference on 8 requests first.
+"""Decode at head dim 96 (Phi-3-mini: 32 / 32 heads, bf16, page 16) or 80 (Phi-2: the same
+heads): the decode kernel against one causal row per request on the paged prefill kernel (the
+wgmma one on Hopper), and at 80 also the decode kernel with the 32-byte atom rows' gather (spec
+knob ``linear=0``) -- CUDA-graph replays timed in turns (two rounds of 40 calls, medians),
+outputs checked against the fp32 reference on 8 requests first.
 
-    python -m cute_attn compile --arch sm_90a --model phi-3-mini
-    PYTHONPATH=. CUTE_ATTN_CACHE_DIR=... python scripts/decode_hd96_ab.py [--json out.json] [--only SUBSTRING]
+    python -m cute_attn compile --arch sm_90a --model phi-3-mini   (or phi-2)
+    PYTHONPATH=. CUTE_ATTN_CACHE_DIR=... python scripts/decode_route_ab.py [--head-dim 96|80]
+        [--json out.json] [--only SUBSTRING]
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import gc
 import json
 import sys
 
-D, HQ, HK, PS = 96, 32, 32, 16
+D = int(sys.argv[sys.argv.index("--head-dim") + 1]) if "--head-dim" in sys.argv else 96
+HQ, HK, PS = 32, 32, 16
 CASES = {  # name: (kv lengths, window_left)
-    "decode/hd96/mha/bs64/kv4096/page16": ([4096] * 64, -1),
-    "decode/hd96/mha/bs64/kv4096/page16/window2047": ([4096] * 64, 2046),
-    "decode/hd96/mha/bs256/kv1024/page16": ([1024] * 256, -1),
+    f"decode/hd{D}/mha/bs64/kv4096/page16": ([4096] * 64, -1),
+    f"decode/hd{D}/mha/bs256/kv1024/page16": ([1024] * 256, -1),
 }
+if D == 96:
+    CASES["decode/hd96/mha/bs64/kv4096/page16/window2047"] = ([4096] * 64, 2046)
+ROUTES = ("decode_kernel", "atom_gather", "prefill_path") if D == 80 else ("decode_kernel", "prefill_path")
 
 
 def _wrapper(route: str, indptr, indices, last, window: int):
@@ -27,9 +32,15 @@ def _wrapper(route: str, indptr, indices, last, window: int):
     import cute_attn.wrappers.decode as wd
     from cute_attn import BatchDecodeWithPagedKVCacheWrapper
 
-    saved = wd.decodes_on_prefill
-    if route == "prefill_path":  # the route before: 96 not among the decode kernel's head dims
-        wd.decodes_on_prefill = lambda head_dim, kv_dtype: head_dim == D or saved(head_dim, kv_dtype)
+    saved, saved_kernel = wd.decodes_on_prefill, wd.kernel
+    if route == "prefill_path":  # the head dim not among the decode kernel's
+        wd.decodes_on_prefill = lambda head_dim, kv_dtype, *a, **k: head_dim == D or saved(head_dim, kv_dtype, *a, **k)
+    if route == "atom_gather":  # the decode kernel's spec with the knob
+
+        def with_knob(family, arch, **p):
+            return saved_kernel(family, arch, **(dict(p, linear=0) if family == "paged_decode" else p))
+
+        wd.kernel = with_knob
     try:
         w = BatchDecodeWithPagedKVCacheWrapper(
             torch.zeros(256 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
@@ -38,7 +49,7 @@ def _wrapper(route: str, indptr, indices, last, window: int):
         )  # fmt: skip
         w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=torch.bfloat16, window_left=window)
     finally:
-        wd.decodes_on_prefill = saved
+        wd.decodes_on_prefill, wd.kernel = saved, saved_kernel
     assert w._routed == (route == "prefill_path"), route
     return w
 
@@ -71,13 +82,13 @@ def run(json_path=None, only=None) -> None:
     for case, (lens, window) in CASES.items():
         if only is not None and only not in case:
             continue
-        for route in ("decode_kernel", "prefill_path"):
+        for route in ROUTES:
             print(json.dumps({"case": case, "route": route, "check_maxdiff": _check(route, window)}), flush=True)
         gc.collect()
         cache, indptr, indices, last = paged_cache(lens, PS, torch.Generator().manual_seed(0), HK, D)
         q = torch.randn(len(lens), HQ, D, device="cuda", dtype=torch.bfloat16)
         graphs, outs = {}, {}
-        for route in ("decode_kernel", "prefill_path"):
+        for route in ROUTES:
             w = _wrapper(route, indptr, indices, last, window)
             out = torch.empty_like(q)
             w.run(q, cache, out=out)
@@ -96,10 +107,11 @@ def run(json_path=None, only=None) -> None:
             row = {"case": case, "route": k, "us": round(us[k], 1), "rounds": [round(t[k], 1), round(t2[k], 1)],
                    "TB/s": round(kv_bytes / us[k] / 1e6, 3), "maxdiff_between": diff}  # fmt: skip
             print(json.dumps(row), flush=True)
-            impl = "cute_attn" if k == "decode_kernel" else "cute_attn_prefill_path"
+            impl = "cute_attn" if k == "decode_kernel" else f"cute_attn_{k}"
             res.add(case, impl, "us", us[k])
             res.add(case, impl, "TB/s", kv_bytes / us[k] / 1e6)
-        res.add(case, "cute_attn_prefill_path", "ratio", us["prefill_path"] / us["decode_kernel"])
+            if k != "decode_kernel":
+                res.add(case, impl, "ratio", us[k] / us["decode_kernel"])
         del graphs, fns
         torch.cuda.empty_cache()
     if json_path:
