@@ -24,6 +24,15 @@ CASES = {  # name: (kv lengths, window_left)
 if D == 96:
     CASES["decode/hd96/mha/bs64/kv4096/page16/window2047"] = ([4096] * 64, 2046)
 ROUTES = ("decode_kernel", "atom_gather", "prefill_path") if D == 80 else ("decode_kernel", "prefill_path")
+if "--hnd" in sys.argv:  # the decode kernel on the same values stored HND ([pages, heads, page_size, D])
+    ROUTES += ("decode_kernel_hnd",)
+
+
+def _layout(route: str, cache):
+    """(kv_layout, the cache in it)."""
+    if route.endswith("_hnd"):
+        return "HND", tuple(t.transpose(1, 2).contiguous() for t in cache)
+    return "NHD", cache
 
 
 def _wrapper(route: str, indptr, indices, last, window: int):
@@ -43,7 +52,8 @@ def _wrapper(route: str, indptr, indices, last, window: int):
         wd.kernel = with_knob
     try:
         w = BatchDecodeWithPagedKVCacheWrapper(
-            torch.zeros(256 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
+            torch.zeros(256 << 20, dtype=torch.uint8, device="cuda"), "HND" if route.endswith("_hnd") else "NHD",
+            use_cuda_graph=True,
             paged_kv_indptr_buffer=indptr.cuda(), paged_kv_indices_buffer=indices.cuda(),
             paged_kv_last_page_len_buffer=last.cuda(),
         )  # fmt: skip
@@ -65,7 +75,7 @@ def _check(route: str, window: int) -> float:
     cache, indptr, indices, last = paged_cache(lens, PS, torch.Generator().manual_seed(3), HK, D)
     q = torch.randn(len(lens), HQ, D, device="cuda", dtype=torch.bfloat16)
     w = _wrapper(route, indptr, indices, last, window)
-    out = w.run(q, cache)
+    out = w.run(q, _layout(route, cache)[1])
     ref, _ = paged_reference(q.float(), tuple(t.float() for t in cache), torch.arange(len(lens) + 1, dtype=torch.int32),
                              indptr, indices, last, causal=True, window_left=window)  # fmt: skip
     return (out.float() - ref).abs().max().item()
@@ -91,9 +101,10 @@ def run(json_path=None, only=None) -> None:
         for route in ROUTES:
             w = _wrapper(route, indptr, indices, last, window)
             out = torch.empty_like(q)
-            w.run(q, cache, out=out)
+            c = _layout(route, cache)[1]
+            w.run(q, c, out=out)
             torch.cuda.synchronize()
-            g, why = capture(lambda: w.run(q, cache, out=out))  # noqa: B023
+            g, why = capture(lambda: w.run(q, c, out=out))  # noqa: B023
             assert g is not None, why
             graphs[route], outs[route] = (g, w), out
         fns = {k: g.replay for k, (g, _) in graphs.items()}
