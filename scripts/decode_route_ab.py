@@ -1,8 +1,9 @@
 """Decode at head dim 96 (Phi-3-mini: 32 / 32 heads, bf16, page 16) or 80 (Phi-2: the same
 heads): the decode kernel against one causal row per request on the paged prefill kernel (the
-wgmma one on Hopper), and at 80 also the decode kernel with the 32-byte atom rows' gather (spec
-knob ``linear=0``) -- CUDA-graph replays timed in turns (two rounds of 40 calls, medians),
-outputs checked against the fp32 reference on 8 requests first.
+wgmma one on Hopper), and at 80 also the decode kernel with one kv head per item, and with that
+the 32-byte atom rows' gather (spec knob ``linear=0``); ``--hnd``: the decode kernel on an HND
+copy too.  CUDA-graph replays timed in turns (two rounds of 40 calls, medians), outputs checked
+against the fp32 reference on 8 requests first.
 
     python -m cute_attn compile --arch sm_90a --model phi-3-mini   (or phi-2)
     PYTHONPATH=. CUTE_ATTN_CACHE_DIR=... python scripts/decode_route_ab.py [--head-dim 96|80]
@@ -23,7 +24,8 @@ CASES = {  # name: (kv lengths, window_left)
 }
 if D == 96:
     CASES["decode/hd96/mha/bs64/kv4096/page16/window2047"] = ([4096] * 64, 2046)
-ROUTES = ("decode_kernel", "atom_gather", "prefill_path") if D == 80 else ("decode_kernel", "prefill_path")
+# at 80 also: one kv head per item (the default rule packs four), and one with the atom gather
+ROUTES = ("decode_kernel", "one_head", "atom_gather", "prefill_path") if D == 80 else ("decode_kernel", "prefill_path")
 if "--hnd" in sys.argv:  # the decode kernel on the same values stored HND ([pages, heads, page_size, D])
     ROUTES += ("decode_kernel_hnd",)
 
@@ -57,7 +59,8 @@ def _wrapper(route: str, indptr, indices, last, window: int):
             paged_kv_indptr_buffer=indptr.cuda(), paged_kv_indices_buffer=indices.cuda(),
             paged_kv_last_page_len_buffer=last.cuda(),
         )  # fmt: skip
-        w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=torch.bfloat16, window_left=window)
+        kw = dict(heads_per_item=1) if route in ("one_head", "atom_gather") else {}
+        w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=torch.bfloat16, window_left=window, **kw)
     finally:
         wd.decodes_on_prefill, wd.kernel = saved, saved_kernel
     assert w._routed == (route == "prefill_path"), route

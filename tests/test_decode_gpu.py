@@ -137,24 +137,27 @@ def test_decode_head_dim_96(page_size, layout, hq, hk, hpi, soft_cap, window, dt
     assert not w._routed and w._state.decode is not None and (window >= 0 or w._state.plan.has_split)
 
 
-# head dim 80 (Phi-2's 32 / 32; 160-byte rows in five 32-byte atom columns, one kv head per item):
-# pages, layouts, GQA, soft-cap / window, split + merge (the 33k request), lengths 0 / 1 / odd
+# head dim 80 (Phi-2's 32 / 32; 160-byte rows in five 32-byte atom columns, gathered row-major):
+# pages, layouts, GQA, one / two / four kv heads per item, soft-cap / window, split + merge (the
+# 33k request), lengths 0 / 1 / odd
 HD80 = [
-    (16, "NHD", 32, 32, None, -1),
-    (1, "HND", 32, 32, None, -1),
-    (64, "NHD", 32, 8, None, -1),
-    (16, "HND", 16, 2, 30.0, -1),
-    (1, "NHD", 32, 8, 50.0, 7),
+    (16, "NHD", 32, 32, 1, None, -1),
+    (16, "NHD", 32, 32, 4, None, -1),
+    (1, "HND", 32, 32, 2, None, -1),
+    (64, "NHD", 32, 8, None, None, -1),
+    (16, "HND", 16, 2, 1, 30.0, -1),
+    (1, "NHD", 32, 32, 4, 50.0, 7),
 ]
 
 
-@pytest.mark.parametrize("page_size,layout,hq,hk,soft_cap,window", HD80)
+@pytest.mark.parametrize("page_size,layout,hq,hk,hpi,soft_cap,window", HD80)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_head_dim_80(page_size, layout, hq, hk, soft_cap, window, dtype):
+def test_decode_head_dim_80(page_size, layout, hq, hk, hpi, soft_cap, window, dtype):
     rng = random.Random()
     kv = [0, 1, 17, 300, 64, 129, 5, 2048 + rng.randrange(64), 33000]
     rng.shuffle(kv)
-    w = run_case(len(kv), kv, page_size, hq, hk, 80, dtype, layout, soft_cap=soft_cap, window_left=window)[0]
+    w = run_case(len(kv), kv, page_size, hq, hk, 80, dtype, layout, soft_cap=soft_cap, window_left=window,
+                 heads_per_item=hpi)[0]  # fmt: skip
     assert not w._routed and w._state.decode is not None and (window >= 0 or w._state.plan.has_split)
 
 

@@ -191,20 +191,22 @@ def test_compiled_decode_hd96(interp, case):
         assert w._state.plan.has_split
 
 
-# head dim 80 (160-byte rows: five 32-byte atom columns gathered in turn, the epilogue's column
-# pieces; one kv head per item -- families/decode.MAX_PACKED_HEADS).
+# head dim 80 (160-byte rows in five 32-byte atom columns, gathered as the block's (row, chunk)
+# pairs in row-major order, the epilogue's column pieces), one, two and four kv heads per item.
 HD80 = [
-    ([70, 5, 300], 16, 8, 1),  # split + merge
-    ([33, 1, 0, 90], 1, 16, 4),  # page 1, GQA 4, an empty request
+    ([70, 5, 300], 16, 8, 1, 1),  # split + merge
+    ([33, 1, 0, 90], 1, 16, 4, 1),  # page 1, GQA 4, an empty request
+    ([41, 97, 3], 16, 8, 8, 4),  # MHA, four heads per item (4 of 16 rows)
+    ([20, 66], 1, 16, 8, 2),  # page 1, GQA 2, two heads per item
 ]
 
 
-@pytest.mark.parametrize("case", HD80, ids=lambda c: f"kv{'_'.join(map(str, c[0]))}-p{c[1]}-h{c[2]}x{c[3]}")
+@pytest.mark.parametrize("case", HD80, ids=lambda c: f"kv{'_'.join(map(str, c[0]))}-p{c[1]}-h{c[2]}x{c[3]}-hpi{c[4]}")
 def test_compiled_decode_hd80(interp, case):
-    kv, ps, hq, hk = case
-    w = run_decode(kv, ps, hq, hk, 80, 1, seed=len(kv) * 3 + ps)
+    kv, ps, hq, hk, hpi = case
+    w = run_decode(kv, ps, hq, hk, 80, hpi, seed=len(kv) * 3 + ps + hpi)
     assert interp and all(m.steps > 0 for m in interp) and interp[0].params["head_dim"] == 80
-    if hq == 8:
+    if kv[0] == 70:
         assert w._state.plan.has_split
 
 

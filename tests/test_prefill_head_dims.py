@@ -437,13 +437,14 @@ def test_cpu_models_deepseek():
     assert {(s.pdict["tile_q"], s.pdict["paged"], s.pdict["causal"]) for s in hd96 if "paged" in s.pdict} == {
         (t, p, c) for t in (16, 32, 64) for p in (False, True) for c in (False, True)
     }
-    # head dim 80 (Phi-2: 32 / 32 heads): as 96, but one kv head per decode item (160-byte rows)
+    # head dim 80 (Phi-2: 32 / 32 heads): as 96, with up to four kv heads per decode item
     phi2 = from_config(dict(num_attention_heads=32, hidden_size=2560))
     assert phi2.head_dim == 80 and model_specs(phi2, "sm_90a") == model_specs(resolve_model("phi-2"), "sm_90a")
     for arch in ("sm_90a", "sm_100a"):
         hd80 = model_specs(phi2, arch)
         dec = [s.pdict for s in hd80 if s.family == "paged_decode"]
-        assert dec and all(p["head_dim"] == 80 and "heads_per_item" not in p for p in dec)
+        assert dec and all(p["head_dim"] == 80 for p in dec)
+        assert sorted({p.get("heads_per_item", 1) for p in dec}) == [1, 2, 4]
         pre = {s.family for s in hd80} & {"batch_prefill_sm90", "batch_prefill_mma"}
         assert pre == ({"batch_prefill_sm90"} if arch == "sm_90a" else {"batch_prefill_mma"})
     hd80_f8 = model_specs(with_kv_cache_dtype(resolve_model("phi-2"), "fp8"), "sm_90a")

@@ -545,7 +545,7 @@ def test_q_len_per_req(demu, graph, arch):
 def test_decode_head_dim_80_96(demu, d, graph):
     """Decode at head dim 96 (Phi-3-mini's) or 80 (Phi-2's) runs the decode kernel (a length-0
     request gives out 0, LSE -inf; fast_decode_plan re-plans in graph mode), packs at most two
-    (96) or one (80) kv heads per item, and with an fp8 cache -- which the decode kernel does not
+    (96) or four (80) kv heads per item, and with an fp8 cache -- which the decode kernel does not
     read at 80 / 96 -- plans the paged prefill of one causal row per request (FlashInfer's
     tensor-core decode)."""
     kv_lens = [9, 40, 0, 70]
@@ -581,13 +581,12 @@ def test_decode_head_dim_80_96(demu, d, graph):
         ro2, _ = paged_reference(q, cache2, None, indptr2, indices2, last2, logits_soft_cap=30.0)
         _close(w.run(q, cache2), ro2)
         return
-    most = 2 if d == 96 else 1
-    if most == 2:
-        w.plan(indptr, indices, last, HQ, HK, d, PS, q_data_type=BF16, heads_per_item=2)
-        _close(w.run(q, cache), paged_reference(q, cache, None, indptr, indices, last)[0])
-        assert launches(demu, "paged_decode")[-1][1]["heads_per_item"] == 2
-    with pytest.raises(ValueError, match=f"head dim {d} packs at most {most}"):
-        w.plan(indptr, indices, last, 8 * HK, HK, d, PS, q_data_type=BF16, heads_per_item=2 * most)
+    w.plan(indptr, indices, last, HQ, HK, d, PS, q_data_type=BF16, heads_per_item=2)
+    _close(w.run(q, cache), paged_reference(q, cache, None, indptr, indices, last)[0])
+    assert launches(demu, "paged_decode")[-1][1]["heads_per_item"] == 2
+    if d == 96:
+        with pytest.raises(ValueError, match="head dim 96 packs at most 2"):
+            w.plan(indptr, indices, last, 8 * HK, HK, d, PS, q_data_type=BF16, heads_per_item=4)
     # an fp8 cache at 80 / 96: the paged prefill kernel, after the KV pass
     f8 = tuple(t.to(torch.float8_e4m3fn) for t in cache)
     w.plan(indptr, indices, last, HQ, HK, d, PS, q_data_type=BF16, kv_data_type=torch.float8_e4m3fn)

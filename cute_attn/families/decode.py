@@ -32,8 +32,7 @@ TILE_Q = 16  # packed rows per work item: the kernel's m16 MMA tile
 PACKED_HEADS = (4, 2)  # kv heads per work item the kernel is built for, besides 1
 # head dim 96 gathers a 192-byte row as 64-byte atom rows, 32 rows per pass of the 128 threads:
 # a stage's 64 rows then hold at most two heads' 32 tokens (four would leave 16, fewer than a pass)
-# head dim 80 gathers its 160-byte row as 32-byte atom rows, 64 rows per pass: one head per stage
-MAX_PACKED_HEADS = {80: 1, 96: 2, 512: 1}
+MAX_PACKED_HEADS = {96: 2, 512: 1}
 STAGES = {64: 3, 80: 4, 96: 4, 128: 3, 256: 2, 512: 3}  # KV pipeline depth of a 16-bit cache's BLOCK_N-row stages
 FP8_STAGES = {64: 4, 128: 3, 256: 2}  # of an fp8 cache's (64 rows of D 16-bit pairs: 16 KB at hd128)
 # KV rows (tokens x packed heads) per stage, 16-bit caches.  Head dim 64: 128-row stages (32 KB,

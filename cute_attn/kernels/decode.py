@@ -205,8 +205,8 @@ class PagedDecode:
         assert THREADS % self.gather_w == 0 and self.chunks % self.gather_w == 0, head_dim
         # 32-byte atom rows (hd80) would have each warp copy touch 16 rows x 32 B; ``linear``: the
         # block's (row, chunk) pairs numbered row-major, thread t copying pairs t + THREADS i
-        # (a warp copy: 3-4 whole rows), one page lookup per pair (``_slot``)
-        self.linear = self.gather_w == 2 and heads_per_item == 1 and self.block_n * self.chunks % THREADS == 0
+        # (a warp copy: 3-4 whole rows), one page lookup per pair (``_slot``, ``_row_pos``)
+        self.linear = self.gather_w == 2 and self.block_n * self.chunks % THREADS == 0
         self.linear = self.linear and getattr(cfg, "linear", True)
         if self.linear:
             self.gather_w, self.col_groups = self.chunks, 1
@@ -223,9 +223,9 @@ class PagedDecode:
         self.tpb = self.block_n // heads_per_item  # tokens of each head per block
         self.warps_per_head = NUM_WARPS // heads_per_item
         self.n_lookups = self.tpb // self.row_step  # distinct tokens among a thread's rows of a block
-        assert self.n_lookups * self.row_step == self.tpb, (head_dim, heads_per_item)
         if self.linear:
             self.n_lookups = self.rows_per_thread
+        assert self.linear or self.n_lookups * self.row_step == self.tpb, (head_dim, heads_per_item)
         # the epilogue gives each warp an fp32 [warp_rows, D] buffer in the K and V rows it reads
         # (``_o_buf``: pieces of rows_per_piece fp32 rows per atom column, K then V; where a row
         # does not divide a piece, head dims 80 / 96, pieces of o_cols_per_piece columns of 16 rows)
@@ -775,7 +775,8 @@ class PagedDecode:
     def _row_pos(self, tidx, t, blk_start, kv_end):
         """Token of this thread's t-th distinct token (its rows t, t + n_lookups, ...: one per
         packed head) of the block starting at blk_start, clamped to the last valid token."""
-        p = blk_start + self._slot(tidx, t)[0]
+        r = self._slot(tidx, t)[0]
+        p = blk_start + (r % self.tpb if self.linear else r)
         return cutlass.select_(p < kv_end, p, kv_end - 1)
 
     def _slot(self, tidx, i):
@@ -797,6 +798,8 @@ class PagedDecode:
             # n_lookups of this thread's
             r, c = self._slot(tidx, i)
             t, h = i % self.n_lookups, kv_head * self.hpi + i // self.n_lookups
+            if const_expr(self.linear):  # a pair of its own: its row's head and token
+                t, h = i, kv_head * self.hpi + r // self.tpb
             d = self._smem_off(r, c, stage, self.block_n, self.kv_width) * 2
             self._copy_row((ld.mK, ld.mV), (pages[t], slots[t], h), (k_base, v_base), d, c)
 
