@@ -24,8 +24,11 @@ CASES = {  # name: (kv lengths, window_left)
 }
 if D == 96:
     CASES["decode/hd96/mha/bs64/kv4096/page16/window2047"] = ([4096] * 64, 2046)
-# at 80 also: one kv head per item (the default rule packs four), and one with the atom gather
-ROUTES = ("decode_kernel", "one_head", "atom_gather", "prefill_path") if D == 80 else ("decode_kernel", "prefill_path")
+# at 80 also: the atom rows' gather (knob linear=0), one kv head per item (the default rule packs
+# four), and both
+ROUTES = ("decode_kernel", "prefill_path")
+if D == 80:
+    ROUTES += ("atom_gather", "one_head", "one_head_atom_gather")
 if "--hnd" in sys.argv:  # the decode kernel on the same values stored HND ([pages, heads, page_size, D])
     ROUTES += ("decode_kernel_hnd",)
 
@@ -46,7 +49,7 @@ def _wrapper(route: str, indptr, indices, last, window: int):
     saved, saved_kernel = wd.decodes_on_prefill, wd.kernel
     if route == "prefill_path":  # the head dim not among the decode kernel's
         wd.decodes_on_prefill = lambda head_dim, kv_dtype, *a, **k: head_dim == D or saved(head_dim, kv_dtype, *a, **k)
-    if route == "atom_gather":  # the decode kernel's spec with the knob
+    if route.endswith("atom_gather"):  # the decode kernel's spec with the knob
 
         def with_knob(family, arch, **p):
             return saved_kernel(family, arch, **(dict(p, linear=0) if family == "paged_decode" else p))
@@ -59,7 +62,7 @@ def _wrapper(route: str, indptr, indices, last, window: int):
             paged_kv_indptr_buffer=indptr.cuda(), paged_kv_indices_buffer=indices.cuda(),
             paged_kv_last_page_len_buffer=last.cuda(),
         )  # fmt: skip
-        kw = dict(heads_per_item=1) if route in ("one_head", "atom_gather") else {}
+        kw = dict(heads_per_item=1) if route.startswith("one_head") else {}
         w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=torch.bfloat16, window_left=window, **kw)
     finally:
         wd.decodes_on_prefill, wd.kernel = saved, saved_kernel

@@ -223,9 +223,12 @@ class PagedDecode:
         self.tpb = self.block_n // heads_per_item  # tokens of each head per block
         self.warps_per_head = NUM_WARPS // heads_per_item
         self.n_lookups = self.tpb // self.row_step  # distinct tokens among a thread's rows of a block
-        if self.linear:
+        # a page lookup per copy, its head and token from its row: where rows are numbered
+        # linearly, or a head's tokens per block are fewer than a thread's row step (hd80 packed)
+        self.slot_lookups = self.linear or self.tpb < self.row_step
+        if self.slot_lookups:
             self.n_lookups = self.rows_per_thread
-        assert self.linear or self.n_lookups * self.row_step == self.tpb, (head_dim, heads_per_item)
+        assert self.slot_lookups or self.n_lookups * self.row_step == self.tpb, (head_dim, heads_per_item)
         # the epilogue gives each warp an fp32 [warp_rows, D] buffer in the K and V rows it reads
         # (``_o_buf``: pieces of rows_per_piece fp32 rows per atom column, K then V; where a row
         # does not divide a piece, head dims 80 / 96, pieces of o_cols_per_piece columns of 16 rows)
@@ -776,7 +779,7 @@ class PagedDecode:
         """Token of this thread's t-th distinct token (its rows t, t + n_lookups, ...: one per
         packed head) of the block starting at blk_start, clamped to the last valid token."""
         r = self._slot(tidx, t)[0]
-        p = blk_start + (r % self.tpb if self.linear else r)
+        p = blk_start + (r % self.tpb if self.slot_lookups else r)
         return cutlass.select_(p < kv_end, p, kv_end - 1)
 
     def _slot(self, tidx, i):
@@ -798,7 +801,7 @@ class PagedDecode:
             # n_lookups of this thread's
             r, c = self._slot(tidx, i)
             t, h = i % self.n_lookups, kv_head * self.hpi + i // self.n_lookups
-            if const_expr(self.linear):  # a pair of its own: its row's head and token
+            if const_expr(self.slot_lookups):  # a lookup of its own: its row's head and token
                 t, h = i, kv_head * self.hpi + r // self.tpb
             d = self._smem_off(r, c, stage, self.block_n, self.kv_width) * 2
             self._copy_row((ld.mK, ld.mV), (pages[t], slots[t], h), (k_base, v_base), d, c)
