@@ -1,7 +1,7 @@
 """Decode at head dim 96 (Phi-3-mini: 32 / 32 heads, bf16, page 16) or 80 (Phi-2: the same
 heads): the decode kernel against one causal row per request on the paged prefill kernel (the
-wgmma one on Hopper), and at 80 also the decode kernel with one kv head per item, and with that
-the 32-byte atom rows' gather (spec knob ``linear=0``); ``--hnd``: the decode kernel on an HND
+wgmma one on Hopper), and at 80 also the decode kernel with the 32-byte atom rows' gather (spec
+knob ``linear=0``), with one kv head per item, and with both; ``--hnd``: the decode kernel on an HND
 copy too.  CUDA-graph replays timed in turns (two rounds of 40 calls, medians), outputs checked
 against the fp32 reference on 8 requests first.
 
