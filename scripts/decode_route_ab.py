@@ -1,7 +1,7 @@
 """Decode at head dim 96 (Phi-3-mini: 32 / 32 heads, bf16, page 16) or 80 (Phi-2: the same
 heads): the decode kernel against one causal row per request on the paged prefill kernel (the
-wgmma one on Hopper), and at 80 also the decode kernel with the 32-byte atom rows' gather (spec
-knob ``linear=0``), with one kv head per item, and with both; ``--hnd``: the decode kernel on an HND
+wgmma one on Hopper), and at 80 also the decode kernel with one kv head per item (the default
+rule packs four there); ``--hnd``: the decode kernel on an HND
 copy too.  CUDA-graph replays timed in turns (two rounds of 40 calls, medians), outputs checked
 against the fp32 reference on 8 requests first.
 
@@ -24,11 +24,7 @@ CASES = {  # name: (kv lengths, window_left)
 }
 if D == 96:
     CASES["decode/hd96/mha/bs64/kv4096/page16/window2047"] = ([4096] * 64, 2046)
-# at 80 also: the atom rows' gather (knob linear=0), one kv head per item (the default rule packs
-# four), and both
-ROUTES = ("decode_kernel", "prefill_path")
-if D == 80:
-    ROUTES += ("atom_gather", "one_head", "one_head_atom_gather")
+ROUTES = ("decode_kernel", "prefill_path") + (("one_head",) if D == 80 else ())
 if "--hnd" in sys.argv:  # the decode kernel on the same values stored HND ([pages, heads, page_size, D])
     ROUTES += ("decode_kernel_hnd",)
 
@@ -46,15 +42,9 @@ def _wrapper(route: str, indptr, indices, last, window: int):
     import cute_attn.wrappers.decode as wd
     from cute_attn import BatchDecodeWithPagedKVCacheWrapper
 
-    saved, saved_kernel = wd.decodes_on_prefill, wd.kernel
+    saved = wd.decodes_on_prefill
     if route == "prefill_path":  # the head dim not among the decode kernel's
         wd.decodes_on_prefill = lambda head_dim, kv_dtype, *a, **k: head_dim == D or saved(head_dim, kv_dtype, *a, **k)
-    if route.endswith("atom_gather"):  # the decode kernel's spec with the knob
-
-        def with_knob(family, arch, **p):
-            return saved_kernel(family, arch, **(dict(p, linear=0) if family == "paged_decode" else p))
-
-        wd.kernel = with_knob
     try:
         w = BatchDecodeWithPagedKVCacheWrapper(
             torch.zeros(256 << 20, dtype=torch.uint8, device="cuda"), "HND" if route.endswith("_hnd") else "NHD",
@@ -62,10 +52,10 @@ def _wrapper(route: str, indptr, indices, last, window: int):
             paged_kv_indptr_buffer=indptr.cuda(), paged_kv_indices_buffer=indices.cuda(),
             paged_kv_last_page_len_buffer=last.cuda(),
         )  # fmt: skip
-        kw = dict(heads_per_item=1) if route.startswith("one_head") else {}
+        kw = dict(heads_per_item=1) if route == "one_head" else {}
         w.plan(indptr, indices, last, HQ, HK, D, PS, q_data_type=torch.bfloat16, window_left=window, **kw)
     finally:
-        wd.decodes_on_prefill, wd.kernel = saved, saved_kernel
+        wd.decodes_on_prefill = saved
     assert w._routed == (route == "prefill_path"), route
     return w
 

@@ -82,7 +82,6 @@ class DecodeConfig:
     kv_dtype: Any = None  # the cache's DSL type where it differs from ``dtype`` (fp8)
     block_n: Any = None  # KV rows per stage of a 16-bit cache (None: BLOCK_N)
     tile_q: int = TILE_Q  # packed rows per item: 32 = two row groups of 16, one kv head per warp
-    linear: bool = True  # knob (A/B only): 0 keeps the 32-byte atom rows' gather (``PagedDecode``)
 
     @classmethod
     def from_spec(cls, p: dict) -> DecodeConfig:
@@ -91,8 +90,7 @@ class DecodeConfig:
 
         kv = to_dsl(p["kv_dtype"]) if "kv_dtype" in p else None
         hpi, bn, tq = p.get("heads_per_item", 1), p.get("block_n"), p.get("tile_q", TILE_Q)
-        lin = bool(p.get("linear", 1))
-        return cls(to_dsl(p["dtype"]), p["head_dim"], p["stages"], spec_variant(p), hpi, kv, bn, tq, lin)
+        return cls(to_dsl(p["dtype"]), p["head_dim"], p["stages"], spec_variant(p), hpi, kv, bn, tq)
 
 
 class Outputs(NamedTuple):
@@ -203,14 +201,6 @@ class PagedDecode:
         self.rows_per_thread = self.block_n * self.gather_w // THREADS  # KV rows each thread gathers per block
         self.row_step = THREADS // self.gather_w  # a thread's gathered rows are row_step apart
         assert THREADS % self.gather_w == 0 and self.chunks % self.gather_w == 0, head_dim
-        # 32-byte atom rows (hd80) would have each warp copy touch 16 rows x 32 B; ``linear``: the
-        # block's (row, chunk) pairs numbered row-major, thread t copying pairs t + THREADS i
-        # (a warp copy: 3-4 whole rows), one page lookup per pair (``_slot``, ``_row_pos``)
-        self.linear = self.gather_w == 2 and self.block_n * self.chunks % THREADS == 0
-        self.linear = self.linear and getattr(cfg, "linear", True)
-        if self.linear:
-            self.gather_w, self.col_groups = self.chunks, 1
-            self.rows_per_thread = self.block_n * self.chunks // THREADS
         assert self.keys_per_warp % 16 == 0 and stages >= 2
         # Head packing (``heads_per_item`` = H kv heads per item, module doc): a block holds
         # BLOCK_N // H tokens of each of the H heads, head-major; warp w reads head w // (4 // H).
@@ -223,9 +213,9 @@ class PagedDecode:
         self.tpb = self.block_n // heads_per_item  # tokens of each head per block
         self.warps_per_head = NUM_WARPS // heads_per_item
         self.n_lookups = self.tpb // self.row_step  # distinct tokens among a thread's rows of a block
-        # a page lookup per copy, its head and token from its row: where rows are numbered
-        # linearly, or a head's tokens per block are fewer than a thread's row step (hd80 packed)
-        self.slot_lookups = self.linear or self.tpb < self.row_step
+        # a page lookup per row, its head and token from the row, where a head's tokens per block
+        # are fewer than a thread's row step (hd80 with packed heads)
+        self.slot_lookups = self.tpb < self.row_step
         if self.slot_lookups:
             self.n_lookups = self.rows_per_thread
         assert self.slot_lookups or self.n_lookups * self.row_step == self.tpb, (head_dim, heads_per_item)
@@ -784,8 +774,6 @@ class PagedDecode:
 
     def _slot(self, tidx, i):
         """(block row, chunk) of this thread's i-th copy (then col_groups atom columns on)."""
-        if self.linear:
-            return (tidx + THREADS * i) // self.chunks, (tidx + THREADS * i) % self.chunks
         return tidx // self.gather_w + i * self.row_step, tidx % self.gather_w
 
     @cute.jit
