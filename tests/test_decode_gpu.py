@@ -126,20 +126,8 @@ HD96 = [
 ]
 
 
-@pytest.mark.parametrize("page_size,layout,hq,hk,hpi,soft_cap,window", HD96)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_head_dim_96(page_size, layout, hq, hk, hpi, soft_cap, window, dtype):
-    rng = random.Random()
-    kv = [0, 1, 17, 300, 64, 129, 5, 2048 + rng.randrange(64), 33000]
-    rng.shuffle(kv)
-    w = run_case(len(kv), kv, page_size, hq, hk, 96, dtype, layout, soft_cap=soft_cap, window_left=window,
-                 heads_per_item=hpi)[0]  # fmt: skip
-    assert not w._routed and w._state.decode is not None and (window >= 0 or w._state.plan.has_split)
-
-
-# head dim 80 (Phi-2's 32 / 32; 160-byte rows in five 32-byte atom columns, gathered row-major):
-# pages, layouts, GQA, one / two / four kv heads per item, soft-cap / window, split + merge (the
-# 33k request), lengths 0 / 1 / odd
+# head dim 80 (Phi-2's 32 / 32; 160-byte rows in five 32-byte atom columns): the same, with up to
+# four kv heads per item
 HD80 = [
     (16, "NHD", 32, 32, 1, None, -1),
     (16, "NHD", 32, 32, 4, None, -1),
@@ -150,13 +138,16 @@ HD80 = [
 ]
 
 
-@pytest.mark.parametrize("page_size,layout,hq,hk,hpi,soft_cap,window", HD80)
+HD80_96 = [(96, *c) for c in HD96] + [(80, *c) for c in HD80]
+
+
+@pytest.mark.parametrize("d,page_size,layout,hq,hk,hpi,soft_cap,window", HD80_96)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_head_dim_80(page_size, layout, hq, hk, hpi, soft_cap, window, dtype):
+def test_decode_head_dim_80_96(d, page_size, layout, hq, hk, hpi, soft_cap, window, dtype):
     rng = random.Random()
     kv = [0, 1, 17, 300, 64, 129, 5, 2048 + rng.randrange(64), 33000]
     rng.shuffle(kv)
-    w = run_case(len(kv), kv, page_size, hq, hk, 80, dtype, layout, soft_cap=soft_cap, window_left=window,
+    w = run_case(len(kv), kv, page_size, hq, hk, d, dtype, layout, soft_cap=soft_cap, window_left=window,
                  heads_per_item=hpi)[0]  # fmt: skip
     assert not w._routed and w._state.decode is not None and (window >= 0 or w._state.plan.has_split)
 

@@ -104,11 +104,11 @@ def test_portable_head_dims(d, dtype, hq, hk, tile, kv, causal):
 
 
 @gpu
-@pytest.mark.parametrize("tile,kv,causal,dtype", HD96, ids=lambda x: str(x))
-def test_portable_head_dim_96(tile, kv, causal, dtype):
-    """Head dim 96 (Phi-3-mini's; Blackwell's only prefill / decode kernel at 96)."""
+@pytest.mark.parametrize("d,tile,kv,causal,dtype", [(96, *c) for c in HD96] + [(80, *c) for c in HD80], ids=str)
+def test_portable_head_dim_80_96(d, tile, kv, causal, dtype):
+    """Head dims 96 (Phi-3-mini's) and 80 (Phi-2's): Blackwell's only prefill kernel there."""
     qo, kvl = LENS[tile]
-    _portable(_run(kv, qo, kvl, 32, 8, 96, dtype, causal=causal), tile)
+    _portable(_run(kv, qo, kvl, 32, 8, d, dtype, causal=causal), tile)
 
 
 @gpu
@@ -116,14 +116,6 @@ def test_portable_head_dim_96(tile, kv, causal, dtype):
 def test_portable_head_dim_96_softcap_window(tile, kv, causal, cap, window):
     qo, kvl = LENS[tile]
     _portable(_run(kv, qo, kvl, 32, 8, 96, BF, causal=causal, soft_cap=cap, window_left=window), tile)
-
-
-@gpu
-@pytest.mark.parametrize("tile,kv,causal,dtype", HD80, ids=lambda x: str(x))
-def test_portable_head_dim_80(tile, kv, causal, dtype):
-    """Head dim 80 (Phi-2's; Blackwell's only prefill kernel at 80)."""
-    qo, kvl = LENS[tile]
-    _portable(_run(kv, qo, kvl, 32, 8, 80, dtype, causal=causal), tile)
 
 
 @gpu
