@@ -3,8 +3,9 @@ variant runs through its own CUDA-graph-captured wrapper on the same inputs, is 
 fp32 reference (the diagnostic ``no_loads`` knob excepted: it computes on stale stages), and all
 are timed in turns (``bench.common.interleaved``).
 
-    python scripts/mla_sm90_knobs.py [all] [no_loads]   # the mla preset in the cache, and for
-    # no_loads: mla_decode_sm90:dtype=bf16,head_dim_ckv=512,head_dim_kpe=64,tile_q=64,stages=2,no_loads=1
+    python scripts/mla_sm90_knobs.py [all] [no_loads] [row_pages]   # the mla preset in the cache,
+    # and the knob's spec: mla_decode_sm90:dtype=bf16,head_dim_ckv=512,head_dim_kpe=64,tile_q=64,
+    # stages=2,no_loads=1 (or block_pages=0)
 
 Cases: the compute-bound bench case -- the default against the planner splitting for balance
 (``alpha`` 2, ``balance_tol`` 0.01: no CTA left with half the work), the planner's exact cost
@@ -101,6 +102,8 @@ def main():
     }
     if "no_loads" in sys.argv:
         variants["no_loads"] = knobs(no_loads=1)
+    if "row_pages" in sys.argv:  # a page lookup per token where one page holds the block
+        variants["row_pages"] = knobs(block_pages=0)
     case("h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64, variants)
     if "all" in sys.argv:
         case("h16/bs128/kv4096/page64", 16, 1, [4096] * 128, 64, {"mma.sync": {}, "wgmma": FORCE_WGMMA})

@@ -72,6 +72,7 @@ class MlaSm90Config:
 
     dtype: Any
     no_loads: bool = False  # diagnostic knob only (wrong output): no KV copies after block 0
+    block_pages: bool = True  # knob (A/B): False looks up a page per token even where a page holds the block
 
     @classmethod
     def from_spec(cls, p: dict) -> MlaSm90Config:
@@ -79,7 +80,7 @@ class MlaSm90Config:
 
         assert p["head_dim_ckv"] == D_CKV and p["head_dim_kpe"] == D_KPE, p
         assert p["tile_q"] == TILE_Q and p["stages"] == 2, p
-        return cls(to_dsl(p["dtype"]), bool(p.get("no_loads", 0)))
+        return cls(to_dsl(p["dtype"]), bool(p.get("no_loads", 0)), bool(p.get("block_pages", 1)))
 
 
 class MlaDecodeSm90:
@@ -452,6 +453,41 @@ class MlaDecodeSm90:
 
     @cute.jit
     def _issue_kv(self, mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw):
+        """cp.async a block's 64 latent rows into a stage (``_issue_kv_rows``); where one page
+        holds the whole block (page sizes k * 64, the item starting on a block boundary), with
+        one page lookup for the block instead of one per token: the per-token divisions and
+        lookups were most of the loading warpgroup's integer work."""
+        args = (mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw)
+        if const_expr(self.cfg.block_pages):
+            if page_size.divisor % BLOCK_N == 0 and blk_start % BLOCK_N == 0:
+                self._issue_kv_block(*args)
+            else:
+                self._issue_kv_rows(*args)
+        else:
+            self._issue_kv_rows(*args)
+
+    @cute.jit
+    def _issue_kv_block(self, mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw):
+        """``_issue_kv_rows`` for a block inside one page: rows past kv_end re-read the last
+        valid token (in the same page)."""
+        t = tw % THREADS_PER_ROW
+        pg, slot0 = divmod(blk_start, page_size)
+        page = in_cache(mKvIndices[page_base + pg], mCkv.shape[0])
+        last = kv_end - 1 - blk_start
+        for i in cutlass.range_constexpr(BLOCK_N // LOAD_ROWS):
+            r = tw // THREADS_PER_ROW + i * LOAD_ROWS
+            slot = slot0 + cutlass.select_(r < last, r, last)
+            ckv = mCkv[page, slot, None].iterator.toint()
+            kpe = mKpe[page, slot, None].iterator.toint()
+            for c in cutlass.range_constexpr(D_QK // 64):
+                d = smem_off(r, c, t, stage, BLOCK_N) * 2
+                if const_expr(c < D_CKV // 64):
+                    cp_async_16(kv_base + d, ckv + (t + 8 * c) * 16)
+                else:
+                    cp_async_16(kv_base + d, kpe + t * 16)
+
+    @cute.jit
+    def _issue_kv_rows(self, mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw):
         """cp.async a block's 64 latent rows into a stage: row 16 i + tw / 8 is token
         blk_start + row (past kv_end: the last valid token again, masked later), its ckv chunks
         t, t + 8, .. and kpe chunk t.  The page lookups first (all in flight together)."""
