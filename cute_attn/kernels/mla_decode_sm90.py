@@ -17,9 +17,10 @@ One CTA per SM, two warpgroups of 128 threads, 64 query rows and 64 keys per blo
   writes P (value dtype, into the stage) and the rows' rescale factors to shared memory, and computes
   O[:, 0:256] += P V[:, 0:256] with P from registers.
 - **WG 1** issues the loads -- the item's Q and each next block's 64 latent rows with 16-byte
-  ``cp.async`` (one page lookup per token, any page size; ``kernels/pages.py`` clamps the ids)
-  -- while WG 0 computes the scores, then rescales its O[:, 256:512] by WG 0's factors and
-  computes O[:, 256:512] += P V[:, 256:512] with P from shared memory.
+  ``cp.async`` (one page lookup per block where a page holds it, else per token;
+  ``kernels/pages.py`` clamps the ids) -- while WG 0 computes the scores, then rescales its
+  O[:, 256:512] by WG 0's factors and computes O[:, 256:512] += P V[:, 256:512] with P from
+  shared memory.
 - Each warpgroup's fp32 O accumulator is 64 x 256: 128 registers per thread.
 Synchronization per block: P of block j is written (``stmatrix``) into stage j's kpe columns,
 which only the scores read, so no single P tile needs guarding, and three named barriers order
