@@ -788,9 +788,10 @@ class PagedDecode:
             # block row r (``_slot``): head i // n_lookups of the item's heads, token t = i %
             # n_lookups of this thread's
             r, c = self._slot(tidx, i)
-            t, h = i % self.n_lookups, kv_head * self.hpi + i // self.n_lookups
             if const_expr(self.slot_lookups):  # a lookup of its own: its row's head and token
                 t, h = i, kv_head * self.hpi + r // self.tpb
+            else:
+                t, h = i % self.n_lookups, kv_head * self.hpi + i // self.n_lookups
             d = self._smem_off(r, c, stage, self.block_n, self.kv_width) * 2
             self._copy_row((ld.mK, ld.mV), (pages[t], slots[t], h), (k_base, v_base), d, c)
 

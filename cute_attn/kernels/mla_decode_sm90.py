@@ -443,14 +443,8 @@ class MlaDecodeSm90:
             r = tw // THREADS_PER_ROW + i * LOAD_ROWS
             j = r if r < info.num_rows else 0
             tok, head = tok_head(info, info.row_start + j)
-            qn = mQn[tok, head, None].iterator.toint()
-            qp = mQp[tok, head, None].iterator.toint()
-            for c in cutlass.range_constexpr(D_QK // 64):
-                d = smem_off(r, c, t, 0, TILE_Q) * 2
-                if const_expr(c < D_CKV // 64):
-                    cp_async_16(q_base + d, qn + (t + 8 * c) * 16)
-                else:
-                    cp_async_16(q_base + d, qp + t * 16)
+            row = (mQn[tok, head, None].iterator.toint(), mQp[tok, head, None].iterator.toint())
+            self._copy_row(q_base, row, r, t, 0, TILE_Q)
 
     @cute.jit
     def _issue_kv(self, mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw):
@@ -478,14 +472,8 @@ class MlaDecodeSm90:
         for i in cutlass.range_constexpr(BLOCK_N // LOAD_ROWS):
             r = tw // THREADS_PER_ROW + i * LOAD_ROWS
             slot = slot0 + cutlass.select_(r < last, r, last)
-            ckv = mCkv[page, slot, None].iterator.toint()
-            kpe = mKpe[page, slot, None].iterator.toint()
-            for c in cutlass.range_constexpr(D_QK // 64):
-                d = smem_off(r, c, t, stage, BLOCK_N) * 2
-                if const_expr(c < D_CKV // 64):
-                    cp_async_16(kv_base + d, ckv + (t + 8 * c) * 16)
-                else:
-                    cp_async_16(kv_base + d, kpe + t * 16)
+            row = (mCkv[page, slot, None].iterator.toint(), mKpe[page, slot, None].iterator.toint())
+            self._copy_row(kv_base, row, r, t, stage, BLOCK_N)
 
     @cute.jit
     def _issue_kv_rows(self, mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw):
@@ -507,14 +495,20 @@ class MlaDecodeSm90:
             p = cutlass.select_(p < kv_end, p, kv_end - 1)
             _, slot = divmod(p, page_size)
             page = in_cache(pages[i], num_pages)
-            ckv = mCkv[page, slot, None].iterator.toint()
-            kpe = mKpe[page, slot, None].iterator.toint()
-            for c in cutlass.range_constexpr(D_QK // 64):
-                d = smem_off(r, c, t, stage, BLOCK_N) * 2
-                if const_expr(c < D_CKV // 64):
-                    cp_async_16(kv_base + d, ckv + (t + 8 * c) * 16)
-                else:
-                    cp_async_16(kv_base + d, kpe + t * 16)
+            row = (mCkv[page, slot, None].iterator.toint(), mKpe[page, slot, None].iterator.toint())
+            self._copy_row(kv_base, row, r, t, stage, BLOCK_N)
+
+    @staticmethod
+    def _copy_row(base, row, r, t, s, rows: int):
+        """cp.async this thread's chunks of one 576-wide row (``row``: the addresses of its 512
+        latent / nope and 64 rope values) into row r of slice s of a (rows, 576, n) tile: chunks
+        t, t + 8, .. of the first part and chunk t of the second."""
+        for c in range(D_QK // 64):  # (plain Python: unrolled while the caller is traced)
+            d = smem_off(r, c, t, s, rows) * 2
+            if c < D_CKV // 64:
+                cp_async_16(base + d, row[0] + (t + 8 * c) * 16)
+            else:
+                cp_async_16(base + d, row[1] + t * 16)
 
     # ---- epilogue ------------------------------------------------------------------------------
     @cute.jit
