@@ -6,6 +6,8 @@ implementation.  A fixed cost well above FlashInfer's is time no kernel speed-up
 
     python scripts/mla_overhead.py [kv ...]      # default 1024 4096 16384 32768
     python scripts/mla_overhead.py --once 4096   # three replays of ours only (under ncu)
+    python scripts/mla_overhead.py --pages 32768  # shuffled against in-order page ids (address
+                                                  # translation: the same bytes, other pages)
 """
 
 from __future__ import annotations
@@ -40,8 +42,39 @@ def _no_merge(run: MlaRun, inputs, heads) -> MlaRun:
     return r
 
 
+def page_order(kvs, fim):
+    """Ours and FlashInfer on the same cache with the bench's shuffled page ids and with the
+    pages in order, timed in turns."""
+    for kv in kvs:
+        shuffled = make_inputs([kv] * BS, 1, HEADS, PS)
+        in_order = list(shuffled)
+        in_order[6] = torch.arange(len(shuffled[6]), dtype=torch.int32)
+        fns = {}
+        for label, inputs in (("shuffled", shuffled), ("in_order", in_order)):
+            for impl, mod in (("ours", ours_mla), ("flashinfer", fim)):
+                if mod is None:
+                    continue
+                ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+                r = MlaRun(mod, ws, inputs, HEADS, PS, False)
+                r.replay()
+                torch.cuda.synchronize()
+                err = reference_error(inputs, r.out, 1, False)
+                print(f"  {impl} {label} rel err {err:.2e}")
+                fns[f"{impl}/{label}"] = (r, ws)
+        times = interleaved({k: v[0].replay for k, v in fns.items()}, calls=30)
+        nbytes = latent_bytes([kv] * BS, PS)
+        for label, t in times.items():
+            print(f"kv {kv:6d} {label:<22} {t:9.1f} us {nbytes / t / 1e6:6.3f} TB/s")
+        del fns, shuffled, in_order
+        torch.cuda.empty_cache()
+
+
 def main():
-    kvs = [int(a) for a in sys.argv[1:] if a != "--once"] or [1024, 4096, 16384, 32768]
+    kvs = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [1024, 4096, 16384, 32768]
+    if "--pages" in sys.argv:
+        fim, _ = _flashinfer_mla()
+        page_order(kvs, fim)
+        return
     if "--once" in sys.argv:  # for ncu: a few replays of ours at the first length
         inputs = make_inputs([kvs[0]] * BS, 1, HEADS, PS)
         ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
