@@ -304,7 +304,8 @@ def test_decode_hd64_geometries(bn, stages, h, hq, hk, page_size, soft_cap, wind
 )
 def test_decode_hd64_default_packs_one_item_per_cta():
     """gpt-oss decode (64 / 8 heads, hd64, 64 x 4040-4096): the default rule packs two heads per item
-    (``decode.ONE_ITEM_HEAD_DIMS``) and the head-dim-64 balance tolerance keeps the 256 items whole."""
+    (``decode_packing.ONE_ITEM_ROW_BYTES``) and the 128-byte rows' balance tolerance keeps the 256
+    items whole."""
     rng = random.Random()
     kv = [rng.randrange(4040, 4097) for _ in range(64)]
     w = run_case(64, kv, 16, 64, 8, 64, torch.bfloat16)[0]

@@ -129,6 +129,20 @@ def test_fp8_decode_variants_and_packing(soft_cap, window, h):
              heads_per_item=h)  # fmt: skip
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_properties(0).multi_processor_count != 132,
+    reason="the rule's thresholds below are for a 132-SM GPU",
+)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fp8_decode_hd128_packs_one_item_per_cta(page_size):
+    """An e4m3 cache at head dim 128 has 128-byte rows, as a 16-bit one at 64: at 32 / 8 heads and
+    64 x 4040-4096 the default rule packs two heads per item (``decode_packing.ONE_ITEM_ROW_BYTES``)
+    and the 128-byte rows' balance tolerance keeps the 256 items whole; against the reference."""
+    kv = [random.randrange(4040, 4097) for _ in range(64)]
+    w = run_case(kv, page_size, 32, 8, 128, torch.bfloat16)[0]
+    assert w._hpi == 2 and not w._state.plan.has_split
+
+
 def test_fp8_decode_empty_long_skewed():
     """Length 0 rows (out 0, LSE -inf), one very long request among short ones (split-KV +
     merge)."""

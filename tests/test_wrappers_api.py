@@ -739,16 +739,19 @@ def test_gpu_causal_qo_longer_than_kv(kind):
         ([4096] * 60, 64, 8, 64, None, 1),  # 240 items: under 0.95 of the 264 CTAs
         ([4096] * 66, 64, 8, 64, None, 2),  # 264 items: one each
         ([4096] * 67, 64, 8, 64, None, 1),  # 268: more items than CTAs (and under 1.9 per CTA)
-        ([4096] * 64, 64, 8, 128, None, 1),  # head dim 128: the rule before (not measured there)
-        ([4096] * 64, 64, 8, 64, "e4m3", 1),  # fp8 caches: the rule before
+        ([4096] * 64, 64, 8, 128, None, 1),  # head dim 128, 16-bit: 256-byte rows, the rule before
+        ([4096] * 64, 64, 8, 64, "e4m3", 1),  # head dim 64 fp8: 64-byte rows, the rule before
+        ([4096] * 64, 32, 8, 128, "e4m3", 2),  # head dim 128 fp8: 128-byte rows, as 16-bit hd64
+        ([4096] * 60, 32, 8, 128, "e4m3", 1),  # 240 items: under 0.95 of the 264 CTAs
         ([1024] * 256, 32, 8, 64, None, 4),  # 512 items of four heads: the 1.9-per-CTA rule
         ([4096] * 63 + [6000], 64, 8, 64, None, 1),  # one item 1.5x a CTA's share
         ([1024] * 256, 64, 8, 64, None, 2),  # GQA 8: four heads (32-row tiles) only when asked for
     ],
 )
-def test_head_dim_64_packs_one_whole_item_per_cta(lens, hq, hk, d, kv, want):
-    """The default head packing at head dim 64 (``decode.ONE_ITEM_HEAD_DIMS``): also where the
-    packed items are 0.95-1 per CTA and none is longer than 5 % over a CTA's share (264 CTAs)."""
+def test_128_byte_rows_pack_one_whole_item_per_cta(lens, hq, hk, d, kv, want):
+    """The default head packing for 128-byte cache rows (``decode_packing.ONE_ITEM_ROW_BYTES``:
+    head dim 64 16-bit, 128 fp8): also where the packed items are 0.95-1 per CTA and none is
+    longer than 5 % over a CTA's share (264 CTAs)."""
     from cute_attn.wrappers.decode import BatchDecodeWithPagedKVCacheWrapper as W
 
     w = W.__new__(W)

@@ -30,6 +30,9 @@ class Backend:
     ctas_per_sm: Dict[int, int] = field(default_factory=dict)  # head_dim -> CTAs per SM (default 1)
     planner: Dict[str, float] = field(default_factory=dict)  # the planner's cost parameters
     planner_by_head_dim: Dict[int, Dict[str, float]] = field(default_factory=dict)  # overrides per head dim
+    # overrides per bytes of one kv head's cache row (head dim x cache element size); a head-dim
+    # override wins over these
+    planner_by_row_bytes: Dict[int, Dict[str, float]] = field(default_factory=dict)
     shipped: Callable[[str], list] = lambda arch: []  # the specializations it ships, per arch
     head_dim_pairs: tuple = ()  # (head_dim_qk, head_dim_vo) served besides the equal head_dims
 
@@ -39,9 +42,11 @@ class Backend:
     def tiles_for(self, head_dim: int) -> tuple:
         return self.tiles_by_head_dim.get(head_dim, self.tiles)
 
-    def planner_for(self, head_dim: int) -> Dict[str, float]:
-        """The planner's parameters for a head dim (``planner`` with its overrides)."""
-        return {**self.planner, **self.planner_by_head_dim.get(head_dim, {})}
+    def planner_for(self, head_dim: int, row_bytes: int = 0) -> Dict[str, float]:
+        """The planner's parameters for a head dim and cache row size (``planner`` with its
+        overrides)."""
+        by_row = self.planner_by_row_bytes.get(row_bytes, {})
+        return {**self.planner, **by_row, **self.planner_by_head_dim.get(head_dim, {})}
 
     def serves_head_dims(self, head_dim_qk: int, head_dim_vo: int) -> bool:
         if head_dim_qk == head_dim_vo:
@@ -114,10 +119,11 @@ BACKENDS = (
         tiles=(decode.TILE_Q,),
         ctas_per_sm=decode.CTAS_PER_SM,
         planner={"alpha": 8, "balance_tol": 0.01, "keep_tol": 0.03},
-        # head dim 64: the merge kernel a split adds costs ~2-3 % of a 130 us decode (H200, gpt-oss
-        # 64 x 4k: 256 items of two heads on 264 CTAs ran 131.0 us whole, 134-138 us split), more
-        # than a few idle CTAs cost a bandwidth-bound kernel
-        planner_by_head_dim={64: {"balance_tol": 0.05}},
+        # 128-byte rows (head dim 64 16-bit, 128 fp8: the plans decode_packing's one-item rule
+        # packs): the merge kernel a split adds costs ~2-3 % of a 130 us decode (H200, gpt-oss 64
+        # x 4k: 256 items of two heads on 264 CTAs ran 131.0 us whole, 134-138 us split; fp8 hd128
+        # 64 x 4k 132.7 us whole, 141.2 split), more than a few idle CTAs cost a bandwidth-bound kernel
+        planner_by_row_bytes={128: {"balance_tol": 0.05}},
         shipped=lambda arch: decode.shipped_specs(arch) + [kept.kept_update_spec(arch)],
     ),  # fmt: skip
     Backend(

@@ -36,7 +36,7 @@ from ..variants.builtins import CustomMask, mask_kv_bounds
 from . import common, compat, guards, scales
 from .compiled import compilable_run
 from .decode_engine import DecodeEngineAPI, fast_decode_plan  # noqa: F401
-from .decode_packing import MIN_PACKED_ITEMS_PER_CTA, decodes_on_prefill, heads_per_item  # noqa: F401  (re-exported)
+from .decode_packing import MIN_PACKED_ITEMS_PER_CTA, decodes_on_prefill, heads_per_item, kv_row_bytes  # noqa: F401  (re-exported)
 from .kept_device import DeviceKeep
 from .masks import device_mask, packed_mask
 from .options import check_options, decode_variant
@@ -203,12 +203,13 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
         on a 16-bit cache: 32-row tiles, never picked by default -- their kernels do not ship).  Default: 4 or 2
         where the batch keeps ``MIN_PACKED_ITEMS_PER_CTA`` items per CTA with it and no packed
         item exceeds a CTA's share, for the plain kernel, soft-cap and window (the kernels the
-        presets ship), at head dim 64 also where the packed items are about one per CTA
-        (``ONE_ITEM_HEAD_DIMS``), else 1; 1 with ``fixed_split_size`` / ``disable_split_kv`` (packing
-        changes the summation order).  With ``use_cuda_graph=True`` the first plan's choice
-        holds for every later plan, ``fixed_split_size`` ones included (the captured launch
-        keeps its kernel): give the first plan ``heads_per_item=1`` for outputs bitwise equal
-        to an eager wrapper's in batch-invariant mode."""
+        presets ship), for 128-byte cache rows (head dim 64 16-bit, 128 fp8) also where the
+        packed items are about one per CTA (``ONE_ITEM_ROW_BYTES``), else 1; 1 with
+        ``fixed_split_size`` / ``disable_split_kv`` (packing changes the summation order).  With
+        ``use_cuda_graph=True`` the first plan's choice holds for every later plan,
+        ``fixed_split_size`` ones included (the captured launch keeps its kernel): give the
+        first plan ``heads_per_item=1`` for outputs bitwise equal to an eager wrapper's in
+        batch-invariant mode."""
         if data_type is not None:
             q_data_type = data_type if q_data_type is None else q_data_type
             kv_data_type = data_type if kv_data_type is None else kv_data_type
@@ -315,7 +316,8 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             batch, var, sm_scale=sm, logits_soft_cap=float(logits_soft_cap or 0.0), window_left=int(window_left),
             rope=(rope_scale, rope_theta),
         )  # fmt: skip
-        plan = self._schedule(kv_lens, batch, hq, hk, head_dim, int(page_size), split_tokens, hpi, backend, arch)
+        row = kv_row_bytes(head_dim, kv_name)
+        plan = self._schedule(kv_lens, batch, hq, hk, head_dim, row, int(page_size), split_tokens, hpi, backend, arch)
         kv_indptr = common.to_device(indptr, self._indptr_buf, "indptr", self._device)
         kv_indices = common.to_device(indices_t, self._indices_buf, "indices", self._device)
         if self._use_cuda_graph:
@@ -387,22 +389,24 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
                 f"captured run() bakes them. Keep them fixed or use another wrapper."
             )
 
-    def _schedule(self, kv_lens, batch, hq, hk, head_dim, page_size, split_tokens, hpi, backend, arch):
-        """The planner call of a decode plan: (re)make the planner for the limits, plan the
-        lengths and upload the work lists into the workspace; returns the ``sched.Plan``."""
+    def _schedule(self, kv_lens, batch, hq, hk, head_dim, row_bytes, page_size, split_tokens, hpi, backend, arch):
+        """The planner call of a decode plan: (re)make the planner for the limits and the cache's
+        row size (``kv_row_bytes``), plan the lengths and upload the work lists into the
+        workspace; returns the ``sched.Plan``."""
         tile = decode_tile(hpi, hq // hk)
         per_sm = self._ctas_per_sm or backend.ctas_for(head_dim)
         num_sms = sm_count_of_index(self._dev)
         num_ctas = num_sms * per_sm
         # the limits follow from these alone: made (and compared) only when one changes, not
         # on every step's re-plan
-        key = (self._max_batch(batch), hq, hk, head_dim, num_ctas, tile, self._workspace.numel())
+        key = (self._max_batch(batch), hq, hk, head_dim, row_bytes, num_ctas, tile, self._workspace.numel())
         same = key == self._sched_key and self._planner is not None
         if not same or self._views is None:
             limits = self._limits(batch, hq, hk, head_dim, num_ctas, tile)
             # the backend's cost parameters (alpha, balance_tol: families/backends.py says why)
             desc = f"batch {batch}, {hq} qo heads, head_dim {head_dim}"
-            common.install_planner(self, limits, num_sms, per_sm, backend.planner_for(head_dim), desc)
+            cost = backend.planner_for(head_dim, row_bytes)
+            common.install_planner(self, limits, num_sms, per_sm, cost, desc)
         self._sched_key = key
         plan = self._planner.plan(
             None,  # one query token per request

@@ -26,7 +26,7 @@ from ..sched import WorkspaceLayout, kv_lens_from_paged
 from ..sched.inputs import as_index_array, check_indptr, paged_lengths_valid, step_kv_lens
 from ..variants.binding import VariantBinding
 from . import common, compat, guards
-from .decode_packing import decodes_on_prefill
+from .decode_packing import decodes_on_prefill, kv_row_bytes
 from .options import decode_variant
 
 
@@ -377,8 +377,9 @@ class DecodeEngineAPI:
                 self._planner.upload(self._plan_buf)
                 return plan
         backend = backend_for("decode", st.arch)
+        row = kv_row_bytes(st.head_dim, common.kv_dtype_name(st.kv_dtype, st.dtype))
         return self._schedule(
-            kv_lens, batch, st.hq, st.hk, st.head_dim, st.page_size, split_tokens, st.hpi, backend, st.arch
+            kv_lens, batch, st.hq, st.hk, st.head_dim, row, st.page_size, split_tokens, st.hpi, backend, st.arch
         )
 
     # ---- several query tokens per request: the paged prefill kernel --------------------------

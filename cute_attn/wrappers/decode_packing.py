@@ -41,12 +41,14 @@ def decodes_on_prefill(head_dim, kv_data_type, num_qo_heads=1, num_kv_heads=1, p
 # loads).  Where packing would make the planner cut items instead, it costs more than it
 # saves (BENCHMARKS.md: lognormal batch of 128 +1.4 %, batch 128 x 2k at h = 4 +3 %).
 MIN_PACKED_ITEMS_PER_CTA = 1.9
-# Head dim 64 also packs where the packed items are about one per CTA (at least this share of
-# the grid, at most the grid) and none is longer than ONE_ITEM_SLACK above a CTA's share: each
-# CTA then streams one item whole (the backend's head-dim-64 balance tolerance keeps it unsplit).
-# A 128-byte row per token and head reads DRAM worse than packed heads' 256 contiguous bytes:
-# gpt-oss (64 / 8 heads) at 64 x 4k ran 143.7 -> 131.6 us on the H200 (BENCHMARKS.md, issue 24).
-ONE_ITEM_HEAD_DIMS = (64,)
+# Caches whose kv head row is ONE_ITEM_ROW_BYTES (head dim 64 16-bit, head dim 128 fp8) also
+# pack where the packed items are about one per CTA (at least this share of the grid, at most
+# the grid) and none is longer than ONE_ITEM_SLACK above a CTA's share: each CTA then streams one
+# item whole (the decode backend's balance tolerance for these rows keeps it unsplit).  A
+# 128-byte row per token and head reads DRAM worse than packed heads' 256 contiguous bytes (H200,
+# BENCHMARKS.md): gpt-oss (64 / 8 heads, hd64) at 64 x 4k ran 143.7 -> 131.6 us; an e4m3 cache
+# at 32 / 8 heads, hd128, 64 x 4k 139.7 -> 132.7 us (page 1: 143.1 -> 134.6).
+ONE_ITEM_ROW_BYTES = 128
 MIN_ONE_ITEM_PER_CTA = 0.95
 ONE_ITEM_SLACK = 0.05
 _SHIPPED_PACKED: Optional[set] = None  # SHIPPED_VARIANTS' spec parameters, made on first use
@@ -60,9 +62,15 @@ def _packed_kernel_ships(variant) -> bool:
     return tuple(variant_params(variant).items()) in _SHIPPED_PACKED
 
 
+def kv_row_bytes(head_dim: int, kv_name=None) -> int:
+    """Bytes of one kv head's row in the cache: 16-bit values, or fp8 where ``kv_name`` names
+    an fp8 cache."""
+    return head_dim * (1 if kv_name is not None else 2)
+
+
 def heads_per_item(want, fixed, kv_lens, hq, hk, num_ctas, invariant, packable, variant, kv_name=None, head_dim=0):
     """kv heads per work item for this plan (``plan()``'s ``heads_per_item``; the default
-    rule: ``MIN_PACKED_ITEMS_PER_CTA``, and ``ONE_ITEM_HEAD_DIMS``).  ``packable``: the
+    rule: ``MIN_PACKED_ITEMS_PER_CTA``, and ``ONE_ITEM_ROW_BYTES``).  ``packable``: the
     variant's ``Hooks.packs_heads``; ``kv_name``: an fp8 cache's dtype (None: the query's);
     ``fixed``: the value a CUDA-graph wrapper's first plan fixed (None: none)."""
     group, batch = hq // hk, kv_lens.shape[0]
@@ -101,7 +109,7 @@ def heads_per_item(want, fixed, kv_lens, hq, hk, num_ctas, invariant, packable, 
         if batch and _packed_kernel_ships(variant):
             share, longest = hk * int(kv_lens.sum()) / num_ctas, int(kv_lens.max())
             want = next((h for h in cands if h * longest <= share), 1)
-            if want == 1 and head_dim in ONE_ITEM_HEAD_DIMS and kv_name is None:  # (measured on 16-bit caches)
+            if want == 1 and kv_row_bytes(head_dim, kv_name) == ONE_ITEM_ROW_BYTES:
                 one = [
                     h
                     for h in PACKED_HEADS
