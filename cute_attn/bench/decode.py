@@ -113,6 +113,8 @@ def shape_cases():
 def _fi_decode(fi, ws, q, cache, indptr, indices, last, hq, hk, d, ps, ours_run):
     """FlashInfer's run of the case, its output checked against ours: (DecodeRun, eager time,
     max abs diff) or (None, why, None)."""
+    if d not in peers.FI_HEAD_DIMS:
+        return None, peers.NO_HEAD_DIM, None
     run, why = peers.fi_call(peers.DecodeRun, fi, ws, q, cache, indptr, indices, last, hq, hk, d, ps, layers=LAYERS)
     if run is None:
         return None, why, None

@@ -126,7 +126,9 @@ def bench_hd80(res, quick: bool) -> None:
             if fn is not None:
                 fns[f"sdpa_{be}"] = fn
         fi_call = None
-        if fi is not None:
+        if d not in peers.FI_HEAD_DIMS:
+            why["flashinfer"] = peers.NO_HEAD_DIM
+        elif fi is not None:
             fi_call, why["flashinfer"] = peers.fi_call(
                 lambda: peers.ragged_prefill(fi, fi.workspace(128), _indptr(lens), q, k, v, causal, d)
             )

@@ -29,6 +29,11 @@ from .common import FLEX_UNFUSED
 FI_JIT_ENV = "CUTE_ATTN_BENCH_FI_JIT"
 NOT_PREBUILT = "n/a (not prebuilt)"
 DIFFERS = "n/a (differs)"  # its output is not ours: a WARNING line says by how much
+# head dims FlashInfer 0.7.2's attention kernels are written for: its JIT builds a module for
+# others, but the head-dim-80 decode one it built on the H200 hit an illegal memory access,
+# which leaves the process's CUDA context unusable for every case after it
+FI_HEAD_DIMS = (64, 128, 256, 512)
+NO_HEAD_DIM = "n/a (no such head dim)"
 ATOL = RTOL = 2e-2  # a peer's output must match ours to this (allclose) before its time is recorded
 
 
@@ -110,7 +115,7 @@ def why_failed(e: BaseException) -> str:
     return f"failed ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
 
 
-_CELLS = {NOT_PREBUILT: NOT_PREBUILT, DIFFERS: DIFFERS, FLEX_UNFUSED: "n/a (unfused)"}
+_CELLS = {NOT_PREBUILT: NOT_PREBUILT, DIFFERS: DIFFERS, FLEX_UNFUSED: "n/a (unfused)", NO_HEAD_DIM: NO_HEAD_DIM}
 
 
 def column(why: str) -> str:
