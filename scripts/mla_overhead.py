@@ -42,6 +42,16 @@ def _no_merge(run: MlaRun, inputs, heads) -> MlaRun:
     return r
 
 
+def _checked(mod, inputs, label: str) -> MlaRun:
+    """A graph-captured MLA run of ``mod`` on h16 / page 64 (its own workspace), replayed once
+    and its relative error against the fp32 reference printed."""
+    r = MlaRun(mod, torch.zeros(256 << 20, dtype=torch.uint8, device="cuda"), inputs, HEADS, PS, False)
+    r.replay()
+    torch.cuda.synchronize()
+    print(f"  {label} rel err {reference_error(inputs, r.out, 1, False):.2e}")
+    return r
+
+
 def page_order(kvs, fim):
     """Ours and FlashInfer on the same cache with the bench's shuffled page ids and with the
     pages in order, timed in turns."""
@@ -52,16 +62,9 @@ def page_order(kvs, fim):
         fns = {}
         for label, inputs in (("shuffled", shuffled), ("in_order", in_order)):
             for impl, mod in (("ours", ours_mla), ("flashinfer", fim)):
-                if mod is None:
-                    continue
-                ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-                r = MlaRun(mod, ws, inputs, HEADS, PS, False)
-                r.replay()
-                torch.cuda.synchronize()
-                err = reference_error(inputs, r.out, 1, False)
-                print(f"  {impl} {label} rel err {err:.2e}")
-                fns[f"{impl}/{label}"] = (r, ws)
-        times = interleaved({k: v[0].replay for k, v in fns.items()}, calls=30)
+                if mod is not None:
+                    fns[f"{impl}/{label}"] = _checked(mod, inputs, f"{impl} {label}")
+        times = interleaved({k: v.replay for k, v in fns.items()}, calls=30)
         nbytes = latent_bytes([kv] * BS, PS)
         for label, t in times.items():
             print(f"kv {kv:6d} {label:<22} {t:9.1f} us {nbytes / t / 1e6:6.3f} TB/s")
@@ -99,13 +102,7 @@ def main():
             err = reference_error(inputs, r.out, 1, False)
             assert err < REF_TOL, (label, err)
         if fim is not None:
-            ws_fi = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-            fi = MlaRun(fim, ws_fi, inputs, HEADS, PS, False)
-            fi.replay()
-            torch.cuda.synchronize()
-            err = reference_error(inputs, fi.out, 1, False)
-            print(f"  flashinfer rel err {err:.2e}")
-            fns["flashinfer"] = fi.replay
+            fns["flashinfer"] = _checked(fim, inputs, "flashinfer").replay
         for fn in fns.values():
             for _ in range(3):
                 fn()
