@@ -28,14 +28,10 @@ def _wrapper(st, indptr, indices, last, graph: bool):
     import torch
 
     from cute_attn import BatchDecodeWithPagedKVCacheWrapper
-    from cute_attn.families.backends import backend_for
+    from cute_attn.bench.common import decode_balance_tol
 
     bn, s, c, h, tol = st
     _set(D, bn, s)
-    planner = backend_for("decode", "sm_90a").planner_by_head_dim
-    saved = dict(planner)
-    if tol is not None:
-        planner[D] = {"balance_tol": tol}
     kw = {}
     if graph:
         kw = dict(
@@ -45,11 +41,8 @@ def _wrapper(st, indptr, indices, last, graph: bool):
     w = BatchDecodeWithPagedKVCacheWrapper(
         torch.zeros(256 << 20, dtype=torch.uint8, device="cuda"), ctas_per_sm=c, **kw
     )
-    try:
+    with decode_balance_tol(2 * D, tol):  # 16-bit rows
         w.plan(indptr, indices, last, HQ, HK, D, 16, q_data_type=torch.bfloat16, heads_per_item=h)
-    finally:
-        planner.clear()
-        planner.update(saved)
     return w
 
 

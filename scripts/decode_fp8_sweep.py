@@ -17,9 +17,8 @@ import torch
 
 from cute_attn import BatchDecodeWithPagedKVCacheWrapper
 from cute_attn.bench import peers
-from cute_attn.bench.common import interleaved
+from cute_attn.bench.common import decode_balance_tol, interleaved
 from cute_attn.bench.decode import HK, HQ, LAYERS, D, decode_cases, paged_cache
-from cute_attn.families.backends import backend_for
 
 FP8 = torch.float8_e4m3fn
 # (label, cache dtype, heads per item (None: the rule), balance_tol (None: the backend's))
@@ -34,21 +33,14 @@ SETTINGS = [
 
 
 def _wrapper(q, cache, indptr, indices, last, ps, kv_dtype, h, tol):
-    planner = backend_for("decode", "sm_90a").planner_by_head_dim
-    saved = dict(planner)
-    if tol is not None:
-        planner[D] = {"balance_tol": tol}
     w = BatchDecodeWithPagedKVCacheWrapper(
         torch.zeros(256 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
         paged_kv_indptr_buffer=indptr.cuda(), paged_kv_indices_buffer=indices.cuda(),
         paged_kv_last_page_len_buffer=last.cuda(),
     )  # fmt: skip
-    try:
-        kw = {"kv_data_type": kv_dtype} if kv_dtype is not None else {}
+    kw = {"kv_data_type": kv_dtype} if kv_dtype is not None else {}
+    with decode_balance_tol(D * (1 if kv_dtype is not None else 2), tol):
         w.plan(indptr, indices, last, HQ, HK, D, ps, q_data_type=torch.bfloat16, heads_per_item=h, **kw)
-    finally:
-        planner.clear()
-        planner.update(saved)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], HQ, device="cuda")
     w.run(q, cache, out=out, lse=lse)

@@ -83,9 +83,8 @@ def run(json_path=None) -> None:
 
     from cute_attn import BatchDecodeWithPagedKVCacheWrapper
     from cute_attn.bench import peers
-    from cute_attn.bench.common import Results, interleaved
+    from cute_attn.bench.common import Results, decode_balance_tol, interleaved
     from cute_attn.bench.decode import paged_cache
-    from cute_attn.families.backends import backend_for
 
     res = Results()
     fi = peers.flashinfer()
@@ -101,10 +100,6 @@ def run(json_path=None) -> None:
             bn, s, c, h = st[:4]
             tol = st[4] if len(st) > 4 else None
             _set(D, bn, s)
-            planner = backend_for("decode", "sm_90a").planner_by_head_dim
-            saved = dict(planner)
-            if tol is not None:
-                planner[D] = {"balance_tol": tol}
             w = BatchDecodeWithPagedKVCacheWrapper(
                 torch.zeros(256 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
                 paged_kv_indptr_buffer=indptr.cuda(), paged_kv_indices_buffer=indices.cuda(),
@@ -112,11 +107,8 @@ def run(json_path=None) -> None:
             )  # fmt: skip
             key = st
             try:
-                try:
+                with decode_balance_tol(2 * D, tol):  # 16-bit rows
                     w.plan(indptr, indices, last, hq, hk, D, 16, q_data_type=torch.bfloat16, heads_per_item=h)
-                finally:
-                    planner.clear()
-                    planner.update(saved)
                 out = torch.empty_like(q)
                 lse = torch.empty(b, hq, device="cuda")
                 w.run(q, cache, out=out, lse=lse)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -184,3 +185,20 @@ class Results:
         merged = [r for r in old if key(r) not in new_keys] + self.records
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(sorted(merged, key=key), indent=1) + "\n")
+
+
+@contextlib.contextmanager
+def decode_balance_tol(row_bytes: int, tol):
+    """The decode planner's balance tolerance for caches of ``row_bytes``-byte kv rows set to
+    ``tol`` while the block runs (None: left as it is) -- for the A/B scripts, around a plan()."""
+    from ..families.backends import backend_for
+
+    over = backend_for("decode", "sm_90a").planner_by_row_bytes
+    saved = dict(over)
+    if tol is not None:
+        over[row_bytes] = {**over.get(row_bytes, {}), "balance_tol": tol}
+    try:
+        yield
+    finally:
+        over.clear()
+        over.update(saved)

@@ -29,9 +29,7 @@ class Backend:
     tiles_by_head_dim: Dict[int, tuple] = field(default_factory=dict)  # where a head dim has fewer
     ctas_per_sm: Dict[int, int] = field(default_factory=dict)  # head_dim -> CTAs per SM (default 1)
     planner: Dict[str, float] = field(default_factory=dict)  # the planner's cost parameters
-    planner_by_head_dim: Dict[int, Dict[str, float]] = field(default_factory=dict)  # overrides per head dim
-    # overrides per bytes of one kv head's cache row (head dim x cache element size); a head-dim
-    # override wins over these
+    # the planner's overrides per bytes of one kv head's cache row (head dim x element size)
     planner_by_row_bytes: Dict[int, Dict[str, float]] = field(default_factory=dict)
     shipped: Callable[[str], list] = lambda arch: []  # the specializations it ships, per arch
     head_dim_pairs: tuple = ()  # (head_dim_qk, head_dim_vo) served besides the equal head_dims
@@ -42,11 +40,10 @@ class Backend:
     def tiles_for(self, head_dim: int) -> tuple:
         return self.tiles_by_head_dim.get(head_dim, self.tiles)
 
-    def planner_for(self, head_dim: int, row_bytes: int = 0) -> Dict[str, float]:
-        """The planner's parameters for a head dim and cache row size (``planner`` with its
+    def planner_for(self, row_bytes: int) -> Dict[str, float]:
+        """The planner's parameters for a cache of ``row_bytes``-byte rows (``planner`` with its
         overrides)."""
-        by_row = self.planner_by_row_bytes.get(row_bytes, {})
-        return {**self.planner, **by_row, **self.planner_by_head_dim.get(head_dim, {})}
+        return {**self.planner, **self.planner_by_row_bytes.get(row_bytes, {})}
 
     def serves_head_dims(self, head_dim_qk: int, head_dim_vo: int) -> bool:
         if head_dim_qk == head_dim_vo:

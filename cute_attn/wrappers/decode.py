@@ -405,8 +405,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeEngineAPI, common.WrapperBase):
             limits = self._limits(batch, hq, hk, head_dim, num_ctas, tile)
             # the backend's cost parameters (alpha, balance_tol: families/backends.py says why)
             desc = f"batch {batch}, {hq} qo heads, head_dim {head_dim}"
-            cost = backend.planner_for(head_dim, row_bytes)
-            common.install_planner(self, limits, num_sms, per_sm, cost, desc)
+            common.install_planner(self, limits, num_sms, per_sm, backend.planner_for(row_bytes), desc)
         self._sched_key = key
         plan = self._planner.plan(
             None,  # one query token per request
