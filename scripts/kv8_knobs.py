@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""A/B of the in-kernel fp8-KV widening (``kernels/prefill_sm90_kv8.py``) in one GPU visit, on the
-fp8-KV bench's cases (ragged 2 x 8192, 16 heads, hd128, bf16 queries, e4m3 K / V, causal and
-not): the plan's kernel, its knob variants (spec parameters over it, e.g. ``kv8_cvt=1``), the
-same batch through the KV pass (``kv_pass=True``) and the bf16 cache of the same values, timed
-in turns (``bench.common.interleaved``).  Every fp8 output must equal the pass's bit for bit
+"""A/B of the ways a ragged fp8 cache reaches the prefill kernel, in one GPU visit, on the fp8-KV
+bench's cases (ragged 2 x 8192, 16 heads, hd128, bf16 queries, e4m3 K / V, causal and not): the
+kernel's own widening (``kernels/prefill_sm90_kv8.py``, ``kv_pass=False``) and its knob variants
+(spec parameters over it, e.g. ``kv8_cvt=1``), the standalone KV pass (``kv_pass=True`` with
+``families.backends.KV8_PASS_IN_KERNEL`` off), the pass inside the kernel
+(``kernels/prefill_sm90_kv8_pass.py``) and the bf16 cache of the same values, timed in turns
+(``bench.common.interleaved``).  Every fp8 output must equal the pass's bit for bit
 (both widen exactly) before it is timed.
 
     python scripts/kv8_knobs.py compile           # CPU box: the knob kernels into $CUTE_ATTN_CACHE_DIR
@@ -40,7 +42,8 @@ def run(json_path=None) -> int:
     from cute_attn.bench import peers
     from cute_attn.bench.common import interleaved
     from cute_attn.bench.prefill import DT, B, H, S, _flops, _indptr, _tflops
-    from cute_attn.runtime.loader import kernel
+    from cute_attn.families import backends
+    from cute_attn.runtime.loader import KernelNotAvailable, kernel
 
     lib = peers.ours()
     gen = torch.Generator().manual_seed(1)
@@ -52,16 +55,26 @@ def run(json_path=None) -> int:
         q = torch.randn(B * S, H, 128, generator=gen).to(DT).cuda()
         k8, v8 = (torch.randn(B * S, H, 128, generator=gen).to(fp8).cuda() for _ in range(2))
         ws = lambda: torch.empty(512 << 20, dtype=torch.uint8, device="cuda")  # noqa: E731
+        pass_kw = dict(kv_data_type=fp8, kv_pass=True)
+        backends.KV8_PASS_IN_KERNEL = False
         runs = {
             "bf16": peers.ragged_prefill(lib, ws(), ind, q, k8.to(DT), v8.to(DT), causal, 128),
-            "kv_pass": peers.ragged_prefill(lib, ws(), ind, q, k8, v8, causal, 128, kv_data_type=fp8, kv_pass=True),
-            "in_kernel": peers.ragged_prefill(lib, ws(), ind, q, k8, v8, causal, 128, kv_data_type=fp8),
+            "kv_pass": peers.ragged_prefill(lib, ws(), ind, q, k8, v8, causal, 128, **pass_kw),
+            "in_kernel": peers.ragged_prefill(lib, ws(), ind, q, k8, v8, causal, 128, kv_data_type=fp8, kv_pass=False),
         }
+        backends.KV8_PASS_IN_KERNEL = True
+        runs["pass_in_kernel"] = peers.ragged_prefill(lib, ws(), ind, q, k8, v8, causal, 128, **pass_kw)
         assert runs["in_kernel"].wrapper._spec_kw.get("kv_dtype") == "e4m3", runs["in_kernel"].wrapper._spec_kw
+        assert runs["pass_in_kernel"].wrapper._spec_kw.get("kv8_pass") == 1, runs["pass_in_kernel"].wrapper._spec_kw
+        assert "kv_dtype" not in runs["kv_pass"].wrapper._spec_kw
         for kn in KNOBS:
             name = ",".join(f"{k}={v}" for k, v in kn.items())
-            call = peers.ragged_prefill(lib, ws(), ind, q, k8, v8, causal, 128, kv_data_type=fp8)
-            call.wrapper._binding.module = kernel("batch_prefill_sm90", "sm_90a", **call.wrapper._spec_kw, **kn)
+            call = peers.ragged_prefill(lib, ws(), ind, q, k8, v8, causal, 128, kv_data_type=fp8, kv_pass=False)
+            try:
+                call.wrapper._binding.module = kernel("batch_prefill_sm90", "sm_90a", **call.wrapper._spec_kw, **kn)
+            except KernelNotAvailable:
+                print(f"{name}: not compiled, left out")
+                continue
             call()
             runs[name] = call
         torch.cuda.synchronize()

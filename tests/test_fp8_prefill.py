@@ -38,6 +38,7 @@ import pytest
 import torch
 from test_prefill_gpu import _cpu_ws, _cumsum, _Emulated, _fake_cuda, _gen, _ws, check, emu, make_paged, make_ragged  # noqa: F401
 
+from cute_attn.families import backends
 from cute_attn.families.backends import kv8_widening_pays
 from cute_attn.testing import ragged_reference
 
@@ -207,7 +208,9 @@ def test_fp8_prefill(case):
         in_kernel = kv8_widening_pays(qo, kv, hq, hk, d, kw.get("causal", False), c.w._tile, sms,
                                       kw.get("window_left", -1))  # fmt: skip
     assert (c.w._gathered is None) == in_kernel and c.w._spec_kw["paged"] == (kind == "paged" and in_kernel)
-    assert c.w._spec_kw.get("kv_dtype") == (kw.get("kv", "e4m3") if in_kernel else None)
+    pass_in_kernel = c.w._spec_kw.get("kv8_pass") == 1  # the pass run by the kernel itself
+    assert not pass_in_kernel or (kind == "ragged" and d == 128 and c.w._tile == 128 and "soft_cap" not in kw)
+    assert c.w._spec_kw.get("kv_dtype") == (kw.get("kv", "e4m3") if in_kernel or pass_in_kernel else None)
     if "soft_cap" in kw:
         assert c.w._tile == 128  # the soft-cap / window kernels are compiled for 128-row tiles
 
@@ -266,11 +269,40 @@ def test_fp8_ragged_in_kernel_matches_pass(kv, q_dtype, causal, lens):
     own = plan_case("ragged", *lens, 32, 8, 128, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed, kv_pass=False)
     pas = plan_case("ragged", *lens, 32, 8, 128, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed, kv_pass=True)
     assert own.w._gathered is None and own.w._spec_kw["kv_dtype"] == kv
-    assert pas.w._gathered is not None and "kv_dtype" not in pas.w._spec_kw
+    assert pas.w._gathered is not None and ("kv_dtype" not in pas.w._spec_kw or pas.w._spec_kw.get("kv8_pass"))
     assert own.w._tile == pas.w._tile
     o1, l1 = own.run(0.5, 2.0)
     o2, l2 = pas.run(0.5, 2.0)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+# (kv, q dtype, causal, (qo lens, kv lens), qo heads, kv heads) of the pass inside the kernel
+PASS_IN_KERNEL_CASES = [
+    ("e4m3", BF, True, ([8192], [8192]), 16, 16),  # 64 blocks x 16 heads: tasks race the consumers
+    ("e5m2", F16, False, ([300, 1, 2000, 129, 700], [300, 1, 2000, 129, 700]), 32, 8),
+    ("e4m3", BF, True, ([1, 4000, 3, 900], [30000, 4000, 60000, 900]), 32, 8),  # split KV, odd cut points
+    ("e4m3", F16, True, ([0, 500, 0, 300, 7, 900], [10, 0, 0, 500, 7, 901]), 16, 4),  # empty requests
+]
+
+
+@gpu
+@pytest.mark.parametrize("kv,q_dtype,causal,lens,hq,hk", PASS_IN_KERNEL_CASES)
+def test_fp8_ragged_pass_in_kernel_matches_pass(monkeypatch, kv, q_dtype, causal, lens, hq, hk):
+    """The pass inside the kernel (``kv8_pass``: producer warps dequantize each block once, the
+    consumers wait for its flag) against the standalone pass on the same inputs: both convert
+    by ``cvt`` and the consumers are the same code, so output and LSE must be equal bit for
+    bit (and match the fp32 reference; run twice: the state is re-zeroed per launch)."""
+    seed = int(torch.randint(1 << 30, ()).item())
+    inl = plan_case("ragged", *lens, hq, hk, 128, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed, kv_pass=True)
+    assert inl.w._tile == 128 and inl.w._spec_kw.get("kv8_pass") == 1 and inl.w._state.pass_module is None
+    monkeypatch.setattr(backends, "KV8_PASS_IN_KERNEL", False)
+    host = plan_case("ragged", *lens, hq, hk, 128, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed, kv_pass=True)
+    assert "kv8_pass" not in host.w._spec_kw and host.w._state.pass_module is not None
+    o1, l1 = inl.run(0.5, 2.0)
+    o2, l2 = host.run(0.5, 2.0)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    o3, l3 = inl.run(0.5, 2.0)
+    assert torch.equal(o1, o3) and torch.equal(l1, l3)
 
 
 @gpu
@@ -536,7 +568,7 @@ def test_cpu_fp8_ragged_wiring(emu, layout, kv, q_dtype, causal):
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("kv,q_dtype", [("e4m3", F16), ("e5m2", BF)])
-def test_cpu_fp8_ragged_in_kernel_wiring(emu, layout, kv, q_dtype):
+def test_cpu_fp8_ragged_in_kernel_wiring(emu, layout, kv, q_dtype, monkeypatch):
     """Ragged at head dim 128: the kernel (spec ``kv_dtype``) reads the fp8 cache itself, no pass;
     ``kv_pass=True`` takes the pass; RoPE takes it too (the pass rotates the keys)."""
     lens = ([1, 17, 40, 0, 9], [1, 40, 90, 9, 9])
@@ -546,6 +578,13 @@ def test_cpu_fp8_ragged_in_kernel_wiring(emu, layout, kv, q_dtype):
     assert emu.calls[0][1]["kv_dtype"] == kv and not emu.calls[0][1]["paged"]
     assert c.w._gathered is None and c.w._state.pass_module is None
     emu.calls.clear()
+    c = run_case("ragged", *lens, 8, 2, 128, layout=layout, kv=kv, q_dtype=q_dtype, device="cpu",
+                 workspace=_cpu_ws(), seed=4, kv_pass=True)  # fmt: skip
+    # the pass runs inside the 128-row kernel (spec kv8_pass; the emulation checks its task list)
+    assert c.w._tile == 128 and _calls(emu) == ["batch_prefill_sm90"] and emu.calls[0][1]["kv8_pass"] == 1
+    assert c.w._gathered is not None and c.w._state.pass_module is None
+    emu.calls.clear()
+    monkeypatch.setattr(backends, "KV8_PASS_IN_KERNEL", False)  # the standalone pass, then the kernel
     c = run_case("ragged", *lens, 8, 2, 128, layout=layout, kv=kv, q_dtype=q_dtype, device="cpu",
                  workspace=_cpu_ws(), seed=4, kv_pass=True)  # fmt: skip
     assert _calls(emu)[:2] == ["kv_pass", "batch_prefill_sm90"] and "kv_dtype" not in emu.calls[1][1]
@@ -983,3 +1022,17 @@ def test_fp8_kv_pass_compiles_without_spills(tmp_path):
             text = sass.read_text()
             assert f"F2FP.F16.{kind.upper()}.UNPACK_B" in text
             assert "LDG.E.64" not in text  # the cache is read 16 bytes per load
+
+
+@pytest.mark.parametrize("case", [1, 3])
+def test_cpu_fp8_ragged_pass_in_kernel(emu, monkeypatch, case):
+    """The GPU test's plans on 132 emulated SMs: one launch of the ``kv8_pass`` kernel, whose
+    emulation checks the pass's task list and state, then the output against the reference."""
+    import cute_attn.wrappers.prefill_base as P
+
+    monkeypatch.setattr(P, "sm_count_of_index", lambda i: 132)
+    kv, q_dtype, causal, lens, hq, hk = PASS_IN_KERNEL_CASES[case]
+    c = run_case("ragged", *lens, hq, hk, 128, kv=kv, q_dtype=q_dtype, causal=causal, device="cpu",
+                 workspace=_cpu_ws(256), seed=3, kv_pass=True, k_scale=0.5, v_scale=2.0)  # fmt: skip
+    assert _calls(emu)[0] == "batch_prefill_sm90" and emu.calls[0][1]["kv8_pass"] == 1
+    assert c.w._state.kv8_pass is not None and c.w._state.pass_module is None

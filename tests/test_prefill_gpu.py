@@ -766,6 +766,26 @@ def _plain(t):
     return t.as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) else t
 
 
+def _emulate_kv8_pass(k4, v4, kv_indptr, k8, v8, state, plan):
+    """``kernels/prefill_sm90_kv8_pass.py``'s contract: the state zeroed, every (block of 128
+    keys, kv head) of every request in the plan's tasks exactly once, the requests' last blocks
+    first; then K / V dequantized into the 16-bit copy."""
+    assert (state == 0).all() and state.numel() >= 4
+    plan, ind = plan.long(), kv_indptr.long()
+    n, toff, hk = int(plan[0]), int(plan[1]), k4.shape[2]
+    nblk = -(-(ind[1:] - ind[:-1]) // 128)
+    assert plan[2:toff].tolist() == [0] + torch.cumsum(nblk, 0).tolist()
+    tasks = plan[toff : toff + 3 * n].view(-1, 3).tolist()
+    want = {(b, j, h) for b in range(nblk.numel()) for j in range(int(nblk[b])) for h in range(hk)}
+    assert len(tasks) == len(want) and {tuple(t) for t in tasks} == want
+    left = [int(nblk[b]) - 1 - j for b, j, _ in tasks]  # blocks from the request's end
+    assert left == sorted(left)
+    assert state.numel() - 4 == len(want)
+    total = int(ind[-1])
+    k4[0, :total] = k8[0, :total].to(k4.dtype)
+    v4[0, :total] = v8[0, :total].to(v4.dtype)
+
+
 def _emulate_prefill(
     p,
     q,
@@ -784,15 +804,18 @@ def _emulate_prefill(
     soft_cap,
     window_left,
     num_ctas,
+    *extra,
 ):
     """What kernels/prefill_sm90.py must compute, item by item (fp64)."""
     from cute_attn.sched import workspace as ws
 
     tile = p["tile_q"]
     assert work_indptr.numel() == num_ctas + 1
+    if p.get("kv8_pass"):  # the kernel's own pass: fp8 cache -> the 16-bit K / V it then reads
+        _emulate_kv8_pass(k4, v4, kv_indptr, *extra)
     # an fp8 cache reaches the kernel only where its spec widens it (kv_dtype), else the KV pass's output
     assert k4.dtype == v4.dtype and q.dtype == out.dtype, (q.dtype, k4.dtype, out.dtype)
-    assert (k4.dtype != q.dtype) == ("kv_dtype" in p), (k4.dtype, p)
+    assert (k4.dtype != q.dtype) == ("kv_dtype" in p and not p.get("kv8_pass")), (k4.dtype, p)
     part_o.fill_(float("nan"))  # stale partials must never be read
     part_lse.fill_(float("nan"))
     ip = work_indptr.tolist()

@@ -2,11 +2,13 @@
 bf16 time), ours and FlashInfer's where it runs.
 
 The s8192 prefill cases (``bench/prefill.py``: batch 2 x 16 heads, head dim 128, bf16 queries,
-causal and not) with K / V in ``float8_e4m3fn``: ragged as the plan chooses, and both ways
+causal and not) with K / V in ``float8_e4m3fn``: ragged as the plan chooses, and each way
 forced -- the kernel widening the fp8 blocks in shared memory (``kv_pass=False``,
-``kernels/prefill_sm90_kv8.py``) and the KV pass dequantizing K / V for the 16-bit kernel
-(``kv_pass=True``) -- and paged at page 16 (the pass gathers and dequantizes), beside the bf16
-ragged and paged runs; all timed in turns (``interleaved``: the H200's clocks drift).  Records
+``kernels/prefill_sm90_kv8.py``), the KV pass dequantizing K / V for the 16-bit kernel
+(``kv_pass=True``: run by the kernel's own producer warps, ``kernels/prefill_sm90_kv8_pass.py``)
+and the standalone pass before the kernel (``.../fp8kv/host_pass``) -- and paged at page 16
+(the pass gathers and dequantizes), beside the bf16 ragged and paged runs; all timed in turns
+(``interleaved``: the H200's clocks drift).  Records
 under the bf16 case name plus ``/fp8kv``: ``us``, ``TFLOP/s`` (the attention's FLOPs, as the
 prefill bench) and ``vs_bf16`` = fp8 time / bf16 time of the same layout; ``.../fp8kv/in_kernel``
 and ``.../fp8kv/kv_pass`` the forced ragged runs; ``.../page16/fp8kv`` against the bf16 page-16
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..families import backends
 from . import peers
 from .common import interleaved
 from .prefill import DT, B, H, S, _flops, _indptr, _paged_cache, _tflops
@@ -61,9 +64,14 @@ def bench_fp8_prefill(res, quick: bool) -> None:
             ("fp8", k8, v8, {"kv_data_type": FP8}),
             ("fp8_kernel", k8, v8, {"kv_data_type": FP8, "kv_pass": False}),
             ("fp8_pass", k8, v8, {"kv_data_type": FP8, "kv_pass": True}),
+            ("fp8_host_pass", k8, v8, {"kv_data_type": FP8, "kv_pass": True}),
         ):
             ws = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-            runs[f"ragged_{tag}"] = peers.ragged_prefill(lib, ws, ind, q, k, v, causal, D, **kw)
+            inline, backends.KV8_PASS_IN_KERNEL = backends.KV8_PASS_IN_KERNEL, tag != "fp8_host_pass"
+            try:
+                runs[f"ragged_{tag}"] = peers.ragged_prefill(lib, ws, ind, q, k, v, causal, D, **kw)
+            finally:
+                backends.KV8_PASS_IN_KERNEL = inline
         widened = runs["ragged_fp8"].wrapper._gathered is None  # the plan's choice
         paged16 = _paged_cache(lens, k16, v16, D, PAGE, gen)
         cache16 = paged16[0]
@@ -74,7 +82,7 @@ def bench_fp8_prefill(res, quick: bool) -> None:
         ref = runs["ragged_bf16"].out
         bad = [
             t
-            for t in ("ragged_fp8", "ragged_fp8_kernel", "ragged_fp8_pass", "page16_fp8")
+            for t in ("ragged_fp8", "ragged_fp8_kernel", "ragged_fp8_pass", "ragged_fp8_host_pass", "page16_fp8")
             if not peers.check_output(f"ours {t}", runs[t].out, ref)[1]
         ]
         if bad:
@@ -94,7 +102,7 @@ def bench_fp8_prefill(res, quick: bool) -> None:
             res.add(case, "cute_attn", "TFLOP/s", _tflops(flops, t[f"{layout}_fp8"]))
             res.add(case, "cute_attn", "vs_bf16", t[f"{layout}_fp8"] / t[f"{layout}_bf16"])
             res.add(case + "/bf16_same_run", "cute_attn", "us", t[f"{layout}_bf16"])
-        for tag, sub in (("kernel", "in_kernel"), ("pass", "kv_pass")):
+        for tag, sub in (("kernel", "in_kernel"), ("pass", "kv_pass"), ("host_pass", "host_pass")):
             res.add(f"{name}/fp8kv/{sub}", "cute_attn", "us", t[f"ragged_fp8_{tag}"])
             res.add(f"{name}/fp8kv/{sub}", "cute_attn", "vs_bf16", t[f"ragged_fp8_{tag}"] / t["ragged_bf16"])
         cols = ["n/a", "n/a"]
@@ -108,7 +116,8 @@ def bench_fp8_prefill(res, quick: bool) -> None:
             tag = layout + ((" (widened)" if widened else " (KV pass)") if layout == "ragged" else "")
             print(f"{name + ' ' + tag:<56} {a:8.1f} {b:8.1f} {b / a:7.3f} {_tflops(flops, b):8.1f} "
                   f"{c[0]:>8} {c[1]:>8}")  # fmt: skip
-        for tag, label in (("kernel", "ragged, kv_pass=False"), ("pass", "ragged, kv_pass=True")):
+        for tag, label in (("kernel", "ragged, kv_pass=False"), ("pass", "ragged, kv_pass=True"),
+                           ("host_pass", "ragged, pass before the kernel")):  # fmt: skip
             a, b = t["ragged_bf16"], t[f"ragged_fp8_{tag}"]
             print(f"{name + ' ' + label:<56} {a:8.1f} {b:8.1f} {b / a:7.3f} {_tflops(flops, b):8.1f}")
         del runs, paged8, paged16, k8, v8, k16, v16

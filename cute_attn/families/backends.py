@@ -291,6 +291,7 @@ PASS_SAVES_BOXES = 0.08  # in-kernel TMA page boxes (page sizes k*16)
 KV8_PASS_RATE = 2.6e12  # bytes / s the dequantizing pass moves (1 read + 2 written per element)
 KV8_WIDEN_S = 0.47e-6  # seconds of one SM per (query tile, 128-key block) widened in the kernel
 KV8_BLOCK = 128  # keys per block of the hd128 kernel
+KV8_PASS_IN_KERNEL = True  # the pass run by the prefill kernel's producer warps where it serves the plan
 KV8_PASS_LAUNCH_S = 3e-6  # the pass's own launch and tail: what decides for small batches
 
 

@@ -14,7 +14,7 @@ from ..abi import dtypes
 from ..abi.archs import HOPPER
 from ..abi.args import ScalarArg, TensorArg
 from ..variants import base as vbase
-from .base import KernelFamily, register, spec_variant, variant_params
+from .base import KernelFamily, cache_arg, i32_arg, register, spec_variant, variant_params
 from .decode import decode_abi_fixed
 from .spec import Spec
 
@@ -38,7 +38,9 @@ def head_dim_vo(p) -> int:
 def prefill_abi_fixed(p):
     """decode's fixed tensor arguments (one host signature for both kernels; V, O and the
     partial rows at ``head_dim_vo``), then the prefill kernel's scalars (spelled out: decode's
-    scalars differ)."""
+    scalars differ).  ``kv8_pass``: K and V are the 16-bit copy the kernel writes."""
+    if p.get("kv8_pass"):
+        p = {k: v for k, v in p.items() if k != "kv_dtype"}
     qk = [a for a in decode_abi_fixed(p) if isinstance(a, TensorArg)]
     vo = [a for a in decode_abi_fixed(dict(p, head_dim=head_dim_vo(p))) if isinstance(a, TensorArg)]
     return [b if a.name in ("mV", "mO", "mPartO") else a for a, b in zip(qk, vo)] + [
@@ -50,9 +52,19 @@ def prefill_abi_fixed(p):
     ]
 
 
+def prefill_extra_abi(p):
+    """The tensors ahead of the variant's: with ``kv8_pass`` the fp8 cache the kernel reads, the
+    pass's state (zeroed before each launch) and plan (``kernels/prefill_sm90_kv8_pass.py``)."""
+    if not p.get("kv8_pass"):
+        return []
+    fp8 = [cache_arg(n, p, p["kv_dtype"]) for n in ("mK8", "mV8")]
+    return fp8 + [i32_arg("mPassState"), i32_arg("mPassPlan")]
+
+
 def prefill_abi(p):
-    """The fixed arguments, then the variant's (``variants.base.abi_args``: tensors, then scalars)."""
-    return prefill_abi_fixed(p) + vbase.abi_args(spec_variant(p))
+    """The fixed arguments, the extra tensors, then the variant's (``variants.base.abi_args``:
+    tensors, then scalars)."""
+    return prefill_abi_fixed(p) + prefill_extra_abi(p) + vbase.abi_args(spec_variant(p))
 
 
 BATCH_PREFILL_SM90 = register(
@@ -124,6 +136,38 @@ def kv8_serves(
     )
 
 
+KV8_PASS_BLOCK = 128  # keys per task of the pass inside the kernel: the kv8_pass kernel's block
+
+
+def kv8_pass_serves(dtype: str, kv_dtype: str, head_dim: int, head_dim_vo: int, tile_q: int) -> bool:
+    """Whether the kernel can run a ragged fp8 cache's pass itself (``kv8_pass``): the
+    widening kernel's cases (:func:`kv8_serves`, ragged, no variant) at 128-row tiles (items
+    back to back: the staging tiles live in the output's)."""
+    return tile_q == 128 and kv8_serves(dtype, kv_dtype, head_dim, head_dim_vo, False, None)
+
+
+def kv8_pass_plan(kv_lens, num_kv_heads: int, block: int):
+    """(the int32 plan of the pass inside the kernel, its flag count): ``[n_tasks, task_offset,
+    blk_off[batch + 1]..., (req, block, kv head)...]``, one task per block of ``block`` keys of
+    each request and kv head, the requests' last blocks first (the order in which the kernel's
+    consumers, walking blocks from last to first, need them).  Pure numpy."""
+    import numpy as np
+
+    kv = np.asarray(kv_lens, dtype=np.int64)
+    nblk = -(-kv // block)
+    blk_off = np.concatenate([[0], np.cumsum(nblk)])
+    tasks = []
+    for k in range(int(nblk.max(initial=0))):
+        reqs = np.nonzero(nblk > k)[0]
+        blocks = nblk[reqs] - 1 - k
+        r = np.repeat(reqs, num_kv_heads)
+        tasks.append(np.stack([r, np.repeat(blocks, num_kv_heads), np.tile(np.arange(num_kv_heads), reqs.size)], 1))
+    tasks = np.concatenate(tasks) if tasks else np.zeros((0, 3), dtype=np.int64)
+    head = np.array([len(tasks), 2 + blk_off.size], dtype=np.int64)
+    plan = np.concatenate([head, blk_off, tasks.reshape(-1)]).astype(np.int32)
+    return plan, int(blk_off[-1]) * num_kv_heads
+
+
 def regular_gather(head_dim: int) -> bool:
     """Whether rows of ``head_dim`` suit the producer's and consumers' per-thread 16-byte chunk
     pairs (the key / query transforms: RoPE): 128-byte swizzle atoms and a chunk count that
@@ -144,6 +188,7 @@ def prefill_spec(
     page_box: int = 0,
     head_dim_vo: int | None = None,
     kv_dtype: str | None = None,
+    kv8_pass: bool = False,
 ) -> Spec:
     """One ``batch_prefill_sm90`` specialization; ``variant``: the traced variant beyond the
     static flags, None for the plain kernel; ``page_box``: see :func:`page_box_for` (a
@@ -159,6 +204,10 @@ def prefill_spec(
                 f"(paged={paged}, variant={variant!r}) is read through the KV pass, not by the kernel"
             )
         extra["kv_dtype"] = kv_dtype
+        if kv8_pass:
+            if paged or tile_q != 128 or variant is not None or soft_cap or window:
+                raise ValueError("batch_prefill_sm90: kv8_pass is built for ragged, plain 128-row kernels")
+            extra["kv8_pass"] = 1
     if head_dim_vo is not None and head_dim_vo != head_dim:
         extra["head_dim_vo"] = int(head_dim_vo)
     if paged and page_box:
@@ -229,7 +278,8 @@ def shipped_specs(arch: str) -> list:
     the plain kernel; soft-cap, window and both at head dim 128, tile 128, ragged; the
     DeepSeek-style prefill (192 / 128, bf16) over the same grid; an fp8 cache (e4m3 / e5m2)
     widened in the kernel at head dim 128, ragged and in page boxes, both tiles, and with the
-    flags at tile 128; the merges of the tiles."""
+    flags at tile 128, and dequantized by the kernel's own pass (``kv8_pass``); the merges of
+    the tiles."""
     flags = ((True, False), (False, True), (True, True))
     extra = prefill_specs(arch, head_dims=(128,), tiles=(128,), paged=(False,), variants=flags)
     deepseek = prefill_specs(arch, dtype_names=("bf16",), head_dims=HEAD_DIM_PAIRS)
@@ -237,4 +287,11 @@ def shipped_specs(arch: str) -> list:
     kv8 += prefill_specs(
         arch, head_dims=KV8_HEAD_DIMS, tiles=(128,), variants=flags, page_boxes=(PAGE_BOX,), kv_names=dtypes.FP8
     )
+    kv8 += [  # the fp8 pass inside the kernel (ragged, 128-row tiles)
+        prefill_spec(arch, dt, d, 128, False, c, kv_dtype=kv, kv8_pass=True)
+        for dt in dtypes.ATTENTION
+        for d in KV8_HEAD_DIMS
+        for kv in dtypes.FP8
+        for c in (False, True)
+    ]
     return prefill_specs(arch, head_dims=SHIPPED_HEAD_DIMS) + extra + deepseek + kv8 + merge_specs(arch)

@@ -13,7 +13,8 @@ Roles (warpgroups of 128 threads):
   16-row page run, or (any page size, 1 included) all 128 threads gather 16-byte chunks of each
   token's row with ``cp.async`` into the very same swizzled tile.  An fp8 cache (spec
   ``kv_dtype``): fp8 boxes into staging tiles, widened into the stages by the producer's warps
-  (``prefill_sm90_kv8.py``).
+  (``prefill_sm90_kv8.py``), or (``kv8_pass``) dequantized once per key into the workspace by
+  warps 1-3 while warp 0 streams the 16-bit copy (``prefill_sm90_kv8_pass.py``).
 - WG 1 (and 2), the consumers, own 64 query rows each: they load their Q rows (cp.async,
   GQA addressing), then per KV block S = Q·Kᵀ (wgmma, both operands in shared memory), mask +
   online softmax in registers (``prefill_sm90_softmax.py``), O += P·V (wgmma, P from
@@ -76,9 +77,10 @@ from .fragments import WG, pin_fragment, wgmma_acc_as_a, wgmma_mn_view
 from .prefill_sm90_hooks import PrefillHooks
 from .prefill_sm90_io import PrefillRowIO
 from .prefill_sm90_kv8 import KV8_HEAD_DIMS, PrefillKv8, check_kv8_layouts
+from .prefill_sm90_kv8_pass import PrefillKv8Pass
 from .prefill_sm90_producer import BAR_PRODUCER, BOX_WARPS, ROW_RING, PrefillProducer, check_gather_swizzle
 from .prefill_sm90_softmax import PrefillSoftmax, SoftmaxState, WgAcc, WgMma
-from .prefill_sm90_tiles import KV_TILES, KV_TILES_VO, OVERLAP_TILES, PINNED, REGS, SMEM_MAX
+from .prefill_sm90_tiles import KV_TILES, KV_TILES_VO, OVERLAP_TILES, PINNED, REGS, SMEM_MAX, smem_bytes
 from .work import ItemInfo, TraceCtx, row_token
 
 # named barriers (0 is __syncthreads): per consumer WG (1, 2), the two ping-pong barriers (3, 4)
@@ -115,6 +117,7 @@ class PrefillConfig:
     )  # 1: items back to back (the next one's first block with this one's last); -1: OVERLAP_TILES
     kv_dtype: Any = None  # DSL fp8 type of an fp8 K / V widened in the kernel (prefill_sm90_kv8); None: dtype
     kv8_cvt: int = 0  # 1: widen to bf16 by cvt instructions (NaN kept) instead of integer ops (knob)
+    kv8_pass: int = 0  # 1: the fp8 cache dequantized once per key by the kernel (prefill_sm90_kv8_pass)
 
     @classmethod
     def from_spec(cls, p: dict) -> PrefillConfig:
@@ -143,6 +146,7 @@ class PrefillConfig:
             p.get("overlap_items", -1),
             to_dsl(p["kv_dtype"]) if p.get("kv_dtype") else None,
             p.get("kv8_cvt", 0),
+            p.get("kv8_pass", 0),
         )
 
 
@@ -163,12 +167,14 @@ class Gmem(NamedTuple):
 
 
 class Tma(NamedTuple):
-    """K / V TMA atoms and their global views (None on the gather path)."""
+    """K / V TMA atoms and their global views (None on the gather path); ``kv8_pass``: the fp8
+    cache's atoms and views and the pass's state and plan (``prefill_sm90_kv8_pass``)."""
 
     tma_k: Any
     tK: Any
     tma_v: Any
     tV: Any
+    p8: Any = None
 
 
 class Stages(NamedTuple):
@@ -186,6 +192,8 @@ class Stages(NamedTuple):
     sV8: Any = None
     pipe_k8: Any = None
     pipe_v8: Any = None
+    pass_bars: Any = None
+    pass_claim: Any = None
 
 
 class WgThread(NamedTuple):
@@ -197,7 +205,7 @@ class WgThread(NamedTuple):
     bar_wg: Any
 
 
-class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks, PrefillRowIO):
+class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftmax, PrefillHooks, PrefillRowIO):
     """The kernel: configuration, host launch, the CTA's roles and the consumers' block loop and
     epilogue; the producer, the online softmax and the variant hooks are its mixins
     (``prefill_sm90_producer`` / ``_softmax`` / ``_hooks``)."""
@@ -230,6 +238,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
         self.kv8 = cfg.kv_dtype
         kv8_ok = not self.gather and head_dim == head_dim_vo and head_dim in KV8_HEAD_DIMS
         assert self.kv8 is None or kv8_ok, "kv_dtype: K / V by TMA (ragged, page boxes), one head dim in KV8_HEAD_DIMS"
+        self.kv8_pass = bool(cfg.kv8_pass)
         # paged TMA: producer warps that issue a block's boxes (box b by warp b % box_warps)
         self.box_warps = cfg.box_warps or BOX_WARPS
         self.causal = cfg.causal
@@ -264,7 +273,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
             # hd256 consumers need all 240 (at 232 ptxas serializes the wgmmas)
             self.producer_regs, self.mma_regs = 32, 232
         if self.kv8 is not None and self.num_mma_wg == 2:  # the widening's chunks; hd128 consumers fit 232
-            self.producer_regs, self.mma_regs = 32, 232
+            self.producer_regs, self.mma_regs = 40 if self.kv8_pass else 32, 232
         if cfg.producer_regs and self.num_mma_wg == 2:  # knob: 3 warpgroups share 504 registers per lane
             self.producer_regs, self.mma_regs = cfg.producer_regs, (504 - cfg.producer_regs) // 2 // 8 * 8
         # ping-pong between the two consumer WGs pays off while O is small; with head_dim 256 the
@@ -280,25 +289,16 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
         # hd256 only half of O's columns fit next to Q and the K/V stages: it is staged in two
         # passes of o_cols columns.
         self.o_cols = head_dim_vo if head_dim_vo <= 128 else head_dim_vo // 2
-        can = plain and self.pingpong and self._smem_bytes(2) <= SMEM_MAX
+        can = plain and self.pingpong and smem_bytes(self, 2) <= SMEM_MAX
         assert can or not self.overlap, "overlap_items: needs two ping-pong consumers, no variant, smem for 2 Q tiles"
+        assert not self.kv8_pass or (self.kv8 is not None and not paged and self.overlap and self.tile_n == 128), (
+            "kv8_pass"
+        )
         # P pinned (``_store_p``) where S's registers are needed back early: the step across items,
         # the hd256 plain kernels (``PINNED``) and the hd128 masked-variant path (without it ptxas
         # serializes the CustomMask specs' wgmmas)
         pin = (plain and (head_dim, self.gather) in PINNED) or (self.mask_all and head_dim == 128)
         self.pin_p = (pin if cfg.pin_p < 0 else bool(cfg.pin_p)) or self.overlap
-
-    def _smem_bytes(self, q_bufs: int) -> int:
-        """Shared memory of the tiles (``host``'s ``Smem``, alignment padding included)."""
-        w = self.dtype.width // 8
-        tiles = (
-            q_bufs * self.tile_q * self.head_dim,
-            self.stages * self.tile_n * self.head_dim,
-            self.stages * self.tile_n * self.head_dim_vo,
-            self.tile_q * self.o_cols,
-        )
-        rows = 2 * self.tile_n * ROW_RING * 8 if self.gather else 8
-        return sum(-(-t * w // 1024) * 1024 for t in tiles) + 1024 + rows + 32 * self.stages
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
@@ -387,10 +387,13 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
                 k3 = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2]))
                 v3 = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2]))
                 box_k, box_v = cute.select(sK_layout, mode=[0, 1]), cute.select(sV_layout, mode=[0, 1])
-                if const_expr(self.kv8 is not None):  # fp8 boxes into the stages' upper halves
+                if const_expr(self.kv8 is not None and not self.kv8_pass):  # fp8 boxes into staging tiles
                     box_k = box_v = s8_layout
                 tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k3, box_k, (TN, D))
                 tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v3, box_v, (TN, DV))
+        p8 = ()  # kv8_pass: the fp8 cache, the pass's state and plan (ahead of the variant's tensors)
+        if const_expr(self.kv8_pass):
+            p8, var_tensors = self._pass_tma(var_tensors, s8_layout), var_tensors[4:]
 
         @cute.struct
         class Smem:
@@ -427,6 +430,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
             tK,
             tma_v,
             tV,
+            p8,
             var_tensors,
             group,
             scale_log2,
@@ -443,19 +447,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
             mma_pv,
             Smem,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
-
-    def _page_box_tma(self, mX, sX_layout, D, dt=None):
-        """The TMA atom and global view of paged K or V (rows of D) read in boxes of (page_box,
-        D): the cache viewed as (page_size, D, kv_heads, pages), each box written into a row
-        slice of the stage tile (``dt``: its element type, the kernel's dtype by default)."""
-        PB, dt = self.page_box, dt or self.dtype
-        x4 = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[1, 3, 2, 0]))
-        stage0 = cute.make_tensor(cute.make_ptr(dt, 0, cute.AddressSpace.smem, assumed_align=1024), sX_layout.outer)[
-            None, None, 0
-        ]
-        sub = cute.select(cute.local_tile(stage0, (PB, D), (0, 0)).layout, mode=[0, 1])
-        box = cute.make_composed_layout(sX_layout.inner, 0, sub)
-        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), x4, box, (PB, D))
 
     # ---- device side --------------------------------------------------------------------
     @cute.kernel
@@ -476,6 +467,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
         tK: Optional[cute.Tensor],
         tma_v: Optional[cute.CopyAtom],
         tV: Optional[cute.Tensor],
+        p8: tuple,
         var_tensors: tuple,
         group: Int32,
         scale_log2: Float32,
@@ -554,7 +546,9 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
                 defer_sync=True,
             )
         kv8 = None
-        if const_expr(self.kv8 is not None):  # an fp8 cache widened by the producer
+        if const_expr(self.kv8_pass):  # an fp8 cache dequantized by the producer's warps 1-3
+            kv8 = self._pass_smem(smem, st.sO, s8_layout, tidx)
+        elif const_expr(self.kv8 is not None):  # an fp8 cache widened by the producer
             mk_pipe, kv8 = self._kv8_pipelines(smem, st.sO, s8_layout, mma_threads)
         pipe_k = mk_pipe(st.mbar_k.data_ptr())
         pipe_v = mk_pipe(st.mbar_v.data_ptr(), self.head_dim_vo)
@@ -567,7 +561,12 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
             sm = Stages(sQ, sK, sV, sO, sRows, pipe_k, pipe_v, *kv8)
         if tidx < WG:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if const_expr(self.kv8 is not None):
+            if const_expr(self.kv8_pass):
+                if warp_idx == 0:
+                    self._produce(gm, Tma(tma_k, tK, tma_v, tV, p8), sm, cta, tidx, warp_idx, tc)
+                else:
+                    self._pass_helpers(gm, p8, sm, tidx)
+            elif const_expr(self.kv8 is not None):
                 self._produce_kv8(gm, Tma(tma_k, tK, tma_v, tV), sm, cta, warp_idx, tc)
             else:
                 self._produce(gm, Tma(tma_k, tK, tma_v, tV), sm, cta, tidx, warp_idx, tc)
@@ -888,8 +887,8 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillSoftmax, PrefillHooks
 def build_batch_prefill_sm90(spec):
     """The jit entry for a ``batch_prefill_sm90`` spec: the variant (if any) is re-created from
     the spec's ``variant`` text and must still have the spec's fingerprint."""
-    from ..families.prefill import prefill_abi_fixed
+    from ..families.prefill import prefill_abi_fixed, prefill_extra_abi
     from ..variants.base import abi_args
 
-    cfg = PrefillConfig.from_spec(spec.pdict)
-    return make_entry(BatchPrefillSm90(cfg), prefill_abi_fixed(spec.pdict), abi_args(cfg.variant))
+    cfg, p = PrefillConfig.from_spec(spec.pdict), spec.pdict
+    return make_entry(BatchPrefillSm90(cfg), prefill_abi_fixed(p), prefill_extra_abi(p) + abi_args(cfg.variant))

@@ -155,7 +155,7 @@ class PrefillKv8:
     @cute.jit
     def _produce_kv8(self, gm, tma, sm, cta, warp_idx, tc):
         """Warps 0-1 stream K, warps 2-3 V (``_stream_kv8``)."""
-        tma_k, tK, tma_v, tV = tma
+        tma_k, tK, tma_v, tV = tma[:4]
         if warp_idx < KV8_WARPS:
             self._stream_kv8(gm, tma_k, tK, sm.sK, sm.sK8, sm.pipe_k, sm.pipe_k8, cta, warp_idx, tc)
         else:

@@ -24,15 +24,28 @@ from cutlass.cute.nvgpu import cpasync
 from .copy import cp_async_16
 from .fragments import WG
 from .pages import in_cache
+from .prefill_sm90_tiles import ROW_RING
 from .work import ItemInfo
 
 BAR_PRODUCER = 5  # the gather producer's named barrier (see prefill_sm90's named barriers)
-ROW_RING = 3  # blocks of page lookups staged in smem by the gather producer (see _produce)
 BOX_WARPS = 4  # paged TMA: producer warps issuing the boxes of a block (see _produce)
 
 
 class PrefillProducer:
     """K/V loads of the prefill kernel (see the module docstring)."""
+
+    def _page_box_tma(self, mX, sX_layout, D, dt=None):
+        """The TMA atom and global view of paged K or V (rows of D) read in boxes of (page_box,
+        D): the cache viewed as (page_size, D, kv_heads, pages), each box written into a row
+        slice of the stage tile (``dt``: its element type, the kernel's dtype by default)."""
+        PB, dt = self.page_box, dt or self.dtype
+        x4 = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[1, 3, 2, 0]))
+        stage0 = cute.make_tensor(cute.make_ptr(dt, 0, cute.AddressSpace.smem, assumed_align=1024), sX_layout.outer)[
+            None, None, 0
+        ]
+        sub = cute.select(cute.local_tile(stage0, (PB, D), (0, 0)).layout, mode=[0, 1])
+        box = cute.make_composed_layout(sX_layout.inner, 0, sub)
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), x4, box, (PB, D))
 
     @cute.jit
     def _produce(self, gm, tma, sm, cta, tidx, warp_idx, tc):
@@ -40,7 +53,7 @@ class PrefillProducer:
         tensors, ``tma``: its TMA atoms, ``sm``: shared memory and pipelines, ``tc``: the
         launch's values)."""
         mK, mKvIndptr, mKvIndices, mWork, mWorkIndptr = gm.mK, gm.mKvIndptr, gm.mKvIndices, gm.mWork, gm.mWorkIndptr
-        tma_k, tK, tma_v, tV = tma
+        tma_k, tK, tma_v, tV = tma[:4]
         sK, sV, sRows, pipe_k, pipe_v = sm.sK, sm.sV, sm.sRows, sm.pipe_k, sm.pipe_v
         group = tc.group
         TN, D, DV = self.tile_n, self.head_dim, self.head_dim_vo
@@ -115,6 +128,9 @@ class PrefillProducer:
                     # while PV of this one still reads its V stage
                     for j in cutlass.range(n_blocks - first + 1, unroll=1):
                         if j < n_blocks - first:
+                            if const_expr(self.kv8_pass):  # the block's keys dequantized (prefill_sm90_kv8_pass)
+                                lo = kv_start + (n_blocks - 1 - j) * TN
+                                self._wait_block(gm, tma.p8, req, kv_head, lo, cutlass.min(lo + TN, kv_end))
                             pipe_k.producer_acquire(k_state)
                             cute.copy(
                                 tma_k,

@@ -3,6 +3,7 @@ K / V stages, where items run back to back or P is pinned, and the
 registers each warpgroup gets -- what fits 227 KB of shared memory and keeps ptxas's wgmmas
 asynchronous, chosen by measurement on the H200 (the figures beside each table)."""
 
+ROW_RING = 3  # blocks of page lookups the gather producer stages in smem (prefill_sm90_producer)
 SMEM_MAX = 232448  # bytes of shared memory per block on sm_90
 
 # (tile_n, stages) per (head dim, cp.async gather): what fits 227 KB of shared memory next to the Q
@@ -42,3 +43,17 @@ PINNED = {(256, False)}
 # registers (168 each at launch); the TMA producer needs few, the cp.async gather more.  With one
 # consumer warpgroup the pool is ample.
 REGS = {(2, False): (24, 240), (2, True): (56, 224), (1, False): (56, 256), (1, True): (56, 256)}
+
+
+def smem_bytes(k, q_bufs: int) -> int:
+    """Shared memory of a prefill kernel ``k``'s tiles (its ``host``'s ``Smem``, alignment padding
+    included) with ``q_bufs`` Q buffers."""
+    w = k.dtype.width // 8
+    tiles = (
+        q_bufs * k.tile_q * k.head_dim,
+        k.stages * k.tile_n * k.head_dim,
+        k.stages * k.tile_n * k.head_dim_vo,
+        k.tile_q * k.o_cols,
+    )
+    rows = 2 * k.tile_n * ROW_RING * 8 if k.gather else 8
+    return sum(-(-t * w // 1024) * 1024 for t in tiles) + 1024 + rows + 32 * k.stages

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from ..abi import dtypes
+from ..families import backends
 from ..families.backends import kv8_widening_pays
-from ..families.prefill import kv8_serves, page_box_for
+from ..families.prefill import KV8_PASS_BLOCK, kv8_pass_plan, kv8_pass_serves, kv8_serves, page_box_for
 from ..sched import WorkspaceLayout
 from . import common
 
@@ -123,6 +124,30 @@ def widens(w, launch, kv_pass, dims, variant, page_size: int, batch, tile: int, 
     if w._use_cuda_graph and w._fixed is not None and w._fixed["kv8"] != ok:
         raise ValueError("use_cuda_graph=True: plan() changed kv_pass since the first plan (a captured run() bakes it)")
     return ok
+
+
+def pass_in_kernel(w, launch, tile: int, dims, variant) -> bool:
+    """Whether the prefill kernel runs this plan's fp8 pass itself (``kernels/prefill_sm90_kv8_pass.py``:
+    ragged, plain 128-row kernels at head dim 128, not in CUDA-graph mode), by
+    ``families.backends.KV8_PASS_IN_KERNEL``."""
+    plain = variant is None and not launch["soft_cap"] and not launch["window"]
+    d, dv = dims
+    return (
+        backends.KV8_PASS_IN_KERNEL
+        and not w._PAGED
+        and not w._use_cuda_graph
+        and plain
+        and launch["kv_dtype"] is not None
+        and kv8_pass_serves(launch["dtype"], launch["kv_dtype"], d, dv, tile)
+    )
+
+
+def pass_plan(w, kv_lens, hk: int) -> tuple:
+    """(state, plan) of the pass inside the kernel on the device: the zeroed-per-run counter and
+    flags, and the task list (``families.prefill.kv8_pass_plan``)."""
+    plan, n_flags = kv8_pass_plan(kv_lens, hk, KV8_PASS_BLOCK)
+    state = torch.zeros(4 + n_flags, dtype=torch.int32, device=w._device)
+    return state, w._to_device(plan, None, "kv8 pass plan")
 
 
 def gather_region(w, want, fp8: bool, lim, num_ctas: int, kv_tokens: int, row: int, pays) -> Optional[Gather]:

@@ -58,3 +58,47 @@ def device_mask(packed, indptr, qo_len, kv_lens, device) -> CustomMask:
         qo_indptr=torch.from_numpy(qo_h).to(device, non_blocking=True),
         kv_bounds=mask_kv_bounds(words.view(torch.uint8)[: packed.numel()], indptr, qo_len, kv_lens),
     )
+
+
+def plan_custom_mask(w, custom_mask, packed, qo_len, kv_lens) -> CustomMask:
+    """A prefill wrapper ``w``'s plan's ``CustomMask`` (FlashInfer's layout).  With ``use_cuda_graph``
+    the offsets go into the constructor's ``mask_indptr_buf`` and the bits into an int32
+    twin of ``custom_mask_buf`` (the kernels read words; the uint8 buffer only sizes it): a
+    captured run() reads them there."""
+    packed, indptr = packed_mask(custom_mask, packed, qo_len, kv_lens)
+    if not w._use_cuda_graph:
+        return device_mask(packed, indptr, qo_len, kv_lens, w._device)
+    indptr_t = torch.from_numpy(indptr.astype(np.int32))
+    qo_h = np.concatenate([[0], np.cumsum(qo_len)]).astype(np.int32)
+    mbuf, ibuf = w._mask_buf, w._mask_indptr_buf
+    if mbuf is None or ibuf is None:
+        raise ValueError(
+            "use_cuda_graph=True with a custom mask needs custom_mask_buf (uint8) and "
+            "mask_indptr_buf (int32) in the constructor, as in FlashInfer"
+        )
+    if packed.numel() > mbuf.numel() or indptr_t.numel() > ibuf.numel():
+        raise ValueError(
+            f"the packed mask ({packed.numel()} bytes, {indptr_t.numel()} offsets) exceeds "
+            f"custom_mask_buf / mask_indptr_buf ({mbuf.numel()} / {ibuf.numel()})"
+        )
+    if w._mask_words_buf is None:  # the kernel reads words: a fixed int32 twin
+        w._mask_words_buf = torch.zeros(mbuf.numel() // 4 + 1, dtype=torch.int32, device=w._device)
+    if w._mask_bounds_buf is None:  # the first plan fixes the query tokens
+        w._mask_bounds_buf = torch.zeros((max(int(qo_h[-1]), 1), 2), dtype=torch.int32, device=w._device)
+        w._mask_qo_buf = torch.zeros(w._qo_indptr_buf.numel(), dtype=torch.int32, device=w._device)
+    if qo_h[-1] > w._mask_bounds_buf.shape[0] or qo_h.size > w._mask_qo_buf.numel():
+        raise ValueError(
+            f"use_cuda_graph=True: {int(qo_h[-1])} query tokens / batch {qo_h.size - 1} exceed "
+            f"the first plan's {w._mask_bounds_buf.shape[0]} / {w._mask_qo_buf.numel() - 1}"
+        )
+    ibuf[: indptr_t.numel()].copy_(indptr_t, non_blocking=True)
+    w._mask_qo_buf[: qo_h.size].copy_(torch.from_numpy(qo_h), non_blocking=True)
+    words = CustomMask.words(packed, w._mask_words_buf)
+    return CustomMask(
+        packed_custom_mask=words,
+        mask_indptr=ibuf,
+        qo_indptr=w._mask_qo_buf,
+        kv_bounds=mask_kv_bounds(
+            words.view(torch.uint8)[: packed.numel()], indptr, qo_len, kv_lens, out=w._mask_bounds_buf
+        ),
+    )

@@ -92,6 +92,7 @@ class PrefillPlanState:
     kv_dtype: Any = None  # the cache's torch dtype (the q dtype, or fp8: the KV pass dequantizes it)
     head_dim_vo: int = 0  # V's and the output's head dim (head_dim unless plan(head_dim_vo=...) differs)
     fp8: Any = None  # fp8 attention (fp8 queries): wrappers/prefill_fp8.Fp8Plan, else None
+    kv8_pass: Optional[tuple] = None  # (state, plan) of the pass inside the kernel (kv_gather.pass_plan)
 
     @property
     def page_size(self) -> int:

@@ -50,9 +50,8 @@ from ..sched import Planner, WorkspaceLayout
 from ..sched.cost import choose_cta_tile_q
 from ..variants import base as vbase
 from ..variants.binding import VariantBinding
-from ..variants.builtins import CustomMask, mask_kv_bounds
 from . import common, compat, guards, kv_gather, prefill_fp8, scales
-from .masks import device_mask, packed_mask
+from .masks import plan_custom_mask
 from .options import check_options, resolve_variant
 from .plans import PrefillInputs, PrefillPlanState
 from .prefill_engine import PrefillEngineAPI
@@ -232,7 +231,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         batch = int(qo_len.shape[0])
         mask_v = None
         if custom_mask is not None or packed_custom_mask is not None:
-            mask_v = self._custom_mask(custom_mask, packed_custom_mask, qo_len, kv_lens)
+            mask_v = plan_custom_mask(self, custom_mask, packed_custom_mask, qo_len, kv_lens)
         causal, cap_flag, _, var = resolve_variant(
             causal=causal,
             window_left=window_left,
@@ -360,10 +359,17 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             gather = kv_gather.gather_region(
                 self, want, fp8, lim, num_ctas, int(kv_lens.sum()), hk * d * q_dtype.itemsize, pays
             )
+        # the fp8 pass inside the kernel where it serves the plan (kv_gather.pass_in_kernel)
+        inline = gather is not None and kv_gather.pass_in_kernel(self, launch, tile, (d, dv), var)
+        if inline:
+            try:
+                k = self._kernels(arch, backend, num_sms, launch, tile, d, var, page_size, gather, inline=True)
+            except KernelNotAvailable:  # a cache built without it: the standalone pass
+                inline = False
         # modules first (loaded here, outside any capture): a missing one must fail before the
         # new plan overwrites the workspace that the previous plan's state still describes
         try:
-            if not kv8:
+            if not kv8 and not inline:
                 k = self._kernels(arch, backend, num_sms, launch, tile, d, var, page_size, gather)
         except KernelNotAvailable:
             if gather is None or kv_pass or launch["kv_dtype"] is not None:
@@ -418,6 +424,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             pass_grid=pass_grid,
             gather=gather,
             kv_lens=kv_lens,
+            kv8_pass=kv_gather.pass_plan(self, kv_lens, hk) if inline else None,
             kv_dtype=kv_dtype or q_dtype,
             options=dict(
                 pos_encoding_mode=pos_encoding_mode,
@@ -430,11 +437,11 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             logits_soft_cap=float(logits_soft_cap or 0.0),
         )
 
-    def _kernels(self, arch, backend, num_sms, launch, tile, d, var, page_size, gather, kv8=False):
+    def _kernels(self, arch, backend, num_sms, launch, tile, d, var, page_size, gather, kv8=False, inline=False):
         """Load the plan's modules: (the kernel's spec params (``paged``: it reads a paged cache
         itself), the KV pass's variant, the pass module or None, the pass's grid, the attention
         module); sets ``launch["page_box"]``.  ``kv8``: the kernel reads (and widens) the fp8 cache
-        itself, no pass."""
+        itself, no pass; ``inline``: the kernel runs the pass itself (``kv8_pass``)."""
         paged = self._PAGED and gather is None  # the kernel reads the cache itself
         portable = backend.family == BATCH_PREFILL_MMA.name  # every page size; keys rotated in-kernel
         launch["page_box"] = 0 if portable else page_box_for(paged, int(page_size))
@@ -451,14 +458,18 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             spec_kw["head_dim_vo"] = launch["head_dim_vo"]
         if launch["page_box"]:
             spec_kw["page_box"] = launch["page_box"]
-        if kv8:
+        if kv8 or inline:
             spec_kw["kv_dtype"] = launch["kv_dtype"]
+        if inline:
+            spec_kw["kv8_pass"] = 1
         pretransformed = keys_pretransformed(paged, var) and not portable
         if pretransformed:
             spec_kw["keys_transformed"] = True
         pass_var = var if pretransformed else None  # the pass's variant: K's transform
         gathers = self._PAGED and gather is not None  # the pass reads the page table
-        pass_spec = kv_pass_spec(arch, launch["dtype"], d, gathers, pass_var, None if kv8 else launch["kv_dtype"])
+        pass_spec = None
+        if not inline:
+            pass_spec = kv_pass_spec(arch, launch["dtype"], d, gathers, pass_var, None if kv8 else launch["kv_dtype"])
         pass_module, pass_grid = None, 0
         if pass_spec is not None:
             kv_backend = backend_for("kv_pass", arch)
@@ -466,49 +477,6 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             pass_grid = num_sms * kv_backend.ctas_for(d)
         attn = kernel(backend.family, arch, **spec_kw, **_variant_kw(var))
         return spec_kw, pass_var, pass_module, pass_grid, attn
-
-    def _custom_mask(self, custom_mask, packed, qo_len, kv_lens) -> CustomMask:
-        """The plan's ``CustomMask`` (``masks``: FlashInfer's layout).  With ``use_cuda_graph``
-        the offsets go into the constructor's ``mask_indptr_buf`` and the bits into an int32
-        twin of ``custom_mask_buf`` (the kernels read words; the uint8 buffer only sizes it): a
-        captured run() reads them there."""
-        packed, indptr = packed_mask(custom_mask, packed, qo_len, kv_lens)
-        if not self._use_cuda_graph:
-            return device_mask(packed, indptr, qo_len, kv_lens, self._device)
-        indptr_t = torch.from_numpy(indptr.astype(np.int32))
-        qo_h = np.concatenate([[0], np.cumsum(qo_len)]).astype(np.int32)
-        mbuf, ibuf = self._mask_buf, self._mask_indptr_buf
-        if mbuf is None or ibuf is None:
-            raise ValueError(
-                "use_cuda_graph=True with a custom mask needs custom_mask_buf (uint8) and "
-                "mask_indptr_buf (int32) in the constructor, as in FlashInfer"
-            )
-        if packed.numel() > mbuf.numel() or indptr_t.numel() > ibuf.numel():
-            raise ValueError(
-                f"the packed mask ({packed.numel()} bytes, {indptr_t.numel()} offsets) exceeds "
-                f"custom_mask_buf / mask_indptr_buf ({mbuf.numel()} / {ibuf.numel()})"
-            )
-        if self._mask_words_buf is None:  # the kernel reads words: a fixed int32 twin
-            self._mask_words_buf = torch.zeros(mbuf.numel() // 4 + 1, dtype=torch.int32, device=self._device)
-        if self._mask_bounds_buf is None:  # the first plan fixes the query tokens
-            self._mask_bounds_buf = torch.zeros((max(int(qo_h[-1]), 1), 2), dtype=torch.int32, device=self._device)
-            self._mask_qo_buf = torch.zeros(self._qo_indptr_buf.numel(), dtype=torch.int32, device=self._device)
-        if qo_h[-1] > self._mask_bounds_buf.shape[0] or qo_h.size > self._mask_qo_buf.numel():
-            raise ValueError(
-                f"use_cuda_graph=True: {int(qo_h[-1])} query tokens / batch {qo_h.size - 1} exceed "
-                f"the first plan's {self._mask_bounds_buf.shape[0]} / {self._mask_qo_buf.numel() - 1}"
-            )
-        ibuf[: indptr_t.numel()].copy_(indptr_t, non_blocking=True)
-        self._mask_qo_buf[: qo_h.size].copy_(torch.from_numpy(qo_h), non_blocking=True)
-        words = CustomMask.words(packed, self._mask_words_buf)
-        return CustomMask(
-            packed_custom_mask=words,
-            mask_indptr=ibuf,
-            qo_indptr=self._mask_qo_buf,
-            kv_bounds=mask_kv_bounds(
-                words.view(torch.uint8)[: packed.numel()], indptr, qo_len, kv_lens, out=self._mask_bounds_buf
-            ),
-        )
 
     def _choose_limits(self, batch, total_q, hq, hk, d, num_ctas):
         """The planner limits for this plan and the bytes the workspace must grow to (0: it
@@ -647,6 +615,10 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             return
         if st.pass_binding is not None:  # the KV pass: gather / dequantize the cache, and / or transform K
             k4, v4, kv_indptr, kv_indices = kv_gather.run_pass(st, self._PAGED, k4, v4, kv_indptr, kv_indices, args)
+        extra = ()
+        if st.kv8_pass is not None:  # the kernel dequantizes the fp8 cache into the gather region itself
+            st.kv8_pass[0].zero_()
+            extra, (k4, v4) = (k4, v4) + st.kv8_pass, st.gathered
         vw = self._views
         module(
             sc.query(q),
@@ -665,6 +637,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             ov.get("soft_cap", st.soft_cap),
             ov.get("window_left", st.window_left),
             st.num_ctas,
+            *extra,
             *vvals,
         )
         if self._use_cuda_graph or st.plan.has_split:

@@ -1,0 +1,225 @@
+"""The KV pass inside the Hopper prefill kernel (spec ``kv8_pass``): an fp8 ragged cache is
+dequantized once per key, as by the standalone pass (``kv_pass.py``), but by the kernel's own
+producer warps while its consumers already compute, instead of before the kernel starts.
+
+Why: a long prefill is compute-bound, so the standalone pass's ~70 us of memory traffic (2 x 8k
+x 16 heads, hd128: 67 MB read, 134 MB written) is pure added time (1.06-1.09x the bf16
+kernel), and widening inside the pipeline (``prefill_sm90_kv8.py``) repeats the conversion for
+every query tile that reads a block (1.3x).  Here each (key block, kv head) is converted once,
+by whichever CTA claims it, into the 16-bit copy in the workspace that the unchanged TMA
+producer then reads.
+
+Roles in the producer warpgroup:
+- warp 0 streams the 16-bit K / V blocks by TMA as for a ragged cache, but first waits until
+  the block's task is done (its flag, ``ld.acquire.gpu``; then ``fence.proxy.async.global``,
+  as the TMA reads through the async proxy what generic stores wrote);
+- warps 1-3 (the helpers) claim tasks from a global counter (``atom.add``) in the plan's order
+  (last blocks first: the order in which the consumers, who walk blocks from last to first,
+  need them), load the task's fp8 K and V boxes by TMA into the staging tiles (the output
+  staging tile's memory: O goes out through the item's Q buffer, as with the widening), convert
+  them (``cvt``, exactly as the pass: NaN kept) and store 16-bit rows to global memory, then
+  fence and publish the flag (``st.release.gpu``).
+
+No deadlock whatever the residency: a flag waited for belongs to a task that is either claimed
+-- by a running CTA whose helpers never wait on anything but their own loads -- or not yet
+claimed, and then the waiting CTA's own helpers will claim it (they keep claiming until the
+counter passes the last task).
+
+Workspace (``families/prefill.py``, ``kv8_pass_plan``): ``mPassState`` (int32, zeroed before
+every launch) holds the claim counter at 0 and one flag per (block, kv head) from
+``PASS_FLAGS``; ``mPassPlan`` (int32, written by plan()): ``[n_tasks, task_offset,
+blk_off[batch + 1]...]`` then tasks of ``(req, block, kv head)``; the flag of block b of
+request r, head h is ``(blk_off[r] + b) * kv_heads + h``.  Blocks are ``tile_n`` keys from the
+request's first key; a work item whose range starts off a block boundary (a split at a tile
+end) waits for both blocks its block overlaps.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .fp8 import f16x2_to_bf16x2, fp8_kind, fp8x4_to_f16x4
+from .prefill_sm90_kv8 import ld_shared_v4
+
+HELPER_WARPS = 3  # producer warps 1-3 (warp 0 streams the 16-bit blocks)
+BAR_HELPERS = 6  # the helpers' named barrier (prefill_sm90's barriers: 1-5)
+PASS_FLAGS = 4  # mPassState: the claim counter at 0, flags from here
+PLAN_FIELDS = 3  # a task: request, block, kv head
+
+
+def _asm(ret, args, text, cons):
+    return llvm.inline_asm(
+        ret, args, text, cons, has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT
+    )
+
+
+@dsl_user_op
+def ld_acquire_gpu(addr, *, loc=None, ip=None) -> Int32:
+    """The int32 at global byte address ``addr``, loaded with acquire semantics at GPU scope."""
+    return Int32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l"))
+
+
+@dsl_user_op
+def st_release_gpu(addr, value, *, loc=None, ip=None) -> None:
+    """Store ``value`` (int32) at global byte address ``addr`` with release semantics (GPU scope)."""
+    args = [Int64(addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)]
+    _asm(None, args, "st.release.gpu.global.b32 [$0], $1;", "l,r")
+
+
+@dsl_user_op
+def atom_add_gpu(addr, value, *, loc=None, ip=None) -> Int32:
+    """``atom.add`` (relaxed, GPU scope) on the int32 at global byte address ``addr``: the old value."""
+    args = [Int64(addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)]
+    return Int32(_asm(T.i32(), args, "atom.relaxed.gpu.global.add.s32 $0, [$1], $2;", "=r,l,r"))
+
+
+@dsl_user_op
+def fence_global_writes(*, loc=None, ip=None) -> None:
+    """This thread's global stores before what follows, for other CTAs and for the async proxy
+    (the TMA loads of the block): ``fence.acq_rel.gpu`` + ``fence.proxy.async.global``."""
+    _asm(None, [], "fence.acq_rel.gpu; fence.proxy.async.global;", "")
+
+
+@dsl_user_op
+def fence_proxy_async_global(*, loc=None, ip=None) -> None:
+    """Generic-proxy writes seen (by an acquire) before the async proxy's reads that follow."""
+    _asm(None, [], "fence.proxy.async.global;", "")
+
+
+@dsl_user_op
+def st_global_v4(addr, words, *, loc=None, ip=None) -> None:
+    """Four Int32 as 16 bytes at global byte address ``addr`` (16-byte aligned)."""
+    args = [Int64(addr).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip) for w in words]
+    _asm(None, args, "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r")
+
+
+class PrefillKv8Pass:
+    """The helpers and the block wait of ``BatchPrefillSm90`` with ``kv8_pass`` (module doc)."""
+
+    def _pass_tma(self, var_tensors, s8_layout):
+        """Host side: (TMA atom and view of the fp8 K, the same of V, mPassState, mPassPlan)
+        from the first four of the kernel's extra tensors (mK8, mV8, mPassState, mPassPlan)."""
+        mK8, mV8, mState, mPlan = var_tensors[:4]
+        out = []
+        for m in (mK8, mV8):
+            x3 = cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 2]))  # (tokens, D, heads)
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            out += list(cpasync.make_tiled_tma_atom(g2s, x3, s8_layout, (self.tile_n, self.head_dim)))
+        return tuple(out) + (mState, mPlan)
+
+    @cute.jit
+    def _pass_smem(self, smem, sO_range, s8_layout, tidx):
+        """``Stages``' fp8 fields: the K and V staging tiles (one each, in the output staging
+        tile's memory), no pipelines, the helpers' two load barriers and their claim slot."""
+        TN, D = self.tile_n, self.head_dim
+
+        @cute.struct
+        class PassSmem:
+            bars: cute.struct.MemRange[cutlass.Int64, 2]
+            claim: cute.struct.MemRange[cutlass.Int32, 4]
+
+        st = smem.allocate(PassSmem)
+        bars = st.bars.data_ptr()
+        if tidx == 0:  # fenced and synced by the kernel's pipeline_init_arrive / _wait
+            cute.arch.mbarrier_init(bars, 1)
+            cute.arch.mbarrier_init(bars + 1, 1)
+        assert self.tile_q * self.o_cols * (self.dtype.width // 8) >= 2 * TN * D, "sO holds both fp8 tiles"
+        ptr = cute.recast_ptr(sO_range.data_ptr(), s8_layout.inner, dtype=self.kv8)
+        staged = cute.append(s8_layout.outer, cute.make_layout(1, stride=TN * D))
+        views = (cute.make_tensor(ptr, staged), cute.make_tensor(ptr + TN * D, staged))
+        return views + (None, None, (bars, bars + 1), st.claim.get_tensor(cute.make_layout(4)))
+
+    @cute.jit
+    def _wait_block(self, gm, p8, req, kv_head, lo, hi):
+        """Warp 0: spin until the tasks of the request's keys [lo, hi) (at most two blocks) are
+        published, then order the async proxy's reads after them."""
+        mState, mPlan = p8[4], p8[5]
+        TN = self.tile_n
+        base = (mPlan[2 + req] + lo // TN) * gm.mK.shape[2] + kv_head
+        flags = mState.iterator.toint() + PASS_FLAGS * 4
+        for b in cutlass.range((hi - 1) // TN - lo // TN + 1, unroll=1):
+            addr = flags + Int64(base + b * gm.mK.shape[2]) * 4
+            while ld_acquire_gpu(addr) == 0:
+                pass
+        fence_proxy_async_global()
+
+    @cute.jit
+    def _pass_helpers(self, gm, p8, sm, tidx):
+        """Warps 1-3: claim, load, convert and publish tasks until none is left."""
+        tma_k8, tK8, tma_v8, tV8, mState, mPlan = p8
+        TN, D = self.tile_n, self.head_dim
+        ht = tidx - 32  # 0 .. 95
+        n_tasks, toff = mPlan[0], mPlan[1]
+        counter = mState.iterator.toint()
+        bar_k, bar_v = sm.pass_bars
+        claim = sm.pass_claim
+        if ht == 0:
+            claim[0] = atom_add_gpu(counter, 1)
+        cute.arch.barrier(barrier_id=BAR_HELPERS, number_of_threads=32 * HELPER_WARPS)
+        t = claim[0]
+        phase = Int32(0)
+        while t < n_tasks:
+            req, blk, head = (
+                mPlan[toff + PLAN_FIELDS * t],
+                mPlan[toff + PLAN_FIELDS * t + 1],
+                mPlan[toff + PLAN_FIELDS * t + 2],
+            )
+            row0 = gm.mKvIndptr[req] + blk * TN
+            n_rows = cutlass.min(gm.mKvIndptr[req + 1] - row0, TN)
+            if ht == 0:
+                for x in cutlass.range_constexpr(2):
+                    tma, tX, sX, bar = (tma_k8, tK8, sm.sK8, bar_k) if x == 0 else (tma_v8, tV8, sm.sV8, bar_v)
+                    gX = cute.local_tile(cute.domain_offset((row0, 0), tX[None, None, head]), (TN, D), (None, 0))
+                    ts, tg = cpasync.tma_partition(
+                        tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
+                    )
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, TN * D)
+                    cute.copy(tma, tg[None, 0], ts[None, 0], tma_bar_ptr=bar)
+            cute.arch.mbarrier_wait(bar_k, phase)
+            self._convert_rows(sm.sK8, gm.mK, row0, n_rows, head, ht)
+            cute.arch.mbarrier_wait(bar_v, phase)
+            self._convert_rows(sm.sV8, gm.mV, row0, n_rows, head, ht)
+            phase = phase ^ 1
+            fence_global_writes()
+            cute.arch.barrier(barrier_id=BAR_HELPERS, number_of_threads=32 * HELPER_WARPS)
+            if ht == 0:
+                flag = counter + Int64(PASS_FLAGS + (mPlan[2 + req] + blk) * gm.mK.shape[2] + head) * 4
+                st_release_gpu(flag, 1)
+                claim[0] = atom_add_gpu(counter, 1)
+            cute.arch.barrier(barrier_id=BAR_HELPERS, number_of_threads=32 * HELPER_WARPS)
+            t = claim[0]
+
+    @cute.jit
+    def _convert_rows(self, s8, mX, row0, n_rows, head, ht):
+        """Rows [0, n_rows) of the fp8 staging tile ``s8`` (swizzled 128-byte rows) -> 16-bit rows
+        row0 .. of kv head ``head`` of ``mX``: 16-byte chunk c = ht + 96 k is row c // 8, chunk
+        c % 8 (read at the swizzled position), written as the 32 bytes of its 16 values."""
+        TN, D = self.tile_n, self.head_dim
+        per_row = D // 16
+        src = s8[None, None, 0].iterator.toint()
+        for k in cutlass.range_constexpr((TN * per_row + 32 * HELPER_WARPS - 1) // (32 * HELPER_WARPS)):
+            c = ht + k * 32 * HELPER_WARPS
+            r, q = c // per_row, c % per_row
+            if r < n_rows:
+                words = ld_shared_v4(src + r * 128 + ((q ^ (r % 8)) * 16))
+                dst = mX[0, row0 + r, head, None].iterator.toint() + q * 32
+                out = self._widen16(words)
+                st_global_v4(dst, out[:4])
+                st_global_v4(dst + 16, out[4:])
+
+    def _widen16(self, words):
+        """16 fp8 values (four Int32) -> eight Int32 of the query dtype, as the KV pass converts
+        (``cvt`` to fp16, then bf16 by way of fp32: exact, NaN / Inf kept)."""
+        kind = fp8_kind(self.kv8)
+        out = []
+        for x in words:
+            a, b = fp8x4_to_f16x4(x, kind)
+            if const_expr(self.dtype is cutlass.BFloat16):
+                a, b = f16x2_to_bf16x2(a), f16x2_to_bf16x2(b)
+            out += [a, b]
+        return out
