@@ -171,14 +171,15 @@ class PrefillKv8Pass:
             )
             row0 = gm.mKvIndptr[req] + blk * TN
             n_rows = cutlass.min(gm.mKvIndptr[req + 1] - row0, TN)
-            if ht == 0:
+            if ht < 32:  # warp 1, converged: the TMA copy elects its lane itself (elect.sync, all lanes)
                 for x in cutlass.range_constexpr(2):
                     tma, tX, sX, bar = (tma_k8, tK8, sm.sK8, bar_k) if x == 0 else (tma_v8, tV8, sm.sV8, bar_v)
                     gX = cute.local_tile(cute.domain_offset((row0, 0), tX[None, None, head]), (TN, D), (None, 0))
                     ts, tg = cpasync.tma_partition(
                         tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
                     )
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar, TN * D)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(bar, TN * D)
                     cute.copy(tma, tg[None, 0], ts[None, 0], tma_bar_ptr=bar)
             cute.arch.mbarrier_wait(bar_k, phase)
             self._convert_rows(sm.sK8, gm.mK, row0, n_rows, head, ht)
