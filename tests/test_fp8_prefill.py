@@ -293,7 +293,11 @@ def test_fp8_ragged_pass_in_kernel_matches_pass(monkeypatch, kv, q_dtype, causal
     by ``cvt`` and the consumers are the same code, so output and LSE must be equal bit for
     bit (and match the fp32 reference; run twice: the state is re-zeroed per launch)."""
     seed = int(torch.randint(1 << 30, ()).item())
-    inl = plan_case("ragged", *lens, hq, hk, 128, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed, kv_pass=True)
+    # the workspace all NaN (0xff bytes): a block read past a request's end must meet converted rows
+    nan_ws = torch.full((1 << 30,), 255, dtype=torch.uint8, device=DEV)
+    inl = plan_case("ragged", *lens, hq, hk, 128, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed, kv_pass=True,
+                    workspace=nan_ws)  # fmt: skip
+    assert inl.w._state.gather.in_workspace
     assert inl.w._tile == 128 and inl.w._spec_kw.get("kv8_pass") == 1 and inl.w._state.pass_module is None
     monkeypatch.setattr(backends, "KV8_PASS_IN_KERNEL", False)
     host = plan_case("ragged", *lens, hq, hk, 128, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed, kv_pass=True)

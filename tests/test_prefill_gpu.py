@@ -768,20 +768,19 @@ def _plain(t):
 
 def _emulate_kv8_pass(k4, v4, kv_indptr, k8, v8, state, plan):
     """``kernels/prefill_sm90_kv8_pass.py``'s contract: the state zeroed, every (block of 128
-    keys, kv head) of every request in the plan's tasks exactly once, the requests' last blocks
-    first; then K / V dequantized into the 16-bit copy."""
+    rows of the whole ragged cache, kv head) in the plan's tasks exactly once, one near a
+    request's last row first; then K / V dequantized into the 16-bit copy."""
     assert (state == 0).all() and state.numel() >= 4
     plan, ind = plan.long(), kv_indptr.long()
-    n, toff, hk = int(plan[0]), int(plan[1]), k4.shape[2]
-    nblk = -(-(ind[1:] - ind[:-1]) // 128)
-    assert plan[2:toff].tolist() == [0] + torch.cumsum(nblk, 0).tolist()
-    tasks = plan[toff : toff + 3 * n].view(-1, 3).tolist()
-    want = {(b, j, h) for b in range(nblk.numel()) for j in range(int(nblk[b])) for h in range(hk)}
-    assert len(tasks) == len(want) and {tuple(t) for t in tasks} == want
-    left = [int(nblk[b]) - 1 - j for b, j, _ in tasks]  # blocks from the request's end
-    assert left == sorted(left)
-    assert state.numel() - 4 == len(want)
-    total = int(ind[-1])
+    n, toff, total, hk = int(plan[0]), int(plan[1]), int(plan[2]), k4.shape[2]
+    assert total == int(ind[-1])
+    blocks = -(-total // 128)
+    tasks = plan[toff : toff + 2 * n].view(-1, 2).tolist()
+    want = {(g, h) for g in range(blocks) for h in range(hk)}
+    assert len(tasks) == len(want) and {tuple(t) for t in tasks} == want and state.numel() - 4 == len(want)
+    ends = [int(e) for a, e in zip(ind[:-1].tolist(), ind[1:].tolist()) if e > a]
+    g0 = tasks[0][0] * 128 if tasks else 0  # the first task: rows within a block of a request's last row
+    assert not tasks or any(g0 <= e - 1 < g0 + 256 for e in ends)
     k4[0, :total] = k8[0, :total].to(k4.dtype)
     v4[0, :total] = v8[0, :total].to(v4.dtype)
 

@@ -7,7 +7,11 @@ x 16 heads, hd128: 67 MB read, 134 MB written) is pure added time (1.06-1.09x th
 kernel), and widening inside the pipeline (``prefill_sm90_kv8.py``) repeats the conversion for
 every query tile that reads a block (1.3x).  Here each (key block, kv head) is converted once,
 by whichever CTA claims it, into the 16-bit copy in the workspace that the unchanged TMA
-producer then reads.
+producer then reads.  Tasks are blocks of ``tile_n`` rows of the whole ragged cache (token-major,
+every request's rows one after the other), not of a request: a K / V block the producer loads
+runs past its request's end into the next request's rows (masked, but P V still multiplies
+them by zero, and 0 x NaN is NaN), so those rows must be converted too -- as the standalone
+pass has converted them.
 
 Roles in the producer warpgroup:
 - warp 0 streams the 16-bit K / V blocks by TMA as for a ragged cache, but first waits until
@@ -27,11 +31,10 @@ counter passes the last task).
 
 Workspace (``families/prefill.py``, ``kv8_pass_plan``): ``mPassState`` (int32, zeroed before
 every launch) holds the claim counter at 0 and one flag per (block, kv head) from
-``PASS_FLAGS``; ``mPassPlan`` (int32, written by plan()): ``[n_tasks, task_offset,
-blk_off[batch + 1]...]`` then tasks of ``(req, block, kv head)``; the flag of block b of
-request r, head h is ``(blk_off[r] + b) * kv_heads + h``.  Blocks are ``tile_n`` keys from the
-request's first key; a work item whose range starts off a block boundary (a split at a tile
-end) waits for both blocks its block overlaps.
+``PASS_FLAGS``, block g of head h at ``g * kv_heads + h``; ``mPassPlan`` (int32, written by
+plan()): ``[n_tasks, task_offset, tokens]`` then tasks ``(block, kv head)``.  A K / V block the
+producer loads starts anywhere in the cache (a request's first row, a split point): it waits
+for the (at most two) blocks its rows overlap.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from .prefill_sm90_kv8 import ld_shared_v4
 HELPER_WARPS = 3  # producer warps 1-3 (warp 0 streams the 16-bit blocks)
 BAR_HELPERS = 6  # the helpers' named barrier (prefill_sm90's barriers: 1-5)
 PASS_FLAGS = 4  # mPassState: the claim counter at 0, flags from here
-PLAN_FIELDS = 3  # a task: request, block, kv head
+PLAN_FIELDS = 2  # a task: block of the cache's rows, kv head
 
 
 def _asm(ret, args, text, cons):
@@ -135,14 +138,15 @@ class PrefillKv8Pass:
         return views + (None, None, (bars, bars + 1), st.claim.get_tensor(cute.make_layout(4)))
 
     @cute.jit
-    def _wait_block(self, gm, p8, req, kv_head, lo, hi):
-        """Warp 0: spin until the tasks of the request's keys [lo, hi) (at most two blocks) are
-        published, then order the async proxy's reads after them."""
+    def _wait_block(self, gm, p8, row, kv_head):
+        """Warp 0: spin until the tasks of the cache's rows [row, row + tile_n) that exist (at
+        most two blocks) are published, then order the async proxy's reads after them."""
         mState, mPlan = p8[4], p8[5]
         TN = self.tile_n
-        base = (mPlan[2 + req] + lo // TN) * gm.mK.shape[2] + kv_head
+        hi = cutlass.min(row + TN, mPlan[2])
+        base = (row // TN) * gm.mK.shape[2] + kv_head
         flags = mState.iterator.toint() + PASS_FLAGS * 4
-        for b in cutlass.range((hi - 1) // TN - lo // TN + 1, unroll=1):
+        for b in cutlass.range((hi - 1) // TN - row // TN + 1, unroll=1):
             addr = flags + Int64(base + b * gm.mK.shape[2]) * 4
             while ld_acquire_gpu(addr) == 0:
                 pass
@@ -164,13 +168,9 @@ class PrefillKv8Pass:
         t = claim[0]
         phase = Int32(0)
         while t < n_tasks:
-            req, blk, head = (
-                mPlan[toff + PLAN_FIELDS * t],
-                mPlan[toff + PLAN_FIELDS * t + 1],
-                mPlan[toff + PLAN_FIELDS * t + 2],
-            )
-            row0 = gm.mKvIndptr[req] + blk * TN
-            n_rows = cutlass.min(gm.mKvIndptr[req + 1] - row0, TN)
+            blk, head = mPlan[toff + PLAN_FIELDS * t], mPlan[toff + PLAN_FIELDS * t + 1]
+            row0 = blk * TN
+            n_rows = cutlass.min(mPlan[2] - row0, TN)
             if ht < 32:  # warp 1, converged: the TMA copy elects its lane itself (elect.sync, all lanes)
                 for x in cutlass.range_constexpr(2):
                     tma, tX, sX, bar = (tma_k8, tK8, sm.sK8, bar_k) if x == 0 else (tma_v8, tV8, sm.sV8, bar_v)
@@ -189,7 +189,7 @@ class PrefillKv8Pass:
             fence_global_writes()
             cute.arch.barrier(barrier_id=BAR_HELPERS, number_of_threads=32 * HELPER_WARPS)
             if ht == 0:
-                flag = counter + Int64(PASS_FLAGS + (mPlan[2 + req] + blk) * gm.mK.shape[2] + head) * 4
+                flag = counter + Int64(PASS_FLAGS + blk * gm.mK.shape[2] + head) * 4
                 st_release_gpu(flag, 1)
                 claim[0] = atom_add_gpu(counter, 1)
             cute.arch.barrier(barrier_id=BAR_HELPERS, number_of_threads=32 * HELPER_WARPS)

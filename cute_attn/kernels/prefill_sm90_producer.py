@@ -128,9 +128,8 @@ class PrefillProducer:
                     # while PV of this one still reads its V stage
                     for j in cutlass.range(n_blocks - first + 1, unroll=1):
                         if j < n_blocks - first:
-                            if const_expr(self.kv8_pass):  # the block's keys dequantized (prefill_sm90_kv8_pass)
-                                lo = kv_start + (n_blocks - 1 - j) * TN
-                                self._wait_block(gm, tma.p8, req, kv_head, lo, cutlass.min(lo + TN, kv_end))
+                            if const_expr(self.kv8_pass):  # the block's rows dequantized (prefill_sm90_kv8_pass)
+                                self._wait_block(gm, tma.p8, row0 + (n_blocks - 1 - j) * TN, kv_head)
                             pipe_k.producer_acquire(k_state)
                             cute.copy(
                                 tma_k,
