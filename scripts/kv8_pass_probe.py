@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Where the time of the fp8 pass inside the prefill kernel goes (``kernels/prefill_sm90_kv8_pass.py``),
+on the fp8-KV bench's cases (ragged 2 x 8192, 16 heads, hd128, bf16 queries, e4m3 K / V), by
+what the pass's state holds at launch -- no other kernel:
+
+* ``pass_in_kernel``: zeroed (the real run);
+* ``no_waits``: every flag already set, the counter at 0: the helpers convert everything while
+  the consumers never wait (what the helpers' work costs the consumers);
+* ``idle_helpers``: every flag set and the counter past the last task: nobody converts (the
+  kernel's time without the pass: the flag checks and the wider producer registers);
+* ``demand_order``: zeroed, the tasks in the order the plan's CTAs first need them
+  (``sched.pass_order``) instead of the plan's nearest-the-end order;
+
+beside the bf16 cache and the standalone pass before the kernel, timed in turns
+(``bench.common.interleaved``); each output checked against the standalone pass's first.  The
+workspace copy holds the converted K / V from the first run, so every variant's output is right.
+
+    PYTHONPATH=. CUTE_ATTN_CACHE_DIR=... python scripts/kv8_pass_probe.py [--json f]   # GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+
+def run(json_path=None) -> int:
+    import torch
+
+    from cute_attn.bench import peers
+    from cute_attn.bench.common import interleaved
+    from cute_attn.bench.prefill import DT, B, H, S, _flops, _indptr, _tflops
+    from cute_attn.families import backends
+    from cute_attn.kernels.prefill_sm90_kv8_pass import PASS_FLAGS
+    from cute_attn.sched.pass_order import demand_order
+
+    lib = peers.ours()
+    gen = torch.Generator().manual_seed(2)
+    lens = [S] * B
+    ind = _indptr(lens)
+    fp8 = torch.float8_e4m3fn
+    ws = lambda: torch.empty(512 << 20, dtype=torch.uint8, device="cuda")  # noqa: E731
+    out = {}
+
+    def with_state(call, counter, flags):
+        """``call``'s wrapper launching with this state instead of a zeroed one."""
+        st = call.wrapper._state
+        state, plan = st.kv8_pass
+        n_tasks = int(plan[0].item())
+
+        class Preset(torch.Tensor):
+            def zero_(self):
+                self.fill_(flags)
+                self[0] = n_tasks if counter == "done" else 0
+                return self
+
+        call.wrapper._state = dataclasses.replace(st, kv8_pass=(state.as_subclass(Preset), plan))
+        return call
+
+    for causal in (True, False):
+        q = torch.randn(B * S, H, 128, generator=gen).to(DT).cuda()
+        k8, v8 = (torch.randn(B * S, H, 128, generator=gen).to(fp8).cuda() for _ in range(2))
+        kw = dict(kv_data_type=fp8, kv_pass=True)
+        backends.KV8_PASS_IN_KERNEL = False
+        runs = {
+            "bf16": peers.ragged_prefill(lib, ws(), ind, q, k8.to(DT), v8.to(DT), causal, 128),
+            "host_pass": peers.ragged_prefill(lib, ws(), ind, q, k8, v8, causal, 128, **kw),
+        }
+        backends.KV8_PASS_IN_KERNEL = True
+        for name, counter, flags in (("pass_in_kernel", 0, 0), ("no_waits", 0, 1), ("idle_helpers", "done", 1)):
+            call = peers.ragged_prefill(lib, ws(), ind, q, k8, v8, causal, 128, **kw)  # a real run first
+            assert call.wrapper._spec_kw.get("kv8_pass") == 1, call.wrapper._spec_kw
+            runs[name] = with_state(call, counter, flags)
+            runs[name]()
+        # the tasks in the order the plan's CTAs first need them (sched.pass_order)
+        call = peers.ragged_prefill(lib, ws(), ind, q, k8, v8, causal, 128, **kw)
+        st = call.wrapper._state
+        order = demand_order(st.plan.work_items, st.plan.work_indptr, st.kv_lens, st.hk, 128)
+        plan = st.kv8_pass[1]
+        plan[3:].copy_(torch.from_numpy(order.reshape(-1).astype("int32")))
+        call()
+        runs["demand_order"] = call
+        torch.cuda.synchronize()
+        ref = runs["host_pass"].out
+        for n, r in runs.items():
+            if n != "bf16" and not torch.equal(r.out, ref):
+                print(f"{n}: output DIFFERS from the standalone pass's ({(r.out.float() - ref.float()).abs().max()})")
+                return 1
+        t = interleaved(runs, calls=15)
+        flops = _flops(lens, H, 128, causal)
+        tag = "causal" if causal else "noncausal"
+        print(f"state words: {PASS_FLAGS} + flags; tasks {int(runs['pass_in_kernel'].wrapper._state.kv8_pass[1][0])}")
+        for n, us in t.items():
+            out[f"{tag}/{n}"] = dict(us=us, tflops=_tflops(flops, us), vs_bf16=us / t["bf16"])
+            print(f"{tag:<10} {n:<16} {us:9.1f} us {_tflops(flops, us):7.1f} TFLOP/s  vs bf16 {us / t['bf16']:6.3f}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json")
+    return run(ap.parse_args().json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
