@@ -33,7 +33,6 @@ def run(json_path=None) -> int:
     from cute_attn.bench.common import interleaved
     from cute_attn.bench.prefill import DT, B, H, S, _flops, _indptr, _tflops
     from cute_attn.families import backends
-    from cute_attn.kernels.prefill_sm90_kv8_pass import PASS_FLAGS
     from cute_attn.sched.pass_order import demand_order
 
     lib = peers.ours()
@@ -91,7 +90,6 @@ def run(json_path=None) -> int:
         t = interleaved(runs, calls=15)
         flops = _flops(lens, H, 128, causal)
         tag = "causal" if causal else "noncausal"
-        print(f"state words: {PASS_FLAGS} + flags; tasks {int(runs['pass_in_kernel'].wrapper._state.kv8_pass[1][0])}")
         for n, us in t.items():
             out[f"{tag}/{n}"] = dict(us=us, tflops=_tflops(flops, us), vs_bf16=us / t["bf16"])
             print(f"{tag:<10} {n:<16} {us:9.1f} us {_tflops(flops, us):7.1f} TFLOP/s  vs bf16 {us / t['bf16']:6.3f}")
