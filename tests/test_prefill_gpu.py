@@ -766,10 +766,13 @@ def _plain(t):
     return t.as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) else t
 
 
-def _emulate_kv8_pass(k4, v4, kv_indptr, k8, v8, state, plan):
+def _emulate_kv8_pass(k4, v4, kv_indptr, work, work_indptr, k8, v8, state, plan):
     """``kernels/prefill_sm90_kv8_pass.py``'s contract: the state zeroed, every (block of 128
-    rows of the whole ragged cache, kv head) in the plan's tasks exactly once, one near a
-    request's last row first; then K / V dequantized into the 16-bit copy."""
+    rows of the whole ragged cache, kv head) in the plan's tasks exactly once, in the order the
+    CTAs first need them (each CTA walks its items' blocks from last to first, one per step:
+    counted here item by item); then K / V dequantized into the 16-bit copy."""
+    from cute_attn.sched import workspace as ws
+
     assert (state == 0).all() and state.numel() >= 4
     plan, ind = plan.long(), kv_indptr.long()
     n, toff, total, hk = int(plan[0]), int(plan[1]), int(plan[2]), k4.shape[2]
@@ -778,9 +781,21 @@ def _emulate_kv8_pass(k4, v4, kv_indptr, k8, v8, state, plan):
     tasks = plan[toff : toff + 2 * n].view(-1, 2).tolist()
     want = {(g, h) for g in range(blocks) for h in range(hk)}
     assert len(tasks) == len(want) and {tuple(t) for t in tasks} == want and state.numel() - 4 == len(want)
-    ends = [int(e) for a, e in zip(ind[:-1].tolist(), ind[1:].tolist()) if e > a]
-    g0 = tasks[0][0] * 128 if tasks else 0  # the first task: rows within a block of a request's last row
-    assert not tasks or any(g0 <= e - 1 < g0 + 256 for e in ends)
+    need = {}
+    ip = work_indptr.tolist()
+    for c in range(len(ip) - 1):
+        step = 0
+        for it in range(ip[c], ip[c + 1]):
+            f = work[it].tolist()
+            ks, ke = f[ws.W_KV_START], f[ws.W_KV_END]
+            for b in reversed(range(-(-(ke - ks) // 128))):
+                row = int(ind[f[ws.W_REQ]]) + ks + 128 * b
+                for g in {row // 128, (min(row + 128, total) - 1) // 128}:
+                    key = (g, f[ws.W_KV_HEAD])
+                    need[key] = min(need.get(key, step), step)
+                step += 1
+    steps = [need.get(tuple(t), 1 << 40) for t in tasks]
+    assert steps == sorted(steps)
     k4[0, :total] = k8[0, :total].to(k4.dtype)
     v4[0, :total] = v8[0, :total].to(v4.dtype)
 
@@ -811,7 +826,7 @@ def _emulate_prefill(
     tile = p["tile_q"]
     assert work_indptr.numel() == num_ctas + 1
     if p.get("kv8_pass"):  # the kernel's own pass: fp8 cache -> the 16-bit K / V it then reads
-        _emulate_kv8_pass(k4, v4, kv_indptr, *extra)
+        _emulate_kv8_pass(k4, v4, kv_indptr, work, work_indptr, *extra)
     # an fp8 cache reaches the kernel only where its spec widens it (kv_dtype), else the KV pass's output
     assert k4.dtype == v4.dtype and q.dtype == out.dtype, (q.dtype, k4.dtype, out.dtype)
     assert (k4.dtype != q.dtype) == ("kv_dtype" in p and not p.get("kv8_pass")), (k4.dtype, p)

@@ -146,31 +146,6 @@ def kv8_pass_serves(dtype: str, kv_dtype: str, head_dim: int, head_dim_vo: int, 
     return tile_q == 128 and kv8_serves(dtype, kv_dtype, head_dim, head_dim_vo, False, None)
 
 
-def kv8_pass_plan(kv_lens, num_kv_heads: int, block: int):
-    """(the int32 plan of the pass inside the kernel, its flag count): ``[n_tasks, task_offset,
-    tokens, (block, kv head)...]``, one task per block of ``block`` rows of the ragged cache
-    (all requests' rows one after the other) and kv head, those nearest a request's end first
-    (the order in which the kernel's consumers, walking each request's blocks from last to
-    first, need them; a block's distance is the least over the requests it holds rows of).
-    Pure numpy."""
-    import numpy as np
-
-    kv = np.asarray(kv_lens, dtype=np.int64)
-    ends = np.cumsum(kv)
-    total = int(ends[-1]) if kv.size else 0
-    n = -(-total // block)
-    lo = np.arange(n, dtype=np.int64) * block
-    hi = np.minimum(lo + block, total) - 1
-    # the requests holding rows lo and hi (the first with end > row); those between are whole
-    r_lo, r_hi = np.searchsorted(ends, lo, side="right"), np.searchsorted(ends, hi, side="right")
-    last_lo = np.minimum(hi, ends[np.minimum(r_lo, kv.size - 1)] - 1) if n else lo
-    dist = np.minimum((ends[r_hi] - 1 - hi) // block, (ends[r_lo] - 1 - last_lo) // block) if n else lo
-    order = np.argsort(dist, kind="stable")
-    tasks = np.stack([np.repeat(order, num_kv_heads), np.tile(np.arange(num_kv_heads), n)], 1)
-    plan = np.concatenate([[len(tasks), 3, total], tasks.reshape(-1)]).astype(np.int32)
-    return plan, n * num_kv_heads
-
-
 def regular_gather(head_dim: int) -> bool:
     """Whether rows of ``head_dim`` suit the producer's and consumers' per-thread 16-byte chunk
     pairs (the key / query transforms: RoPE): 128-byte swizzle atoms and a chunk count that

@@ -90,6 +90,34 @@ def fp8x4_to_bf16x4(x, kind: str, *, loc=None, ip=None):
     return _two_out(asm, [x], loc, ip)
 
 
+# what ``fp8x4_to_bf16x4_exact`` ORs into a bf16 lane whose byte has an all-ones exponent (per
+# format: the exponent field of that byte, the bias step that makes its sign bit the carry, the
+# bf16 bits): e4m3's NaN (S.1111.111) -> NaN; e5m2's Inf (S.11111.00) -> Inf, NaN -> NaN
+_BF16_SPECIAL = {"e4m3": (0x7F7F7F7F, 0x01010101, 0x7FC07FC0), "e5m2": (0x7C7C7C7C, 0x04040404, 0x7F807F80)}
+
+
+@dsl_user_op
+def fp8x4_to_bf16x4_exact(x, kind: str, *, loc=None, ip=None):
+    """``fp8x4_to_bf16x4`` that keeps NaN and Inf, as ``cvt`` does, still without conversion
+    instructions: a byte whose exponent bits are all ones (``(b & E) + step`` sets its bit 7,
+    no carry out of the byte) has its lane's exponent forced to all ones -- the widened
+    mantissa then says Inf (zero) or NaN -- by a sign-replicating ``prmt`` mask and an OR."""
+    shift, mask, factor = _BF16_WIDEN[kind]
+    field, step, special = _BF16_SPECIAL[kind]
+    asm = (
+        "{ .reg .b32 a, b, f, t, ma, mb; "
+        "prmt.b32 a, $2, 0, 0x9180; prmt.b32 b, $2, 0, 0xB3A2; "
+        f"shl.b32 a, a, {shift}; shl.b32 b, b, {shift}; "
+        f"and.b32 a, a, {mask:#x}; and.b32 b, b, {mask:#x}; "
+        f"mov.b32 f, {factor:#x}; mul.rn.bf16x2 a, a, f; mul.rn.bf16x2 b, b, f; "
+        f"and.b32 t, $2, {field:#x}; add.u32 t, t, {step:#x}; "
+        "prmt.b32 ma, t, 0, 0x9988; prmt.b32 mb, t, 0, 0xBBAA; "
+        f"and.b32 ma, ma, {special:#x}; and.b32 mb, mb, {special:#x}; "
+        "or.b32 $0, a, ma; or.b32 $1, b, mb; }"
+    )
+    return _two_out(asm, [x], loc, ip)
+
+
 def _one_out(asm: str, x, loc, ip) -> Int32:
     res = llvm.inline_asm(
         T.i32(),

@@ -41,3 +41,13 @@ def demand_order(work_items, work_indptr, kv_lens, num_kv_heads: int, block: int
             np.minimum.at(first, (g, head), step)
     order = np.argsort(first.reshape(-1), kind="stable")
     return np.stack([order // H, order % H], 1)
+
+
+def pass_plan(work_items, work_indptr, kv_lens, num_kv_heads: int, block: int):
+    """(the int32 plan of the pass inside the kernel, its flag count): ``[n_tasks, 3, tokens,
+    (block, kv head)...]``, one task per block of ``block`` rows of the ragged cache (all
+    requests' rows one after the other) and kv head, in :func:`demand_order`."""
+    total = int(np.asarray(kv_lens, dtype=np.int64).sum())
+    tasks = demand_order(work_items, work_indptr, kv_lens, num_kv_heads, block)
+    plan = np.concatenate([[len(tasks), 3, total], tasks.reshape(-1)]).astype(np.int32)
+    return plan, len(tasks)

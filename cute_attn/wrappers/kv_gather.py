@@ -32,8 +32,9 @@ import torch
 from ..abi import dtypes
 from ..families import backends
 from ..families.backends import kv8_widening_pays
-from ..families.prefill import KV8_PASS_BLOCK, kv8_pass_plan, kv8_pass_serves, kv8_serves, page_box_for
+from ..families.prefill import KV8_PASS_BLOCK, kv8_pass_serves, kv8_serves, page_box_for
 from ..sched import WorkspaceLayout
+from ..sched.pass_order import pass_plan as pass_tasks
 from . import common
 
 ALIGN = 256
@@ -142,10 +143,10 @@ def pass_in_kernel(w, launch, tile: int, dims, variant) -> bool:
     )
 
 
-def pass_plan(w, kv_lens, hk: int) -> tuple:
+def pass_plan(w, plan, kv_lens, hk: int) -> tuple:
     """(state, plan) of the pass inside the kernel on the device: the zeroed-per-run counter and
-    flags, and the task list (``families.prefill.kv8_pass_plan``)."""
-    plan, n_flags = kv8_pass_plan(kv_lens, hk, KV8_PASS_BLOCK)
+    flags, and the task list in the order the ``plan``'s CTAs need them (``sched.pass_order``)."""
+    plan, n_flags = pass_tasks(plan.work_items, plan.work_indptr, kv_lens, hk, KV8_PASS_BLOCK)
     state = torch.zeros(4 + n_flags, dtype=torch.int32, device=w._device)
     return state, w._to_device(plan, None, "kv8 pass plan")
 

@@ -424,7 +424,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             pass_grid=pass_grid,
             gather=gather,
             kv_lens=kv_lens,
-            kv8_pass=kv_gather.pass_plan(self, kv_lens, hk) if inline else None,
+            kv8_pass=kv_gather.pass_plan(self, plan, kv_lens, hk) if inline else None,
             kv_dtype=kv_dtype or q_dtype,
             options=dict(
                 pos_encoding_mode=pos_encoding_mode,
