@@ -6,8 +6,10 @@ what the pass's state holds at launch -- no other kernel:
 * ``pass_in_kernel``: zeroed (the real run);
 * ``no_waits``: every flag already set, the counter at 0: the helpers convert everything while
   the consumers never wait (what the helpers' work costs the consumers);
-* ``idle_helpers``: every flag set and the counter past the last task: nobody converts (the
-  kernel's time without the pass: the flag checks and the wider producer registers);
+* ``idle_helpers``: every task claimed and published: nobody converts, nobody checks a flag
+  (the kernel's time without the pass: its registers, the output through the Q buffer);
+* ``regs24``: the real run with the producer at 24 registers and the consumers at 240 (spec
+  knob ``producer_regs=24``; the default gives the producer 40 and the consumers 232);
 * ``end_order``: zeroed, the tasks nearest a request's end first instead of in the order the
   plan's CTAs first need them (``sched.pass_order``);
 
@@ -15,6 +17,7 @@ beside the bf16 cache and the standalone pass before the kernel, timed in turns
 (``bench.common.interleaved``); each output checked against the standalone pass's first.  The
 workspace copy holds the converted K / V from the first run, so every variant's output is right.
 
+    python scripts/kv8_pass_probe.py compile              # CPU box: the knob kernels into $CUTE_ATTN_CACHE_DIR
     PYTHONPATH=. CUTE_ATTN_CACHE_DIR=... python scripts/kv8_pass_probe.py [--json f]   # GPU machine
 """
 
@@ -32,6 +35,7 @@ def run(json_path=None) -> int:
     from cute_attn.bench.common import interleaved
     from cute_attn.bench.prefill import DT, B, H, S, _flops, _indptr, _tflops
     from cute_attn.families import backends
+    from cute_attn.runtime.loader import KernelNotAvailable, kernel
 
     lib = peers.ours()
     gen = torch.Generator().manual_seed(2)
@@ -45,7 +49,9 @@ def run(json_path=None) -> int:
         """``call``'s wrapper launching with this state instead of a zeroed one."""
         state, plan = call.wrapper._state.kv8_pass
         pattern = torch.full_like(state, flags)
-        pattern[0] = int(plan[0].item()) if counter == "done" else 0
+        n = int(plan[0].item())
+        pattern[0] = n if counter == "done" else 0
+        pattern[1] = n if counter == "done" else 0  # the published count: all, or none (flags checked)
         state.zero_ = lambda: state.copy_(pattern)  # what run() calls before each launch: one copy
         return call
 
@@ -64,6 +70,15 @@ def run(json_path=None) -> int:
             assert call.wrapper._spec_kw.get("kv8_pass") == 1, call.wrapper._spec_kw
             runs[name] = with_state(call, counter, flags)
             runs[name]()
+        # the producer at 24 registers, the consumers at 240 (the default gives the helpers 40: 232)
+        call = peers.ragged_prefill(lib, ws(), ind, q, k8, v8, causal, 128, **kw)
+        try:
+            call.wrapper._binding.module = kernel("batch_prefill_sm90", "sm_90a", **call.wrapper._spec_kw,
+                                                  producer_regs=24)  # fmt: skip
+            call()
+            runs["regs24"] = call
+        except KernelNotAvailable:
+            print("producer_regs=24: not compiled, left out")
         # the tasks nearest each request's end first (the plan's first order), not as needed
         call = peers.ragged_prefill(lib, ws(), ind, q, k8, v8, causal, 128, **kw)
         plan = call.wrapper._state.kv8_pass[1]
@@ -94,8 +109,20 @@ def run(json_path=None) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("step", nargs="?", choices=("compile", "run"), default="run")
     ap.add_argument("--json")
-    return run(ap.parse_args().json)
+    a = ap.parse_args()
+    if a.step == "compile":
+        import subprocess
+
+        specs = [
+            f"batch_prefill_sm90:causal={c},dtype=bf16,head_dim=128,kv8_pass=1,kv_dtype=e4m3,paged=False,"
+            f"producer_regs=24,soft_cap=False,tile_q=128,window=False"
+            for c in (True, False)
+        ]
+        cmd = [sys.executable, "-m", "cute_attn", "compile", "--arch", "sm_90a", "-j", "2"]
+        return subprocess.call(cmd + sum([["--spec", s] for s in specs], []))
+    return run(a.json)
 
 
 if __name__ == "__main__":

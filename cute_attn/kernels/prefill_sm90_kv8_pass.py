@@ -34,7 +34,8 @@ counter passes the last task).
 
 Workspace (``families/prefill.py``, ``kv8_pass_plan``): ``mPassState`` (int32, zeroed before
 every launch) holds the claim counter at 0 and one flag per (block, kv head) from
-``PASS_FLAGS``, block g of head h at ``g * kv_heads + h``; ``mPassPlan`` (int32, written by
+``PASS_FLAGS``, block g of head h at ``g * kv_heads + h``, and the count of published tasks
+at ``PASS_DONE`` (once it is the task count, warp 0 stops checking flags); ``mPassPlan`` (int32, written by
 plan()): ``[n_tasks, task_offset, tokens]`` then tasks ``(block, kv head)``.  A K / V block the
 producer loads starts anywhere in the cache (a request's first row, a split point): it waits
 for the (at most two) blocks its rows overlap.
@@ -54,7 +55,8 @@ from .prefill_sm90_kv8 import ld_shared_v4
 
 HELPER_WARPS = 3  # producer warps 1-3 (warp 0 streams the 16-bit blocks)
 BAR_HELPERS = 6  # the helpers' named barrier (prefill_sm90's barriers: 1-5)
-PASS_FLAGS = 4  # mPassState: the claim counter at 0, flags from here
+PASS_DONE = 1  # mPassState: the claim counter at 0, the tasks published at 1, flags from PASS_FLAGS
+PASS_FLAGS = 4
 PLAN_FIELDS = 2  # a task: block of the cache's rows, kv head
 
 
@@ -82,6 +84,14 @@ def atom_add_gpu(addr, value, *, loc=None, ip=None) -> Int32:
     """``atom.add`` (relaxed, GPU scope) on the int32 at global byte address ``addr``: the old value."""
     args = [Int64(addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)]
     return Int32(_asm(T.i32(), args, "atom.relaxed.gpu.global.add.s32 $0, [$1], $2;", "=r,l,r"))
+
+
+@dsl_user_op
+def red_release_add_gpu(addr, value, *, loc=None, ip=None) -> None:
+    """``red.release.gpu.global.add``: add ``value`` to the int32 at ``addr``, after (for an
+    acquirer of the result) everything this thread's release covers."""
+    args = [Int64(addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)]
+    _asm(None, args, "red.release.gpu.global.add.s32 [$0], $1;", "l,r")
 
 
 @dsl_user_op
@@ -141,6 +151,18 @@ class PrefillKv8Pass:
         return views + (None, None, (bars, bars + 1), st.claim.get_tensor(cute.make_layout(4)))
 
     @cute.jit
+    def _pass_pending(self, p8):
+        """Warp 0, once per item: 0 once every task is published (the done count, ``atom.release``
+        by each task's publisher, equals the task count: then the item's blocks need no flag
+        checks, only the proxy fence), else 1."""
+        mState, mPlan = p8[4], p8[5]
+        pending = Int32(1)
+        if ld_acquire_gpu(mState.iterator.toint() + PASS_DONE * 4) == mPlan[0]:
+            fence_proxy_async_global()
+            pending = Int32(0)
+        return pending
+
+    @cute.jit
     def _wait_block(self, gm, p8, row, kv_head):
         """Warp 0: spin until the tasks of the cache's rows [row, row + tile_n) that exist (at
         most two blocks) are published, then order the async proxy's reads after them."""
@@ -194,6 +216,7 @@ class PrefillKv8Pass:
             if ht == 0:
                 flag = counter + Int64(PASS_FLAGS + blk * gm.mK.shape[2] + head) * 4
                 st_release_gpu(flag, 1)
+                red_release_add_gpu(counter + PASS_DONE * 4, 1)
                 claim[0] = atom_add_gpu(counter, 1)
             cute.arch.barrier(barrier_id=BAR_HELPERS, number_of_threads=32 * HELPER_WARPS)
             t = claim[0]

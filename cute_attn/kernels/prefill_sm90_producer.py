@@ -126,10 +126,12 @@ class PrefillProducer:
                     )
                     # K(i) goes out one block ahead of V(i): QK of the next block can start
                     # while PV of this one still reads its V stage
+                    pending = self._pass_pending(tma.p8) if const_expr(self.kv8_pass) else None
                     for j in cutlass.range(n_blocks - first + 1, unroll=1):
                         if j < n_blocks - first:
                             if const_expr(self.kv8_pass):  # the block's rows dequantized (prefill_sm90_kv8_pass)
-                                self._wait_block(gm, tma.p8, row0 + (n_blocks - 1 - j) * TN, kv_head)
+                                if pending != 0:
+                                    self._wait_block(gm, tma.p8, row0 + (n_blocks - 1 - j) * TN, kv_head)
                             pipe_k.producer_acquire(k_state)
                             cute.copy(
                                 tma_k,
