@@ -534,6 +534,20 @@ def test_cpu_fp8_specs_and_abi():
         with pytest.raises(ValueError, match="through the KV pass"):
             prefill.prefill_spec("sm_90a", args.pop("dtype"), args.pop("head_dim"), args.pop("tile_q"),
                                  args.pop("paged"), kv_dtype="e4m3", **args)  # fmt: skip
+    # the pass inside the kernel: 16-bit K / V (the copy it writes), then the fp8 cache, its state and plan
+    inl = [s for s in kv8 if s.pdict.get("kv8_pass")]
+    assert len(inl) == 2 * 2 * 2 and all(s.pdict["tile_q"] == 128 and not s.pdict["paged"] for s in inl)
+    abi = get_family("batch_prefill_sm90").abi(inl[0].pdict)
+    names = [a.name for a in abi]
+    assert names[names.index("num_ctas") + 1 :] == ["mK8", "mV8", "mPassState", "mPassPlan"]
+    by = {a.name: a for a in abi}
+    assert by["mK"].dtype == by["mV"].dtype == inl[0].pdict["dtype"]
+    assert by["mK8"].dtype == by["mV8"].dtype == inl[0].pdict["kv_dtype"] and by["mPassPlan"].dtype == "i32"
+    for bad in (dict(paged=True, page_box=16), dict(tile_q=64), dict(soft_cap=True)):
+        args = dict(dtype="bf16", head_dim=128, tile_q=128, paged=False) | bad
+        with pytest.raises(ValueError, match="kv8_pass"):
+            prefill.prefill_spec("sm_90a", args.pop("dtype"), args.pop("head_dim"), args.pop("tile_q"),
+                                 args.pop("paged"), kv_dtype="e4m3", kv8_pass=True, **args)  # fmt: skip
 
 
 def _calls(emu):
