@@ -391,9 +391,10 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
                     box_k = box_v = s8_layout
                 tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), k3, box_k, (TN, D))
                 tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v3, box_v, (TN, DV))
-        p8 = ()  # kv8_pass: the fp8 cache, the pass's state and plan (ahead of the variant's tensors)
-        if const_expr(self.kv8_pass):
-            p8, var_tensors = self._pass_tma(var_tensors, s8_layout), var_tensors[4:]
+        extra, p8 = (), ()  # kv8_pass: the fp8 cache, the pass's state and plan (ahead of the variant's)
+        if const_expr(self.kv8_pass):  # the kernel's tensor parameters stay in ABI order (tests/test_abi.py)
+            extra, var_tensors = var_tensors[:4], var_tensors[4:]
+            p8 = self._pass_tma(extra, s8_layout)
 
         @cute.struct
         class Smem:
@@ -426,6 +427,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
             mWorkIndptr,
             mPartO,
             mPartLse,
+            extra,
             tma_k,
             tK,
             tma_v,
@@ -463,6 +465,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
         mWorkIndptr: cute.Tensor,
         mPartO: cute.Tensor,
         mPartLse: cute.Tensor,
+        extra: tuple,
         tma_k: Optional[cute.CopyAtom],
         tK: Optional[cute.Tensor],
         tma_v: Optional[cute.CopyAtom],
@@ -547,7 +550,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
             )
         kv8 = None
         if const_expr(self.kv8_pass):  # an fp8 cache dequantized by the producer's warps 1-3
-            kv8 = self._pass_smem(smem, st.sO, s8_layout, tidx)
+            kv8, p8 = self._pass_smem(smem, st.sO, s8_layout, tidx), p8 + extra[2:]
         elif const_expr(self.kv8 is not None):  # an fp8 cache widened by the producer
             mk_pipe, kv8 = self._kv8_pipelines(smem, st.sO, s8_layout, mma_threads)
         pipe_k = mk_pipe(st.mbar_k.data_ptr())

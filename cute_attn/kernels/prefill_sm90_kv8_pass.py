@@ -117,16 +117,15 @@ def st_global_v4(addr, words, *, loc=None, ip=None) -> None:
 class PrefillKv8Pass:
     """The helpers and the block wait of ``BatchPrefillSm90`` with ``kv8_pass`` (module doc)."""
 
-    def _pass_tma(self, var_tensors, s8_layout):
-        """Host side: (TMA atom and view of the fp8 K, the same of V, mPassState, mPassPlan)
-        from the first four of the kernel's extra tensors (mK8, mV8, mPassState, mPassPlan)."""
-        mK8, mV8, mState, mPlan = var_tensors[:4]
+    def _pass_tma(self, extra, s8_layout):
+        """Host side: (TMA atom and view of the fp8 K, the same of V) from the kernel's extra
+        tensors (mK8, mV8, mPassState, mPassPlan); the kernel appends the last two (``p8``)."""
         out = []
-        for m in (mK8, mV8):
+        for m in extra[:2]:
             x3 = cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 2]))  # (tokens, D, heads)
             g2s = cpasync.CopyBulkTensorTileG2SOp()
             out += list(cpasync.make_tiled_tma_atom(g2s, x3, s8_layout, (self.tile_n, self.head_dim)))
-        return tuple(out) + (mState, mPlan)
+        return tuple(out)
 
     @cute.jit
     def _pass_smem(self, smem, sO_range, s8_layout, tidx):
