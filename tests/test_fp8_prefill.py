@@ -209,7 +209,7 @@ def test_fp8_prefill(case):
                                       kw.get("window_left", -1))  # fmt: skip
     assert (c.w._gathered is None) == in_kernel and c.w._spec_kw["paged"] == (kind == "paged" and in_kernel)
     pass_in_kernel = c.w._spec_kw.get("kv8_pass") == 1  # the pass run by the kernel itself
-    assert not pass_in_kernel or (kind == "ragged" and d == 128 and c.w._tile == 128 and "soft_cap" not in kw)
+    assert not pass_in_kernel or (kind == "ragged" and d == 128 and c.w._tile == 128)
     assert c.w._spec_kw.get("kv_dtype") == (kw.get("kv", "e4m3") if in_kernel or pass_in_kernel else None)
     if "soft_cap" in kw:
         assert c.w._tile == 128  # the soft-cap / window kernels are compiled for 128-row tiles
@@ -307,6 +307,23 @@ def test_fp8_ragged_pass_in_kernel_matches_pass(monkeypatch, kv, q_dtype, causal
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
     o3, l3 = inl.run(0.5, 2.0)
     assert torch.equal(o1, o3) and torch.equal(l1, l3)
+
+
+@gpu
+def test_fp8_ragged_pass_in_kernel_forward_flags():
+    """forward()'s soft-cap / window on a plan whose kernel runs the fp8 pass: the kernel with
+    those flags (it runs the pass too), against the reference -- and a plan with them."""
+    lens = ([300, 1, 2000, 129, 700], [300, 1, 2000, 129, 700])
+    c = plan_case("ragged", *lens, 32, 8, 128, causal=True, kv_pass=True)
+    assert c.w._spec_kw.get("kv8_pass") == 1
+    for cap, win in ((30.0, -1), (0.0, 100), (50.0, 7)):
+        out, lse = c.w.forward_return_lse(c.q, *c.kv_args, causal=True, logits_soft_cap=cap, window_left=win)
+        ref_o, ref_lse = ragged_reference(c.q, *c.ref_kv, c.qo, c.kv_tok, causal=True, logits_soft_cap=cap or None,
+                                          window_left=win)  # fmt: skip
+        check(out, lse, ref_o, ref_lse, c.dtype)
+    p = plan_case("ragged", *lens, 32, 8, 128, causal=True, kv_pass=True, soft_cap=30.0, window_left=100)
+    assert p.w._spec_kw.get("kv8_pass") == 1 and p.w._spec_kw["soft_cap"] and p.w._spec_kw["window"]
+    p.run()
 
 
 @gpu
@@ -535,15 +552,18 @@ def test_cpu_fp8_specs_and_abi():
             prefill.prefill_spec("sm_90a", args.pop("dtype"), args.pop("head_dim"), args.pop("tile_q"),
                                  args.pop("paged"), kv_dtype="e4m3", **args)  # fmt: skip
     # the pass inside the kernel: 16-bit K / V (the copy it writes), then the fp8 cache, its state and plan
+    from cute_attn.variants.builtins import FlashSigmoid
+
     inl = [s for s in kv8 if s.pdict.get("kv8_pass")]
-    assert len(inl) == 2 * 2 * 2 and all(s.pdict["tile_q"] == 128 and not s.pdict["paged"] for s in inl)
+    # dtype x fp8 kind x causal x (plain, soft-cap, window, both)
+    assert len(inl) == 2 * 2 * 2 * 4 and all(s.pdict["tile_q"] == 128 and not s.pdict["paged"] for s in inl)
     abi = get_family("batch_prefill_sm90").abi(inl[0].pdict)
     names = [a.name for a in abi]
     assert names[names.index("num_ctas") + 1 :] == ["mK8", "mV8", "mPassState", "mPassPlan"]
     by = {a.name: a for a in abi}
     assert by["mK"].dtype == by["mV"].dtype == inl[0].pdict["dtype"]
     assert by["mK8"].dtype == by["mV8"].dtype == inl[0].pdict["kv_dtype"] and by["mPassPlan"].dtype == "i32"
-    for bad in (dict(paged=True, page_box=16), dict(tile_q=64), dict(soft_cap=True)):
+    for bad in (dict(paged=True, page_box=16), dict(tile_q=64), dict(variant=FlashSigmoid())):
         args = dict(dtype="bf16", head_dim=128, tile_q=128, paged=False) | bad
         with pytest.raises(ValueError, match="kv8_pass"):
             prefill.prefill_spec("sm_90a", args.pop("dtype"), args.pop("head_dim"), args.pop("tile_q"),

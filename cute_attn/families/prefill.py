@@ -183,8 +183,8 @@ def prefill_spec(
             )
         extra["kv_dtype"] = kv_dtype
         if kv8_pass:
-            if paged or tile_q != 128 or variant is not None or soft_cap or window:
-                raise ValueError("batch_prefill_sm90: kv8_pass is built for ragged, plain 128-row kernels")
+            if paged or tile_q != 128 or variant is not None:
+                raise ValueError("batch_prefill_sm90: kv8_pass is built for ragged 128-row kernels, no traced variant")
             extra["kv8_pass"] = 1
     if head_dim_vo is not None and head_dim_vo != head_dim:
         extra["head_dim_vo"] = int(head_dim_vo)
@@ -265,11 +265,12 @@ def shipped_specs(arch: str) -> list:
     kv8 += prefill_specs(
         arch, head_dims=KV8_HEAD_DIMS, tiles=(128,), variants=flags, page_boxes=(PAGE_BOX,), kv_names=dtypes.FP8
     )
-    kv8 += [  # the fp8 pass inside the kernel (ragged, 128-row tiles)
-        prefill_spec(arch, dt, d, 128, False, c, kv_dtype=kv, kv8_pass=True)
+    kv8 += [  # the fp8 pass inside the kernel (ragged, 128-row tiles; the flags: forward()'s overrides)
+        prefill_spec(arch, dt, d, 128, False, c, cap, win, kv_dtype=kv, kv8_pass=True)
         for dt in dtypes.ATTENTION
         for d in KV8_HEAD_DIMS
         for kv in dtypes.FP8
         for c in (False, True)
+        for cap, win in ((False, False),) + flags
     ]
     return prefill_specs(arch, head_dims=SHIPPED_HEAD_DIMS) + extra + deepseek + kv8 + merge_specs(arch)
