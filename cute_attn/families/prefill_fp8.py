@@ -134,8 +134,9 @@ def prefill_fp8_spec(
     VT_GROUP), ``stages`` (K / V^T stages), ``pingpong`` (0 / 1), ``lazy_rescale`` (1: the 16-bit
     kernel's lazy running max; the default follows every new maximum, so each row's largest
     weight is exactly 1 in e4m3), ``pin_p`` (1: P's conversion pinned where it is written, see
-    ``kernels/fragments.pin_fragment``)."""
-    assert set(knobs) <= {"tile_n", "stages", "pingpong", "lazy_rescale", "pin_p"}, knobs
+    ``kernels/fragments.pin_fragment``), ``trace`` (1: clock stamps into the partial-output
+    buffer, a diagnostic: ``kernels/prefill_fp8._stamp``)."""
+    assert set(knobs) <= {"tile_n", "stages", "pingpong", "lazy_rescale", "pin_p", "trace"}, knobs
     assert knobs.get("tile_n", VT_GROUP) % VT_GROUP == 0
     return Spec.make(
         "batch_prefill_fp8_sm90",

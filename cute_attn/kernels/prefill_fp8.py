@@ -68,6 +68,7 @@ from .work import ItemInfo, TraceCtx, row_token, tok_head
 # wgmmas asynchronous (S 96 + P 24 + O 64 registers of 240).  V^T's 192-byte rows take the
 # 64-byte swizzle.  hd64: 128 x 4 (not measured otherwise).
 KV_TILES = {64: (128, 4), 128: (192, 2)}
+TRACE_BLOCKS, TRACE_EVENTS = 48, 16  # knob ``trace``: stamps per consumer warp (``_stamp``)
 
 
 @dsl_user_op
@@ -125,6 +126,7 @@ class BatchPrefillFp8(BatchPrefillSm90):
         self.qkv = qkv_dtype
         self.q_chunks = self.head_dim // 16  # 16-byte chunks per Q row
         self.p_src = None  # set while tracing host_fp8 (_p_sources)
+        self.trace = 0  # knob: clock stamps of the first item's blocks into mPartO (_stamp)
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
@@ -388,21 +390,31 @@ class BatchPrefillFp8(BatchPrefillSm90):
                 self._store_p(acc_S, tOrP)
                 for j in cutlass.range(1, n_blocks - first, unroll=1):
                     blk = kv_start + (n_blocks - 1 - j) * TN
+                    sp = (item, j, lane)
+                    self._stamp(gm, sp, 0)
                     v_state = state.clone()
                     state.advance()
                     pipe_k.consumer_wait(state)
+                    self._stamp(gm, sp, 1)
                     self._pingpong_wait(wg)
+                    self._stamp(gm, sp, 2)
                     self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
                     pipe_v.consumer_wait(v_state)
+                    self._stamp(gm, sp, 3)
                     self._pv(mma_pv, acc_O, tOrP, tOrV, v_state)
                     self._pingpong_signal(wg)
+                    self._stamp(gm, sp, 4)
                     warpgroup.wait_group(1)
+                    self._stamp(gm, sp, 5)
                     pipe_k.consumer_release(state)
                     self._mask_softmax(acc_S, st, rows, blk, None, tc)
+                    self._stamp(gm, sp, 6)
                     warpgroup.wait_group(0)
+                    self._stamp(gm, sp, 7)
                     pipe_v.consumer_release(v_state)
                     self._store_p(acc_S, tOrP)
                     self._rescale_o(acc_O, corr)
+                    self._stamp(gm, sp, 8)
                 if item + 1 < item_end:
                     self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), sQ, g2s, wg, tw)
                 pipe_v.consumer_wait(state)
@@ -417,6 +429,19 @@ class BatchPrefillFp8(BatchPrefillSm90):
                 corr[r] = v_scale
             self._scale_o(acc_O, corr)
             self._epilogue(acc_O, st, tOcO, sO, gm, thr, info, tc)
+
+    @cute.jit
+    def _stamp(self, gm: Gmem, sp, event: int):
+        """Knob ``trace`` (diagnostic, the output stays right): lane 0 of each consumer warp
+        writes ``%clock`` at ``event`` of block j < TRACE_BLOCKS of its CTA's first item into
+        mPartO read as int32 words [cta, warp, j, event] (the plan must have no split)."""
+        if const_expr(self.trace):
+            item, j, lane = sp
+            cta, _, _ = cute.arch.block_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - 4
+            if lane == 0 and j < TRACE_BLOCKS and item == gm.mWorkIndptr[cta]:
+                words = cute.make_tensor(cute.recast_ptr(gm.mPartO.iterator, dtype=Int32), cute.make_layout(1 << 24))
+                words[((cta * 8 + warp) * TRACE_BLOCKS + j) * TRACE_EVENTS + event] = cute.arch.clock()
 
     def _rescale_o(self, acc_O, corr):
         """With ``lazy_rescale=0`` (the fp8 default: the max is raised on every new maximum, so a
@@ -489,4 +514,6 @@ def build_batch_prefill_fp8(spec):
         pin_p=p.get("pin_p", 0),
         overlap_items=0,  # its own consumer loop (``_consume_fp8``), one Q buffer
     )
-    return make_entry(BatchPrefillFp8(cfg, to_dsl(p["qkv_dtype"])), prefill_fp8_abi(p), [], host="host_fp8")
+    kern = BatchPrefillFp8(cfg, to_dsl(p["qkv_dtype"]))
+    kern.trace = p.get("trace", 0)
+    return make_entry(kern, prefill_fp8_abi(p), [], host="host_fp8")

@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Where the fp8 attention kernel's time per block goes: the ``trace`` knob of
+``batch_prefill_fp8_sm90`` (``kernels/prefill_fp8._stamp``) has lane 0 of every consumer warp
+write ``%clock`` at nine events of each block of its CTA's first item; this prints the mean
+length of each phase and how the two warpgroups' phases sit against each other (warp w of WG 0
+and warp w of WG 1 share a scheduler).  Case: the fp8 bench's ragged 2 x 8192, 16 heads, hd128.
+
+    python scripts/fp8_timeline.py compile      # CPU box, into $CUTE_ATTN_CACHE_DIR
+    python scripts/fp8_timeline.py run [--json f]   # GPU machine
+
+A development tool (diagnostic kernels; their output is checked against the default's)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EVENTS = ["top", "k_ready", "turn", "qk_issued+v_ready", "pv_issued", "s_ready", "softmax_done", "pv_done", "p_stored"]
+
+
+def specs():
+    from cute_attn.families.merge import merge_partials_spec
+    from cute_attn.families.prefill_fp8 import prefill_fp8_spec, vt_pass_spec
+
+    fp8 = [prefill_fp8_spec("sm_90a", "bf16", 128, 128, c, **k) for c in (False, True) for k in ({}, {"trace": 1})]
+    return fp8 + [vt_pass_spec("sm_90a", 128, False), merge_partials_spec("sm_90a", "bf16", 128, 128)]
+
+
+def analyze(st, n_ctas: int, blocks: int, events: int) -> dict:
+    """``st``: int64 array [cta, warp, block, event] of clocks (0 = not written)."""
+    import numpy as np
+
+    phases = {f"{EVENTS[e]}->{EVENTS[e + 1]}": [] for e in range(len(EVENTS) - 1)}
+    period, offset = [], []
+    for c in range(n_ctas):
+        for w in range(8):
+            for j in range(8, blocks - 2):
+                row, nxt = st[c, w, j], st[c, w, j + 1]
+                if not (row[: len(EVENTS)].all() and nxt[0]):
+                    continue
+                for e in range(len(EVENTS) - 1):
+                    phases[f"{EVENTS[e]}->{EVENTS[e + 1]}"].append((row[e + 1] - row[e]) % (1 << 32))
+                period.append((nxt[0] - row[0]) % (1 << 32))
+                if w < 4 and st[c, w + 4, j, 2]:
+                    offset.append((st[c, w + 4, j, 2] - row[2]) % (1 << 32))
+    out = {k: float(np.median(v)) for k, v in phases.items() if v}
+    out["period"] = float(np.median(period)) if period else 0.0
+    out["wg1_turn_minus_wg0_turn"] = float(np.median(offset)) if offset else 0.0
+    out["samples"] = len(period)
+    return out
+
+
+def run(json_path=None) -> int:
+    import numpy as np
+    import torch
+
+    from cute_attn.bench import peers
+    from cute_attn.bench.common import interleaved
+    from cute_attn.bench.fp8_attention import FP8, D, _fp8_run, _rel
+    from cute_attn.bench.prefill import B, H, S, _indptr
+    from cute_attn.kernels.prefill_fp8 import TRACE_BLOCKS, TRACE_EVENTS
+    from cute_attn.runtime.loader import kernel
+
+    lib = peers.ours()
+    gen = torch.Generator().manual_seed(3)
+    ind = _indptr([S] * B)
+    res = {}
+    for causal in (False, True):
+        tag = "causal" if causal else "noncausal"
+        q8, k8, v8 = (torch.randn(B * S, H, D, generator=gen).to(torch.bfloat16).to(FP8).cuda() for _ in range(3))
+        w, call = _fp8_run(lib, ind, q8, k8, v8, causal)
+        st = w._state
+        ref = call.out.clone()
+        if st.plan.has_split:
+            print(f"{tag}: the plan splits; the stamps would overwrite partials: skipped")
+            continue
+        n_ctas = st.num_ctas
+        words = n_ctas * 8 * TRACE_BLOCKS * TRACE_EVENTS
+        stamps = torch.zeros((words + 127) // 128, 128, dtype=torch.float32, device="cuda")
+        tr = kernel(st.family, st.arch, **st.spec_kw, trace=1)
+        vw = w._views
+        out = torch.full_like(ref, float("nan"))
+        vt, _ = st.fp8.views(st.hk, st.head_dim)
+
+        def traced(out=out):
+            tr(q8, k8[None], vt, st.inputs.kv_indptr, st.fp8.vt_indptr, out,
+               torch.empty(q8.shape[0], H, device="cuda"), vw["work_items"], vw["work_indptr"], stamps,
+               vw["partial_lse"], st.group, st.sm_scale, 1.0, st.num_ctas)  # fmt: skip
+
+        call()  # the V^T pass of these values is in the workspace now
+        traced()
+        torch.cuda.synchronize()
+        err = _rel(out, ref)
+        t = interleaved({"default": call, "traced": lambda: (call(), traced())}, calls=9)
+        a = np.frombuffer(stamps.cpu().numpy().tobytes(), dtype=np.uint32)[:words].astype(np.int64)
+        a = a.reshape(n_ctas, 8, TRACE_BLOCKS, TRACE_EVENTS)
+        r = analyze(a, n_ctas, TRACE_BLOCKS, TRACE_EVENTS)
+        r.update(err_vs_default=err, us_default=t["default"], us_default_plus_traced=t["traced"])
+        res[tag] = r
+        print(f"== {tag}: traced output rel err vs default {err:.2e}; default {t['default']:.1f} us, "
+              f"default + traced {t['traced']:.1f} us; {r['samples']} samples (clk, medians)")  # fmt: skip
+        for k, v in r.items():
+            if k not in ("samples",):
+                print(f"  {k:<34} {v:10.1f}")
+        c = n_ctas // 2
+        print(f"  raw, CTA {c}, blocks 20-22, warps 0 / 4 (same scheduler), clk from warp 0's block-20 top:")
+        base = a[c, 0, 20, 0]
+        for j in (20, 21, 22):
+            for wp in (0, 4):
+                print(f"   j={j} w={wp}: " + " ".join(f"{(a[c, wp, j, e] - base) % (1 << 32):6d}" for e in range(9)))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("step", choices=["compile", "run"])
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    if a.step == "compile":
+        import subprocess
+
+        args = []
+        for s in specs():
+            args += ["--spec", f"{s.family}:" + ",".join(f"{k}={v}" for k, v in s.pdict.items())]
+        return subprocess.call([sys.executable, "-m", "cute_attn", "compile", "--arch", "sm_90a", "--jobs", "2", *args])
+    return run(a.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
