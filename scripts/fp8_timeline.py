@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 
+TRACE_BLOCKS, TRACE_EVENTS = 48, 16  # kernels/prefill_fp8.py's (that module needs the DSL)
 EVENTS = ["top", "k_ready", "turn", "qk_issued+v_ready", "pv_issued", "s_ready", "softmax_done", "pv_done", "p_stored"]
 
 
@@ -59,7 +60,6 @@ def run(json_path=None) -> int:
     from cute_attn.bench.common import interleaved
     from cute_attn.bench.fp8_attention import FP8, D, _fp8_run, _rel
     from cute_attn.bench.prefill import B, H, S, _indptr
-    from cute_attn.kernels.prefill_fp8 import TRACE_BLOCKS, TRACE_EVENTS
     from cute_attn.runtime.loader import kernel
 
     lib = peers.ours()
