@@ -17,6 +17,7 @@ import json
 import sys
 
 TRACE_BLOCKS, TRACE_EVENTS = 48, 16  # kernels/prefill_fp8.py's (that module needs the DSL)
+KNOBS = [{}, {"pingpong": 0}]
 EVENTS = ["top", "k_ready", "turn", "qk_issued+v_ready", "pv_issued", "s_ready", "softmax_done", "pv_done", "p_stored"]
 
 
@@ -24,7 +25,8 @@ def specs():
     from cute_attn.families.merge import merge_partials_spec
     from cute_attn.families.prefill_fp8 import prefill_fp8_spec, vt_pass_spec
 
-    fp8 = [prefill_fp8_spec("sm_90a", "bf16", 128, 128, c, **k) for c in (False, True) for k in ({}, {"trace": 1})]
+    kns = [dict(kn, **t) for kn in KNOBS for t in ({}, {"trace": 1})]
+    fp8 = [prefill_fp8_spec("sm_90a", "bf16", 128, 128, c, **k) for c in (False, True) for k in kns]
     return fp8 + [vt_pass_spec("sm_90a", 128, False), merge_partials_spec("sm_90a", "bf16", 128, 128)]
 
 
@@ -78,37 +80,51 @@ def run(json_path=None) -> int:
         n_ctas = st.num_ctas
         words = n_ctas * 8 * TRACE_BLOCKS * TRACE_EVENTS
         stamps = torch.zeros((words + 127) // 128, 128, dtype=torch.float32, device="cuda")
-        tr = kernel(st.family, st.arch, **st.spec_kw, trace=1)
         vw = w._views
-        out = torch.full_like(ref, float("nan"))
         vt, _ = st.fp8.views(st.hk, st.head_dim)
+        lse = torch.empty(q8.shape[0], H, device="cuda")
 
-        def traced(out=out):
-            tr(q8, k8[None], vt, st.inputs.kv_indptr, st.fp8.vt_indptr, out,
-               torch.empty(q8.shape[0], H, device="cuda"), vw["work_items"], vw["work_indptr"], stamps,
-               vw["partial_lse"], st.group, st.sm_scale, 1.0, st.num_ctas)  # fmt: skip
+        def attn(kern, out, part):
+            args = (q8, k8[None], vt, st.inputs.kv_indptr, st.fp8.vt_indptr, out, lse, vw["work_items"])
+            rest = (vw["work_indptr"], part, vw["partial_lse"], st.group, st.sm_scale, 1.0, st.num_ctas)
+            return lambda: kern(*args, *rest)
 
         call()  # the V^T pass of these values is in the workspace now
-        traced()
+        runs, outs = {}, {}
+        for kn in KNOBS:
+            name = ",".join(f"{k}={v}" for k, v in kn.items()) or "default"
+            for tr in (0, 1):
+                key = name + (" traced" if tr else "")
+                outs[key] = torch.full_like(ref, float("nan"))
+                kern = kernel(st.family, st.arch, **st.spec_kw, **kn, **({"trace": 1} if tr else {}))
+                runs[key] = attn(kern, outs[key], stamps if tr else vw["partial_o"])
+                runs[key]()
         torch.cuda.synchronize()
-        err = _rel(out, ref)
-        t = interleaved({"default": call, "traced": lambda: (call(), traced())}, calls=9)
-        a = np.frombuffer(stamps.cpu().numpy().tobytes(), dtype=np.uint32)[:words].astype(np.int64)
-        a = a.reshape(n_ctas, 8, TRACE_BLOCKS, TRACE_EVENTS)
-        r = analyze(a, n_ctas, TRACE_BLOCKS, TRACE_EVENTS)
-        r.update(err_vs_default=err, us_default=t["default"], us_default_plus_traced=t["traced"])
-        res[tag] = r
-        print(f"== {tag}: traced output rel err vs default {err:.2e}; default {t['default']:.1f} us, "
-              f"default + traced {t['traced']:.1f} us; {r['samples']} samples (clk, medians)")  # fmt: skip
-        for k, v in r.items():
-            if k not in ("samples",):
-                print(f"  {k:<34} {v:10.1f}")
-        c = n_ctas // 2
-        print(f"  raw, CTA {c}, blocks 20-22, warps 0 / 4 (same scheduler), clk from warp 0's block-20 top:")
-        base = a[c, 0, 20, 0]
-        for j in (20, 21, 22):
-            for wp in (0, 4):
-                print(f"   j={j} w={wp}: " + " ".join(f"{(a[c, wp, j, e] - base) % (1 << 32):6d}" for e in range(9)))
+        t = interleaved(runs, calls=9)
+        for kn in KNOBS:
+            name = ",".join(f"{k}={v}" for k, v in kn.items()) or "default"
+            stamps.zero_()
+            runs[name + " traced"]()
+            torch.cuda.synchronize()
+            a = np.frombuffer(stamps.cpu().numpy().tobytes(), dtype=np.uint32)[:words].astype(np.int64)
+            a = a.reshape(n_ctas, 8, TRACE_BLOCKS, TRACE_EVENTS)
+            r = analyze(a, n_ctas, TRACE_BLOCKS, TRACE_EVENTS)
+            r.update(err_vs_run=max(_rel(outs[k], ref) for k in (name, name + " traced")), us=t[name],
+                     us_traced=t[name + " traced"])  # fmt: skip
+            res[f"{tag}/{name}"] = r
+            print(f"== {tag} {name}: attention alone {t[name]:.1f} us, traced {t[name + ' traced']:.1f} us, output "
+                  f"rel err vs run() {r['err_vs_run']:.2e}; {r['samples']} samples (clk, medians)")  # fmt: skip
+            for k, v in r.items():
+                if k not in ("samples", "err_vs_run", "us", "us_traced"):
+                    print(f"  {k:<34} {v:10.1f}")
+            c = n_ctas // 2
+            print(f"  raw, CTA {c}, blocks 20-22, warps 0 / 4 (same scheduler), clk from warp 0's block-20 top:")
+            base = a[c, 0, 20, 0]
+            for j in (20, 21, 22):
+                for wp in (0, 4):
+                    print(
+                        f"   j={j} w={wp}: " + " ".join(f"{(a[c, wp, j, e] - base) % (1 << 32):6d}" for e in range(9))
+                    )
     if json_path:
         with open(json_path, "w") as f:
             json.dump(res, f, indent=1)

@@ -359,6 +359,7 @@ class BatchPrefillFp8(BatchPrefillSm90):
             info = ItemInfo(mWork, item, group, gdiv)
             kv_start, kv_end = info.kv_start, info.kv_end
             first, n_blocks = self._block_range(info, tc)
+            rec = item == mWorkIndptr[cta]  # knob trace: stamps of the first item only
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
@@ -390,7 +391,7 @@ class BatchPrefillFp8(BatchPrefillSm90):
                 self._store_p(acc_S, tOrP)
                 for j in cutlass.range(1, n_blocks - first, unroll=1):
                     blk = kv_start + (n_blocks - 1 - j) * TN
-                    sp = (item, j, lane)
+                    sp = (rec, j, lane)
                     self._stamp(gm, sp, 0)
                     v_state = state.clone()
                     state.advance()
@@ -436,10 +437,10 @@ class BatchPrefillFp8(BatchPrefillSm90):
         writes ``%clock`` at ``event`` of block j < TRACE_BLOCKS of its CTA's first item into
         mPartO read as int32 words [cta, warp, j, event] (the plan must have no split)."""
         if const_expr(self.trace):
-            item, j, lane = sp
-            cta, _, _ = cute.arch.block_idx()
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - 4
-            if lane == 0 and j < TRACE_BLOCKS and item == gm.mWorkIndptr[cta]:
+            rec, j, lane = sp
+            if rec and lane == 0 and j < TRACE_BLOCKS:
+                cta, _, _ = cute.arch.block_idx()
+                warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - 4
                 words = cute.make_tensor(cute.recast_ptr(gm.mPartO.iterator, dtype=Int32), cute.make_layout(1 << 24))
                 words[((cta * 8 + warp) * TRACE_BLOCKS + j) * TRACE_EVENTS + event] = cute.arch.clock()
 
