@@ -526,4 +526,5 @@ def build_batch_prefill_fp8(spec):
     )
     kern = BatchPrefillFp8(cfg, to_dsl(p["qkv_dtype"]))
     kern.trace = p.get("trace", 0)
+    kern.exp_free = bool(p.get("exp_free", 0))  # diagnostic: no exponentials (wrong output)
     return make_entry(kern, prefill_fp8_abi(p), [], host="host_fp8")
