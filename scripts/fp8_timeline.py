@@ -17,7 +17,7 @@ import json
 import sys
 
 TRACE_BLOCKS, TRACE_EVENTS = 48, 16  # kernels/prefill_fp8.py's (that module needs the DSL)
-KNOBS = [{}, {"pingpong": 0}, {"exp_free": 1}]
+KNOBS = [{}, {"pingpong": 3}, {"pingpong": 3, "exp_free": 1}]
 WRONG = {"exp_free"}  # diagnostic knobs whose output is wrong by design
 EVENTS = ["top", "k_ready", "turn", "qk_issued+v_ready", "pv_issued", "s_ready", "softmax_done", "pv_done", "p_stored"]
 

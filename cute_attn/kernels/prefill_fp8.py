@@ -129,6 +129,9 @@ class BatchPrefillFp8(BatchPrefillSm90):
         self.trace = 0  # knob: clock stamps of the first item's blocks into mPartO (_stamp)
         # knob pingpong=2: the two WGs take turns at the softmax (MUFU) instead of at the GEMM issue
         self.softmax_turns = cfg.pingpong == 2
+        # diagnostic knob pingpong=3: one WG at a time from its GEMM issue to the end of its
+        # softmax, its GEMMs finished first: the softmax runs with the tensor cores idle
+        self.serial = cfg.pingpong == 3
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
@@ -406,17 +409,17 @@ class BatchPrefillFp8(BatchPrefillSm90):
                     pipe_v.consumer_wait(v_state)
                     self._stamp(gm, sp, 3)
                     self._pv(mma_pv, acc_O, tOrP, tOrV, v_state)
-                    if const_expr(not self.softmax_turns):
+                    if const_expr(not self.softmax_turns and not self.serial):
                         self._pingpong_signal(wg)
                     self._stamp(gm, sp, 4)
-                    warpgroup.wait_group(1)
+                    warpgroup.wait_group(0 if self.serial else 1)
                     self._stamp(gm, sp, 5)
                     pipe_k.consumer_release(state)
                     if const_expr(self.softmax_turns):
                         self._pingpong_wait(wg)
                         self._stamp(gm, sp, 9)
                     self._mask_softmax(acc_S, st, rows, blk, None, tc)
-                    if const_expr(self.softmax_turns):
+                    if const_expr(self.softmax_turns or self.serial):
                         self._pingpong_signal(wg)
                     self._stamp(gm, sp, 6)
                     warpgroup.wait_group(0)
