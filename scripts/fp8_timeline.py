@@ -17,8 +17,7 @@ import json
 import sys
 
 TRACE_BLOCKS, TRACE_EVENTS = 48, 16  # kernels/prefill_fp8.py's (that module needs the DSL)
-KNOBS = [{}, {"pingpong": 3}, {"pingpong": 3, "exp_free": 1}]
-WRONG = {"exp_free"}  # diagnostic knobs whose output is wrong by design
+KNOBS = [{}, {"pingpong": 0}]
 EVENTS = ["top", "k_ready", "turn", "qk_issued+v_ready", "pv_issued", "s_ready", "softmax_done", "pv_done", "p_stored"]
 
 
@@ -49,10 +48,6 @@ def analyze(st, n_ctas: int, blocks: int, events: int) -> dict:
                 if w < 4 and st[c, w + 4, j, 2]:
                     offset.append((st[c, w + 4, j, 2] - row[2]) % (1 << 32))
     out = {k: float(np.median(v)) for k, v in phases.items() if v}
-    turns = [(st[c, w, j, 9] - st[c, w, j, 5]) % (1 << 32) for c in range(n_ctas) for w in range(8)
-             for j in range(8, blocks - 2) if st[c, w, j, 9] and st[c, w, j, 5]]  # fmt: skip
-    if turns:
-        out["s_ready->softmax_turn (pingpong=2)"] = float(np.median(turns))
     out["period"] = float(np.median(period)) if period else 0.0
     out["wg1_turn_minus_wg0_turn"] = float(np.median(offset)) if offset else 0.0
     out["samples"] = len(period)

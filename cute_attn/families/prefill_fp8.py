@@ -135,9 +135,8 @@ def prefill_fp8_spec(
     kernel's lazy running max; the default follows every new maximum, so each row's largest
     weight is exactly 1 in e4m3), ``pin_p`` (1: P's conversion pinned where it is written, see
     ``kernels/fragments.pin_fragment``), ``trace`` (1: clock stamps into the partial-output
-    buffer, a diagnostic: ``kernels/prefill_fp8._stamp``), ``exp_free`` (1: no exponentials, a
-    diagnostic with a wrong output)."""
-    assert set(knobs) <= {"tile_n", "stages", "pingpong", "lazy_rescale", "pin_p", "trace", "exp_free"}, knobs
+    buffer, a diagnostic: ``kernels/prefill_fp8._stamp``)."""
+    assert set(knobs) <= {"tile_n", "stages", "pingpong", "lazy_rescale", "pin_p", "trace"}, knobs
     assert knobs.get("tile_n", VT_GROUP) % VT_GROUP == 0
     return Spec.make(
         "batch_prefill_fp8_sm90",

@@ -127,11 +127,6 @@ class BatchPrefillFp8(BatchPrefillSm90):
         self.q_chunks = self.head_dim // 16  # 16-byte chunks per Q row
         self.p_src = None  # set while tracing host_fp8 (_p_sources)
         self.trace = 0  # knob: clock stamps of the first item's blocks into mPartO (_stamp)
-        # knob pingpong=2: the two WGs take turns at the softmax (MUFU) instead of at the GEMM issue
-        self.softmax_turns = cfg.pingpong == 2
-        # diagnostic knob pingpong=3: one WG at a time from its GEMM issue to the end of its
-        # softmax, its GEMMs finished first: the softmax runs with the tensor cores idle
-        self.serial = cfg.pingpong == 3
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
@@ -402,25 +397,18 @@ class BatchPrefillFp8(BatchPrefillSm90):
                     state.advance()
                     pipe_k.consumer_wait(state)
                     self._stamp(gm, sp, 1)
-                    if const_expr(not self.softmax_turns):
-                        self._pingpong_wait(wg)
+                    self._pingpong_wait(wg)
                     self._stamp(gm, sp, 2)
                     self._qk(mma_qk, acc_S, tSrQ, tSrK, state)
                     pipe_v.consumer_wait(v_state)
                     self._stamp(gm, sp, 3)
                     self._pv(mma_pv, acc_O, tOrP, tOrV, v_state)
-                    if const_expr(not self.softmax_turns and not self.serial):
-                        self._pingpong_signal(wg)
+                    self._pingpong_signal(wg)
                     self._stamp(gm, sp, 4)
-                    warpgroup.wait_group(0 if self.serial else 1)
+                    warpgroup.wait_group(1)
                     self._stamp(gm, sp, 5)
                     pipe_k.consumer_release(state)
-                    if const_expr(self.softmax_turns):
-                        self._pingpong_wait(wg)
-                        self._stamp(gm, sp, 9)
                     self._mask_softmax(acc_S, st, rows, blk, None, tc)
-                    if const_expr(self.softmax_turns or self.serial):
-                        self._pingpong_signal(wg)
                     self._stamp(gm, sp, 6)
                     warpgroup.wait_group(0)
                     self._stamp(gm, sp, 7)
@@ -529,5 +517,4 @@ def build_batch_prefill_fp8(spec):
     )
     kern = BatchPrefillFp8(cfg, to_dsl(p["qkv_dtype"]))
     kern.trace = p.get("trace", 0)
-    kern.exp_free = bool(p.get("exp_free", 0))  # diagnostic: no exponentials (wrong output)
     return make_entry(kern, prefill_fp8_abi(p), [], host="host_fp8")
