@@ -208,8 +208,8 @@ def test_fp8_prefill(case):
         in_kernel = kv8_widening_pays(qo, kv, hq, hk, d, kw.get("causal", False), c.w._tile, sms,
                                       kw.get("window_left", -1))  # fmt: skip
     assert (c.w._gathered is None) == in_kernel and c.w._spec_kw["paged"] == (kind == "paged" and in_kernel)
-    pass_in_kernel = c.w._spec_kw.get("kv8_pass") == 1  # the pass run by the kernel itself
-    assert not pass_in_kernel or (kind == "ragged" and d == 128 and c.w._tile == 128)
+    pass_in_kernel = c.w._spec_kw.get("kv8_pass") is not None  # the pass run by the kernel itself
+    assert not pass_in_kernel or (d == 128 and c.w._tile == 128 and c.w._spec_kw["kv8_pass"] == 1 + (kind == "paged"))
     assert c.w._spec_kw.get("kv_dtype") == (kw.get("kv", "e4m3") if in_kernel or pass_in_kernel else None)
     if "soft_cap" in kw:
         assert c.w._tile == 128  # the soft-cap / window kernels are compiled for 128-row tiles
@@ -301,6 +301,38 @@ def test_fp8_ragged_pass_in_kernel_matches_pass(monkeypatch, kv, q_dtype, causal
     assert inl.w._tile == 128 and inl.w._spec_kw.get("kv8_pass") == 1 and inl.w._state.pass_module is None
     monkeypatch.setattr(backends, "KV8_PASS_IN_KERNEL", False)
     host = plan_case("ragged", *lens, hq, hk, 128, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed, kv_pass=True)
+    assert "kv8_pass" not in host.w._spec_kw and host.w._state.pass_module is not None
+    o1, l1 = inl.run(0.5, 2.0)
+    o2, l2 = host.run(0.5, 2.0)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    o3, l3 = inl.run(0.5, 2.0)
+    assert torch.equal(o1, o3) and torch.equal(l1, l3)
+
+
+# (page size, layout, single tensor, kv, q dtype, causal, lens, qo heads, kv heads) of a paged cache's pass
+PAGED_PASS_CASES = [
+    (16, "NHD", False, "e4m3", BF, True, ([8192], [8192]), 16, 16),
+    (1, "HND", True, "e5m2", F16, False, ([300, 1, 2000, 129, 700], [300, 1, 2000, 129, 700]), 32, 8),
+    (64, "NHD", True, "e4m3", BF, True, ([1, 4000, 3, 900], [30000, 4000, 60000, 900]), 32, 8),
+    (5, "HND", False, "e4m3", F16, True, ([0, 500, 0, 300, 7, 900], [10, 0, 0, 500, 7, 901]), 16, 4),
+]
+
+
+@gpu
+@pytest.mark.parametrize("ps,layout,single,kv,q_dtype,causal,lens,hq,hk", PAGED_PASS_CASES)
+def test_fp8_paged_pass_in_kernel_matches_pass(monkeypatch, ps, layout, single, kv, q_dtype, causal, lens, hq, hk):
+    """A paged fp8 cache's pass inside the kernel (``kv8_pass`` 2: the helpers gather each
+    block's rows through the page table with ``cp.async``) against the standalone paged pass on
+    the same inputs, bit for bit, on an all-NaN workspace, twice (and against the reference)."""
+    seed = int(torch.randint(1 << 30, ()).item())
+    nan_ws = torch.full((1 << 30,), 255, dtype=torch.uint8, device=DEV)
+    kw = dict(page_size=ps, layout=layout, single_tensor=single, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed,
+              kv_pass=True)  # fmt: skip
+    inl = plan_case("paged", *lens, hq, hk, 128, workspace=nan_ws, **kw)
+    assert inl.w._state.gather.in_workspace and inl.w._state.pass_module is None
+    assert inl.w._tile == 128 and inl.w._spec_kw.get("kv8_pass") == 2 and not inl.w._spec_kw["paged"]
+    monkeypatch.setattr(backends, "KV8_PASS_IN_KERNEL", False)
+    host = plan_case("paged", *lens, hq, hk, 128, **kw)
     assert "kv8_pass" not in host.w._spec_kw and host.w._state.pass_module is not None
     o1, l1 = inl.run(0.5, 2.0)
     o2, l2 = host.run(0.5, 2.0)
@@ -555,19 +587,29 @@ def test_cpu_fp8_specs_and_abi():
     from cute_attn.variants.builtins import FlashSigmoid
 
     inl = [s for s in kv8 if s.pdict.get("kv8_pass")]
-    # dtype x fp8 kind x causal x (plain, soft-cap, window, both)
-    assert len(inl) == 2 * 2 * 2 * 4 and all(s.pdict["tile_q"] == 128 and not s.pdict["paged"] for s in inl)
-    abi = get_family("batch_prefill_sm90").abi(inl[0].pdict)
-    names = [a.name for a in abi]
-    assert names[names.index("num_ctas") + 1 :] == ["mK8", "mV8", "mPassState", "mPassPlan"]
-    by = {a.name: a for a in abi}
-    assert by["mK"].dtype == by["mV"].dtype == inl[0].pdict["dtype"]
-    assert by["mK8"].dtype == by["mV8"].dtype == inl[0].pdict["kv_dtype"] and by["mPassPlan"].dtype == "i32"
-    for bad in (dict(paged=True, page_box=16), dict(tile_q=64), dict(variant=FlashSigmoid())):
-        args = dict(dtype="bf16", head_dim=128, tile_q=128, paged=False) | bad
+    # ragged / paged cache x dtype x fp8 kind x causal x (plain, soft-cap, window, both); the
+    # kernel itself reads the ragged 16-bit copy either way
+    assert len(inl) == 2 * 2 * 2 * 2 * 4 and all(s.pdict["tile_q"] == 128 and not s.pdict["paged"] for s in inl)
+    assert {s.pdict["kv8_pass"] for s in inl} == {prefill.KV8_PASS_RAGGED, prefill.KV8_PASS_PAGED}
+    pass_tensors = {
+        prefill.KV8_PASS_RAGGED: ["mK8", "mV8", "mPassState", "mPassPlan"],
+        prefill.KV8_PASS_PAGED: ["mK8", "mV8", "mPassState", "mPassPlan", "mPassPageIndptr", "mPassPageIds"],
+    }
+    for src, want in pass_tensors.items():
+        spec = next(s for s in inl if s.pdict["kv8_pass"] == src)
+        abi = get_family("batch_prefill_sm90").abi(spec.pdict)
+        names = [a.name for a in abi]
+        assert names[names.index("num_ctas") + 1 :] == want
+        by = {a.name: a for a in abi}
+        assert by["mK"].dtype == by["mV"].dtype == spec.pdict["dtype"]
+        assert by["mK8"].dtype == by["mV8"].dtype == spec.pdict["kv_dtype"]
+        assert all(by[n].dtype == "i32" for n in want[2:])
+    bad_args = (dict(paged=True, page_box=16), dict(tile_q=64), dict(variant=FlashSigmoid()), dict(kv8_pass=3))
+    for bad in bad_args:
+        args = dict(dtype="bf16", head_dim=128, tile_q=128, paged=False, kv8_pass=True) | bad
         with pytest.raises(ValueError, match="kv8_pass"):
             prefill.prefill_spec("sm_90a", args.pop("dtype"), args.pop("head_dim"), args.pop("tile_q"),
-                                 args.pop("paged"), kv_dtype="e4m3", kv8_pass=True, **args)  # fmt: skip
+                                 args.pop("paged"), kv_dtype="e4m3", **args)  # fmt: skip
 
 
 def _calls(emu):
@@ -1074,3 +1116,25 @@ def test_cpu_fp8_ragged_pass_in_kernel(emu, monkeypatch, case):
                  workspace=_cpu_ws(256), seed=3, kv_pass=True, k_scale=0.5, v_scale=2.0)  # fmt: skip
     assert _calls(emu)[0] == "batch_prefill_sm90" and emu.calls[0][1]["kv8_pass"] == 1
     assert c.w._state.kv8_pass is not None and c.w._state.pass_module is None
+
+
+@pytest.mark.parametrize("case", range(len(PAGED_PASS_CASES)))
+def test_cpu_fp8_paged_pass_in_kernel(emu, monkeypatch, case):
+    """The paged GPU cases on 132 emulated SMs: one launch of the ``kv8_pass`` 2 kernel (no
+    standalone pass), given the copy's token offsets and, after its pass tensors, the page
+    table; its emulation gathers through that table and checks the tasks' requests."""
+    import cute_attn.wrappers.prefill_base as P
+
+    monkeypatch.setattr(P, "sm_count_of_index", lambda i: 132)
+    ps, layout, single, kv, q_dtype, causal, lens, hq, hk = PAGED_PASS_CASES[case]
+    c = run_case("paged", *lens, hq, hk, 128, page_size=ps, layout=layout, single_tensor=single, kv=kv,
+                 q_dtype=q_dtype, causal=causal, device="cpu", workspace=_cpu_ws(256), seed=3, kv_pass=True,
+                 k_scale=0.5, v_scale=2.0)  # fmt: skip
+    assert _calls(emu) == ["batch_prefill_sm90"] + (["merge_partials"] if c.w._state.plan.has_split else [])
+    assert emu.calls[0][1]["kv8_pass"] == 2 and not emu.calls[0][1]["paged"]
+    assert c.w._state.kv8_pass is not None and c.w._state.pass_module is None
+    monkeypatch.setattr(backends, "KV8_PASS_IN_KERNEL", False)  # the standalone paged pass instead
+    emu.calls.clear()
+    run_case("paged", *lens, hq, hk, 128, page_size=ps, layout=layout, single_tensor=single, kv=kv, q_dtype=q_dtype,
+             causal=causal, device="cpu", workspace=_cpu_ws(256), seed=3, kv_pass=True)  # fmt: skip
+    assert _calls(emu)[:2] == ["kv_pass", "batch_prefill_sm90"] and emu.calls[0][1]["paged"]

@@ -766,11 +766,12 @@ def _plain(t):
     return t.as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) else t
 
 
-def _emulate_kv8_pass(k4, v4, kv_indptr, work, work_indptr, k8, v8, state, plan):
+def _emulate_kv8_pass(k4, v4, kv_indptr, work, work_indptr, k8, v8, state, plan, *pages):
     """``kernels/prefill_sm90_kv8_pass.py``'s contract: the state zeroed, every (block of 128
-    rows of the whole ragged cache, kv head) in the plan's tasks exactly once, in the order the
-    CTAs first need them (each CTA walks its items' blocks from last to first, one per step:
-    counted here item by item); then K / V dequantized into the 16-bit copy."""
+    rows of the whole ragged cache, kv head) in the plan's tasks exactly once, with the request
+    of its first row, in the order the CTAs first need them (each CTA walks its items' blocks
+    from last to first, one per step: counted here item by item); then K / V dequantized into
+    the 16-bit copy, from a ragged cache or (``pages``: page indptr, page ids) a paged one."""
     from cute_attn.sched import workspace as ws
 
     assert (state == 0).all() and state.numel() >= 4
@@ -778,7 +779,9 @@ def _emulate_kv8_pass(k4, v4, kv_indptr, work, work_indptr, k8, v8, state, plan)
     n, toff, total, hk = int(plan[0]), int(plan[1]), int(plan[2]), k4.shape[2]
     assert total == int(ind[-1])
     blocks = -(-total // 128)
-    tasks = plan[toff : toff + 2 * n].view(-1, 2).tolist()
+    fields = plan[toff : toff + 3 * n].view(-1, 3).tolist()
+    assert all(ind[r] <= 128 * g < ind[r + 1] for g, _, r in fields)
+    tasks = [f[:2] for f in fields]
     want = {(g, h) for g in range(blocks) for h in range(hk)}
     assert len(tasks) == len(want) and {tuple(t) for t in tasks} == want and state.numel() - 4 == len(want)
     need = {}
@@ -796,8 +799,17 @@ def _emulate_kv8_pass(k4, v4, kv_indptr, work, work_indptr, k8, v8, state, plan)
                 step += 1
     steps = [need.get(tuple(t), 1 << 40) for t in tasks]
     assert steps == sorted(steps)
-    k4[0, :total] = k8[0, :total].to(k4.dtype)
-    v4[0, :total] = v8[0, :total].to(v4.dtype)
+    if not pages:
+        k4[0, :total] = k8[0, :total].to(k4.dtype)
+        v4[0, :total] = v8[0, :total].to(v4.dtype)
+        return
+    page_indptr, page_ids = (t.long() for t in pages)
+    ps = k8.shape[1]
+    for r in range(ind.numel() - 1):
+        t = torch.arange(int(ind[r + 1] - ind[r]))
+        page, slot = page_ids[page_indptr[r] + t // ps], t % ps
+        k4[0, ind[r] : ind[r + 1]] = k8[page, slot].to(k4.dtype)
+        v4[0, ind[r] : ind[r + 1]] = v8[page, slot].to(v4.dtype)
 
 
 def _emulate_prefill(

@@ -53,4 +53,9 @@ def test_demand_order_matches_a_walk_of_the_plan(qo, kv, hk, causal, sms):
     assert steps == sorted(steps)
     arr, n_flags = pass_plan(plan.work_items, plan.work_indptr, kv, hk, block)
     assert arr.dtype == np.int32 and n_flags == blocks * hk
-    assert arr[:3].tolist() == [blocks * hk, 3, sum(kv)] and (arr[3:].reshape(-1, 2) == order).all()
+    fields = arr[3:].reshape(-1, 3)
+    assert arr[:3].tolist() == [blocks * hk, 3, sum(kv)] and (fields[:, :2] == order).all()
+    # the third field: the request holding the block's first row (a non-empty one)
+    kv_off = np.concatenate([[0], np.cumsum(kv)])
+    for g, _, r in fields.tolist():
+        assert kv_off[r] <= g * block < kv_off[r + 1]

@@ -52,13 +52,18 @@ def prefill_abi_fixed(p):
     ]
 
 
+KV8_PASS_RAGGED, KV8_PASS_PAGED = 1, 2  # spec ``kv8_pass``: the fp8 cache the kernel's pass reads
+
+
 def prefill_extra_abi(p):
     """The tensors ahead of the variant's: with ``kv8_pass`` the fp8 cache the kernel reads, the
-    pass's state (zeroed before each launch) and plan (``kernels/prefill_sm90_kv8_pass.py``)."""
+    pass's state (zeroed before each launch) and plan (``kernels/prefill_sm90_kv8_pass.py``),
+    and for a paged cache its page table (page indptr, page ids)."""
     if not p.get("kv8_pass"):
         return []
     fp8 = [cache_arg(n, p, p["kv_dtype"]) for n in ("mK8", "mV8")]
-    return fp8 + [i32_arg("mPassState"), i32_arg("mPassPlan")]
+    pages = [i32_arg("mPassPageIndptr"), i32_arg("mPassPageIds")] if p["kv8_pass"] == KV8_PASS_PAGED else []
+    return fp8 + [i32_arg("mPassState"), i32_arg("mPassPlan")] + pages
 
 
 def prefill_abi(p):
@@ -140,9 +145,10 @@ KV8_PASS_BLOCK = 128  # keys per task of the pass inside the kernel: the kv8_pas
 
 
 def kv8_pass_serves(dtype: str, kv_dtype: str, head_dim: int, head_dim_vo: int, tile_q: int) -> bool:
-    """Whether the kernel can run a ragged fp8 cache's pass itself (``kv8_pass``): the
-    widening kernel's cases (:func:`kv8_serves`, ragged, no variant) at 128-row tiles (items
-    back to back: the staging tiles live in the output's)."""
+    """Whether the kernel can run an fp8 cache's pass itself (``kv8_pass``, ragged or paged: it
+    reads the 16-bit copy as a ragged cache either way): the widening kernel's cases
+    (:func:`kv8_serves`, ragged, no variant) at 128-row tiles (items back to back: the staging
+    tiles live in the output's)."""
     return tile_q == 128 and kv8_serves(dtype, kv_dtype, head_dim, head_dim_vo, False, None)
 
 
@@ -166,13 +172,16 @@ def prefill_spec(
     page_box: int = 0,
     head_dim_vo: int | None = None,
     kv_dtype: str | None = None,
-    kv8_pass: bool = False,
+    kv8_pass: int = 0,
 ) -> Spec:
     """One ``batch_prefill_sm90`` specialization; ``variant``: the traced variant beyond the
     static flags, None for the plain kernel; ``page_box``: see :func:`page_box_for` (a
     parameter only when set); ``head_dim_vo``: v / output's head dim (a parameter only when it
     differs from ``head_dim``); ``kv_dtype``: an fp8 cache the kernel widens itself (a parameter
-    only when set: :func:`kv8_serves`); ``keys_transformed`` follows from the rest."""
+    only when set: :func:`kv8_serves`); ``kv8_pass``: the kernel dequantizes that cache itself
+    (:data:`KV8_PASS_RAGGED`, or True, for a ragged cache, :data:`KV8_PASS_PAGED` for a paged
+    one: the kernel itself still reads the ragged 16-bit copy, ``paged`` False);
+    ``keys_transformed`` follows from the rest."""
     extra = variant_params(variant) if variant is not None else {}
     if kv_dtype is not None and kv_dtype != dtype:
         dv = head_dim if head_dim_vo is None else head_dim_vo
@@ -185,7 +194,9 @@ def prefill_spec(
         if kv8_pass:
             if paged or tile_q != 128 or variant is not None:
                 raise ValueError("batch_prefill_sm90: kv8_pass is built for ragged 128-row kernels, no traced variant")
-            extra["kv8_pass"] = 1
+            if int(kv8_pass) not in (KV8_PASS_RAGGED, KV8_PASS_PAGED):
+                raise ValueError(f"batch_prefill_sm90: kv8_pass={kv8_pass!r} (1: a ragged fp8 cache, 2: a paged one)")
+            extra["kv8_pass"] = int(kv8_pass)
     if head_dim_vo is not None and head_dim_vo != head_dim:
         extra["head_dim_vo"] = int(head_dim_vo)
     if paged and page_box:
@@ -256,8 +267,8 @@ def shipped_specs(arch: str) -> list:
     the plain kernel; soft-cap, window and both at head dim 128, tile 128, ragged; the
     DeepSeek-style prefill (192 / 128, bf16) over the same grid; an fp8 cache (e4m3 / e5m2)
     widened in the kernel at head dim 128, ragged and in page boxes, both tiles, and with the
-    flags at tile 128, and dequantized by the kernel's own pass (``kv8_pass``); the merges of
-    the tiles."""
+    flags at tile 128, and dequantized by the kernel's own pass (``kv8_pass``, ragged and paged
+    caches); the merges of the tiles."""
     flags = ((True, False), (False, True), (True, True))
     extra = prefill_specs(arch, head_dims=(128,), tiles=(128,), paged=(False,), variants=flags)
     deepseek = prefill_specs(arch, dtype_names=("bf16",), head_dims=HEAD_DIM_PAIRS)
@@ -265,8 +276,9 @@ def shipped_specs(arch: str) -> list:
     kv8 += prefill_specs(
         arch, head_dims=KV8_HEAD_DIMS, tiles=(128,), variants=flags, page_boxes=(PAGE_BOX,), kv_names=dtypes.FP8
     )
-    kv8 += [  # the fp8 pass inside the kernel (ragged, 128-row tiles; the flags: forward()'s overrides)
-        prefill_spec(arch, dt, d, 128, False, c, cap, win, kv_dtype=kv, kv8_pass=True)
+    kv8 += [  # the fp8 pass inside the kernel (128-row tiles; the flags: forward()'s overrides)
+        prefill_spec(arch, dt, d, 128, False, c, cap, win, kv_dtype=kv, kv8_pass=src)
+        for src in (KV8_PASS_RAGGED, KV8_PASS_PAGED)
         for dt in dtypes.ATTENTION
         for d in KV8_HEAD_DIMS
         for kv in dtypes.FP8

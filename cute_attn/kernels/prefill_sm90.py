@@ -117,7 +117,7 @@ class PrefillConfig:
     )  # 1: items back to back (the next one's first block with this one's last); -1: OVERLAP_TILES
     kv_dtype: Any = None  # DSL fp8 type of an fp8 K / V widened in the kernel (prefill_sm90_kv8); None: dtype
     kv8_cvt: int = 0  # 1: widen to bf16 by cvt instructions (NaN kept) instead of integer ops (knob)
-    kv8_pass: int = 0  # 1: the fp8 cache dequantized once per key by the kernel (prefill_sm90_kv8_pass)
+    kv8_pass: int = 0  # fp8 cache (1 ragged, 2 paged) dequantized once per key by the kernel (prefill_sm90_kv8_pass)
 
     @classmethod
     def from_spec(cls, p: dict) -> PrefillConfig:
@@ -238,7 +238,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
         self.kv8 = cfg.kv_dtype
         kv8_ok = not self.gather and head_dim == head_dim_vo and head_dim in KV8_HEAD_DIMS
         assert self.kv8 is None or kv8_ok, "kv_dtype: K / V by TMA (ragged, page boxes), one head dim in KV8_HEAD_DIMS"
-        self.kv8_pass = bool(cfg.kv8_pass)
+        self.kv8_pass = int(cfg.kv8_pass)
         # paged TMA: producer warps that issue a block's boxes (box b by warp b % box_warps)
         self.box_warps = cfg.box_warps or BOX_WARPS
         self.causal = cfg.causal
@@ -393,8 +393,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
                 tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), v3, box_v, (TN, DV))
         extra, p8 = (), ()  # kv8_pass: the fp8 cache, the pass's state and plan (ahead of the variant's)
         if const_expr(self.kv8_pass):  # the kernel's tensor parameters stay in ABI order (tests/test_abi.py)
-            extra, var_tensors = var_tensors[:4], var_tensors[4:]
-            p8 = self._pass_tma(extra, s8_layout)
+            extra, var_tensors, p8 = self._pass_args(var_tensors, s8_layout)
 
         @cute.struct
         class Smem:

@@ -50,14 +50,17 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from ..families.prefill import KV8_PASS_PAGED
+from .copy import cp_async_16
 from .fp8 import fp8_kind, fp8x4_to_bf16x4_exact, fp8x4_to_f16x4
+from .pages import in_cache
 from .prefill_sm90_kv8 import ld_shared_v4
 
 HELPER_WARPS = 3  # producer warps 1-3 (warp 0 streams the 16-bit blocks)
 BAR_HELPERS = 6  # the helpers' named barrier (prefill_sm90's barriers: 1-5)
 PASS_DONE = 1  # mPassState: the claim counter at 0, the tasks published at 1, flags from PASS_FLAGS
 PASS_FLAGS = 4
-PLAN_FIELDS = 2  # a task: block of the cache's rows, kv head
+PLAN_FIELDS = 3  # a task: block of the cache's rows, kv head, the request of the block's first row
 
 
 def _asm(ret, args, text, cons):
@@ -117,9 +120,30 @@ def st_global_v4(addr, words, *, loc=None, ip=None) -> None:
 class PrefillKv8Pass:
     """The helpers and the block wait of ``BatchPrefillSm90`` with ``kv8_pass`` (module doc)."""
 
+    def _pass_args(self, var_tensors, s8_layout):
+        """Host side: (the pass's tensors, the variant's, the fp8 sources the kernel starts ``p8``
+        with) from the tensors after the fixed ones: mK8, mV8, mPassState, mPassPlan and for a
+        paged cache mPassPageIndptr, mPassPageIds (the kernel appends all but the first two to
+        ``p8``: :meth:`_pass_fields`).  A ragged cache's sources are its TMA atoms and views, a
+        paged cache's the tensors (``cp.async`` per 16-byte chunk: a block's rows span pages)."""
+        n = 6 if self.kv8_pass == KV8_PASS_PAGED else 4
+        extra, rest = var_tensors[:n], var_tensors[n:]
+        if const_expr(self.kv8_pass == KV8_PASS_PAGED):
+            return extra, rest, tuple(extra[:2])
+        return extra, rest, self._pass_tma(extra, s8_layout)
+
+    def _pass_fields(self, p8):
+        """(state, plan, sources) of ``p8``: sources (tma_k8, tK8, tma_v8, tV8) for a ragged
+        cache, (mK8, mV8, page indptr, page ids) for a paged one."""
+        if const_expr(self.kv8_pass == KV8_PASS_PAGED):
+            mK8, mV8, state, plan, page_indptr, page_ids = p8
+            return state, plan, (mK8, mV8, page_indptr, page_ids)
+        tma_k8, tK8, tma_v8, tV8, state, plan = p8
+        return state, plan, (tma_k8, tK8, tma_v8, tV8)
+
     def _pass_tma(self, extra, s8_layout):
         """Host side: (TMA atom and view of the fp8 K, the same of V) from the kernel's extra
-        tensors (mK8, mV8, mPassState, mPassPlan); the kernel appends the last two (``p8``)."""
+        tensors (mK8, mV8, mPassState, mPassPlan)."""
         out = []
         for m in extra[:2]:
             x3 = cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 2]))  # (tokens, D, heads)
@@ -154,7 +178,7 @@ class PrefillKv8Pass:
         """Warp 0, once per item: 0 once every task is published (the done count, ``atom.release``
         by each task's publisher, equals the task count: then the item's blocks need no flag
         checks, only the proxy fence), else 1."""
-        mState, mPlan = p8[4], p8[5]
+        mState, mPlan, _ = self._pass_fields(p8)
         pending = Int32(1)
         if ld_acquire_gpu(mState.iterator.toint() + PASS_DONE * 4) == mPlan[0]:
             fence_proxy_async_global()
@@ -165,7 +189,7 @@ class PrefillKv8Pass:
     def _wait_block(self, gm, p8, row, kv_head):
         """Warp 0: spin until the tasks of the cache's rows [row, row + tile_n) that exist (at
         most two blocks) are published, then order the async proxy's reads after them."""
-        mState, mPlan = p8[4], p8[5]
+        mState, mPlan, _ = self._pass_fields(p8)
         TN = self.tile_n
         hi = cutlass.min(row + TN, mPlan[2])
         base = (row // TN) * gm.mK.shape[2] + kv_head
@@ -179,7 +203,7 @@ class PrefillKv8Pass:
     @cute.jit
     def _pass_helpers(self, gm, p8, sm, tidx):
         """Warps 1-3: claim, load, convert and publish tasks until none is left."""
-        tma_k8, tK8, tma_v8, tV8, mState, mPlan = p8
+        mState, mPlan, srcs = self._pass_fields(p8)
         TN, D = self.tile_n, self.head_dim
         ht = tidx - 32  # 0 .. 95
         n_tasks, toff = mPlan[0], mPlan[1]
@@ -191,25 +215,35 @@ class PrefillKv8Pass:
         cute.arch.barrier(barrier_id=BAR_HELPERS, number_of_threads=32 * HELPER_WARPS)
         t = claim[0]
         phase = Int32(0)
+        pdiv = None
+        if const_expr(self.kv8_pass == KV8_PASS_PAGED):
+            pdiv = cute.FastDivmodDivisorV2(srcs[0].shape[1])  # the page size
         while t < n_tasks:
-            blk, head = mPlan[toff + PLAN_FIELDS * t], mPlan[toff + PLAN_FIELDS * t + 1]
+            task = toff + PLAN_FIELDS * t
+            blk, head = mPlan[task], mPlan[task + 1]
             row0 = blk * TN
             n_rows = cutlass.min(mPlan[2] - row0, TN)
-            if ht < 32:  # warp 1, converged: the TMA copy elects its lane itself (elect.sync, all lanes)
-                for x in cutlass.range_constexpr(2):
-                    tma, tX, sX, bar = (tma_k8, tK8, sm.sK8, bar_k) if x == 0 else (tma_v8, tV8, sm.sV8, bar_v)
-                    gX = cute.local_tile(cute.domain_offset((row0, 0), tX[None, None, head]), (TN, D), (None, 0))
-                    ts, tg = cpasync.tma_partition(
-                        tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
-                    )
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(bar, TN * D)
-                    cute.copy(tma, tg[None, 0], ts[None, 0], tma_bar_ptr=bar)
-            cute.arch.mbarrier_wait(bar_k, phase)
-            self._convert_rows(sm.sK8, gm.mK, row0, n_rows, head, ht)
-            cute.arch.mbarrier_wait(bar_v, phase)
-            self._convert_rows(sm.sV8, gm.mV, row0, n_rows, head, ht)
-            phase = phase ^ 1
+            if const_expr(self.kv8_pass == KV8_PASS_PAGED):
+                self._gather_pages(gm, srcs, sm, row0, n_rows, mPlan[task + 2], head, pdiv, ht)
+                self._convert_rows(sm.sK8, gm.mK, row0, n_rows, head, ht)
+                self._convert_rows(sm.sV8, gm.mV, row0, n_rows, head, ht)
+            else:
+                tma_k8, tK8, tma_v8, tV8 = srcs
+                if ht < 32:  # warp 1, converged: the TMA copy elects its lane itself (elect.sync, all lanes)
+                    for x in cutlass.range_constexpr(2):
+                        tma, tX, sX, bar = (tma_k8, tK8, sm.sK8, bar_k) if x == 0 else (tma_v8, tV8, sm.sV8, bar_v)
+                        gX = cute.local_tile(cute.domain_offset((row0, 0), tX[None, None, head]), (TN, D), (None, 0))
+                        ts, tg = cpasync.tma_partition(
+                            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
+                        )
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_arrive_and_expect_tx(bar, TN * D)
+                        cute.copy(tma, tg[None, 0], ts[None, 0], tma_bar_ptr=bar)
+                cute.arch.mbarrier_wait(bar_k, phase)
+                self._convert_rows(sm.sK8, gm.mK, row0, n_rows, head, ht)
+                cute.arch.mbarrier_wait(bar_v, phase)
+                self._convert_rows(sm.sV8, gm.mV, row0, n_rows, head, ht)
+                phase = phase ^ 1
             fence_global_writes()
             cute.arch.barrier(barrier_id=BAR_HELPERS, number_of_threads=32 * HELPER_WARPS)
             if ht == 0:
@@ -219,6 +253,35 @@ class PrefillKv8Pass:
                 claim[0] = atom_add_gpu(counter, 1)
             cute.arch.barrier(barrier_id=BAR_HELPERS, number_of_threads=32 * HELPER_WARPS)
             t = claim[0]
+
+    @cute.jit
+    def _gather_pages(self, gm, srcs, sm, row0, n_rows, req0, head, pdiv, ht):
+        """A paged cache's task: rows [0, n_rows) of the block into the staging tiles, where
+        :meth:`_convert_rows` reads them (swizzled 128-byte rows), one ``cp.async`` per 16-byte
+        chunk of K and of V.  Row r is the cache's token ``row0 + r`` of the ragged order (the
+        16-bit copy's ``mKvIndptr``): its request is found from ``req0`` (the plan's: the
+        request of the block's first row) forward, then its page from the page table."""
+        mK8, mV8, mPageIndptr, mPageIds = srcs
+        tok = gm.mKvIndptr
+        per_row = self.head_dim // 16
+        sk = sm.sK8[None, None, 0].iterator.toint()
+        sv = sm.sV8[None, None, 0].iterator.toint()
+        for k in cutlass.range_constexpr((self.tile_n * per_row + 32 * HELPER_WARPS - 1) // (32 * HELPER_WARPS)):
+            c = ht + k * 32 * HELPER_WARPS
+            r, q = c // per_row, c % per_row
+            if r < n_rows:
+                w = row0 + r
+                req = req0
+                while w >= tok[req + 1]:  # requests ending inside the block (empty ones too)
+                    req = req + 1
+                page_idx, slot = divmod(w - tok[req], pdiv)
+                page = in_cache(mPageIds[mPageIndptr[req] + page_idx], mK8.shape[0])
+                off = r * 128 + ((q ^ (r % 8)) * 16)
+                cp_async_16(sk + off, mK8[page, slot, head, None].iterator.toint() + q * 16)
+                cp_async_16(sv + off, mV8[page, slot, head, None].iterator.toint() + q * 16)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier(barrier_id=BAR_HELPERS, number_of_threads=32 * HELPER_WARPS)
 
     @cute.jit
     def _convert_rows(self, s8, mX, row0, n_rows, head, ht):

@@ -45,9 +45,15 @@ def demand_order(work_items, work_indptr, kv_lens, num_kv_heads: int, block: int
 
 def pass_plan(work_items, work_indptr, kv_lens, num_kv_heads: int, block: int):
     """(the int32 plan of the pass inside the kernel, its flag count): ``[n_tasks, 3, tokens,
-    (block, kv head)...]``, one task per block of ``block`` rows of the ragged cache (all
-    requests' rows one after the other) and kv head, in :func:`demand_order`."""
-    total = int(np.asarray(kv_lens, dtype=np.int64).sum())
+    (block, kv head, request)...]``, one task per block of ``block`` rows of the ragged cache
+    (all requests' rows one after the other) and kv head, in :func:`demand_order`; ``request``:
+    the one holding the block's first row (a paged cache's pass walks the page table from it)."""
+    kv = np.asarray(kv_lens, dtype=np.int64)
+    total = int(kv.sum())
     tasks = demand_order(work_items, work_indptr, kv_lens, num_kv_heads, block)
-    plan = np.concatenate([[len(tasks), 3, total], tasks.reshape(-1)]).astype(np.int32)
+    starts = np.concatenate([[0], np.cumsum(kv)])[:-1]
+    # the last request starting at or before the row: empty ones before it are skipped
+    req = np.searchsorted(starts, tasks[:, 0] * block, side="right") - 1
+    fields = np.concatenate([tasks, req[:, None]], 1)
+    plan = np.concatenate([[len(tasks), 3, total], fields.reshape(-1)]).astype(np.int32)
     return plan, len(tasks)

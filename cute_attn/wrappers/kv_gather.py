@@ -129,12 +129,11 @@ def widens(w, launch, kv_pass, dims, variant, page_size: int, batch, tile: int, 
 
 def pass_in_kernel(w, launch, tile: int, dims, variant) -> bool:
     """Whether the prefill kernel runs this plan's fp8 pass itself (``kernels/prefill_sm90_kv8_pass.py``:
-    ragged, 128-row kernels at head dim 128 with the static flags only, not in CUDA-graph mode),
-    by ``families.backends.KV8_PASS_IN_KERNEL``."""
+    a ragged or paged cache (any page size), 128-row kernels at head dim 128 with the static
+    flags only, not in CUDA-graph mode), by ``families.backends.KV8_PASS_IN_KERNEL``."""
     d, dv = dims
     return (
         backends.KV8_PASS_IN_KERNEL
-        and not w._PAGED
         and not w._use_cuda_graph
         and variant is None
         and launch["kv_dtype"] is not None

@@ -42,7 +42,14 @@ from ..families.backends import NoBackend, backend_for, backends_for, choose_pre
 from ..families.base import variant_params
 from ..families.kv_pass import kv_pass_spec
 from ..families.merge import merge_partials_spec
-from ..families.prefill import FIXED_SPLIT_TILE, keys_pretransformed, page_box_for, regular_gather
+from ..families.prefill import (
+    FIXED_SPLIT_TILE,
+    KV8_PASS_PAGED,
+    KV8_PASS_RAGGED,
+    keys_pretransformed,
+    page_box_for,
+    regular_gather,
+)
 from ..families.prefill_mma import BATCH_PREFILL_MMA
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import KernelNotAvailable, kernel
@@ -460,8 +467,8 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             spec_kw["page_box"] = launch["page_box"]
         if kv8 or inline:
             spec_kw["kv_dtype"] = launch["kv_dtype"]
-        if inline:
-            spec_kw["kv8_pass"] = 1
+        if inline:  # the kernel itself reads the ragged 16-bit copy; its pass reads the cache
+            spec_kw["kv8_pass"] = KV8_PASS_PAGED if self._PAGED else KV8_PASS_RAGGED
         pretransformed = keys_pretransformed(paged, var) and not portable
         if pretransformed:
             spec_kw["keys_transformed"] = True
@@ -619,6 +626,9 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         if st.kv8_pass is not None:  # the kernel dequantizes the fp8 cache into the gather region itself
             st.kv8_pass[0].zero_()
             extra, (k4, v4) = (k4, v4) + st.kv8_pass, st.gathered
+            if self._PAGED:  # the pass reads the page table; the kernel, the copy's token offsets
+                extra += (kv_indptr, kv_indices)
+                kv_indptr, kv_indices = st.inputs.kv_tok_indptr, st.inputs.no_indices
         vw = self._views
         module(
             sc.query(q),
