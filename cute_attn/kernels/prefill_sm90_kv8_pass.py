@@ -1,6 +1,8 @@
-"""The KV pass inside the Hopper prefill kernel (spec ``kv8_pass``): an fp8 ragged cache is
-dequantized once per key, as by the standalone pass (``kv_pass.py``), but by the kernel's own
-producer warps while its consumers already compute, instead of before the kernel starts.
+"""The KV pass inside the Hopper prefill kernel (spec ``kv8_pass``): an fp8 cache, ragged (1) or
+paged (2), is dequantized once per key, as by the standalone pass (``kv_pass.py``), but by the
+kernel's own producer warps while its consumers already compute, instead of before the kernel
+starts.  Either way the kernel itself reads the ragged 16-bit copy (a paged cache's rows in the
+order of the copy's token offsets, ``mKvIndptr``).
 
 Why: a long prefill is compute-bound, so the standalone pass's ~70 us of memory traffic (2 x 8k
 x 16 heads, hd128: 67 MB read, 134 MB written) is pure added time (1.06-1.09x the bf16
@@ -19,10 +21,13 @@ Roles in the producer warpgroup:
   as the TMA reads through the async proxy what generic stores wrote);
 - warps 1-3 (the helpers) claim tasks from a global counter (``atom.add``) in the plan's order
   (last blocks first: the order in which the consumers, who walk blocks from last to first,
-  need them), load the task's fp8 K and V boxes by TMA into the staging tiles (the output
-  staging tile's memory: O goes out through the item's Q buffer, as with the widening), convert
-  them (to the pass's values, NaN / Inf kept) and store 16-bit rows to global memory, then
-  fence and publish the flag (``st.release.gpu``).  The plan orders the tasks as its CTAs will
+  need them), load the task's fp8 K and V rows into the staging tiles (the output staging
+  tile's memory: O goes out through the item's Q buffer, as with the widening) -- a ragged
+  cache's as one TMA box each, a paged cache's by ``cp.async`` per 16-byte chunk through the
+  page table (a block's rows span pages and requests: each row's request is found from the
+  plan's request of the block's first row) --, convert them (to the pass's values, NaN / Inf
+  kept) and store 16-bit rows to global memory, then fence and publish the flag
+  (``st.release.gpu``).  The plan orders the tasks as its CTAs will
   first need them (``sched.pass_order``): in the order nearest a request's end first, CTAs
   whose first items sit low in a causal batch waited for most of the pass (2 x 8k causal:
   1.13x the bf16 time against 1.04x, H200).
@@ -36,7 +41,8 @@ Workspace (``families/prefill.py``, ``kv8_pass_plan``): ``mPassState`` (int32, z
 every launch) holds the claim counter at 0 and one flag per (block, kv head) from
 ``PASS_FLAGS``, block g of head h at ``g * kv_heads + h``, and the count of published tasks
 at ``PASS_DONE`` (once it is the task count, warp 0 stops checking flags); ``mPassPlan`` (int32, written by
-plan()): ``[n_tasks, task_offset, tokens]`` then tasks ``(block, kv head)``.  A K / V block the
+plan()): ``[n_tasks, task_offset, tokens]`` then tasks ``(block, kv head, request of the block's
+first row)``; a paged cache's kernel also takes the page table (page indptr, page ids).  A K / V block the
 producer loads starts anywhere in the cache (a request's first row, a split point): it waits
 for the (at most two) blocks its rows overlap.
 """
