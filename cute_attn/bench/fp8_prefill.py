@@ -7,7 +7,8 @@ forced -- the kernel widening the fp8 blocks in shared memory (``kv_pass=False``
 ``kernels/prefill_sm90_kv8.py``), the KV pass dequantizing K / V for the 16-bit kernel
 (``kv_pass=True``: run by the kernel's own producer warps, ``kernels/prefill_sm90_kv8_pass.py``)
 and the standalone pass before the kernel (``.../fp8kv/host_pass``) -- and paged at page 16
-(the pass gathers and dequantizes), beside the bf16 ragged and paged runs; all timed in turns
+(the pass gathers and dequantizes: inside the kernel as the plan chooses, and before it,
+``.../page16/fp8kv/host_pass``), beside the bf16 ragged and paged runs; all timed in turns
 (``interleaved``: the H200's clocks drift).  Records
 under the bf16 case name plus ``/fp8kv``: ``us``, ``TFLOP/s`` (the attention's FLOPs, as the
 prefill bench) and ``vs_bf16`` = fp8 time / bf16 time of the same layout; ``.../fp8kv/in_kernel``
@@ -76,13 +77,24 @@ def bench_fp8_prefill(res, quick: bool) -> None:
         paged16 = _paged_cache(lens, k16, v16, D, PAGE, gen)
         cache16 = paged16[0]
         paged8 = ((cache16[0].to(FP8), cache16[1].to(FP8)),) + paged16[1:]
-        for tag, paged, kvd in (("bf16", paged16, None), ("fp8", paged8, FP8)):
-            runs[f"page16_{tag}"] = _paged(lib, torch.empty(512 << 20, dtype=torch.uint8, device="cuda"), paged, q,
-                                           causal, kvd)  # fmt: skip
+        for tag, paged, kvd in (("bf16", paged16, None), ("fp8", paged8, FP8), ("fp8_host_pass", paged8, FP8)):
+            inline, backends.KV8_PASS_IN_KERNEL = backends.KV8_PASS_IN_KERNEL, tag != "fp8_host_pass"
+            try:
+                runs[f"page16_{tag}"] = _paged(lib, torch.empty(512 << 20, dtype=torch.uint8, device="cuda"), paged,
+                                               q, causal, kvd)  # fmt: skip
+            finally:
+                backends.KV8_PASS_IN_KERNEL = inline
         ref = runs["ragged_bf16"].out
         bad = [
             t
-            for t in ("ragged_fp8", "ragged_fp8_kernel", "ragged_fp8_pass", "ragged_fp8_host_pass", "page16_fp8")
+            for t in (
+                "ragged_fp8",
+                "ragged_fp8_kernel",
+                "ragged_fp8_pass",
+                "ragged_fp8_host_pass",
+                "page16_fp8",
+                "page16_fp8_host_pass",
+            )  # fmt: skip
             if not peers.check_output(f"ours {t}", runs[t].out, ref)[1]
         ]
         if bad:
@@ -105,6 +117,8 @@ def bench_fp8_prefill(res, quick: bool) -> None:
         for tag, sub in (("kernel", "in_kernel"), ("pass", "kv_pass"), ("host_pass", "host_pass")):
             res.add(f"{name}/fp8kv/{sub}", "cute_attn", "us", t[f"ragged_fp8_{tag}"])
             res.add(f"{name}/fp8kv/{sub}", "cute_attn", "vs_bf16", t[f"ragged_fp8_{tag}"] / t["ragged_bf16"])
+        res.add(f"{name}/page16/fp8kv/host_pass", "cute_attn", "us", t["page16_fp8_host_pass"])
+        res.add(f"{name}/page16/fp8kv/host_pass", "cute_attn", "vs_bf16", t["page16_fp8_host_pass"] / t["page16_bf16"])
         cols = ["n/a", "n/a"]
         if "fi_fp8" in t:
             res.add(f"{name}/page16/fp8kv", "flashinfer", "us", t["fi_fp8"])
@@ -120,6 +134,8 @@ def bench_fp8_prefill(res, quick: bool) -> None:
                            ("host_pass", "ragged, pass before the kernel")):  # fmt: skip
             a, b = t["ragged_bf16"], t[f"ragged_fp8_{tag}"]
             print(f"{name + ' ' + label:<56} {a:8.1f} {b:8.1f} {b / a:7.3f} {_tflops(flops, b):8.1f}")
+        a, b = t["page16_bf16"], t["page16_fp8_host_pass"]
+        print(f"{name + ' page16, pass before the kernel':<56} {a:8.1f} {b:8.1f} {b / a:7.3f} {_tflops(flops, b):8.1f}")
         del runs, paged8, paged16, k8, v8, k16, v16
     for case in SHORT_QUERIES:
         _short_queries(res, lib, gen, quick, *case)
