@@ -406,7 +406,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
             # gather: K / V row addresses
             sRows: cute.struct.MemRange[cutlass.Int64, 2 * TN * ROW_RING if self.gather else 1]
 
-        if const_expr(Smem.size_in_bytes() > SMEM_MAX):
+        if const_expr(Smem.size_in_bytes() + self.pass_smem_bytes() > SMEM_MAX):  # the kernel adds the pass's
             raise ValueError(
                 f"{Smem.size_in_bytes()} bytes of shared memory > {SMEM_MAX}: fewer stages or keys per block"
             )

@@ -157,6 +157,11 @@ class PrefillKv8Pass:
             out += list(cpasync.make_tiled_tma_atom(g2s, x3, s8_layout, (self.tile_n, self.head_dim)))
         return tuple(out)
 
+    def pass_smem_bytes(self) -> int:
+        """Shared memory :meth:`_pass_smem` allocates inside the kernel, beyond the host's struct
+        (its size check must count it: over the limit, only the launch fails)."""
+        return 64 if self.kv8_pass else 0
+
     @cute.jit
     def _pass_smem(self, smem, sO_range, s8_layout, tidx):
         """``Stages``' fp8 fields: the K and V staging tiles (one each, in the output staging
@@ -166,8 +171,7 @@ class PrefillKv8Pass:
         @cute.struct
         class PassSmem:
             bars: cute.struct.MemRange[cutlass.Int64, 2]
-            # the claimed task at 0; a paged cache's (page, slot) per row of the task from 4
-            claim: cute.struct.MemRange[cutlass.Int32, 4 + (2 * TN if self.kv8_pass == KV8_PASS_PAGED else 0)]
+            claim: cute.struct.MemRange[cutlass.Int32, 4]
 
         st = smem.allocate(PassSmem)
         bars = st.bars.data_ptr()
@@ -178,8 +182,7 @@ class PrefillKv8Pass:
         ptr = cute.recast_ptr(sO_range.data_ptr(), s8_layout.inner, dtype=self.kv8)
         staged = cute.append(s8_layout.outer, cute.make_layout(1, stride=TN * D))
         views = (cute.make_tensor(ptr, staged), cute.make_tensor(ptr + TN * D, staged))
-        n_claim = 4 + (2 * TN if self.kv8_pass == KV8_PASS_PAGED else 0)
-        return views + (None, None, (bars, bars + 1), st.claim.get_tensor(cute.make_layout(n_claim)))
+        return views + (None, None, (bars, bars + 1), st.claim.get_tensor(cute.make_layout(4)))
 
     @cute.jit
     def _pass_pending(self, p8):
@@ -265,17 +268,18 @@ class PrefillKv8Pass:
     @cute.jit
     def _gather_pages(self, gm, srcs, sm, row0, n_rows, req0, head, pdiv, ht):
         """A paged cache's task: rows [0, n_rows) of the block into the staging tiles, where
-        :meth:`_convert_rows` reads them (swizzled 128-byte rows), one ``cp.async`` per 16-byte
-        chunk of K and of V.  Row r is the cache's token ``row0 + r`` of the ragged order (the
-        16-bit copy's ``mKvIndptr``): its request is found from ``req0`` (the plan's: the
-        request of the block's first row) forward, then its page from the page table -- once
-        per row, into shared memory (``pass_claim`` from 4), not per chunk: three dependent
-        loads per chunk kept each thread's copies in series."""
+        :meth:`_convert_rows` reads them (swizzled 128-byte rows), by ``cp.async`` of 16 bytes.
+        Row r is the cache's token ``row0 + r`` of the ragged order (the 16-bit copy's
+        ``mKvIndptr``): its request is found from ``req0`` (the plan's: the request of the
+        block's first row) forward, then its page from the page table.  A thread takes whole
+        rows (r = its index + 96 k) and copies all their chunks: one lookup per row (per chunk,
+        the three dependent loads kept each thread's copies in series) and no row table in
+        shared memory (the kernel has no 1 KB left for one)."""
         mK8, mV8, mPageIndptr, mPageIds = srcs
         tok = gm.mKvIndptr
-        rows = sm.pass_claim
-        per_row = self.head_dim // 16
         helpers = 32 * HELPER_WARPS
+        sk = sm.sK8[None, None, 0].iterator.toint()
+        sv = sm.sV8[None, None, 0].iterator.toint()
         for k in cutlass.range_constexpr((self.tile_n + helpers - 1) // helpers):
             r = ht + k * helpers
             if r < n_rows:
@@ -284,20 +288,13 @@ class PrefillKv8Pass:
                 while w >= tok[req + 1]:  # requests ending inside the block (empty ones too)
                     req = req + 1
                 page_idx, slot = divmod(w - tok[req], pdiv)
-                rows[4 + 2 * r] = in_cache(mPageIds[mPageIndptr[req] + page_idx], mK8.shape[0])
-                rows[5 + 2 * r] = slot
-        cute.arch.barrier(barrier_id=BAR_HELPERS, number_of_threads=helpers)
-        sk = sm.sK8[None, None, 0].iterator.toint()
-        sv = sm.sV8[None, None, 0].iterator.toint()
-        # a loop, not unrolled: 22 addresses at once exceed the producer's 40 registers (a spill)
-        for k in cutlass.range((self.tile_n * per_row + helpers - 1) // helpers, unroll=1):
-            c = ht + k * helpers
-            r, q = c // per_row, c % per_row
-            if r < n_rows:
-                page, slot = rows[4 + 2 * r], rows[5 + 2 * r]
-                off = r * 128 + ((q ^ (r % 8)) * 16)
-                cp_async_16(sk + off, mK8[page, slot, head, None].iterator.toint() + q * 16)
-                cp_async_16(sv + off, mV8[page, slot, head, None].iterator.toint() + q * 16)
+                page = in_cache(mPageIds[mPageIndptr[req] + page_idx], mK8.shape[0])
+                src_k = mK8[page, slot, head, None].iterator.toint()
+                src_v = mV8[page, slot, head, None].iterator.toint()
+                for q in cutlass.range_constexpr(self.head_dim // 16):
+                    off = r * 128 + ((q ^ (r % 8)) * 16)
+                    cp_async_16(sk + off, src_k + q * 16)
+                    cp_async_16(sv + off, src_v + q * 16)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier(barrier_id=BAR_HELPERS, number_of_threads=32 * HELPER_WARPS)
