@@ -292,15 +292,22 @@ def test_fp8_ragged_pass_in_kernel_matches_pass(monkeypatch, kv, q_dtype, causal
     consumers wait for its flag) against the standalone pass on the same inputs: both convert
     by ``cvt`` and the consumers are the same code, so output and LSE must be equal bit for
     bit (and match the fp32 reference; run twice: the state is re-zeroed per launch)."""
+    _pass_in_kernel_matches_host(monkeypatch, "ragged", lens, hq, hk, kv=kv, q_dtype=q_dtype, causal=causal)
+
+
+def _pass_in_kernel_matches_host(monkeypatch, kind, lens, hq, hk, **kw):
+    """Plan ``kind`` with the pass inside the kernel, on a workspace all NaN (0xff bytes: a block
+    read past a request's end must meet converted rows), and with the standalone pass, on the
+    same inputs; run both and the first again: equal bit for bit (``run`` also checks the fp32
+    reference)."""
     seed = int(torch.randint(1 << 30, ()).item())
-    # the workspace all NaN (0xff bytes): a block read past a request's end must meet converted rows
     nan_ws = torch.full((1 << 30,), 255, dtype=torch.uint8, device=DEV)
-    inl = plan_case("ragged", *lens, hq, hk, 128, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed, kv_pass=True,
-                    workspace=nan_ws)  # fmt: skip
-    assert inl.w._state.gather.in_workspace
-    assert inl.w._tile == 128 and inl.w._spec_kw.get("kv8_pass") == 1 and inl.w._state.pass_module is None
+    inl = plan_case(kind, *lens, hq, hk, 128, seed=seed, kv_pass=True, workspace=nan_ws, **kw)
+    assert inl.w._state.gather.in_workspace and inl.w._state.pass_module is None
+    src = 2 if kind == "paged" else 1  # the kernel reads the ragged 16-bit copy either way
+    assert inl.w._tile == 128 and inl.w._spec_kw.get("kv8_pass") == src and not inl.w._spec_kw["paged"]
     monkeypatch.setattr(backends, "KV8_PASS_IN_KERNEL", False)
-    host = plan_case("ragged", *lens, hq, hk, 128, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed, kv_pass=True)
+    host = plan_case(kind, *lens, hq, hk, 128, seed=seed, kv_pass=True, **kw)
     assert "kv8_pass" not in host.w._spec_kw and host.w._state.pass_module is not None
     o1, l1 = inl.run(0.5, 2.0)
     o2, l2 = host.run(0.5, 2.0)
@@ -324,21 +331,8 @@ def test_fp8_paged_pass_in_kernel_matches_pass(monkeypatch, ps, layout, single, 
     """A paged fp8 cache's pass inside the kernel (``kv8_pass`` 2: the helpers gather each
     block's rows through the page table with ``cp.async``) against the standalone paged pass on
     the same inputs, bit for bit, on an all-NaN workspace, twice (and against the reference)."""
-    seed = int(torch.randint(1 << 30, ()).item())
-    nan_ws = torch.full((1 << 30,), 255, dtype=torch.uint8, device=DEV)
-    kw = dict(page_size=ps, layout=layout, single_tensor=single, kv=kv, q_dtype=q_dtype, causal=causal, seed=seed,
-              kv_pass=True)  # fmt: skip
-    inl = plan_case("paged", *lens, hq, hk, 128, workspace=nan_ws, **kw)
-    assert inl.w._state.gather.in_workspace and inl.w._state.pass_module is None
-    assert inl.w._tile == 128 and inl.w._spec_kw.get("kv8_pass") == 2 and not inl.w._spec_kw["paged"]
-    monkeypatch.setattr(backends, "KV8_PASS_IN_KERNEL", False)
-    host = plan_case("paged", *lens, hq, hk, 128, **kw)
-    assert "kv8_pass" not in host.w._spec_kw and host.w._state.pass_module is not None
-    o1, l1 = inl.run(0.5, 2.0)
-    o2, l2 = host.run(0.5, 2.0)
-    assert torch.equal(o1, o2) and torch.equal(l1, l2)
-    o3, l3 = inl.run(0.5, 2.0)
-    assert torch.equal(o1, o3) and torch.equal(l1, l3)
+    kw = dict(page_size=ps, layout=layout, single_tensor=single, kv=kv, q_dtype=q_dtype, causal=causal)
+    _pass_in_kernel_matches_host(monkeypatch, "paged", lens, hq, hk, **kw)
 
 
 @gpu
