@@ -316,12 +316,17 @@ def model_specs(m: ModelAttention, arch: str) -> list:
 
 def _kv8_specs(arch, dt, d, tile, causal, cap, window, variant, kv) -> list:
     """The prefill kernels that widen an fp8 cache themselves (ragged, and paged in page boxes)
-    where they serve the model's shape (``families.prefill.kv8_serves``)."""
-    return [
+    where they serve the model's shape (``families.prefill.kv8_serves``), and those that run its
+    dequantizing pass themselves (``kv8_pass``: a ragged and a paged cache; no traced variant)."""
+    widen = [
         prefill_spec(arch, dt, d, tile, paged, causal, cap, window, variant, pb, kv_dtype=kv)
         for paged, pb in ((False, 0), (True, PAGE_BOX))
         if prefill.kv8_serves(dt, kv, d, d, paged, variant, pb)
     ]
+    if variant is not None or not prefill.kv8_pass_serves(dt, kv, d, d, tile):
+        return widen
+    srcs = (prefill.KV8_PASS_RAGGED, prefill.KV8_PASS_PAGED)
+    return widen + [prefill_spec(arch, dt, d, tile, False, causal, cap, window, kv_dtype=kv, kv8_pass=s) for s in srcs]
 
 
 def _mla_model_specs(m: ModelAttention, arch: str) -> list:
