@@ -23,6 +23,8 @@ ours, ``ratio`` = its time / ours.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..families import backends
@@ -44,6 +46,16 @@ def _paged(lib, ws, paged, q, causal, kv_dtype, ctor_kw=None):
     call = peers.Call(lambda: w.run(q, cache, out=out), out)
     call()
     return call
+
+
+@contextlib.contextmanager
+def _pass_in_kernel(on: bool):
+    """Plans made inside take the fp8 pass in the kernel (``on``) or the standalone pass first."""
+    was, backends.KV8_PASS_IN_KERNEL = backends.KV8_PASS_IN_KERNEL, on
+    try:
+        yield
+    finally:
+        backends.KV8_PASS_IN_KERNEL = was
 
 
 def bench_fp8_prefill(res, quick: bool) -> None:
@@ -68,22 +80,16 @@ def bench_fp8_prefill(res, quick: bool) -> None:
             ("fp8_host_pass", k8, v8, {"kv_data_type": FP8, "kv_pass": True}),
         ):
             ws = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-            inline, backends.KV8_PASS_IN_KERNEL = backends.KV8_PASS_IN_KERNEL, tag != "fp8_host_pass"
-            try:
+            with _pass_in_kernel(tag != "fp8_host_pass"):
                 runs[f"ragged_{tag}"] = peers.ragged_prefill(lib, ws, ind, q, k, v, causal, D, **kw)
-            finally:
-                backends.KV8_PASS_IN_KERNEL = inline
         widened = runs["ragged_fp8"].wrapper._gathered is None  # the plan's choice
         paged16 = _paged_cache(lens, k16, v16, D, PAGE, gen)
         cache16 = paged16[0]
         paged8 = ((cache16[0].to(FP8), cache16[1].to(FP8)),) + paged16[1:]
         for tag, paged, kvd in (("bf16", paged16, None), ("fp8", paged8, FP8), ("fp8_host_pass", paged8, FP8)):
-            inline, backends.KV8_PASS_IN_KERNEL = backends.KV8_PASS_IN_KERNEL, tag != "fp8_host_pass"
-            try:
+            with _pass_in_kernel(tag != "fp8_host_pass"):
                 runs[f"page16_{tag}"] = _paged(lib, torch.empty(512 << 20, dtype=torch.uint8, device="cuda"), paged,
                                                q, causal, kvd)  # fmt: skip
-            finally:
-                backends.KV8_PASS_IN_KERNEL = inline
         ref = runs["ragged_bf16"].out
         bad = [
             t

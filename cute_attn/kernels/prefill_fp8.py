@@ -359,7 +359,7 @@ class BatchPrefillFp8(BatchPrefillSm90):
             info = ItemInfo(mWork, item, group, gdiv)
             kv_start, kv_end = info.kv_start, info.kv_end
             first, n_blocks = self._block_range(info, tc)
-            rec = item == mWorkIndptr[cta]  # knob trace: stamps of the first item only
+            rec = item == mWorkIndptr[cta] if const_expr(self.trace) else None  # knob trace: the first item
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
