@@ -1,6 +1,6 @@
 """The portable prefill kernel (``kernels/prefill_mma.py``, ``plan(prefill_backend=
 "prefill_mma_sync")``) against the fp32 reference on the GPU, over the prefill grid: the three
-tiles (16 / 32 / 64 packed rows, chosen by the planner's rule from the batch), ragged and paged
+tiles (16 / 32 / 64 / 128 packed rows, chosen by the planner's rule from the batch), ragged and paged
 KV (page sizes 1 and 16, NHD and HND), causal and not (queries longer than keys included), GQA
 groups 1 / 4 / 8, head dims 64 / 80 / 96 / 128 / 256, fp16 / bf16, query lengths 0 / 1 / odd / long,
 soft-cap and the sliding window, traced variants (sinks on the register epilogue, a custom mask,
@@ -36,7 +36,8 @@ BF, FP = torch.bfloat16, torch.float16
 LENS = {
     16: ([1, 4, 3, 1, 2, 4, 0, 1], [1, 5, 100, 3000, 64, 65, 1, 7]),  # decode-like, an empty request
     32: ([3, 5, 9, 2, 0, 13], [3, 700, 9, 50, 7, 2000]),  # short appends
-    64: ([1, 17, 128, 300, 5, 77], [1, 117, 128, 333, 2005, 77]),  # prefill, kv = qo and kv > qo
+    64: ([1, 17, 30, 9, 5, 12], [1, 117, 128, 333, 2005, 77]),  # longer appends
+    128: ([1, 17, 128, 300, 5, 77], [1, 117, 128, 333, 2005, 77]),  # prefill, kv = qo and kv > qo
 }
 
 
@@ -54,14 +55,14 @@ def _portable(w, tile=None):
 
 
 # (test, args) of every GPU case, for the CPU check of their specs (test_gpu_cases_use_preset_specs)
-GRID = [(t, kv, c) for t in (16, 32, 64) for kv in (0, 16, 1) for c in (False, True)]
+GRID = [(t, kv, c) for t in (16, 32, 64, 128) for kv in (0, 16, 1) for c in (False, True)]
 DIMS = [
-    (64, FP, 8, 8, 64, 0, True),
-    (64, FP, 8, 8, 64, 16, False),
+    (64, FP, 8, 8, 128, 0, True),
+    (64, FP, 8, 8, 128, 16, False),
     (256, BF, 16, 2, 64, 0, True),
     (256, BF, 16, 4, 32, 16, True),
 ]
-FLAGS = [(64, 0, True, 30.0, 100), (32, 16, False, None, 7), (16, 1, True, 50.0, -1)]
+FLAGS = [(64, 0, True, 30.0, 100), (128, 16, True, 30.0, 100), (32, 16, False, None, 7), (16, 1, True, 50.0, -1)]
 # head dim 96 (192-byte rows in three 64-byte swizzle atom columns), 32 / 8 heads: every tile,
 # ragged / page 16 / page 1, causal or not, f16 once; then soft-cap + window
 HD96 = [
@@ -98,7 +99,7 @@ def test_portable_grid(tile, kv, causal):
 @pytest.mark.parametrize("d,dtype,hq,hk,tile,kv,causal", DIMS, ids=lambda x: str(x))
 def test_portable_head_dims(d, dtype, hq, hk, tile, kv, causal):
     """Head dims 64 (fp16, no GQA) and 256 (GQA 8); HND at 256."""
-    qo, kvl = LENS[64] if hq == hk else LENS[32]
+    qo, kvl = LENS[128] if hq == hk else LENS[32]
     layout = "HND" if d == 256 else "NHD"
     _portable(_run(kv, qo, kvl, hq, hk, d, dtype, causal=causal, layout=layout), tile)
 
@@ -152,8 +153,8 @@ def test_portable_variants(name, tile, kv, causal):
 @gpu
 def test_portable_long_causal():
     """8k causal, no GQA (the compute-bound case) and a request of 8k queries over 8k - 1 keys."""
-    _portable(_run(0, [8192], [8192], 8, 8, 128, BF, causal=True), 64)
-    _portable(_run(16, [8192, 1], [8192, 8191], 8, 1, 64, BF, causal=True), 64)
+    _portable(_run(0, [8192], [8192], 8, 8, 128, BF, causal=True), 128)
+    _portable(_run(16, [8192, 1], [8192, 8191], 8, 1, 64, BF, causal=True), 128)
 
 
 @gpu
@@ -161,7 +162,7 @@ def test_portable_long_causal():
 def test_portable_split(paged):
     """One long request over few kv heads: the planner cuts the KV (partial slots + merge)."""
     w = _run(16 if paged else 0, [40, 3000, 17], [20000, 3000, 5000], 8, 2, 128, BF, causal=True)
-    _portable(w, 64)
+    _portable(w, 128)
     assert w._plan.has_split
 
 
@@ -198,7 +199,7 @@ def test_portable_cuda_graph_replay():
         128,
         1024,
         20000,
-        ([500, 24, 300, 200], [2000, 1024, 1007, 4072]),  # tile 64, fixed for the replays
+        ([500, 24, 300, 200], [2000, 1024, 1007, 4072]),  # tile 128, fixed for the replays
         [
             ([1, 1, 1, 1021], [1, 1, 1, 15000]),
             ([5, 77, 300, 1], [5, 77, 300, 1]),
@@ -248,7 +249,7 @@ def test_gpu_cases_use_preset_specs(monkeypatch):
     for tile, kv, causal in GRID:
         _portable(run(kv, *LENS[tile], 32, 8, 128, BF, causal=causal), tile)
     for d, dtype, hq, hk, tile, kv, causal in DIMS:
-        _portable(run(kv, *(LENS[64] if hq == hk else LENS[32]), hq, hk, d, dtype, causal=causal), tile)
+        _portable(run(kv, *(LENS[128] if hq == hk else LENS[32]), hq, hk, d, dtype, causal=causal), tile)
     for tile, kv, causal, cap, window in FLAGS:
         _portable(run(kv, *LENS[tile], 32, 8, 128, BF, causal=causal, soft_cap=cap, window_left=window), tile)
     for name, tile, kv, causal in VARIANTS:

@@ -121,7 +121,7 @@ CPU = dict(device="cpu", seed=11)
 TILE64_KNOBS: dict = {}  # spec knobs the interpreted 64-row kernels get (test_warps_m_knob)
 
 # qo_lens, kv_lens, hq, hk, head_dim, dtype, page size (0: ragged), causal, soft_cap, window,
-# plan extras, the tile (the planner's rule: mean packed rows per request -> 16 / 32 / 64)
+# plan extras, the tile (the planner's rule: mean packed rows per request -> 16 / 32 / 64 / 128)
 CASES = [
     ([1, 1, 1], [70, 5, 130], 8, 2, 64, torch.bfloat16, 16, False, None, -1, {}, 16),  # decode-like
     ([4, 4], [40, 67], 8, 2, 64, torch.float16, 1, True, None, -1, {}, 16),  # multi-token, page 1
@@ -131,6 +131,12 @@ CASES = [
     ([33, 2], [150, 2], 4, 2, 64, torch.bfloat16, 0, True, 30.0, 20, {}, 64),  # soft-cap + window
     ([2, 3], [100, 71], 32, 4, 128, torch.bfloat16, 16, False, None, 40, {}, 32),  # head dim 128, window
     ([20], [200], 4, 2, 64, torch.bfloat16, 0, True, None, -1, dict(fixed_split_size=64), 64),  # split + merge
+    # the 128-row tile (4 warps of 32 rows, Q read per k16 step from its single buffer): CTAs with
+    # several items reload Q; a request of fewer rows than the tile
+    ([70, 9], [80, 300], 4, 2, 64, torch.bfloat16, 0, True, None, -1, {}, 128),
+    ([66, 70], [150, 90], 4, 2, 64, torch.float16, 16, True, 30.0, 20, {}, 128),  # soft-cap + window
+    ([40, 30], [100, 71], 8, 2, 128, torch.bfloat16, 1, False, None, -1, {}, 128),  # head dim 128, page 1
+    ([80], [300], 4, 2, 64, torch.bfloat16, 0, True, None, -1, dict(fixed_split_size=128), 128),  # split + merge
     # head dim 96: 192-byte rows in three 64-byte swizzle atom columns, the epilogue's column pieces
     ([1, 2], [70, 33], 8, 2, 96, torch.bfloat16, 16, False, None, -1, {}, 16),
     ([8, 3], [19, 100], 8, 2, 96, torch.float16, 0, True, None, -1, {}, 32),
@@ -154,6 +160,7 @@ def _id(c):
         f"q{j(c[0])}-kv{j(c[1])}-h{c[2]}x{c[3]}-d{c[4]}-p{c[6]}"
         + ("-causal" if c[7] else "")
         + ("-split" if c[10] else "")
+        + f"-t{c[11]}"
     )
 
 

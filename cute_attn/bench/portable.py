@@ -15,16 +15,17 @@ the portable kernel's):
   tokens, 4 / 8 / 16 query tokens each (causal, bottom-right: speculative verification and short
   appends), 32 / 8 heads, pages in random order; ``TB/s`` = K and V bytes (64 x 4096 x 8 x 128 x
   2 x 2) over the time -- the 4-token batch is bandwidth-bound;
-* ``prefill_mma/hd128/causal/s8192``: 2 x 8192 causal, ragged, 16 heads (no GQA);
-  ``TFLOP/s`` = 4·h·d·s²/2 per request; ``prefill_mma/.../warps_m2``: the ``warps_m=2``
-  knob of the 64-row tile (32-row warps) on the same plan, its output checked against the
-  default's.
+* ``prefill_mma/hd128/causal/s8192``: 2 x 8192 causal, ragged, 16 heads (no GQA), the
+  planner's 128-row tile; ``TFLOP/s`` = 4·h·d·s²/2 per request; ``prefill_mma/.../tile64``:
+  the 64-row tile (16-row warps) on the same batch, its output checked as the default's.
 
 The sm_100a build of the same code has never run on Blackwell hardware (we have none): these
 are Hopper figures of the code Blackwell would get.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -93,16 +94,17 @@ def _fa2(fi, fns, case, ref, runner, *args):
     return None
 
 
-def _knob_module(w, **knob):
-    """The wrapper's kernel with spec knobs added (the same plan and launch), or None."""
-    from ..runtime.loader import kernel
+@contextlib.contextmanager
+def _tile_rule(tile: int):
+    """plan() inside picks ``tile`` packed rows per query tile (the planner's rule replaced)."""
+    import cute_attn.wrappers.prefill_base as P
 
-    kw = dict(w._state.spec_kw, **knob)
+    rule = P.choose_cta_tile_q
+    P.choose_cta_tile_q = lambda *a: tile
     try:
-        return kernel(w._state.family, w._state.arch, **kw)
-    except Exception as e:  # not in the cache
-        print(f"  knob {knob}: n/a ({type(e).__name__}: {str(e)[:100]})")
-        return None
+        yield
+    finally:
+        P.choose_cta_tile_q = rule
 
 
 def _prefill_case(res, fi, gen):
@@ -111,25 +113,18 @@ def _prefill_case(res, fi, gen):
     q = torch.randn(B * S, H, D, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)
     ind = torch.arange(B + 1, dtype=torch.int32) * S
-    run, wrappers = {}, {}
+    run = {}
     for name, be in (("wgmma", WGMMA), ("mma", MMA)):
         ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         run[name] = peers.ragged_prefill(peers.ours(), ws, ind, q, k, v, True, D, prefill_backend=be)
     ok = _close(f"prefill_mma/{case}", run["mma"].out, run["wgmma"].out)
     fns = dict(run)
-    # the warps_m=2 knob: a second portable wrapper, its kernel swapped after plan()
+    # the 64-row tile (4 warps of 16 rows) on the same batch: what the planner's 128-row tile gains
     ws2 = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    w2 = peers.ours().mod.BatchPrefillWithRaggedKVCacheWrapper(ws2)
-    w2.plan(ind, ind, H, H, D, causal=True, q_data_type=q.dtype, prefill_backend=MMA)
-    wrappers["knob"] = w2
-    mod = _knob_module(w2, warps_m=2) if w2._tile == 64 else None
-    if mod is not None:
-        w2._state.binding.module = mod
-        out2, lse2 = torch.empty_like(q), torch.empty(q.shape[0], H, device="cuda")
-        knob = peers.Call(lambda: w2.run(q, k, v, out=out2, lse=lse2), out2)
-        knob()
-        if _close(f"prefill_mma/{case}/warps_m2", out2, run["wgmma"].out):
-            fns["knob"] = knob
+    with _tile_rule(64):
+        run64 = peers.ragged_prefill(peers.ours(), ws2, ind, q, k, v, True, D, prefill_backend=MMA)
+    if _close(f"prefill_mma/{case}/tile64", run64.out, run["wgmma"].out):
+        fns["tile64"] = run64
     fi_why = _fa2(fi, fns, case, run["wgmma"].out, peers.ragged_prefill, ind, q, k, v, True, D)
     med = interleaved(fns, calls=15)
     flops = B * 4.0 * H * D * S * S * 0.5
@@ -142,12 +137,12 @@ def _prefill_case(res, fi, gen):
         res.add(f"prefill_mma/{case}", "cute_attn", "TFLOP/s", flops / tm / 1e6)
         res.add(f"prefill_mma/{case}", "cute_attn", "ratio", tm / tw)
         line += f" | portable {tm:8.1f} us {flops / tm / 1e6:5.0f} TFLOP/s ({tm / tw:.3f}x)"
-    if "knob" in med:
-        tk = med["knob"]
-        res.add(f"prefill_mma/{case}/warps_m2", "cute_attn", "us", tk)
-        res.add(f"prefill_mma/{case}/warps_m2", "cute_attn", "TFLOP/s", flops / tk / 1e6)
-        res.add(f"prefill_mma/{case}/warps_m2", "cute_attn", "ratio", tk / tw)
-        line += f" | warps_m=2 {tk:8.1f} us ({tk / tw:.3f}x)"
+    if "tile64" in med:
+        tk = med["tile64"]
+        res.add(f"prefill_mma/{case}/tile64", "cute_attn", "us", tk)
+        res.add(f"prefill_mma/{case}/tile64", "cute_attn", "TFLOP/s", flops / tk / 1e6)
+        res.add(f"prefill_mma/{case}/tile64", "cute_attn", "ratio", tk / tw)
+        line += f" | tile 64 {tk:8.1f} us ({tk / tw:.3f}x)"
     if "fi" in med:
         res.add(f"prefill_mma/{case}", "flashinfer", "us", med["fi"])
         res.add(f"prefill_mma/{case}", "flashinfer", "ratio", med["fi"] / tm)

@@ -3,11 +3,12 @@ every arch; the prefill of Blackwell, and of Hopper where it beats the wgmma ker
 (the Hopper prefill's, so both kernels take the same launch), the instructions its binary must
 hold, its specializations.
 
-Spec parameters: ``dtype``, ``head_dim``, ``tile_q`` (16, 32 or 64 packed rows: 1 x 4, 2 x 2
-or 4 x 1 warps by rows x keys), ``paged`` (the cache's pages gathered in-kernel, any page
-size; else ragged KV), the static flags ``causal`` / ``soft_cap`` / ``window``,
-the knobs ``stages`` / ``warps_m`` (absent for the kernel's defaults) and the traced variant
-(an in-kernel key transform, RoPE, with 16-row tiles only)."""
+Spec parameters: ``dtype``, ``head_dim``, ``tile_q`` (16, 32, 64 or 128 packed rows: 1 x 4,
+2 x 2, 4 x 1 or 4 x 1 warps of 32 rows, by rows x keys; 128 at head dims 64 / 128), ``paged``
+(the cache's pages gathered in-kernel, any page size; else ragged KV), the static flags
+``causal`` / ``soft_cap`` / ``window``, the knobs ``stages`` / ``warps_m`` (absent for the
+kernel's defaults) and the traced variant (an in-kernel key transform, RoPE, with 16-row tiles
+only; no Q transform on the 128-row tile)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ SHIPPED_HEAD_DIMS = (64, 128, 256)  # the default grid (80, 96: the test matrix 
 WIDE_TILES = (16, 32)
 WIDE_STAGES = {16: 3, 32: 2}  # 216 / 176 KB
 
-TILES = (16, 32, 64)  # packed query rows per work item
-TILES_BY_HEAD_DIM = {d: WIDE_TILES for d in WIDE_HEAD_DIMS}
+TILES = (16, 32, 64, 128)  # packed query rows per work item
+# the 128-row tile's 32-row warps hold O of head dims 64 / 128 only (kernels/prefill_mma.py)
+TILES_BY_HEAD_DIM = {d: WIDE_TILES for d in WIDE_HEAD_DIMS} | {d: (16, 32, 64) for d in (80, 96, 256)}
+Q_SMEM_TILES = (128,)  # tiles that read Q from shared memory per k16 step: no Q transform (RoPE)
 CTAS_PER_SM = {64: 2, 80: 2, 96: 2, 128: 2, 256: 1, 512: 1}  # what shared memory allows (kernels/prefill_mma.py STAGES)
 
 BATCH_PREFILL_MMA = register(

@@ -175,6 +175,7 @@ class PagedDecode:
         self.mma_dtype = dtype  # the MMA's A / B type
         self.head_dim = head_dim
         self.stages = stages
+        self.q_bufs = stages  # Q tiles in shared memory: one per stage (the portable prefill's 128-row tile: 1)
         self.hooks = Hooks(cfg.variant)
         self.kv_width = head_dim * self.kv_bytes // 2
         self.tile_q = tile_q
@@ -284,8 +285,8 @@ class PagedDecode:
         """Host side: the Q and K / V stage layouts, the shared-memory struct and the
         one-warp m16n8k16 MMA (a warp's 16 x m_tiles rows are its M modes)."""
         D = self.head_dim
-        # a Q tile per stage
-        sQ_layout = cute.tile_to_shape(self._swizzle_atom(D), (self.tile_q, D, self.stages), (0, 1, 2))
+        # q_bufs Q tiles (a Q tile per stage)
+        sQ_layout = cute.tile_to_shape(self._swizzle_atom(D), (self.tile_q, D, self.q_bufs), (0, 1, 2))
         sKV_layout = cute.tile_to_shape(
             self._swizzle_atom(self.kv_width), (self.block_n, self.kv_width, self.stages), (0, 1, 2)
         )
@@ -595,7 +596,7 @@ class PagedDecode:
         CTA's items are all issued, so the count the compute waits on stays exact)."""
         if cur.nb < cur.n:
             if cur.nb == 0:
-                self._issue_q(ld, cur.item, cur.q % self.stages)
+                self._issue_q(ld, cur.item, cur.q % self.q_bufs)
             self._issue_kv(ld, cur.head, cur.start + cur.nb * self.tpb, cur.end, stage)
             cur = self._cursor_next(ld, tc, cur.next_block())
         cute.arch.cp_async_commit_group()

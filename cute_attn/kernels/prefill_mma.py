@@ -9,12 +9,14 @@ swizzled stage ring, STAGES deep, a Q tile per stage), fragments by ``ldmatrix``
 MMAs, the online softmax of a row (``_online_row``), the epilogue's ⊕ of warps through the
 stage of the item's last block (``_o_buf`` / ``_store``) and the variant hook helpers.
 
-Geometry: 4 warps; the tile's rows are cut into ``warps_m`` groups of 16 rows (the warp's M
-tile), and each group's keys over ``warps_n = 4 / warps_m`` warps:
+Geometry: 4 warps; the tile's rows are cut into ``warps_m`` groups of 16 or 32 rows (the
+warp's M tiles), and each group's keys over ``warps_n = 4 / warps_m`` warps:
 
   tile 16: 1 x 4 warps, 16 keys per warp and block (decode's geometry: K / V fragments whole);
   tile 32: 2 x 2 warps, 32 keys per warp;
-  tile 64: 4 x 1 warps, all 64 keys of a block per warp.
+  tile 64: 4 x 1 warps, all 64 keys of a block per warp;
+  tile 128: 4 x 1 warps of 32 rows (head dims 64 / 128): every K / V fragment serves two M
+  tiles, and Q is read from shared memory one k16 step at a time (``q_per_step``).
 
 With 32 or 64 keys per warp the K and V fragments are read one k16 step at a time next to
 their MMAs (a whole 64-key K fragment would be 128 registers).  Each warp keeps its own
@@ -57,15 +59,20 @@ from .decode import BLOCK_N, NUM_WARPS, THREADS, DecodeConfig, LoadCursor, LoadS
 from .fragments import mma_acc_as_a, mma_mn_view, quad_max, quad_sum
 from .work import ItemInfo, TraceCtx, item_row_values, tok_head
 
-TILES = (16, 32, 64)
+TILES = (16, 32, 64, 128)
 LAZY_RESCALE = 8.0  # base-2 units a row's block max may exceed its kept max by before O is rescaled
 # warp rows groups per tile (the rest of the 4 warps split a group's keys): 16 -> 1 x 4 (decode's
-# geometry), 32 -> 2 x 2, 64 -> 4 x 1; ``warps_m`` = 2 at tile 64 (a knob) gives each warp 32 rows
-# (two M tiles reusing every K / V fragment: half the shared-memory reads per MMA) and 32 keys
-WARPS_M = {16: 1, 32: 2, 64: 4}
+# geometry), 32 -> 2 x 2, 64 -> 4 x 1, 128 -> 4 x 1 with 32 rows per warp (two M tiles reusing every
+# K / V fragment: half the shared-memory reads per MMA of the 64-row tile, whose 16-row warps read
+# more K / V bytes per MMA than shared memory delivers at the MMA rate); ``warps_m`` = 2 at tile 64
+# (a knob) gives each warp 32 rows and 32 keys
+WARPS_M = {16: 1, 32: 2, 64: 4, 128: 4}
+# head dims of the 128-row tile: a 32-row warp's O is D x 32 / 32 fp32 registers per thread
+TILE128_HEAD_DIMS = (64, 128)
 # K / V pipeline depth per (head dim, tile): what leaves two CTAs per SM room in 228 KB of
-# shared memory at head dims 64 / 80 / 96 / 128 (a stage: a Q tile + 64 tokens of K and V); one at
-# 256.  Head dim 96 (unmeasured): the most stages two CTAs fit, 108 / 90 / 108 KB per CTA
+# shared memory at head dims 64 / 80 / 96 / 128 (a stage: a Q tile + 64 tokens of K and V; the
+# 128-row tile has one Q tile beside the stages, 100 KB at head dim 128); one at 256.  Head dim
+# 96 (unmeasured): the most stages two CTAs fit, 108 / 90 / 108 KB per CTA
 STAGES = {
     (64, 16): 4,
     (64, 32): 4,
@@ -79,6 +86,8 @@ STAGES = {
     (128, 16): 3,
     (128, 32): 2,
     (128, 64): 2,
+    (64, 128): 3,
+    (128, 128): 2,
     (256, 16): 2,
     (256, 32): 2,
     (256, 64): 2,
@@ -138,6 +147,17 @@ class PrefillMma(PagedDecode):
             )
         self.m_tiles = self.warp_rows // 16
         assert self.m_tiles == 1 or self.warps_n <= 2, "32-row warps: one or two warps per row group"
+        # The 128-row tile keeps no Q in registers (32 rows would take 64 more beside O's 128 and
+        # S's 64): each k16 step of S reads its Q fragment from shared memory next to K's.  Its Q
+        # tile (32 KB at head dim 128) has a single buffer, not one per stage, so two CTAs fit an
+        # SM; it is loaded at the item's first block, once every warp is past the last item's.
+        self.q_per_step = cfg.tile_q == 128
+        if self.q_per_step:
+            if cfg.head_dim not in TILE128_HEAD_DIMS:
+                raise NotImplementedError(f"the portable prefill's 128-row tile at head dim {cfg.head_dim}")
+            if H.has_transform_q:
+                raise NotImplementedError("the portable prefill's 128-row tile reads Q from shared memory: no Q hook")
+            self.q_bufs = 1
         # whole K / V fragments per block (decode) or one k16 step at a time next to its MMAs
         self.whole_frags = self.keys_per_warp == 16
         # the row maxima of the flag path (``_softmax``) are kept in raw q·k units (the scale
@@ -292,7 +312,7 @@ class PrefillMma(PagedDecode):
             info = ItemInfo(mWork, item, group)
             blk_start, blk_end = self._kv_blocks(info, tc)
             n_blocks = (blk_end - blk_start + self.block_n - 1) // self.block_n
-            qb = q_cnt % self.stages
+            qb = q_cnt % self.q_bufs
             sQ_w = sQ[None, None, qb]
             if const_expr(self.warps_m > 1):
                 sQ_w = cute.local_tile(sQ_w, (WR, D), (rg, 0))
@@ -307,21 +327,33 @@ class PrefillMma(PagedDecode):
             row_l.fill(0.0)
             lim, lo = self._row_bounds(info, tScS, n_rows_thr, blk_end, tc)
             tSrQ = self._q_fragment(thr_mma, sQ_w)
+            q_steps = None  # (shared Q, its fragment) where S reads Q one k16 step at a time
+            if const_expr(self.q_per_step):
+                q_steps = (s2r_q.partition_S(sQ_w), s2r_q.retile(tSrQ))
 
             for nb in cutlass.range(n_blocks):
                 cute.arch.cp_async_wait_group(self.stages - 2)
                 cute.arch.sync_threads()
-                if nb == 0:
-                    self._load_q(s2r_q, sQ_w, tSrQ, lane, sQ, qb)
-                    if const_expr(H.has_transform_q):
-                        self._transform_q(tSrQ, thr_mma, info, tc, self._row0(rg))
+                if const_expr(self.q_per_step):
+                    if nb == 0:  # the single Q buffer: the barrier above ended the last item's reads
+                        PagedDecode._issue_q(self, ld, item, Int32(0))
+                        cute.arch.cp_async_commit_group()
+                else:
+                    if nb == 0:
+                        self._load_q(s2r_q, sQ_w, tSrQ, lane, sQ, qb)
+                        if const_expr(H.has_transform_q):
+                            self._transform_q(tSrQ, thr_mma, info, tc, self._row0(rg))
                 cur = self._cursor_issue(ld, tc, (g + nb + self.stages - 1) % self.stages, cur)
+                if const_expr(self.q_per_step):
+                    if nb == 0:  # Q landed (the group before the block just issued), for every thread
+                        cute.arch.cp_async_wait_group(1)
+                        cute.arch.sync_threads()
 
                 stage = (g + nb) % self.stages
                 key0 = blk_start + nb * self.block_n + kg * KW
                 sK_w = cute.local_tile(sK[None, None, stage], (KW, self.kv_width), (kg, 0))
                 sV_w = cute.local_tile(sV[None, None, stage], (KW, self.kv_width), (kg, 0))
-                acc_S = self._scores(tiled_mma, thr_mma, s2r_k, sK_w, tSrQ, info, tc, key0)
+                acc_S = self._scores(tiled_mma, thr_mma, (s2r_k, sK_w), (tSrQ, q_steps, s2r_q), info, tc, key0)
 
                 acc_S_mn = mma_mn_view(acc_S)
                 acc_O_mn = mma_mn_view(acc_O)
@@ -397,9 +429,13 @@ class PrefillMma(PagedDecode):
         """No softmax: each of the warps_n warps' state is (0, w / warps_n) (``_item_weight``)."""
         return None if self.hooks.softmax else self._item_weight(info) * (1.0 / self.warps_n)
 
-    def _scores(self, tiled_mma, thr_mma, s2r_k, sK_w, tSrQ, info: ItemInfo, tc: TraceCtx, key0):
+    def _scores(self, tiled_mma, thr_mma, k_src, q_src, info: ItemInfo, tc: TraceCtx, key0):
         """S = Q K_wᵀ of the warp's rows and KW keys: the K fragment whole (16 keys: decode's
-        path, with an in-kernel key transform) or one k16 step at a time next to its MMAs."""
+        path, with an in-kernel key transform) or one k16 step at a time next to its MMAs.
+        ``k_src`` = (K's ldmatrix copy, the warp's K rows); ``q_src`` = (the Q fragment, None where
+        it holds the item's Q, else (shared Q, fragment view) to read each k16 step, Q's copy)."""
+        s2r_k, sK_w = k_src
+        tSrQ, q_steps, s2r_q = q_src
         WR, KW = self.warp_rows, self.keys_per_warp
         acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((WR, KW)), Float32)
         acc_S.fill(0.0)
@@ -411,6 +447,8 @@ class PrefillMma(PagedDecode):
             tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_w))
             src, dst = s2r_k.partition_S(sK_w), s2r_k.retile(tSrK)
         for k in range(cute.size(tSrK, mode=[2])):
+            if q_steps is not None:
+                cute.copy(s2r_q, q_steps[0][None, None, k], q_steps[1][None, None, k])
             if not self.whole_frags:
                 cute.copy(s2r_k, src[None, None, k], dst[None, None, k])
             cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
@@ -433,6 +471,12 @@ class PrefillMma(PagedDecode):
             if not self.whole_frags:
                 cute.copy(s2r_v, src[None, None, k], dst[None, None, k])
             cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
+
+    def _issue_q(self, ld: LoadStream, item: Int32, buf: Int32):
+        """The load cursor's Q issue with an item's first block; the 128-row tile loads its Q at
+        the item's first block instead (the kernel's loop)."""
+        if not self.q_per_step:
+            PagedDecode._issue_q(self, ld, item, buf)
 
     def _row_bounds(self, info: ItemInfo, tScS, n_rows: int, blk_end, tc: TraceCtx):
         """Per accumulator row: the key limit (the item's end; causal: min(end, q_pos + 1)) and,

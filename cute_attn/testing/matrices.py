@@ -129,24 +129,25 @@ def head_dim_test_specs(arch: str):
 
 def portable_prefill_test_specs(arch: str):
     """What tests/test_prefill_mma_gpu.py loads beyond the shipped portable specs (those ship on
-    every arch but Hopper): its grid at bf16 / d128 (tiles 16 / 32 / 64, ragged / paged,
-    causal or not), the head-dim 64 / 80 / 96 / 256 cases, soft-cap / window, its variants, and what the
-    bench of the portable kernel adds (the ``warps_m`` knob at tile 64), and the merges of
-    those plans (the ``prefill_mma`` preset is all a GPU run of them needs)."""
+    every arch but Hopper): its grid at bf16 / d128 (tiles 16 / 32 / 64 / 128, ragged / paged,
+    causal or not), the head-dim 64 / 80 / 96 / 256 cases, soft-cap / window, its variants, and
+    the merges of those plans (the ``prefill_mma`` preset is all a GPU run of them and of the
+    portable kernel's bench needs)."""
     from ..families.merge import merge_partials_spec
 
     flag = lambda **kw: resolve_variant(**kw)  # noqa: E731  (causal, soft_cap, window, variant)
-    out = [prefill_mma_spec(arch, "bf16", 128, t, p, c) for t in (16, 32, 64) for p in (False, True) for c in (0, 1)]
+    tiles = (16, 32, 64, 128)
+    out = [prefill_mma_spec(arch, "bf16", 128, t, p, c) for t in tiles for p in (False, True) for c in (0, 1)]
     out += [
-        prefill_mma_spec(arch, "f16", 64, 64, False, True),
-        prefill_mma_spec(arch, "f16", 64, 64, True, False),
+        prefill_mma_spec(arch, "f16", 64, 128, False, True),
+        prefill_mma_spec(arch, "f16", 64, 128, True, False),
         prefill_mma_spec(arch, "bf16", 256, 64, False, True),
         prefill_mma_spec(arch, "bf16", 256, 32, True, True),
-        prefill_mma_spec(arch, "bf16", 64, 64, True, True),
+        prefill_mma_spec(arch, "bf16", 64, 128, True, True),
         prefill_mma_spec(arch, "bf16", 128, 64, False, True, True, True),
+        prefill_mma_spec(arch, "bf16", 128, 128, True, True, True, True),
         prefill_mma_spec(arch, "bf16", 128, 32, True, False, False, True),
         prefill_mma_spec(arch, "bf16", 128, 16, True, True, True, False),
-        prefill_mma_spec(arch, "bf16", 128, 64, False, True, warps_m=2),
     ]
     # head dim 96: bf16 over tiles x ragged / paged x causal, f16 once, soft-cap + window
     out += [prefill_mma_spec(arch, "bf16", 96, t, p, c) for t in (16, 32, 64) for p in (False, True) for c in (0, 1)]
@@ -172,8 +173,8 @@ def portable_prefill_test_specs(arch: str):
         for sinks in (False, True) if kw.get("sinks") else (False,):
             c, cap, win, v = flag(causal=causal, **dict(kw, sinks=sinks))
             out.append(prefill_mma_spec(arch, "bf16", 128, tile, paged, c, cap, win, v))
-    merges = [("bf16", 128, 16), ("bf16", 128, 32), ("bf16", 128, 64), ("bf16", 256, 32), ("bf16", 256, 64)]
-    merges += [("f16", 64, 64), ("bf16", 64, 64)]
+    merges = [("bf16", 128, t) for t in tiles] + [("bf16", 256, 32), ("bf16", 256, 64)]
+    merges += [("f16", 64, 128), ("bf16", 64, 128)]
     merges += [("bf16", 96, 16), ("bf16", 96, 32), ("bf16", 96, 64), ("f16", 96, 32)]
     merges += [("bf16", 80, 16), ("bf16", 80, 32), ("bf16", 80, 64), ("f16", 80, 32)]
     out += [merge_partials_spec(arch, dt, d, t) for dt, d, t in merges]

@@ -50,7 +50,7 @@ from ..families.prefill import (
     page_box_for,
     regular_gather,
 )
-from ..families.prefill_mma import BATCH_PREFILL_MMA
+from ..families.prefill_mma import BATCH_PREFILL_MMA, Q_SMEM_TILES
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..runtime.loader import KernelNotAvailable, kernel
 from ..sched import Planner, WorkspaceLayout
@@ -313,6 +313,8 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
             tile = min(backend.tiles)  # the portable kernel rotates keys in-kernel with whole K fragments only
         else:  # the planner's rule, onto the kernel's tiles
             want, tiles = choose_cta_tile_q(total_q * group, with_q), backend.tiles_for(d)
+            if portable and hooks.has_transform_q:  # (rotated in the Q fragments it holds)
+                tiles = tuple(t for t in tiles if t not in Q_SMEM_TILES)
             tile = min([t for t in tiles if t >= want] or [max(tiles)])
         if disable_split_kv:
             split_tokens = common.NO_SPLIT
