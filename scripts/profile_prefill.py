@@ -5,7 +5,10 @@ kernel (ours only), e.g. ``tile_n=128,pin_p=0``; ``kv=e4m3`` (or ``e5m2``) makes
 cache of the same values (ours: the kernel widens it at hd128, ``kernels/prefill_sm90_kv8.py``).
 
     ncu --profile-from-start off --section SpeedOfLight ... \
-        python scripts/profile_prefill.py {ours|flashinfer} [causal|noncausal|varlen] [HEAD_DIM] [KNOBS]
+        python scripts/profile_prefill.py {ours|flashinfer|portable|fa2} [causal|noncausal|varlen] [HEAD_DIM] [KNOBS]
+
+``portable``: ours on the portable kernel (``prefill_backend="prefill_mma_sync"``, the planner's
+tile; knob ``tile=64`` forces the tile); ``fa2``: FlashInfer's fa2 backend (its mma.sync kernel).
 
 ``varlen``: the bench's ``prefill/hd128/causal/varlen32_lognormal2k`` batch (32 lognormal lengths,
 causal).
@@ -33,11 +36,18 @@ def main():
     ind = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(len(lens))], dtype=torch.int32)
     q = torch.randn(sum(lens), h, d, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)
-    lib = peers.flashinfer() if impl == "flashinfer" else peers.ours()
-    plan_kw = {}
+    lib = peers.flashinfer() if impl in ("flashinfer", "fa2") else peers.ours()
+    if impl == "fa2":
+        lib = peers.Lib(lib.impl, lib.mod, prefill_kw=dict(backend="fa2"))
+    plan_kw = {"prefill_backend": "prefill_mma_sync"} if impl == "portable" else {}
+    tile = int(knobs.pop("tile", 0))
     if kv:
         f8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[kv]
         k, v, plan_kw = k.to(f8), v.to(f8), {"kv_data_type": f8}
+    if tile:
+        import cute_attn.wrappers.prefill_base as P
+
+        P.choose_cta_tile_q = lambda *a: tile
     call = peers.ragged_prefill(lib, lib.workspace(256), ind, q, k, v, causal, d, **plan_kw)
     if knobs:
         from cute_attn.runtime.loader import kernel
