@@ -50,12 +50,13 @@ from typing import Any
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warp
 
 from ..variants.dsl import LOG2E
 from ..variants.trace import make_entry
 from .decode import BLOCK_N, NUM_WARPS, THREADS, DecodeConfig, LoadCursor, LoadStream, Outputs, PagedDecode
+from .copy import cp_async_16
 from .fragments import mma_acc_as_a, mma_mn_view, quad_max, quad_sum
 from .work import ItemInfo, TraceCtx, item_row_values, tok_head
 
@@ -601,13 +602,34 @@ class PrefillMma(PagedDecode):
         if self.paged:
             PagedDecode._issue_kv(self, ld, kv_head, blk_start, kv_end, stage)
         else:
-            tidx, base = ld.tidx, ld.rows[0]
-            k_base, v_base = ld.sK.iterator.toint(), ld.sV.iterator.toint()
-            toks = [base + self._row_pos(tidx, i, blk_start, kv_end) for i in range(self.rows_per_thread)]
-            for i in range(self.rows_per_thread):
-                r, c = self._slot(tidx, i)
-                d = self._smem_off(r, c, stage, self.block_n, self.kv_width) * 2
-                self._copy_row((ld.mK, ld.mV), (0, toks[i], kv_head), (k_base, v_base), d, c)
+            self._issue_ragged(ld, kv_head, blk_start, kv_end, stage)
+
+    def _issue_ragged(self, ld: LoadStream, kv_head, blk_start, kv_end, stage):
+        """cp.async this thread's chunks of a ragged block: its rows are row_step tokens apart
+        (the last token re-read past kv_end), so the global addresses are its first row's plus
+        32-bit offsets -- one clamp and one multiply-add a row, where a full address (64-bit
+        token strides) took ~12 instructions, 16 times a block."""
+        tidx, base = ld.tidx, ld.rows[0]
+        k_base, v_base = ld.sK.iterator.toint(), ld.sV.iterator.toint()
+        r0, c = self._slot(tidx, 0)
+        tok0 = base + self._row_pos(tidx, 0, blk_start, kv_end)
+        # offset of row i from row 0 in tokens: min(i * row_step, the rows left), 0 past the end
+        left = kv_end - 1 - blk_start - r0
+        left = cutlass.select_(left > 0, left, Int32(0))
+        row0 = []  # (first row's global byte address, bytes per token) of K and V
+        for m in (ld.mK, ld.mV):
+            g0 = m[0, tok0, kv_head, None].iterator.toint()
+            step = Int32(m[0, tok0 + 1, kv_head, None].iterator.toint() - g0)
+            row0.append((g0 + c * 16, step))
+        for i in range(self.rows_per_thread):
+            r, c_i = self._slot(tidx, i)
+            d = self._smem_off(r, c_i, stage, self.block_n, self.kv_width) * 2
+            off = cutlass.min(Int32(i * self.row_step), left)
+            for (g0, step), s_base in zip(row0, (k_base, v_base)):
+                g = g0 + Int64(off * step)
+                for a in range(self.col_groups):  # further atom columns (``_copy_row``)
+                    atom_bytes = self.block_n * self._atom_w(self.kv_width) * 2
+                    cp_async_16(s_base + d + a * atom_bytes, g + a * self.gather_w * 16)
 
     # ---- epilogue of a 64-row tile: one warp per row group, straight from registers ------------
     @cute.jit
