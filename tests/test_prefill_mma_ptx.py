@@ -178,15 +178,17 @@ def test_compiled_kernel_matches_reference(interp, case):
 
 
 @pytest.mark.parametrize(
-    "name,qo,kv,hq,hk,ps",
+    "name,qo,kv,hq,hk,ps,tile",
     [
-        ("sink", [40, 5], [60, 90], 4, 2, 0),  # the register epilogue (tile 64) with finalize
-        ("sink", [1, 2], [33, 70], 8, 2, 16),  # the shared-memory ⊕ (tile 16) with finalize
-        ("custom_mask", [9, 12], [30, 70], 4, 2, 16),  # bitmaps, tile 32
-        ("sigmoid", [12, 3], [40, 75], 4, 2, 0),  # no softmax, tile 32
+        ("sink", [40, 5], [60, 90], 4, 2, 0, 64),  # the register epilogue with finalize
+        ("sink", [1, 2], [33, 70], 8, 2, 16, 16),  # the shared-memory ⊕ with finalize
+        ("custom_mask", [9, 12], [30, 70], 4, 2, 16, 32),  # bitmaps
+        ("sigmoid", [12, 3], [40, 75], 4, 2, 0, 16),  # no softmax
+        ("sink", [100, 40], [120, 90], 4, 2, 0, 128),  # the 128-row tile with finalize
+        ("custom_mask", [70, 66], [90, 100], 4, 2, 16, 128),  # the 128-row tile's per-row variant path
     ],
 )
-def test_compiled_variants_match_reference(interp, name, qo, kv, hq, hk, ps):
+def test_compiled_variants_match_reference(interp, name, qo, kv, hq, hk, ps, tile):
     w = run_variant(
         name,
         torch.bfloat16,
@@ -204,6 +206,7 @@ def test_compiled_variants_match_reference(interp, name, qo, kv, hq, hk, ps):
         **PORTABLE,
     )[0]
     assert w._state.family == "batch_prefill_mma" and any(m.steps > 0 for m in interp)  # (sinks: run()'s kernel)
+    assert w._tile == tile
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[-1] == 64], ids=_id)

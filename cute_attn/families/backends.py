@@ -77,7 +77,7 @@ def portable_tiles(arch: str, head_dim: int | None = None) -> tuple:
     on Hopper those of the batches ``choose_prefill_backend`` gives it (none while its limits
     are 0, or at ``HOPPER_WGMMA_ONLY_HEAD_DIMS``; ``plan(prefill_backend=...)`` then compiles
     on first use)."""
-    tiles = prefill_mma.TILES
+    tiles = prefill_mma.TILES_BY_HEAD_DIM.get(head_dim, prefill_mma.TILES)
     if arch != HOPPER:
         return tiles
     if head_dim in HOPPER_WGMMA_ONLY_HEAD_DIMS:
