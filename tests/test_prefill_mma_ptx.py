@@ -130,7 +130,7 @@ CASES = [
     ([50, 7], [20, 90], 2, 2, 64, torch.bfloat16, 0, True, None, -1, {}, 32),  # causal qo > kv: rows see nothing
     ([33, 2], [150, 2], 4, 2, 64, torch.bfloat16, 0, True, 30.0, 20, {}, 64),  # soft-cap + window
     ([2, 3], [100, 71], 32, 4, 128, torch.bfloat16, 16, False, None, 40, {}, 32),  # head dim 128, window
-    ([20], [200], 4, 2, 64, torch.bfloat16, 0, True, None, -1, dict(fixed_split_size=64), 128),  # split + merge (a fixed split takes the largest tile)
+    ([20], [200], 4, 2, 64, torch.bfloat16, 0, True, None, -1, dict(fixed_split_size=64), 128),  # split, merge
     # the 128-row tile (4 warps of 32 rows, Q read per k16 step from its single buffer): CTAs with
     # several items reload Q; a request of fewer rows than the tile
     ([70, 9], [80, 300], 4, 2, 64, torch.bfloat16, 0, True, None, -1, {}, 128),

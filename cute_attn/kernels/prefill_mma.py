@@ -55,8 +55,8 @@ from cutlass.cute.nvgpu import warp
 
 from ..variants.dsl import LOG2E
 from ..variants.trace import make_entry
-from .decode import BLOCK_N, NUM_WARPS, THREADS, DecodeConfig, LoadCursor, LoadStream, Outputs, PagedDecode
 from .copy import cp_async_16
+from .decode import BLOCK_N, NUM_WARPS, THREADS, DecodeConfig, LoadCursor, LoadStream, Outputs, PagedDecode
 from .fragments import mma_acc_as_a, mma_mn_view, quad_max, quad_sum
 from .work import ItemInfo, TraceCtx, item_row_values, tok_head
 
