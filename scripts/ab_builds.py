@@ -33,8 +33,11 @@ def _decode_cases():
     ]
 
 
+PORTABLE = {"prefill_backend": "prefill_mma_sync"}  # the portable (mma.sync) prefill
+
+
 def _prefill_cases():
-    # (name, lengths, causal, head_dim, heads, page size or 0 for ragged)
+    # (name, lengths, causal, head_dim, heads, page size or 0 for ragged[, plan kwargs])
     return [
         ("prefill/hd128/causal/s8192", [8192] * 2, True, 128, 16, 0),
         ("prefill/hd128/noncausal/s8192", [8192] * 2, False, 128, 16, 0),
@@ -42,6 +45,8 @@ def _prefill_cases():
         ("prefill/hd128/causal/s8192/page16", [8192] * 2, True, 128, 16, 16),
         ("prefill/hd128/causal/s8192/page1", [8192] * 2, True, 128, 16, 1),
         ("prefill/hd128/causal/varlen32_lognormal2k", _lognormal_lens(), True, 128, 16, 0),
+        ("prefill_mma/hd128/causal/s8192", [8192] * 2, True, 128, 16, 0, PORTABLE),
+        ("prefill_mma/hd128/causal/s8192/page16", [8192] * 2, True, 128, 16, 16, PORTABLE),
     ]
 
 
@@ -98,7 +103,8 @@ def run(tag: str, out_path: str) -> None:
         recs.append({"case": name, "tag": tag, "us": t * 1e3, "TB/s": nbytes / (t * 1e-3) / 1e12})
         outs[name] = out.float().cpu()
         del k, v, ws
-    for name, lens, causal, d, h, ps in _only(_prefill_cases()):
+    for name, lens, causal, d, h, ps, *kw in _only(_prefill_cases()):
+        kw = kw[0] if kw else {}
         n = sum(lens)
         q = torch.randn(n, h, d, generator=gen).to(dev, bf)
         k = torch.randn(n, h, d, generator=gen).to(dev, bf)
@@ -107,7 +113,7 @@ def run(tag: str, out_path: str) -> None:
         out = torch.empty_like(q)
         if ps == 0:
             w = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=dev))
-            w.plan(ind, ind, h, h, d, causal=causal, q_data_type=bf)
+            w.plan(ind, ind, h, h, d, causal=causal, q_data_type=bf, **kw)
             call = lambda w=w, q=q, k=k, v=v, out=out: w.run(q, k, v, out=out)
         else:
             n_pages = n // ps
@@ -119,7 +125,7 @@ def run(tag: str, out_path: str) -> None:
             w = BatchPrefillWithPagedKVCacheWrapper(torch.empty(512 << 20, dtype=torch.uint8, device=dev))
             pind = torch.tensor([0] + torch.tensor([m // ps for m in lens]).cumsum(0).tolist(), dtype=torch.int32)
             w.plan(ind, pind, perm.to(torch.int32), torch.full((len(lens),), ps, dtype=torch.int32), h, h, d, ps,
-                   causal=causal, q_data_type=bf)  # fmt: skip
+                   causal=causal, q_data_type=bf, **kw)  # fmt: skip
             call = lambda w=w, q=q, kc=kc, vc=vc, out=out: w.run(q, (kc, vc), out=out)
         call()
         torch.cuda.synchronize()
