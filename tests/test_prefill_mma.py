@@ -29,7 +29,8 @@ def test_choose_prefill_backend(monkeypatch):
     assert pick("sm_90a", 17, gathers=True) == "prefill_sm90"
     assert pick("sm_90a", 16, gathers=True, needs_pass=True) == "prefill_sm90"  # fp8 / kv_pass=True
     assert pick("sm_90a", 16, gathers=True, batch_invariant=True) == "prefill_sm90"
-    assert B.portable_tiles("sm_90a") == (16,) and B.portable_tiles("sm_100a") == (16, 32, 64)
+    assert B.portable_tiles("sm_90a") == (16,) and B.portable_tiles("sm_100a") == (16, 32, 64, 128)
+    assert B.portable_tiles("sm_100a", 256) == (16, 32, 64)  # 32-row warps hold O of head dims <= 128
     # head dim 96: the portable kernel on sm_100a; Hopper keeps the wgmma kernel (never run on a GPU at 96)
     assert pick("sm_100a", 16, head_dims=(96, 96)) == B.PORTABLE_PREFILL
     assert pick("sm_90a", 16, gathers=True, head_dims=(96, 96)) == "prefill_sm90"
@@ -39,11 +40,11 @@ def test_choose_prefill_backend(monkeypatch):
     assert B.portable_tiles("sm_90a") == (16, 32, 64)
 
 
-@pytest.mark.parametrize("qo,tile", [([1, 1, 2], 16), ([5, 9, 3], 32), ([40, 17], 64), ([600], 64)])
+@pytest.mark.parametrize("qo,tile", [([1, 1, 2], 16), ([5, 9, 3], 32), ([12, 17], 64), ([40, 17], 128), ([600], 128)])
 @pytest.mark.parametrize("paged", [False, True])
 def test_blackwell_tiles(emu, qo, tile, paged):  # noqa: F811
     """sm_100a: the portable kernel, the planner's tile rule (mean packed rows per request) mapped
-    onto 16 / 32 / 64, the emulated kernel's output checked against the reference."""
+    onto 16 / 32 / 64 / 128, the emulated kernel's output checked against the reference."""
     emu.state["arch"] = "sm_100a"
     kv = [q + 37 for q in qo]
     kw = dict(causal=True, workspace=_cpu_ws(), **CPU)
@@ -78,7 +79,7 @@ def test_blackwell_refusals_and_rope(emu):  # noqa: F811
     assert w._tile == 16 and w._state.family == "batch_prefill_mma"  # keys rotated in-kernel: whole fragments
     assert w._kv_pass is None  # no key-transform pass before it
     w = run_ragged([70, 5], [900, 5], 8, 2, 64, BF, causal=True, fixed_split_size=256, **kw)[0]
-    assert w._tile == 64 and w._plan.has_split  # batch-invariant: the kernel's largest tile
+    assert w._tile == 128 and w._plan.has_split  # batch-invariant: the kernel's largest tile
 
 
 def test_cuda_graph_keeps_the_first_kernel(emu, monkeypatch):  # noqa: F811
@@ -108,6 +109,6 @@ def test_shipped_and_models():
     assert "batch_prefill_sm90" not in fams(preset_specs("default", "sm_100a"))
     llama = model_specs(BUILTIN["llama-3"], "sm_100a")
     tiles = {s.pdict["tile_q"] for s in llama if s.family == "batch_prefill_mma"}
-    assert tiles == {16, 32, 64} and {s.pdict["tile_q"] for s in llama if s.family == "merge_partials"} >= tiles
+    assert tiles == {16, 32, 64, 128} and {s.pdict["tile_q"] for s in llama if s.family == "merge_partials"} >= tiles
     hopper = {s.pdict["tile_q"] for s in model_specs(BUILTIN["llama-3"], "sm_90a") if s.family == "batch_prefill_mma"}
     assert hopper == {16}
