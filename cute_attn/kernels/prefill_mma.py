@@ -58,6 +58,7 @@ from ..variants.trace import make_entry
 from .copy import cp_async_16
 from .decode import BLOCK_N, NUM_WARPS, THREADS, DecodeConfig, LoadCursor, LoadStream, Outputs, PagedDecode
 from .fragments import mma_acc_as_a, mma_mn_view, quad_max, quad_sum
+from .pages import in_cache
 from .work import ItemInfo, TraceCtx, item_row_values, tok_head
 
 TILES = (16, 32, 64, 128)
@@ -600,9 +601,34 @@ class PrefillMma(PagedDecode):
 
     def _issue_kv(self, ld: LoadStream, kv_head, blk_start, kv_end, stage):
         if self.paged:
-            PagedDecode._issue_kv(self, ld, kv_head, blk_start, kv_end, stage)
+            self._issue_paged(ld, kv_head, blk_start, kv_end, stage)
         else:
             self._issue_ragged(ld, kv_head, blk_start, kv_end, stage)
+
+    def _issue_paged(self, ld: LoadStream, kv_head, blk_start, kv_end, stage):
+        """cp.async this thread's chunks of a paged block (decode's ``_issue_kv`` without head
+        packing: one kv head, row i's page in ``ld.rows[i]``): a row's global address is the
+        head's base + page x page stride (one 32 x 32 -> 64-bit multiply-add) + slot x token
+        stride (32-bit), not a full address over 64-bit strides per row and tensor."""
+        tidx = ld.tidx
+        k_base, v_base = ld.sK.iterator.toint(), ld.sV.iterator.toint()
+        _, c = self._slot(tidx, 0)
+        heads = []  # (the head's global byte address + chunk, bytes per page, bytes per token)
+        for m in (ld.mK, ld.mV):
+            g0 = m[0, 0, kv_head, None].iterator.toint()
+            per_page = Int32(m[1, 0, kv_head, None].iterator.toint() - g0)
+            per_tok = Int32(m[0, 1, kv_head, None].iterator.toint() - g0)
+            heads.append((g0 + c * 16, per_page, per_tok))
+        atom_bytes = self.block_n * self._atom_w(self.kv_width) * 2
+        for i in range(self.rows_per_thread):
+            r, c_i = self._slot(tidx, i)
+            _, slot = divmod(self._row_pos(tidx, i, blk_start, kv_end), ld.page_size)
+            page = in_cache(ld.rows[i], ld.mK.shape[0])
+            d = self._smem_off(r, c_i, stage, self.block_n, self.kv_width) * 2
+            for (g0, per_page, per_tok), s_base in zip(heads, (k_base, v_base)):
+                g = g0 + Int64(page) * Int64(per_page) + Int64(slot * per_tok)
+                for a in range(self.col_groups):  # further atom columns (``_copy_row``)
+                    cp_async_16(s_base + d + a * atom_bytes, g + a * self.gather_w * 16)
 
     def _issue_ragged(self, ld: LoadStream, kv_head, blk_start, kv_end, stage):
         """cp.async this thread's chunks of a ragged block: its rows are row_step tokens apart
@@ -616,6 +642,7 @@ class PrefillMma(PagedDecode):
         # offset of row i from row 0 in tokens: min(i * row_step, the rows left), 0 past the end
         left = kv_end - 1 - blk_start - r0
         left = cutlass.select_(left > 0, left, Int32(0))
+        atom_bytes = self.block_n * self._atom_w(self.kv_width) * 2
         row0 = []  # (first row's global byte address, bytes per token) of K and V
         for m in (ld.mK, ld.mV):
             g0 = m[0, tok0, kv_head, None].iterator.toint()
@@ -628,7 +655,6 @@ class PrefillMma(PagedDecode):
             for (g0, step), s_base in zip(row0, (k_base, v_base)):
                 g = g0 + Int64(off * step)
                 for a in range(self.col_groups):  # further atom columns (``_copy_row``)
-                    atom_bytes = self.block_n * self._atom_w(self.kv_width) * 2
                     cp_async_16(s_base + d + a * atom_bytes, g + a * self.gather_w * 16)
 
     # ---- epilogue of a 64-row tile: one warp per row group, straight from registers ------------
