@@ -610,6 +610,7 @@ class PrefillMma(PagedDecode):
         packing: one kv head, row i's page in ``ld.rows[i]``): a row's global address is the
         head's base + page x page stride (one 32 x 32 -> 64-bit multiply-add) + slot x token
         stride (32-bit), not a full address over 64-bit strides per row and tensor."""
+        assert self.hpi == 1 and not self.slot_lookups  # the prefill packs no kv heads
         tidx = ld.tidx
         k_base, v_base = ld.sK.iterator.toint(), ld.sV.iterator.toint()
         _, c = self._slot(tidx, 0)
