@@ -122,6 +122,7 @@ class LoadStream:
     page_size: Any
     group: Any
     item_end: Any
+    group_div: Any = None  # the group as a FastDivmodDivisorV2 (Q rows -> token, head), or None
 
 
 class LoadCursor:
@@ -606,7 +607,7 @@ class PagedDecode:
     def _issue_q(self, ld: LoadStream, item: Int32, buf: Int32):
         """cp.async item ``item``'s Q tile into Q buffer ``buf``; rows past num_rows re-read row 0
         and are never written out."""
-        info = ItemInfo(ld.mWork, item, ld.group)
+        info = ItemInfo(ld.mWork, item, ld.group, ld.group_div)
         TQ = self.tile_q
         for i in cutlass.range_constexpr((TQ * self.q_chunks + THREADS - 1) // THREADS):
             idx = ld.tidx + i * THREADS

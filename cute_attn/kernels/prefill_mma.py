@@ -59,7 +59,7 @@ from .copy import cp_async_16
 from .decode import BLOCK_N, NUM_WARPS, THREADS, DecodeConfig, LoadCursor, LoadStream, Outputs, PagedDecode
 from .fragments import mma_acc_as_a, mma_mn_view, quad_max, quad_sum
 from .pages import in_cache
-from .work import ItemInfo, TraceCtx, item_row_values, tok_head
+from .work import ItemInfo, TraceCtx, item_row_values, row_token, tok_head
 
 TILES = (16, 32, 64, 128)
 LAZY_RESCALE = 8.0  # base-2 units a row's block max may exceed its kept max by before O is rescaled
@@ -300,7 +300,10 @@ class PrefillMma(PagedDecode):
             page_size = cute.FastDivmodDivisorV2(mK.shape[1])  # multiply-high + shift per gathered row
         rows = cute.make_rmem_tensor((self.n_lookups,), Int32)  # the cursor's next block's pages
         item_begin, item_end = mWorkIndptr[cta], mWorkIndptr[cta + 1]
-        ld = LoadStream(mQ, mK, mV, mWork, mKvIndptr, mKvIndices, sQ, sK, sV, rows, tidx, page_size, group, item_end)
+        gdiv = cute.FastDivmodDivisorV2(group)  # Q rows -> (token, head): multiply-high, no division
+        ld = LoadStream(
+            mQ, mK, mV, mWork, mKvIndptr, mKvIndices, sQ, sK, sV, rows, tidx, page_size, group, item_end, gdiv
+        )
         # the load stream, as in decode: block t of the CTA's items goes to stage t % STAGES,
         # issued STAGES - 1 blocks ahead of the compute; an item's Q rides with its first block
         z = Int32(0)
@@ -311,7 +314,7 @@ class PrefillMma(PagedDecode):
         q_cnt = Int32(0)  # items with blocks computed so far (selects the Q buffer)
         outs = Outputs(mO, mLse, mPartO, mPartLse)
         for item in cutlass.range(item_begin, item_end, unroll=1):
-            info = ItemInfo(mWork, item, group)
+            info = ItemInfo(mWork, item, group, gdiv)
             blk_start, blk_end = self._kv_blocks(info, tc)
             n_blocks = (blk_end - blk_start + self.block_n - 1) // self.block_n
             qb = q_cnt % self.q_bufs
@@ -489,7 +492,7 @@ class PrefillMma(PagedDecode):
         for r in range(n_rows):
             lim[r] = blk_end
             if self.causal or self.window:
-                q_pos = info.qpos_base + (info.row_start + tScS[r, 0][0]) // info.group
+                q_pos = info.qpos_base + row_token(info, info.row_start + tScS[r, 0][0])
                 if self.causal:
                     lim[r] = cutlass.min(blk_end, q_pos + 1)
                 if self.window:
