@@ -16,11 +16,13 @@ causal).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
 
 from cute_attn.bench import peers
+from cute_attn.bench.portable import tile_rule
 from cute_attn.bench.prefill import varlen32_lengths
 
 
@@ -43,12 +45,10 @@ def main():
     tile = int(knobs.pop("tile", 0))
     if kv:
         f8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[kv]
-        k, v, plan_kw = k.to(f8), v.to(f8), {"kv_data_type": f8}
-    if tile:
-        import cute_attn.wrappers.prefill_base as P
-
-        P.choose_cta_tile_q = lambda *a: tile
-    call = peers.ragged_prefill(lib, lib.workspace(256), ind, q, k, v, causal, d, **plan_kw)
+        k, v = k.to(f8), v.to(f8)
+        plan_kw["kv_data_type"] = f8
+    with tile_rule(tile) if tile else contextlib.nullcontext():
+        call = peers.ragged_prefill(lib, lib.workspace(256), ind, q, k, v, causal, d, **plan_kw)
     if knobs:
         from cute_attn.runtime.loader import kernel
 

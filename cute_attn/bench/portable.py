@@ -95,7 +95,7 @@ def _fa2(fi, fns, case, ref, runner, *args):
 
 
 @contextlib.contextmanager
-def _tile_rule(tile: int):
+def tile_rule(tile: int):
     """plan() inside picks ``tile`` packed rows per query tile (the planner's rule replaced)."""
     import cute_attn.wrappers.prefill_base as P
 
@@ -121,7 +121,7 @@ def _prefill_case(res, fi, gen):
     fns = dict(run)
     # the 64-row tile (4 warps of 16 rows) on the same batch: what the planner's 128-row tile gains
     ws2 = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    with _tile_rule(64):
+    with tile_rule(64):
         run64 = peers.ragged_prefill(peers.ours(), ws2, ind, q, k, v, True, D, prefill_backend=MMA)
     if _close(f"prefill_mma/{case}/tile64", run64.out, run["wgmma"].out):
         fns["tile64"] = run64

@@ -623,16 +623,13 @@ class PrefillMma(PagedDecode):
             per_page = Int32(m[1, 0, kv_head, None].iterator.toint() - g0)
             per_tok = Int32(m[0, 1, kv_head, None].iterator.toint() - g0)
             heads.append((g0 + c * 16, per_page, per_tok))
-        atom_bytes = self.block_n * self._atom_w(self.kv_width) * 2
         for i in range(self.rows_per_thread):
             r, c_i = self._slot(tidx, i)
             _, slot = divmod(self._row_pos(tidx, i, blk_start, kv_end), ld.page_size)
             page = in_cache(ld.rows[i], ld.mK.shape[0])
             d = self._smem_off(r, c_i, stage, self.block_n, self.kv_width) * 2
             for (g0, per_page, per_tok), s_base in zip(heads, (k_base, v_base)):
-                g = g0 + Int64(page) * Int64(per_page) + Int64(slot * per_tok)
-                for a in range(self.col_groups):  # further atom columns (``_copy_row``)
-                    cp_async_16(s_base + d + a * atom_bytes, g + a * self.gather_w * 16)
+                self._copy_atoms(s_base + d, g0 + Int64(page) * Int64(per_page) + Int64(slot * per_tok))
 
     def _issue_ragged(self, ld: LoadStream, kv_head, blk_start, kv_end, stage):
         """cp.async this thread's chunks of a ragged block: its rows are row_step tokens apart
@@ -646,7 +643,6 @@ class PrefillMma(PagedDecode):
         # offset of row i from row 0 in tokens: min(i * row_step, the rows left), 0 past the end
         left = kv_end - 1 - blk_start - r0
         left = cutlass.select_(left > 0, left, Int32(0))
-        atom_bytes = self.block_n * self._atom_w(self.kv_width) * 2
         row0 = []  # (first row's global byte address, bytes per token) of K and V
         for m in (ld.mK, ld.mV):
             g0 = m[0, tok0, kv_head, None].iterator.toint()
@@ -657,9 +653,15 @@ class PrefillMma(PagedDecode):
             d = self._smem_off(r, c_i, stage, self.block_n, self.kv_width) * 2
             off = cutlass.min(Int32(i * self.row_step), left)
             for (g0, step), s_base in zip(row0, (k_base, v_base)):
-                g = g0 + Int64(off * step)
-                for a in range(self.col_groups):  # further atom columns (``_copy_row``)
-                    cp_async_16(s_base + d + a * atom_bytes, g + a * self.gather_w * 16)
+                self._copy_atoms(s_base + d, g0 + Int64(off * step))
+
+    def _copy_atoms(self, s_addr, g_addr):
+        """cp.async the 16-byte chunk at global byte address ``g_addr`` to shared ``s_addr``, and
+        the same chunk of each further atom column (``_copy_row``: block_n x atom_w elements on in
+        the stage, gather_w chunks on in the row)."""
+        atom_bytes = self.block_n * self._atom_w(self.kv_width) * 2
+        for a in range(self.col_groups):
+            cp_async_16(s_addr + a * atom_bytes, g_addr + a * self.gather_w * 16)
 
     # ---- epilogue of a 64-row tile: one warp per row group, straight from registers ------------
     @cute.jit
