@@ -30,8 +30,11 @@ WIDE_TILES = (16, 32)
 WIDE_STAGES = {16: 3, 32: 2}  # 216 / 176 KB
 
 TILES = (16, 32, 64, 128)  # packed query rows per work item
-# the 128-row tile's 32-row warps hold O of head dims 64 / 128 only (kernels/prefill_mma.py)
-TILES_BY_HEAD_DIM = {d: WIDE_TILES for d in WIDE_HEAD_DIMS} | {d: (16, 32, 64) for d in (80, 96, 256)}
+# the 128-row tile's 32-row warps hold O of these head dims only (kernels/prefill_mma.py)
+TILE128_HEAD_DIMS = (64, 128)
+TILES_BY_HEAD_DIM = {d: (16, 32, 64) for d in HEAD_DIMS if d not in TILE128_HEAD_DIMS} | {
+    d: WIDE_TILES for d in WIDE_HEAD_DIMS
+}
 Q_SMEM_TILES = (128,)  # tiles that read Q from shared memory per k16 step: no Q transform (RoPE)
 CTAS_PER_SM = {64: 2, 80: 2, 96: 2, 128: 2, 256: 1, 512: 1}  # what shared memory allows (kernels/prefill_mma.py STAGES)
 
