@@ -362,17 +362,22 @@ class PrefillMma(PagedDecode):
 
                 acc_S_mn = mma_mn_view(acc_S)
                 acc_O_mn = mma_mn_view(acc_O)
+                rP = cute.make_fragment_like(acc_S, self.mma_dtype)  # P, the second MMA's A
                 if const_expr(H.per_row):  # a variant: its logits / masks on every block
                     for r in cutlass.range_constexpr(n_rows_thr):
                         m_blk = self._row_scores(acc_S_mn, r, tScS, key0, lim[r], row_vals[r], tc)
                         if const_expr(H.softmax):
                             self._online_row(acc_S_mn, acc_O_mn, r, m_blk, row_m, row_l)
+                    rP.store(acc_S.load().to(self.mma_dtype))
                 else:
+                    out = (rP, cute.make_rmem_tensor((n_rows_thr,), Float32))
+                    blk = (key0, tScS, lim, lo)
                     if self._cut(key0, lim, lo, n_rows_thr):
-                        self._softmax(acc_S_mn, acc_O_mn, row_m, row_l, (key0, tScS, lim, lo), tc, True)
+                        self._softmax(acc_S, out, row_m, row_l, blk, tc, True)
                     else:
-                        self._softmax(acc_S_mn, acc_O_mn, row_m, row_l, (key0, tScS, lim, lo), tc, False)
-                self._pv(tiled_mma, thr_mma, s2r_v, sV_w, acc_S, acc_O)
+                        self._softmax(acc_S, out, row_m, row_l, blk, tc, False)
+                    _rescale(acc_O_mn, out[1])
+                self._pv(tiled_mma, thr_mma, s2r_v, sV_w, rP, acc_O)
 
             if n_blocks > 0:
                 q_cnt = q_cnt + 1
@@ -459,11 +464,9 @@ class PrefillMma(PagedDecode):
             cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
         return acc_S
 
-    def _pv(self, tiled_mma, thr_mma, s2r_v, sV_w, acc_S, acc_O):
+    def _pv(self, tiled_mma, thr_mma, s2r_v, sV_w, rP, acc_O):
         """O += P V_w: P = the block's weights in the MMA dtype, V_w the warp's KW rows seen as
         [D, KW] by the transposing ldmatrix (whole, or 16 keys at a time)."""
-        rP = cute.make_fragment_like(acc_S, self.mma_dtype)
-        rP.store(acc_S.load().to(self.mma_dtype))
         tOrP = mma_acc_as_a(rP)
         if self.whole_frags:
             tOrV = self._load_v(thr_mma, s2r_v, sV_w)
@@ -510,16 +513,19 @@ class PrefillMma(PagedDecode):
                 cut = cut | (key0 < lo[r])
         return cute.arch.vote_any_sync(cut)
 
-    def _softmax(self, acc_S_mn, acc_O_mn, row_m, row_l, blk, tc: TraceCtx, masked: bool):
+    def _softmax(self, acc_S, out, row_m, row_l, blk, tc: TraceCtx, masked: bool):
         """The flag path's online softmax of a block: the soft-cap's tanh (in units of cap), the
         static masks where ``masked`` (``blk`` = (key0, tScS, lim, lo)), each row's max in raw
         units -- kept while the block's exceeds it by at most LAZY_RESCALE in base 2, so most
         blocks leave O alone (``_rescale``) -- and the weights 2^(s·scale - m·scale), one FFMA
-        and one ex2 per score.  Max and sum in 4 partial chains (shorter dependencies)."""
+        and one ex2 per score.  Max and sum in 4 partial chains (shorter dependencies).
+        ``out`` = (P in the MMA dtype, each row's O correction).  P is packed here, before the
+        caller's rescale of O: live across that branch as fp32 the weights spilled on sm_100a."""
         key0, tScS, lim, lo = blk
+        rP, corr = out
+        acc_S_mn = mma_mn_view(acc_S)
         scale = tc.scale_log2
         n_rows, n_cols = cute.size(acc_S_mn, mode=[0]), cute.size(acc_S_mn, mode=[1])
-        corr = cute.make_rmem_tensor((n_rows,), Float32)
         for r in range(n_rows):
             part = [Float32(-Float32.inf)] * 4
             for c in range(n_cols):
@@ -549,7 +555,7 @@ class PrefillMma(PagedDecode):
                 psum[c % 4] = psum[c % 4] + p
             row_l[r] = row_l[r] * corr[r] + ((psum[0] + psum[1]) + (psum[2] + psum[3]))
             row_m[r] = m_new
-        _rescale(acc_O_mn, corr)
+        rP.store(acc_S.load().to(self.mma_dtype))
 
     def _m_base2(self, m, tc: TraceCtx):
         """A row max as the epilogue and the ⊕ want it: base 2 (the flag path keeps raw units)."""
