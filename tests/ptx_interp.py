@@ -5,7 +5,8 @@ level of the code the DSL emits: it executes the PTX text of ``kernel.ptx`` with
 real arguments (the packed ``{ptr, extents, strides}`` structs), global memory backed by the
 tensors' bytes and a shared-memory array, and the warp-wide instructions (``mma.sync``,
 ``ldmatrix``, ``shfl.sync``) and ``bar.sync`` executed when every thread that takes part has
-reached them.  ``cp.async`` copies land at the ``cp.async.wait_group`` that covers their group
+reached them (a named barrier, ``bar.sync ID, COUNT``, when COUNT threads have waited at it or
+passed it with ``bar.arrive``).  ``cp.async`` copies land at the ``cp.async.wait_group`` that covers their group
 (not at issue), so a read of a stage before its wait sees stale bytes, as it could on a GPU.
 
 Only the instructions the MLA, the portable prefill and the kept-plan update kernels use are
@@ -203,6 +204,7 @@ class Thread:
     pc: int = 0
     done: bool = False
     waiting: str | None = None  # "bar" or "warp" (a warp-wide instruction)
+    bar: tuple = (0, None)  # the barrier it waits at: (id, thread count; None: the whole CTA)
     groups: list = field(default_factory=list)  # committed cp.async groups (lists of copies)
     pending: list = field(default_factory=list)  # copies issued since the last commit
 
@@ -225,6 +227,7 @@ class CTA:
         self.threads = [Thread(t) for t in range(nthreads)]
         self.ctaid, self.grid = ctaid, grid
         self.executed = 0
+        self.arrived: dict = {}  # barrier id -> threads that arrived (bar.arrive) and did not wait
         # the order threads run in between synchronizations: a kernel whose warps race (one
         # writes what another reads with no barrier between) gives different results in the
         # forward and the reverse order
@@ -288,10 +291,7 @@ class CTA:
             live = [t for t in self.threads if not t.done]
             if not live:
                 return
-            if all(t.waiting == "bar" for t in live):
-                for t in live:
-                    t.waiting = None
-                    t.pc += 1
+            if self._release_barriers(live):
                 continue
             released = False
             for w in range(0, len(self.threads), 32):
@@ -310,6 +310,35 @@ class CTA:
             if self.executed > max_steps:
                 raise RuntimeError("step limit")
 
+    def _release_barriers(self, live: list) -> bool:
+        """Let the threads at each barrier go once it is complete: a CTA-wide ``bar.sync``
+        (no count) when every live thread waits there, ``bar.sync ID, COUNT`` when its waiting
+        threads and the arrivals (``bar.arrive``) since it last completed make COUNT."""
+        at: dict = {}
+        for t in live:
+            if t.waiting == "bar":
+                at.setdefault(t.bar[0], []).append(t)
+        done = False
+        for bid, ths in at.items():
+            counts = {t.bar[1] for t in ths}
+            assert len(counts) == 1, f"barrier {bid} waited on with thread counts {counts}"
+            count = counts.pop()
+            if count is None:
+                if len(ths) < len(live):
+                    continue
+            else:
+                assert count % 32 == 0, f"barrier {bid}: a thread count of {count}, not whole warps"
+                arrived = self.arrived.get(bid, 0)
+                if len(ths) + arrived < count:
+                    continue
+                assert len(ths) <= count, f"barrier {bid}: {len(ths)} threads wait for a count of {count}"
+                self.arrived[bid] = arrived - (count - len(ths))
+            for t in ths:
+                t.waiting = None
+                t.pc += 1
+            done = True
+        return done
+
     def _run_thread(self, th: Thread) -> None:
         prog = self.prog
         while True:
@@ -327,8 +356,16 @@ class CTA:
             if ins.op.startswith("bar.warp"):  # bar.warp.sync: the warp's lanes run to each warp-wide op together
                 th.pc += 1
                 continue
-            if base == "bar":
-                th.waiting = "bar"
+            if base == "bar":  # bar.sync ID[, COUNT] waits; bar.arrive ID, COUNT counts and goes on
+                bid = self.val(th, ins.args[0])
+                count = self.val(th, ins.args[1]) if len(ins.args) > 1 else None
+                if ins.parts[1] == "arrive":
+                    assert count is not None, "bar.arrive without a thread count"
+                    self.arrived[bid] = self.arrived.get(bid, 0) + 1
+                    th.pc += 1
+                    continue
+                assert ins.parts[1] == "sync", ins.op
+                th.waiting, th.bar = "bar", (bid, count)
                 return
             if base in ("ret", "exit"):
                 th.done = True
