@@ -1,13 +1,16 @@
-"""A/B of two builds (two checkouts, each with its own kernel cache) on the decode and prefill
+"""A/B of builds (checkouts, each with its own kernel cache) on the decode and prefill
 bench cases, through the public API only, so that an older checkout runs it too.
 
-    PYTHONPATH=<checkout> CUTE_ATTN_CACHE_DIR=<its cache> python scripts/ab_builds.py run TAG OUT.json
+    PYTHONPATH=<checkout> CUTE_ATTN_CACHE_DIR=<its cache> python scripts/ab_builds.py run TAG OUT.json [FIRST.json]
     python scripts/ab_builds.py compare A.json B.json [C.json ...]
+
+``scripts/pack_ab.sh`` packs several checkouts with their caches for one visit and
+``scripts/ab_on_device.sh`` runs them in turns there.
 
 Run the builds alternately (A, B, A, B, ...: the H200's clocks drift within seconds); each run
 records, per case, the median of ``do_bench`` (decode: CUDA-graph replay of ``run()``, as the
 bench; prefill: ``run()``), and ``compare`` prints per case the median over each tag's runs and
-the ratio of the second tag to the first.  ``AB_ONLY``: a comma-separated list of case
+each later tag's ratio to the first.  ``AB_ONLY``: a comma-separated list of case
 names; only those run.  Every output is checked against the first run's
 (saved beside OUT.json) so the two builds are seen to compute the same thing.
 """
@@ -150,6 +153,7 @@ def run(tag: str, out_path: str) -> None:
 
 
 def compare(paths) -> None:
+    """Per case: each tag's median time over its runs, and each later tag's ratio to the first."""
     by = defaultdict(lambda: defaultdict(list))
     tags = []
     for p in paths:
@@ -157,11 +161,14 @@ def compare(paths) -> None:
             by[r["case"]][r["tag"]].append(r["us"])
             if r["tag"] not in tags:
                 tags.append(r["tag"])
-    a, b = tags[0], tags[1]
-    print(f"{'case':42s} {a + ' us':>12s} {b + ' us':>12s} {b + '/' + a:>8s}")
+    a = tags[0]
+    head = "".join(f"{t + ' us':>12s}" for t in tags) + "".join(f"{t + '/' + a:>12s}" for t in tags[1:])
+    print(f"{'case':42s}{head}")
     for case, t in by.items():
-        ma, mb = statistics.median(t[a]), statistics.median(t[b])
-        print(f"{case:42s} {ma:12.1f} {mb:12.1f} {mb / ma:8.4f}   ({a}: {t[a]}; {b}: {t[b]})")
+        med = {k: statistics.median(t[k]) for k in tags if t[k]}
+        cols = "".join(f"{med[k]:12.1f}" if k in med else f"{'-':>12s}" for k in tags)
+        ratios = "".join(f"{med[k] / med[a]:12.4f}" if k in med and a in med else f"{'-':>12s}" for k in tags[1:])
+        print(f"{case:42s}{cols}{ratios}   ({'; '.join(f'{k}: {t[k]}' for k in tags)})")
 
 
 if __name__ == "__main__":
