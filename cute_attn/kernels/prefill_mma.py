@@ -520,7 +520,8 @@ class PrefillMma(PagedDecode):
         blocks leave O alone (``_rescale``) -- and the weights 2^(s·scale - m·scale), one FFMA
         and one ex2 per score.  Max and sum in 4 partial chains (shorter dependencies).
         ``out`` = (P in the MMA dtype, each row's O correction).  P is packed here, before the
-        caller's rescale of O: live across that branch as fp32 the weights spilled on sm_100a."""
+        caller's rescale of O, so the weights do not cross that branch as fp32 (64 registers
+        per thread at the 128-row tile)."""
         key0, tScS, lim, lo = blk
         rP, corr = out
         acc_S_mn = mma_mn_view(acc_S)
