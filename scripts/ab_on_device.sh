@@ -16,7 +16,7 @@ for r in $(seq 1 "$rounds"); do
     ref=()
     [ "$t.$r" != "$first.1" ] && ref=("$OUT/$first.1.json")
     PYTHONPATH=$R/$t/src CUTE_ATTN_CACHE_DIR=$W/$t/aot CUTE_ATTN_COMMIT=$(cat "$R/$t/commit") PYTHONUNBUFFERED=1 \
-      python3 scripts/ab_builds.py run "$t" "$OUT/$t.$r.json" "${ref[@]}" >> "$OUT/ab_$t.log" 2>&1 ||
+      python3 scripts/ab_builds.py run "$t" "$OUT/$t.$r.json" ${ref[@]+"${ref[@]}"} >> "$OUT/ab_$t.log" 2>&1 ||
       echo "build $t, round $r: failed (see ab_$t.log)"
   done
 done
