@@ -78,9 +78,12 @@ class _Interpreted:
         params += ptx_interp.pack_params([a for a, _ in var_t], [t for _, t in var_t], mem, bases)
         params += [int(group).to_bytes(4, "little"), np.float32(scale_log2).tobytes(), np.float32(sm_scale).tobytes()]
         params += [(np.float32(sm_scale) / cap).tobytes(), int(window_left).to_bytes(4, "little", signed=True)]
+        params += [int(num_ctas).to_bytes(4, "little")]
         params += ptx_interp.pack_params([a for a, _ in var_s], [t for _, t in var_s], mem, bases)
-        for cta in range(num_ctas):
-            c = ptx_interp.CTA(self.ptx, params, mem, 128, ctaid=cta, order=self.order)
+        groups = self.params.get("groups", 1)  # 4-warp groups per CTA, each a CTA of the plan
+        grid = (num_ctas + groups - 1) // groups
+        for cta in range(grid):
+            c = ptx_interp.CTA(self.ptx, params, mem, 128 * groups, ctaid=cta, order=self.order, grid=grid)
             c.run()
             self.steps += c.executed
 
@@ -102,6 +105,8 @@ def interp(request, monkeypatch, ptx_of):  # noqa: F811
         if family == "batch_prefill_mma":
             if params["tile_q"] == 64:
                 params = dict(params, **TILE64_KNOBS)
+            if params["tile_q"] == 128:
+                params = dict(params, **TILE128_KNOBS)
             m = _Interpreted(params, ptx_of, request.param)
             mods.append(m)
             return m
@@ -119,6 +124,7 @@ def interp(request, monkeypatch, ptx_of):  # noqa: F811
 
 CPU = dict(device="cpu", seed=11)
 TILE64_KNOBS: dict = {}  # spec knobs the interpreted 64-row kernels get (test_warps_m_knob)
+TILE128_KNOBS: dict = {}  # and the 128-row ones (test_groups_knob)
 
 # qo_lens, kv_lens, hq, hk, head_dim, dtype, page size (0: ragged), causal, soft_cap, window,
 # plan extras, the tile (the planner's rule: mean packed rows per request -> 16 / 32 / 64 / 128)
@@ -216,3 +222,12 @@ def test_warps_m_knob(interp, case, monkeypatch):
     monkeypatch.setitem(TILE64_KNOBS, "warps_m", 2)
     test_compiled_kernel_matches_reference(interp, case)
     assert any(m.params.get("warps_m") == 2 for m in interp)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[-1] == 128], ids=_id)
+def test_groups_knob(interp, case, monkeypatch):
+    """``groups=2`` at tile 128: two 4-warp groups per CTA, each running one CTA of the plan
+    with its own shared memory and named barrier."""
+    monkeypatch.setitem(TILE128_KNOBS, "groups", 2)
+    test_compiled_kernel_matches_reference(interp, case)
+    assert any(m.params.get("groups") == 2 and m.steps > 0 for m in interp)

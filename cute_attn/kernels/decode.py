@@ -177,6 +177,7 @@ class PagedDecode:
         self.head_dim = head_dim
         self.stages = stages
         self.q_bufs = stages  # Q tiles in shared memory: one per stage (the portable prefill's 128-row tile: 1)
+        self.groups = 1  # independent 4-warp groups per CTA, each with its own storage (prefill_mma)
         self.hooks = Hooks(cfg.variant)
         self.kv_width = head_dim * self.kv_bytes // 2
         self.tile_q = tile_q
@@ -294,13 +295,14 @@ class PagedDecode:
         self._check_smem_off(sQ_layout, self.tile_q, D)
         self._check_smem_off(sKV_layout, self.block_n, self.kv_width)
 
+        G = self.groups  # each group's Q, K / V and statistics follow the previous group's
         fields = {
-            "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024],
+            "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, G * cute.cosize(sQ_layout)], 1024],
             # K stages then V stages; the epilogue's fp32 O buffers live in the stage of the
             # item's last block (``_o_buf``), so two CTAs fit an SM at head_dim <= 128
-            "sKV": cute.struct.Align[cute.struct.MemRange[self.mma_dtype, 2 * cute.cosize(sKV_layout)], 1024],
-            "sM": cute.struct.MemRange[Float32, NUM_WARPS * self.tile_q],
-            "sL": cute.struct.MemRange[Float32, NUM_WARPS * self.tile_q],
+            "sKV": cute.struct.Align[cute.struct.MemRange[self.mma_dtype, G * 2 * cute.cosize(sKV_layout)], 1024],
+            "sM": cute.struct.MemRange[Float32, G * NUM_WARPS * self.tile_q],
+            "sL": cute.struct.MemRange[Float32, G * NUM_WARPS * self.tile_q],
         }
         # (a class statement here would see string annotations: ``from __future__ import annotations``)
         Smem = cute.struct(type("Smem", (), {"__annotations__": fields}))

@@ -110,6 +110,7 @@ class PrefillMmaConfig:
     variant: Any = None
     stages: int = 0  # 0: STAGES
     warps_m: int = 0  # 0: WARPS_M
+    groups: int = 0  # 0 / 1: one 4-warp group per CTA; 2: two, each a CTA of the plan
 
     @classmethod
     def from_spec(cls, p: dict) -> PrefillMmaConfig:
@@ -127,6 +128,7 @@ class PrefillMmaConfig:
             spec_variant(p),
             p.get("stages", 0),
             p.get("warps_m", 0),
+            p.get("groups", 0),
         )
 
 
@@ -141,6 +143,11 @@ class PrefillMma(PagedDecode):
         super().__init__(DecodeConfig(cfg.dtype, cfg.head_dim, stages, cfg.variant), cfg.tile_q, warps_m)
         self.pcfg = cfg
         self.paged = cfg.paged
+        # Two groups of 4 warps per CTA: each runs the plan's work of one CTA (CTA 2 b + group)
+        # with its own shared memory and barriers, so the two warps of an SMSP belong to one
+        # CTA and can be scheduled against each other
+        self.groups = cfg.groups or 1
+        assert self.groups in (1, 2), self.groups
         self.causal, self.soft_cap, self.window = cfg.causal, cfg.soft_cap, cfg.window
         H = self.hooks
         if H.has_transform_k and self.keys_per_warp != 16:
@@ -215,12 +222,15 @@ class PrefillMma(PagedDecode):
             sm_scale,
             sm_scale / cap,
             window_left,
+            num_ctas,
             var_scalars,
             sQ_layout,
             sKV_layout,
             tiled_mma,
             Smem,
-        ).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        ).launch(
+            grid=[(num_ctas + self.groups - 1) // self.groups, 1, 1], block=[THREADS * self.groups, 1, 1], stream=stream
+        )
 
     # ---- device side --------------------------------------------------------------------
     @cute.kernel
@@ -243,6 +253,7 @@ class PrefillMma(PagedDecode):
         sm_scale: Float32,
         inv_cap: Float32,
         window_left: Int32,
+        num_ctas: Int32,
         var_scalars: tuple,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
@@ -254,6 +265,11 @@ class PrefillMma(PagedDecode):
         cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
+        grp = None  # this thread's group (two groups: its storage, barriers and CTA of the plan)
+        if const_expr(self.groups > 1):
+            grp = cute.arch.make_warp_uniform(tidx // THREADS)
+            tidx = tidx % THREADS
+            cta = cta * self.groups + grp
         wid = tidx // 32
         lane = tidx % 32
         D, KW, WR, WN, TQ = self.head_dim, self.keys_per_warp, self.warp_rows, self.warps_n, self.tile_q
@@ -262,12 +278,17 @@ class PrefillMma(PagedDecode):
 
         smem = cutlass.utils.SmemAllocator()
         st = smem.allocate(Smem)
-        sQ = st.sQ.get_tensor(sQ_layout)
-        kv_ptr = st.sKV.data_ptr()
+        q_ptr, kv_ptr = st.sQ.data_ptr(), st.sKV.data_ptr()
+        m_ptr, l_ptr = st.sM.data_ptr(), st.sL.data_ptr()
+        if const_expr(self.groups > 1):  # the group's storage: group g's follows g - 1's
+            q_ptr = q_ptr + cute.assume(grp * cute.cosize(sQ_layout), divby=512)
+            kv_ptr = kv_ptr + cute.assume(grp * 2 * cute.cosize(sKV_layout), divby=512)
+            m_ptr, l_ptr = m_ptr + grp * (NUM_WARPS * TQ), l_ptr + grp * (NUM_WARPS * TQ)
+        sQ = cute.make_tensor(q_ptr, sQ_layout)
         sK = cute.make_tensor(kv_ptr, sKV_layout)
         sV = cute.make_tensor(kv_ptr + cute.cosize(sKV_layout), sKV_layout)
-        sM = st.sM.get_tensor(cute.make_layout((TQ, WN), stride=(1, TQ)))
-        sL = st.sL.get_tensor(cute.make_layout((TQ, WN), stride=(1, TQ)))
+        sM = cute.make_tensor(m_ptr, cute.make_layout((TQ, WN), stride=(1, TQ)))
+        sL = cute.make_tensor(l_ptr, cute.make_layout((TQ, WN), stride=(1, TQ)))
 
         thr_mma = tiled_mma.get_slice(lane)
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.mma_dtype)
@@ -299,7 +320,12 @@ class PrefillMma(PagedDecode):
         if const_expr(self.paged):
             page_size = cute.FastDivmodDivisorV2(mK.shape[1])  # multiply-high + shift per gathered row
         rows = cute.make_rmem_tensor((self.n_lookups,), Int32)  # the cursor's next block's pages
-        item_begin, item_end = mWorkIndptr[cta], mWorkIndptr[cta + 1]
+        if const_expr(self.groups > 1):  # an odd plan: the last CTA's second group has no work
+            cta = cutlass.min(cta, num_ctas)
+            item_begin = mWorkIndptr[cta]
+            item_end = mWorkIndptr[cutlass.min(cta + 1, num_ctas)]
+        else:
+            item_begin, item_end = mWorkIndptr[cta], mWorkIndptr[cta + 1]
         gdiv = cute.FastDivmodDivisorV2(group)  # Q rows -> (token, head): multiply-high, no division
         ld = LoadStream(
             mQ, mK, mV, mWork, mKvIndptr, mKvIndices, sQ, sK, sV, rows, tidx, page_size, group, item_end, gdiv
@@ -338,7 +364,7 @@ class PrefillMma(PagedDecode):
 
             for nb in cutlass.range(n_blocks):
                 cute.arch.cp_async_wait_group(self.stages - 2)
-                cute.arch.sync_threads()
+                self._sync(grp)
                 if const_expr(self.q_per_step):
                     if nb == 0:  # the single Q buffer: the barrier above ended the last item's reads
                         PagedDecode._issue_q(self, ld, item, Int32(0))
@@ -352,7 +378,7 @@ class PrefillMma(PagedDecode):
                 if const_expr(self.q_per_step):
                     if nb == 0:  # Q landed (the group before the block just issued), for every thread
                         cute.arch.cp_async_wait_group(1)
-                        cute.arch.sync_threads()
+                        self._sync(grp)
 
                 stage = (g + nb) % self.stages
                 key0 = blk_start + nb * self.block_n + kg * KW
@@ -385,7 +411,7 @@ class PrefillMma(PagedDecode):
             if const_expr(WN == 1):
                 self._store_rows(outs, acc_O, row_m, row_l, tScS, tOcO, lane, info, tc)
             elif const_expr(self.m_tiles > 1):
-                place = (rg, kg, lane)
+                place = (rg, kg, lane, grp)
                 self._merge_pair_store(outs, acc_O, row_m, row_l, (sM, sL), kv_ptr, g, place, tScS, tOcO, info, tc)
             else:
                 # decode's epilogue: unscaled O rows into the stage of this item's last block
@@ -394,10 +420,10 @@ class PrefillMma(PagedDecode):
                 # too: a barrier first.  No block at all: the previous item's store phase may
                 # still read sM / sL and the buffers.
                 if const_expr(self.warps_m > 1):
-                    cute.arch.sync_threads()
+                    self._sync(grp)
                 else:
                     if n_blocks == 0:
-                        cute.arch.sync_threads()
+                        self._sync(grp)
                     else:
                         cute.arch.sync_warp()  # the warp's ldmatrix reads of these rows come before its writes
                 o_stage = (g + self.stages - 1) % self.stages
@@ -417,8 +443,16 @@ class PrefillMma(PagedDecode):
                     if j < info.num_rows:  # rows past the tile's end are never stored
                         for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                             sO[j - self._row0(rg, 0), self._o_col(tOcO[0, c][1])] = acc_O_mn[r, c]
-                cute.arch.sync_threads()
+                self._sync(grp)
                 self._store(outs, kv_ptr, o_stage, (sM, sL), tidx, info, tc)
+
+    def _sync(self, grp):
+        """The barrier of the thread's group: the CTA's, or named barrier 1 + group over its
+        128 threads (the groups never wait for each other)."""
+        if const_expr(self.groups > 1):
+            cute.arch.barrier(barrier_id=1 + grp, number_of_threads=THREADS)
+        else:
+            cute.arch.sync_threads()
 
     # ---- the warp's place, the block: scores, masks, softmax, P V ------------------------------
     def _warp_place(self, wid):
@@ -742,10 +776,10 @@ class PrefillMma(PagedDecode):
         exchange complete.  The next block into that stage is issued after the next item's
         first barrier, which the first warps reach after their reads."""
         sM, sL = stats
-        rg, kg, lane = place
+        rg, kg, lane, grp = place
         H = self.hooks
         D = self.head_dim
-        cute.arch.sync_threads()
+        self._sync(grp)
         xb = self._xbuf(kv_ptr, (g + self.stages - 1) % self.stages, rg, lane)
         flat = cute.make_layout((4, D // 4))  # a fragment's registers in order: 16-byte vectors
         if kg == 1:
@@ -756,7 +790,7 @@ class PrefillMma(PagedDecode):
                 if lane % 4 == 0:
                     sM[j, 1] = row_m[r]
                     sL[j, 1] = l_sum
-        cute.arch.sync_threads()
+        self._sync(grp)
         if kg == 0:
             other = cute.make_rmem_tensor(acc_O.layout, Float32)
             cute.autovec_copy(xb, cute.make_tensor(other.iterator, flat))
