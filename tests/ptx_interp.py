@@ -228,6 +228,7 @@ class CTA:
         self.ctaid, self.grid = ctaid, grid
         self.executed = 0
         self.arrived: dict = {}  # barrier id -> threads that arrived (bar.arrive) and did not wait
+        self.arrived_total = 0  # bar.arrive executed, by thread
         # the order threads run in between synchronizations: a kernel whose warps race (one
         # writes what another reads with no barrier between) gives different results in the
         # forward and the reverse order
@@ -362,6 +363,7 @@ class CTA:
                 if ins.parts[1] == "arrive":
                     assert count is not None, "bar.arrive without a thread count"
                     self.arrived[bid] = self.arrived.get(bid, 0) + 1
+                    self.arrived_total += 1
                     th.pc += 1
                     continue
                 assert ins.parts[1] == "sync", ins.op

@@ -85,6 +85,8 @@ class _Interpreted:
         for cta in range(grid):
             c = ptx_interp.CTA(self.ptx, params, mem, 128 * groups, ctaid=cta, order=self.order, grid=grid)
             c.run()
+            assert not any(c.arrived.values()), f"arrivals no wait met: {c.arrived}"  # (the ping-pong's turns)
+            self.turns = getattr(self, "turns", 0) + c.arrived_total
             self.steps += c.executed
 
 
@@ -231,3 +233,15 @@ def test_groups_knob(interp, case, monkeypatch):
     monkeypatch.setitem(TILE128_KNOBS, "groups", 2)
     test_compiled_kernel_matches_reference(interp, case)
     assert any(m.params.get("groups") == 2 and m.steps > 0 for m in interp)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[-1] == 128], ids=_id)
+def test_pingpong_knob(interp, case, monkeypatch):
+    """``groups=2, pingpong=1`` at tile 128: the two groups take turns ({P V of block j - 1, S of
+    block j}) at named barriers; every wait must meet an arrival (the interpreter raises on a
+    deadlock) whatever the two groups' numbers of items and blocks."""
+    monkeypatch.setitem(TILE128_KNOBS, "groups", 2)
+    monkeypatch.setitem(TILE128_KNOBS, "pingpong", 1)
+    test_compiled_kernel_matches_reference(interp, case)
+    assert any(m.params.get("pingpong") == 1 and m.steps > 0 for m in interp)
+    assert sum(getattr(m, "turns", 0) for m in interp) > 0  # the groups did take turns

@@ -42,6 +42,19 @@ def mma_mn_view(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
 
 
+@cute.jit
+def lazy_rescale(O: cute.Tensor, corr: cute.Tensor):
+    """O (rows, cols) *= corr per row, skipped where no row of the warp moved its max: with a
+    lazily raised max (the portable prefill's softmax) most blocks leave every corr at 1."""
+    moved = corr[0] != Float32(1.0)
+    for r in cutlass.range_constexpr(1, cute.size(corr)):
+        moved = moved | (corr[r] != Float32(1.0))
+    if cute.arch.vote_any_sync(moved):
+        for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                O[r, c] = O[r, c] * corr[r]
+
+
 def mma_acc_as_a(t: cute.Tensor) -> cute.Tensor:
     """Reuse an m16n8 accumulator fragment (4, M, N) as the A operand of m16n8k16:
     two adjacent n8 tiles form one k16 step -> ((4, 2), M, N/2)."""

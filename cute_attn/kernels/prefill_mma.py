@@ -18,6 +18,10 @@ warp's M tiles), and each group's keys over ``warps_n = 4 / warps_m`` warps:
   tile 128: 4 x 1 warps of 32 rows (head dims 64 / 128): every K / V fragment serves two M
   tiles, and Q is read from shared memory one k16 step at a time (``q_per_step``).
 
+The knob ``groups=2`` puts two such 4-warp groups in one CTA, each running one CTA of the plan
+with its own shared memory and named barrier; ``pingpong=1`` makes them take turns at the tensor
+pipe (``prefill_mma_turns.py``).
+
 With 32 or 64 keys per warp the K and V fragments are read one k16 step at a time next to
 their MMAs (a whole 64-key K fragment would be 128 registers).  Each warp keeps its own
 online-softmax state; the warps of a row group are ⊕-merged through shared memory at the end
@@ -57,8 +61,9 @@ from ..variants.dsl import LOG2E
 from ..variants.trace import make_entry
 from .copy import cp_async_16
 from .decode import BLOCK_N, NUM_WARPS, THREADS, DecodeConfig, LoadCursor, LoadStream, Outputs, PagedDecode
-from .fragments import mma_acc_as_a, mma_mn_view, quad_max, quad_sum
+from .fragments import lazy_rescale, mma_acc_as_a, mma_mn_view, quad_max, quad_sum
 from .pages import in_cache
+from .prefill_mma_turns import TurnTaking
 from .work import ItemInfo, TraceCtx, item_row_values, row_token, tok_head
 
 TILES = (16, 32, 64, 128)
@@ -111,6 +116,7 @@ class PrefillMmaConfig:
     stages: int = 0  # 0: STAGES
     warps_m: int = 0  # 0: WARPS_M
     groups: int = 0  # 0 / 1: one 4-warp group per CTA; 2: two, each a CTA of the plan
+    pingpong: int = 0  # with groups=2: the groups take turns at the tensor pipe
 
     @classmethod
     def from_spec(cls, p: dict) -> PrefillMmaConfig:
@@ -129,10 +135,11 @@ class PrefillMmaConfig:
             p.get("stages", 0),
             p.get("warps_m", 0),
             p.get("groups", 0),
+            p.get("pingpong", 0),
         )
 
 
-class PrefillMma(PagedDecode):
+class PrefillMma(TurnTaking, PagedDecode):
     """The kernel: decode's load stream, fragments and epilogue pieces with a prefill main
     loop (see the module docstring)."""
 
@@ -148,6 +155,11 @@ class PrefillMma(PagedDecode):
         # CTA and can be scheduled against each other
         self.groups = cfg.groups or 1
         assert self.groups in (1, 2), self.groups
+        # FA3's ping-pong on mma.sync: a turn {P V of block j - 1, S of block j} at the group's
+        # turn barrier, the softmax of block j during the other group's turn
+        self.pingpong = bool(cfg.pingpong)
+        if self.pingpong:
+            assert self.groups == 2 and cfg.tile_q == 128 and not self.hooks.per_row, cfg
         self.causal, self.soft_cap, self.window = cfg.causal, cfg.soft_cap, cfg.window
         H = self.hooks
         if H.has_transform_k and self.keys_per_warp != 16:
@@ -327,6 +339,14 @@ class PrefillMma(PagedDecode):
         else:
             item_begin, item_end = mWorkIndptr[cta], mWorkIndptr[cta + 1]
         gdiv = cute.FastDivmodDivisorV2(group)  # Q rows -> (token, head): multiply-high, no division
+        k_turn = Int32(0)  # this group's turns so far
+        t_other = Int32(0)  # the other group's turns in all
+        if const_expr(self.pingpong):
+            other = cutlass.min(cta - 2 * grp + 1, num_ctas)  # the other group's CTA of the plan
+            t_other = self._turns(mWork, mWorkIndptr, other, num_ctas, group, gdiv, tc)
+            if grp == 1:
+                if t_other > 0:  # the first group's first turn
+                    cute.arch.barrier_arrive(barrier_id=3, number_of_threads=2 * THREADS)
         ld = LoadStream(
             mQ, mK, mV, mWork, mKvIndptr, mKvIndices, sQ, sK, sV, rows, tidx, page_size, group, item_end, gdiv
         )
@@ -362,7 +382,15 @@ class PrefillMma(PagedDecode):
             if const_expr(self.q_per_step):
                 q_steps = (s2r_q.partition_S(sQ_w), s2r_q.retile(tSrQ))
 
-            for nb in cutlass.range(n_blocks):
+            n_plain = n_blocks  # blocks of the loop without turns
+            if const_expr(self.pingpong):
+                n_plain = Int32(0)
+                mma = (tiled_mma, thr_mma, s2r_k, s2r_v, (tSrQ, q_steps, s2r_q))
+                blocks = (item, info, n_blocks, blk_start, g, kg)
+                cur, k_turn = self._blocks_pingpong(
+                    ld, tc, cur, blocks, mma, (sK, sV), (acc_O, row_m, row_l), (tScS, lim, lo), (grp, k_turn, t_other)
+                )
+            for nb in cutlass.range(n_plain):
                 cute.arch.cp_async_wait_group(self.stages - 2)
                 self._sync(grp)
                 if const_expr(self.q_per_step):
@@ -396,13 +424,7 @@ class PrefillMma(PagedDecode):
                             self._online_row(acc_S_mn, acc_O_mn, r, m_blk, row_m, row_l)
                     rP.store(acc_S.load().to(self.mma_dtype))
                 else:
-                    out = (rP, cute.make_rmem_tensor((n_rows_thr,), Float32))
-                    blk = (key0, tScS, lim, lo)
-                    if self._cut(key0, lim, lo, n_rows_thr):
-                        self._softmax(acc_S, out, row_m, row_l, blk, tc, True)
-                    else:
-                        self._softmax(acc_S, out, row_m, row_l, blk, tc, False)
-                    _rescale(acc_O_mn, out[1])
+                    self._flag_block(acc_S, rP, acc_O_mn, (row_m, row_l), (key0, tScS, lim, lo), tc)
                 self._pv(tiled_mma, thr_mma, s2r_v, sV_w, rP, acc_O)
 
             if n_blocks > 0:
@@ -547,11 +569,25 @@ class PrefillMma(PagedDecode):
                 cut = cut | (key0 < lo[r])
         return cute.arch.vote_any_sync(cut)
 
+    @cute.jit
+    def _flag_block(self, acc_S, rP, acc_O_mn, stats, blk, tc: TraceCtx):
+        """The flag path's block after S: the softmax (its masks only where a bound cuts the
+        warp's keys), P into ``rP``, O's lazy rescale.  ``stats`` = (row max, row sum)."""
+        row_m, row_l = stats
+        key0, tScS, lim, lo = blk
+        n_rows = cute.size(tScS, mode=[0])
+        out = (rP, cute.make_rmem_tensor((n_rows,), Float32))
+        if self._cut(key0, lim, lo, n_rows):
+            self._softmax(acc_S, out, row_m, row_l, blk, tc, True)
+        else:
+            self._softmax(acc_S, out, row_m, row_l, blk, tc, False)
+        lazy_rescale(acc_O_mn, out[1])
+
     def _softmax(self, acc_S, out, row_m, row_l, blk, tc: TraceCtx, masked: bool):
         """The flag path's online softmax of a block: the soft-cap's tanh (in units of cap), the
         static masks where ``masked`` (``blk`` = (key0, tScS, lim, lo)), each row's max in raw
         units -- kept while the block's exceeds it by at most LAZY_RESCALE in base 2, so most
-        blocks leave O alone (``_rescale``) -- and the weights 2^(s·scale - m·scale), one FFMA
+        blocks leave O alone (``fragments.lazy_rescale``) -- and the weights 2^(s·scale - m·scale), one FFMA
         and one ex2 per score.  Max and sum in 4 partial chains (shorter dependencies).
         ``out`` = (P in the MMA dtype, each row's O correction).  P is packed here, before the
         caller's rescale of O, so the weights do not cross that branch as fp32 (64 registers
@@ -825,18 +861,6 @@ class PrefillMma(PagedDecode):
         ctx = self._ctx(info, row, tc)
         for c in range(cute.size(o)):
             o[c] = self.hooks.output(ctx, tc.vargs, o[c], tOcO[0, c][1])
-
-
-@cute.jit
-def _rescale(O: cute.Tensor, corr: cute.Tensor):
-    """O *= corr per row, skipped where no row of the warp moved its max (``_softmax``)."""
-    moved = corr[0] != Float32(1.0)
-    for r in cutlass.range_constexpr(1, cute.size(corr)):
-        moved = moved | (corr[r] != Float32(1.0))
-    if cute.arch.vote_any_sync(moved):
-        for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                O[r, c] = O[r, c] * corr[r]
 
 
 def build_batch_prefill_mma(spec):
