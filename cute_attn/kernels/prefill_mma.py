@@ -154,12 +154,13 @@ class PrefillMma(TurnTaking, PagedDecode):
         # with its own shared memory and barriers, so the two warps of an SMSP belong to one
         # CTA and can be scheduled against each other
         self.groups = cfg.groups or 1
-        assert self.groups in (1, 2), self.groups
+        if self.groups != 1 and (self.groups != 2 or cfg.tile_q != 128):
+            raise NotImplementedError(f"the portable prefill's groups={cfg.groups}: 2 at the 128-row tile only")
         # FA3's ping-pong on mma.sync: a turn {P V of block j - 1, S of block j} at the group's
         # turn barrier, the softmax of block j during the other group's turn
         self.pingpong = bool(cfg.pingpong)
-        if self.pingpong:
-            assert self.groups == 2 and cfg.tile_q == 128 and not self.hooks.per_row, cfg
+        if self.pingpong and (self.groups != 2 or self.hooks.per_row):
+            raise NotImplementedError("the portable prefill's ping-pong: groups=2, no per-row variant")
         self.causal, self.soft_cap, self.window = cfg.causal, cfg.soft_cap, cfg.window
         H = self.hooks
         if H.has_transform_k and self.keys_per_warp != 16:
