@@ -45,6 +45,7 @@ class _Interpreted:
         self.ptx = ptx_of(Spec.make("batch_prefill_mma", "sm_90a", **params))
         self.order = order
         self.steps = 0
+        self.turns = 0  # bar.arrive executed (the ping-pong's turns)
 
     def __call__(self, *args):
         args = [_plain(a) for a in args]
@@ -85,8 +86,8 @@ class _Interpreted:
         for cta in range(grid):
             c = ptx_interp.CTA(self.ptx, params, mem, 128 * groups, ctaid=cta, order=self.order, grid=grid)
             c.run()
-            assert not any(c.arrived.values()), f"arrivals no wait met: {c.arrived}"  # (the ping-pong's turns)
-            self.turns = getattr(self, "turns", 0) + c.arrived_total
+            assert not any(c.arrived.values()), f"arrivals that no wait met: {c.arrived}"
+            self.turns += c.arrived_total
             self.steps += c.executed
 
 
@@ -244,4 +245,4 @@ def test_pingpong_knob(interp, case, monkeypatch):
     monkeypatch.setitem(TILE128_KNOBS, "pingpong", 1)
     test_compiled_kernel_matches_reference(interp, case)
     assert any(m.params.get("pingpong") == 1 and m.steps > 0 for m in interp)
-    assert sum(getattr(m, "turns", 0) for m in interp) > 0  # the groups did take turns
+    assert sum(m.turns for m in interp) > 0  # the groups did take turns

@@ -333,17 +333,15 @@ class PrefillMma(TurnTaking, PagedDecode):
         if const_expr(self.paged):
             page_size = cute.FastDivmodDivisorV2(mK.shape[1])  # multiply-high + shift per gathered row
         rows = cute.make_rmem_tensor((self.n_lookups,), Int32)  # the cursor's next block's pages
-        if const_expr(self.groups > 1):  # an odd plan: the last CTA's second group has no work
-            cta = cutlass.min(cta, num_ctas)
-            item_begin = mWorkIndptr[cta]
-            item_end = mWorkIndptr[cutlass.min(cta + 1, num_ctas)]
+        if const_expr(self.groups > 1):
+            item_begin, item_end = self._items_of(mWorkIndptr, cta, num_ctas)
         else:
             item_begin, item_end = mWorkIndptr[cta], mWorkIndptr[cta + 1]
         gdiv = cute.FastDivmodDivisorV2(group)  # Q rows -> (token, head): multiply-high, no division
         k_turn = Int32(0)  # this group's turns so far
         t_other = Int32(0)  # the other group's turns in all
         if const_expr(self.pingpong):
-            other = cutlass.min(cta - 2 * grp + 1, num_ctas)  # the other group's CTA of the plan
+            other = cta - 2 * grp + 1  # the other group's CTA of the plan
             t_other = self._turns(mWork, mWorkIndptr, other, num_ctas, group, gdiv, tc)
             if grp == 1:
                 if t_other > 0:  # the first group's first turn
@@ -468,6 +466,13 @@ class PrefillMma(TurnTaking, PagedDecode):
                             sO[j - self._row0(rg, 0), self._o_col(tOcO[0, c][1])] = acc_O_mn[r, c]
                 self._sync(grp)
                 self._store(outs, kv_ptr, o_stage, (sM, sL), tidx, info, tc)
+
+    @cute.jit
+    def _items_of(self, mWorkIndptr, cta, num_ctas):
+        """The plan's items [begin, end) of CTA ``cta``, none past its last CTA (with two groups
+        per CTA, an odd plan leaves the last CTA's second group idle)."""
+        c = cutlass.min(cta, num_ctas)
+        return mWorkIndptr[c], mWorkIndptr[cutlass.min(c + 1, num_ctas)]
 
     def _sync(self, grp):
         """The barrier of the thread's group: the CTA's, or named barrier 1 + group over its

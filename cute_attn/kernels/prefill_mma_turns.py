@@ -91,7 +91,7 @@ class TurnTaking:
         """The turns a group running CTA ``cta`` of the plan takes: each item of n > 0 blocks
         n + 1 (S of block 0; P V of block j - 1 and S of block j; P V of the last)."""
         t = Int32(0)
-        b, e = mWorkIndptr[cta], mWorkIndptr[cutlass.min(cta + 1, num_ctas)]
+        b, e = self._items_of(mWorkIndptr, cta, num_ctas)
         for item in cutlass.range(b, e, unroll=1):
             blk_start, blk_end = self._kv_blocks(ItemInfo(mWork, item, group, gdiv), tc)
             n = (blk_end - blk_start + self.block_n - 1) // self.block_n
