@@ -246,3 +246,13 @@ def test_pingpong_knob(interp, case, monkeypatch):
     test_compiled_kernel_matches_reference(interp, case)
     assert any(m.params.get("pingpong") == 1 and m.steps > 0 for m in interp)
     assert sum(m.turns for m in interp) > 0  # the groups did take turns
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[-1] == 128], ids=_id)
+def test_defer_knob(interp, case, monkeypatch):
+    """``defer=1`` at tile 128: P V of block j - 1 beside S of block j in one CTA (the
+    ping-pong's order without its turns; each block's stage is refilled only after the next
+    block's P V)."""
+    monkeypatch.setitem(TILE128_KNOBS, "defer", 1)
+    test_compiled_kernel_matches_reference(interp, case)
+    assert any(m.params.get("defer") == 1 and m.steps > 0 for m in interp)

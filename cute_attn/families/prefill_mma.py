@@ -7,8 +7,9 @@ Spec parameters: ``dtype``, ``head_dim``, ``tile_q`` (16, 32, 64 or 128 packed r
 2 x 2, 4 x 1 or 4 x 1 warps of 32 rows, by rows x keys; 128 at head dims 64 / 128), ``paged``
 (the cache's pages gathered in-kernel, any page size; else ragged KV), the static flags
 ``causal`` / ``soft_cap`` / ``window``, the knobs ``stages`` / ``warps_m`` / ``groups`` /
-``pingpong`` (absent for the kernel's defaults; the last two: two 4-warp groups per CTA taking
-turns at the tensor pipe, ``kernels/prefill_mma_turns.py``, untimed) and the traced variant (an
+``pingpong`` / ``defer`` (absent for the kernel's defaults; ``groups=2, pingpong=1``: two 4-warp
+groups per CTA taking turns at the tensor pipe, ``kernels/prefill_mma_turns.py``; ``defer=1``:
+the same block order in one group) and the traced variant (an
 in-kernel key transform, RoPE, with 16-row tiles only; no Q transform on the 128-row tile)."""
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def prefill_mma_spec(
 ) -> Spec:
     """One ``batch_prefill_mma`` specialization; ``variant``: the traced variant beyond the
     static flags (None: the plain kernel); ``knobs``: ``stages`` / ``warps_m`` / ``groups`` /
-    ``pingpong`` (absent: the kernel's defaults)."""
+    ``pingpong`` / ``defer`` (absent: the kernel's defaults)."""
     if head_dim in WIDE_HEAD_DIMS:
         if soft_cap or window or variant is not None:
             raise NotImplementedError(

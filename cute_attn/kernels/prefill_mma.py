@@ -20,7 +20,8 @@ warp's M tiles), and each group's keys over ``warps_n = 4 / warps_m`` warps:
 
 The knob ``groups=2`` puts two such 4-warp groups in one CTA, each running one CTA of the plan
 with its own shared memory and named barrier; ``pingpong=1`` makes them take turns at the tensor
-pipe (``prefill_mma_turns.py``).
+pipe (``prefill_mma_turns.py``); ``defer=1`` takes the ping-pong's block order (P V of block
+j - 1 beside S of block j) in one group, without turns.
 
 With 32 or 64 keys per warp the K and V fragments are read one k16 step at a time next to
 their MMAs (a whole 64-key K fragment would be 128 registers).  Each warp keeps its own
@@ -117,6 +118,7 @@ class PrefillMmaConfig:
     warps_m: int = 0  # 0: WARPS_M
     groups: int = 0  # 0 / 1: one 4-warp group per CTA; 2: two, each a CTA of the plan
     pingpong: int = 0  # with groups=2: the groups take turns at the tensor pipe
+    defer: int = 0  # P V of block j - 1 next to S of block j (the ping-pong's order, no turns)
 
     @classmethod
     def from_spec(cls, p: dict) -> PrefillMmaConfig:
@@ -136,6 +138,7 @@ class PrefillMmaConfig:
             p.get("warps_m", 0),
             p.get("groups", 0),
             p.get("pingpong", 0),
+            p.get("defer", 0),
         )
 
 
@@ -161,6 +164,12 @@ class PrefillMma(TurnTaking, PagedDecode):
         self.pingpong = bool(cfg.pingpong)
         if self.pingpong and (self.groups != 2 or self.hooks.per_row):
             raise NotImplementedError("the portable prefill's ping-pong: groups=2, no per-row variant")
+        # The ping-pong's block order without its turns: one basic block holds P V of block j - 1
+        # and S of block j, so S's MMAs can be issued ahead of P V's and its results are in by
+        # the softmax (the microbenchmark: 464 vs 413 TFLOP/s)
+        self.deferred = self.pingpong or bool(cfg.defer)
+        if self.deferred and (cfg.tile_q != 128 or self.hooks.per_row):
+            raise NotImplementedError("the portable prefill's deferred P V: the 128-row tile, no per-row variant")
         self.causal, self.soft_cap, self.window = cfg.causal, cfg.soft_cap, cfg.window
         H = self.hooks
         if H.has_transform_k and self.keys_per_warp != 16:
@@ -382,7 +391,7 @@ class PrefillMma(TurnTaking, PagedDecode):
                 q_steps = (s2r_q.partition_S(sQ_w), s2r_q.retile(tSrQ))
 
             n_plain = n_blocks  # blocks of the loop without turns
-            if const_expr(self.pingpong):
+            if const_expr(self.deferred):
                 n_plain = Int32(0)
                 mma = (tiled_mma, thr_mma, s2r_k, s2r_v, (tSrQ, q_steps, s2r_q))
                 blocks = (item, info, n_blocks, blk_start, g, kg)

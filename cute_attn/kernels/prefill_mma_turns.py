@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, const_expr
 
 from .decode import THREADS, PagedDecode
 from .fragments import mma_mn_view
@@ -78,13 +78,15 @@ class TurnTaking:
     # while k < T0 and arrives while k + 1 < T0.
     @cute.jit
     def _turn_begin(self, grp, k, t_other):
-        if k < t_other + 1 - grp:
-            cute.arch.barrier(barrier_id=3 + grp, number_of_threads=2 * THREADS)
+        if const_expr(self.pingpong):
+            if k < t_other + 1 - grp:
+                cute.arch.barrier(barrier_id=3 + grp, number_of_threads=2 * THREADS)
 
     @cute.jit
     def _turn_end(self, grp, k, t_other):
-        if k < t_other - grp:
-            cute.arch.barrier_arrive(barrier_id=4 - grp, number_of_threads=2 * THREADS)
+        if const_expr(self.pingpong):
+            if k < t_other - grp:
+                cute.arch.barrier_arrive(barrier_id=4 - grp, number_of_threads=2 * THREADS)
 
     @cute.jit
     def _turns(self, mWork, mWorkIndptr, cta, num_ctas, group, gdiv, tc: TraceCtx):
