@@ -12,6 +12,7 @@
 //   barrier:   the same with a CTA barrier per block (the kernel's stage barrier);
 //   deferred:  1 CTA x 8 warps, each warp {P V of block j-1, S of block j} then the softmax of
 //              block j, no coordination (the ping-pong's instruction order without its barriers);
+//   defer_bar: deferred in 2 CTAs x 4 warps with two CTA barriers per block (the kernel's defer=1);
 //   pingpong:  the same with two 4-warp groups taking turns: a turn {P V j-1, S j} starts at the
 //              group's named barrier (its 128 threads + the other group's 128 arrivals) and ends
 //              with an arrival at the other group's, the softmax runs during the other's turn.
@@ -202,6 +203,22 @@ __global__ void __launch_bounds__(256, 1) deferred(float* out, uint32_t seed) {
   w.sink(out);
 }
 
+// {P V j-1, S j} then softmax j with a CTA barrier per block, 2 CTAs x 4 warps (the kernel's
+// defer=1: its stage barriers)
+__global__ void __launch_bounds__(128, 2) deferred_barrier(float* out, uint32_t seed) {
+  Warp w;
+  w.init(seed);
+  for (int j = 0; j < BLOCKS; ++j) {
+    __syncthreads();
+    if (j > 0) w.pv();
+    w.scores(j);
+    __syncthreads();
+    w.softmax();
+  }
+  w.pv();
+  w.sink(out);
+}
+
 int main() {
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -229,6 +246,7 @@ int main() {
     time("barrier", [&](uint32_t s) { free_order<true><<<2 * sms, 128>>>(out, s); });
     time("deferred", [&](uint32_t s) { deferred<false><<<sms, 256>>>(out, s); });
     time("pingpong", [&](uint32_t s) { deferred<true><<<sms, 256>>>(out, s); });
+    time("defer_bar", [&](uint32_t s) { deferred_barrier<<<2 * sms, 128>>>(out, s); });
   }
   return 0;
 }
