@@ -155,6 +155,12 @@ CASES = [
     ([1, 2], [70, 33], 8, 2, 80, torch.bfloat16, 16, False, None, -1, {}, 16),
     ([8, 3], [19, 100], 8, 2, 80, torch.float16, 0, True, None, -1, {}, 32),
     ([33, 2], [150, 2], 4, 2, 80, torch.bfloat16, 1, True, 30.0, 20, {}, 64),
+    # head dim 256: Q read per k16 step from its buffer of the stage (several short items per CTA:
+    # a buffer is refilled only once its item is done)
+    ([1, 2, 1], [70, 33, 5], 8, 2, 256, torch.bfloat16, 16, False, None, -1, {}, 16),
+    ([8, 3], [19, 100], 8, 2, 256, torch.float16, 0, True, None, -1, {}, 32),
+    ([50, 30, 5, 30], [50, 300, 6, 30], 4, 2, 256, torch.bfloat16, 1, True, 30.0, -1, {}, 64),  # soft-cap
+    ([20], [200], 4, 2, 256, torch.bfloat16, 16, True, None, -1, dict(fixed_split_size=4), 64),  # (in pages)
     # head dim 512 (kernels/decode_wide.py: 16- and 32-row tiles, one and two warp groups)
     ([1, 2], [70, 33], 8, 2, 512, torch.bfloat16, 16, False, None, -1, {}, 16),
     ([8, 3], [19, 100], 8, 2, 512, torch.float16, 0, True, None, -1, {}, 32),

@@ -16,7 +16,8 @@ warp's M tiles), and each group's keys over ``warps_n = 4 / warps_m`` warps:
   tile 32: 2 x 2 warps, 32 keys per warp;
   tile 64: 4 x 1 warps, all 64 keys of a block per warp;
   tile 128: 4 x 1 warps of 32 rows (head dims 64 / 128): every K / V fragment serves two M
-  tiles, and Q is read from shared memory one k16 step at a time (``q_per_step``).
+  tiles, and Q is read from shared memory one k16 step at a time (``q_per_step``; head dim
+  256 reads it so at every tile).
 
 The knob ``groups=2`` puts two such 4-warp groups in one CTA, each running one CTA of the plan
 with its own shared memory and named barrier; ``pingpong=1`` makes them take turns at the tensor
@@ -182,13 +183,17 @@ class PrefillMma(TurnTaking, PagedDecode):
         # S's 64): each k16 step of S reads its Q fragment from shared memory next to K's.  Its Q
         # tile (32 KB at head dim 128) has a single buffer, not one per stage, so two CTAs fit an
         # SM; it is loaded at the item's first block, once every warp is past the last item's.
-        self.q_per_step = cfg.tile_q == 128
-        if self.q_per_step:
+        self.q_single = cfg.tile_q == 128
+        if self.q_single:
             if cfg.head_dim not in TILE128_HEAD_DIMS:
                 raise NotImplementedError(f"the portable prefill's 128-row tile at head dim {cfg.head_dim}")
             if H.has_transform_q:
                 raise NotImplementedError("the portable prefill's 128-row tile reads Q from shared memory: no Q hook")
             self.q_bufs = 1
+        # Head dim 256 reads Q per k16 step too (its Q buffer per stage outlives the item: the
+        # cursor is fewer blocks ahead than there are buffers): a 16-row warp's whole Q fragment
+        # is 64 registers beside O's 128, and sm_100a's build spilled inside the block loop
+        self.q_per_step = self.q_single or (cfg.head_dim == 256 and not H.has_transform_q)
         # whole K / V fragments per block (decode) or one k16 step at a time next to its MMAs
         self.whole_frags = self.keys_per_warp == 16
         # the row maxima of the flag path (``_softmax``) are kept in raw q·k units (the scale
@@ -401,17 +406,17 @@ class PrefillMma(TurnTaking, PagedDecode):
             for nb in cutlass.range(n_plain):
                 cute.arch.cp_async_wait_group(self.stages - 2)
                 self._sync(grp)
-                if const_expr(self.q_per_step):
+                if const_expr(self.q_single):
                     if nb == 0:  # the single Q buffer: the barrier above ended the last item's reads
                         PagedDecode._issue_q(self, ld, item, Int32(0))
                         cute.arch.cp_async_commit_group()
-                else:
+                elif const_expr(not self.q_per_step):
                     if nb == 0:
                         self._load_q(s2r_q, sQ_w, tSrQ, lane, sQ, qb)
                         if const_expr(H.has_transform_q):
                             self._transform_q(tSrQ, thr_mma, info, tc, self._row0(rg))
                 cur = self._cursor_issue(ld, tc, (g + nb + self.stages - 1) % self.stages, cur)
-                if const_expr(self.q_per_step):
+                if const_expr(self.q_single):
                     if nb == 0:  # Q landed (the group before the block just issued), for every thread
                         cute.arch.cp_async_wait_group(1)
                         self._sync(grp)
@@ -554,7 +559,7 @@ class PrefillMma(TurnTaking, PagedDecode):
     def _issue_q(self, ld: LoadStream, item: Int32, buf: Int32):
         """The load cursor's Q issue with an item's first block; the 128-row tile loads its Q at
         the item's first block instead (the kernel's loop)."""
-        if not self.q_per_step:
+        if not self.q_single:
             PagedDecode._issue_q(self, ld, item, buf)
 
     def _row_bounds(self, info: ItemInfo, tScS, n_rows: int, blk_end, tc: TraceCtx):
