@@ -394,7 +394,6 @@ class PrefillMma(TurnTaking, PagedDecode):
             q_steps = None  # (shared Q, its fragment) where S reads Q one k16 step at a time
             if const_expr(self.q_per_step):
                 q_steps = (s2r_q.partition_S(sQ_w), s2r_q.retile(tSrQ))
-
             n_plain = n_blocks  # blocks of the loop without turns
             if const_expr(self.deferred):
                 n_plain = Int32(0)
