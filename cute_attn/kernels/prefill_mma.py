@@ -149,7 +149,8 @@ class PrefillMma(TurnTaking, PagedDecode):
 
     def __init__(self, cfg: PrefillMmaConfig):
         assert cfg.tile_q in TILES, cfg.tile_q
-        stages = cfg.stages or STAGES[cfg.head_dim, cfg.tile_q]
+        # the deferred order waits for every load each block (V one block ahead): two stages
+        stages = cfg.stages or (2 if cfg.pingpong or cfg.defer else STAGES[cfg.head_dim, cfg.tile_q])
         warps_m = cfg.warps_m or WARPS_M[cfg.tile_q]
         super().__init__(DecodeConfig(cfg.dtype, cfg.head_dim, stages, cfg.variant), cfg.tile_q, warps_m)
         self.pcfg = cfg
@@ -169,8 +170,10 @@ class PrefillMma(TurnTaking, PagedDecode):
         # and S of block j, so S's MMAs can be issued ahead of P V's and its results are in by
         # the softmax (the microbenchmark: 464 vs 413 TFLOP/s)
         self.deferred = self.pingpong or bool(cfg.defer)
-        if self.deferred and (cfg.tile_q != 128 or self.hooks.per_row):
-            raise NotImplementedError("the portable prefill's deferred P V: the 128-row tile, no per-row variant")
+        if self.deferred and (cfg.tile_q != 128 or self.hooks.per_row or stages != 2):
+            raise NotImplementedError(
+                "the portable prefill's deferred P V: the 128-row tile, 2 stages, no per-row variant"
+            )
         self.causal, self.soft_cap, self.window = cfg.causal, cfg.soft_cap, cfg.window
         H = self.hooks
         if H.has_transform_k and self.keys_per_warp != 16:
@@ -367,8 +370,13 @@ class PrefillMma(TurnTaking, PagedDecode):
         # issued STAGES - 1 blocks ahead of the compute; an item's Q rides with its first block
         z = Int32(0)
         cur = self._cursor_next(ld, tc, LoadCursor(item_begin - 1, z, z, z, z, z, z, Int32(-1)))
-        for s in cutlass.range_constexpr(self.stages - 1):
-            cur = self._cursor_issue(ld, tc, s, cur)
+        rows_v = cute.make_rmem_tensor((self.n_lookups,), Int32)  # the deferred order's V block's pages
+        if const_expr(self.deferred):  # K of the first block; its V comes with the next K
+            cur = self._cursor_issue_k(ld, tc, Int32(0), cur, rows_v)
+            cute.arch.cp_async_commit_group()
+        else:
+            for s in cutlass.range_constexpr(self.stages - 1):
+                cur = self._cursor_issue(ld, tc, s, cur)
         g = Int32(0)  # blocks computed so far
         q_cnt = Int32(0)  # items with blocks computed so far (selects the Q buffer)
         outs = Outputs(mO, mLse, mPartO, mPartLse)
@@ -398,9 +406,17 @@ class PrefillMma(TurnTaking, PagedDecode):
             if const_expr(self.deferred):
                 n_plain = Int32(0)
                 mma = (tiled_mma, thr_mma, s2r_k, s2r_v, (tSrQ, q_steps, s2r_q))
-                blocks = (item, info, n_blocks, blk_start, g, kg)
-                cur, k_turn = self._blocks_pingpong(
-                    ld, tc, cur, blocks, mma, (sK, sV), (acc_O, row_m, row_l), (tScS, lim, lo), (grp, k_turn, t_other)
+                blocks = (item, info, n_blocks, (blk_start, blk_end), g, kg)
+                cur, k_turn = self._blocks_deferred(
+                    (ld, rows_v),
+                    tc,
+                    cur,
+                    blocks,
+                    mma,
+                    (sK, sV),
+                    (acc_O, row_m, row_l),
+                    (tScS, lim, lo),
+                    (grp, k_turn, t_other),
                 )
             for nb in cutlass.range(n_plain):
                 cute.arch.cp_async_wait_group(self.stages - 2)
@@ -698,13 +714,15 @@ class PrefillMma(TurnTaking, PagedDecode):
         else:
             ld.rows[0] = page_base  # the request's first token in the ragged K / V
 
-    def _issue_kv(self, ld: LoadStream, kv_head, blk_start, kv_end, stage):
+    def _issue_kv(self, ld: LoadStream, kv_head, blk_start, kv_end, stage, parts=(0, 1), rows=None):
+        """``parts``: K (0) and / or V (1); ``rows``: the block's lookups (default ``ld.rows``)."""
+        rows = ld.rows if rows is None else rows
         if self.paged:
-            self._issue_paged(ld, kv_head, blk_start, kv_end, stage)
+            self._issue_paged(ld, kv_head, blk_start, kv_end, stage, parts, rows)
         else:
-            self._issue_ragged(ld, kv_head, blk_start, kv_end, stage)
+            self._issue_ragged(ld, kv_head, blk_start, kv_end, stage, parts, rows)
 
-    def _issue_paged(self, ld: LoadStream, kv_head, blk_start, kv_end, stage):
+    def _issue_paged(self, ld: LoadStream, kv_head, blk_start, kv_end, stage, parts, rows):
         """cp.async this thread's chunks of a paged block (decode's ``_issue_kv`` without head
         packing: one kv head, row i's page in ``ld.rows[i]``): a row's global address is the
         head's base + page x page stride (one 32 x 32 -> 64-bit multiply-add) + slot x token
@@ -714,7 +732,7 @@ class PrefillMma(TurnTaking, PagedDecode):
         k_base, v_base = ld.sK.iterator.toint(), ld.sV.iterator.toint()
         _, c = self._slot(tidx, 0)
         heads = []  # (the head's global byte address + chunk, bytes per page, bytes per token)
-        for m in (ld.mK, ld.mV):
+        for m in [(ld.mK, ld.mV)[x] for x in parts]:
             g0 = m[0, 0, kv_head, None].iterator.toint()
             per_page = Int32(m[1, 0, kv_head, None].iterator.toint() - g0)
             per_tok = Int32(m[0, 1, kv_head, None].iterator.toint() - g0)
@@ -722,17 +740,17 @@ class PrefillMma(TurnTaking, PagedDecode):
         for i in range(self.rows_per_thread):
             r, c_i = self._slot(tidx, i)
             _, slot = divmod(self._row_pos(tidx, i, blk_start, kv_end), ld.page_size)
-            page = in_cache(ld.rows[i], ld.mK.shape[0])
+            page = in_cache(rows[i], ld.mK.shape[0])
             d = self._smem_off(r, c_i, stage, self.block_n, self.kv_width) * 2
-            for (g0, per_page, per_tok), s_base in zip(heads, (k_base, v_base)):
+            for (g0, per_page, per_tok), s_base in zip(heads, [(k_base, v_base)[x] for x in parts]):
                 self._copy_atoms(s_base + d, g0 + Int64(page) * Int64(per_page) + Int64(slot * per_tok))
 
-    def _issue_ragged(self, ld: LoadStream, kv_head, blk_start, kv_end, stage):
+    def _issue_ragged(self, ld: LoadStream, kv_head, blk_start, kv_end, stage, parts, rows):
         """cp.async this thread's chunks of a ragged block: its rows are row_step tokens apart
         (the last token re-read past kv_end), so the global addresses are its first row's plus
         32-bit offsets -- one clamp and one multiply-add a row, where a full address (64-bit
         token strides) took ~12 instructions, 16 times a block."""
-        tidx, base = ld.tidx, ld.rows[0]
+        tidx, base = ld.tidx, rows[0]
         k_base, v_base = ld.sK.iterator.toint(), ld.sV.iterator.toint()
         r0, c = self._slot(tidx, 0)
         tok0 = base + self._row_pos(tidx, 0, blk_start, kv_end)
@@ -740,7 +758,7 @@ class PrefillMma(TurnTaking, PagedDecode):
         left = kv_end - 1 - blk_start - r0
         left = cutlass.select_(left > 0, left, Int32(0))
         row0 = []  # (first row's global byte address, bytes per token) of K and V
-        for m in (ld.mK, ld.mV):
+        for m in [(ld.mK, ld.mV)[x] for x in parts]:
             g0 = m[0, tok0, kv_head, None].iterator.toint()
             step = Int32(m[0, tok0 + 1, kv_head, None].iterator.toint() - g0)
             row0.append((g0 + c * 16, step))
@@ -748,7 +766,7 @@ class PrefillMma(TurnTaking, PagedDecode):
             r, c_i = self._slot(tidx, i)
             d = self._smem_off(r, c_i, stage, self.block_n, self.kv_width) * 2
             off = cutlass.min(Int32(i * self.row_step), left)
-            for (g0, step), s_base in zip(row0, (k_base, v_base)):
+            for (g0, step), s_base in zip(row0, [(k_base, v_base)[x] for x in parts]):
                 self._copy_atoms(s_base + d, g0 + Int64(off * step))
 
     def _copy_atoms(self, s_addr, g_addr):
