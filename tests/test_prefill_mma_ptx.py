@@ -257,8 +257,7 @@ def test_pingpong_knob(interp, case, monkeypatch):
 @pytest.mark.parametrize("case", [c for c in CASES if c[-1] == 128], ids=_id)
 def test_defer_knob(interp, case, monkeypatch):
     """``defer=1`` at tile 128: P V of block j - 1 beside S of block j in one CTA (the
-    ping-pong's order without its turns; each block's stage is refilled only after the next
-    block's P V)."""
+    ping-pong's order without its turns), V loaded a block after K."""
     monkeypatch.setitem(TILE128_KNOBS, "defer", 1)
     test_compiled_kernel_matches_reference(interp, case)
     assert any(m.params.get("defer") == 1 and m.steps > 0 for m in interp)

@@ -369,8 +369,9 @@ class PrefillMma(TurnTaking, KvLoads, PagedDecode):
         # issued STAGES - 1 blocks ahead of the compute; an item's Q rides with its first block
         z = Int32(0)
         cur = self._cursor_next(ld, tc, LoadCursor(item_begin - 1, z, z, z, z, z, z, Int32(-1)))
-        rows_v = cute.make_rmem_tensor((self.n_lookups,), Int32)  # the deferred order's V block's pages
+        rows_v = None  # the deferred order: the pages of the block whose V is issued next
         if const_expr(self.deferred):  # K of the first block; its V comes with the next K
+            rows_v = cute.make_rmem_tensor((self.n_lookups,), Int32)
             cur = self._cursor_issue_k(ld, tc, Int32(0), cur, rows_v)
             cute.arch.cp_async_commit_group()
         else:
