@@ -14,6 +14,7 @@ from .decode import (  # noqa: E402,F401
     BatchDecodeWithPagedKVCacheWrapper,
     CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
     fast_decode_plan,
+    get_seq_lens,
     single_decode_with_kv_cache,
 )
 from .merge import merge_state, merge_state_in_place, merge_states  # noqa: E402,F401
@@ -32,6 +33,7 @@ __all__ = [
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
     "fast_decode_plan",
     "single_decode_with_kv_cache",
+    "get_seq_lens",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",
     "single_prefill_with_kv_cache",

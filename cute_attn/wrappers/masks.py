@@ -91,6 +91,12 @@ def plan_custom_mask(w, custom_mask, packed, qo_len, kv_lens) -> CustomMask:
             f"use_cuda_graph=True: {int(qo_h[-1])} query tokens / batch {qo_h.size - 1} exceed "
             f"the first plan's {w._mask_bounds_buf.shape[0]} / {w._mask_qo_buf.numel() - 1}"
         )
+    if mbuf.dtype != torch.uint8:
+        raise ValueError(f"custom_mask_buf must be uint8 (FlashInfer's packed bytes), got {mbuf.dtype}")
+    # the constructor's buffer holds the plan's bytes, as FlashInfer's does (engines read it
+    # back as ``_custom_mask_buf``); the kernels read the word twin, so a captured run() sees
+    # the mask as planned
+    mbuf[: packed.numel()].copy_(packed.reshape(-1), non_blocking=True)
     ibuf[: indptr_t.numel()].copy_(indptr_t, non_blocking=True)
     w._mask_qo_buf[: qo_h.size].copy_(torch.from_numpy(qo_h), non_blocking=True)
     words = CustomMask.words(packed, w._mask_words_buf)

@@ -125,6 +125,19 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         return None if self._state is None else self._state.gathered
 
     @property
+    def _custom_mask_buf(self):
+        """FlashInfer's attribute (engines test it for None): the current plan's packed custom
+        mask on the device (uint8, zero-padded to whole 32-bit words), None when the plan has
+        none; in CUDA-graph mode the constructor's ``custom_mask_buf``, which plan() fills.  A
+        captured run() reads the mask as planned: bytes written into this buffer afterwards are
+        not seen -- plan() again (it re-derives the blocks each row may skip)."""
+        if self._use_cuda_graph:
+            return self._mask_buf
+        st = self._state
+        mask = None if st is None or st.options is None else st.options.get("custom_mask")
+        return None if mask is None else mask.values["packed_custom_mask"].view(torch.uint8)
+
+    @property
     def _kv_pass(self):
         return self._state.pass_binding
 

@@ -84,7 +84,9 @@ class BlockSparseAttentionWrapper:
     num_kv_heads, head_dim]``.  ``M`` need not be a multiple of ``R`` (the last row block is
     shorter; ``mask`` then still holds ``R`` rows per block, the extra ones unused); ``N`` must
     be a multiple of ``C``.  Duplicate column indices in a row block count those keys twice
-    (as FlashInfer).  cute_attn's own: ``variant=`` (position-free variants) and
+    (as FlashInfer).  ``o_data_type`` defaults to the query dtype: FlashInfer's default is
+    float16 whatever the query dtype, and an output dtype other than the query's raises
+    ``NotImplementedError`` here.  cute_attn's own: ``variant=`` (position-free variants) and
     ``kv_pass=`` as the paged prefill wrapper's; ``run(out=, lse=, return_lse=)``."""
 
     def __init__(self, float_workspace_buffer: torch.Tensor, backend: str = "auto") -> None:
