@@ -1436,7 +1436,7 @@ case(
 )
 case("run_before_plan", CAS, _cas_run_before_plan, raises(RuntimeError, "before plan"))
 case("run_after_failed_plan", CAS, _cas_run_after_failed_plan, raises(RuntimeError, "before plan"))
-case("plain_plan_accepted", CAS, _cas_accepted, ok(_launched("paged_decode")))
+case("plain_plan_accepted", CAS, _cas_accepted, ok(_launched("batch_prefill_sm90")))  # the shared level runs first
 
 
 # --------------------------------------------------------------------------- sparse
@@ -1765,6 +1765,165 @@ case(
 )
 
 
+# --------------------------------------------------------------------------- found by the session-35 audit
+# (a static and emulated probe of each wrapper with plausible mistakes; each of these launched or
+# failed obscurely before)
+
+
+def _strided(t):
+    """``t``'s values in a tensor whose last dim has stride 2 (a view of a wider buffer)."""
+    wide = torch.empty((*t.shape[:-1], 2 * t.shape[-1]), dtype=t.dtype, device=t.device)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+def _dec_set_attr(name, value):
+    def build(env):
+        w = dec_plan()(env)
+        setattr(w, name, value)
+
+    return build
+
+
+def _dec_fast_plan(**kw):
+    def build(env):
+        from cute_attn import fast_decode_plan
+
+        x = _dec_inputs(env)
+        w = dec_plan()(env)
+        fast_decode_plan(w, x.indptr, x.indices, x.last, x.hq, x.hk, x.d, x.ps, **kw)
+
+    return build
+
+
+def _dec_cached_plan_beyond_pages(env):
+    x = _dec_inputs(env)
+    w = dec_plan()(env)
+    kv_lens = torch.tensor(KV_LENS, dtype=torch.int32)
+    kv_lens[1] = 33  # request 1 holds 2 pages of 16: 32 tokens at most
+    qo = torch.arange(len(KV_LENS) + 1, dtype=torch.int32)
+    w._cached_module.plan(None, None, None, qo, x.indptr, kv_lens, len(KV_LENS), len(KV_LENS), HQ, HK, PS, False, D, D,
+                          False, -1)  # fmt: skip
+
+
+def _pag_graph_indptr_into_own_buffer(env):
+    """vLLM-style: the indices already sit in the graph buffer after two stale entries, and
+    indptr starts at 2 (rebased by the wrapper): the copy must not overlap itself."""
+    x = _pag_inputs(env)
+    w = _pag_graph(env)
+    n = x.indices.numel()
+    w._indices_buf[2 : 2 + n].copy_(x.indices)
+    w._indices_buf[:2] = 99
+    w.plan(**_pag_args(x, paged_kv_indptr=x.indptr + 2, paged_kv_indices=w._indices_buf))
+    return w, x
+
+
+def _indices_rebased(res, env):
+    w, x = res
+    assert torch.equal(w._indices_buf[: x.indices.numel()].cpu(), x.indices.cpu())
+
+
+def _cas_level0_beyond_cache(env):
+    """Level 0's pages reach past the cache, the last level's do not: the error comes before
+    any level launches, and the caller's ``out`` is untouched."""
+    q, (k, v), arrs = _cas_inputs(env)
+    arrs = [list(a) for a in arrs]
+    idx0 = arrs[2][0].clone()
+    idx0[0] = k.shape[0]  # one past the last page
+    arrs[2][0] = idx0
+    w = MultiLevelCascadeAttentionWrapper(2, env.ws())
+    w.plan(*arrs, 4, 4, 64, 16, q_data_type=F16)
+    out = torch.full_like(q, 7.0)
+    try:
+        w.run(q, (k, v), out=out)
+    finally:
+        assert bool((out == 7.0).all()), "out was written before the error"
+
+
+case(
+    "v_cache_dtype_differs",
+    DEC,
+    dec_run(cache=X(lambda x, env: (x.cache[0], x.cache[1].to(F16)))),
+    raises(ValueError, "k/v caches must share a dtype and device"),
+)
+case(
+    "custom_mask_float",
+    DEC,
+    dec_plan(custom_mask=X(lambda x, env: torch.zeros(sum(KV_LENS)))),
+    raises(ValueError, r"custom_mask must be bool .* an additive mask converts as \(mask == 0\)"),
+)
+case(
+    "custom_mask_int_not_0_1",
+    DEC,
+    dec_plan(custom_mask=X(lambda x, env: torch.full((sum(KV_LENS),), 2, dtype=torch.int32))),
+    raises(ValueError, "must hold only 0 / 1"),
+)
+case(
+    "q_last_dim_strided",
+    DEC,
+    dec_run(q=X(lambda x, env: _strided(x.q))),
+    raises(ValueError, "q's last dim must be contiguous"),
+)
+case("sm_scale_attr_nan", DEC, _dec_set_attr("_sm_scale", NAN), raises(ValueError, "sm_scale must be finite"))
+case(
+    "soft_cap_attr_nan",
+    DEC,
+    _dec_set_attr("_logits_soft_cap", NAN),
+    raises(ValueError, "logits_soft_cap must be finite"),
+)
+case("window_left_attr_fraction", DEC, _dec_set_attr("_window_left", 2.7), raises(ValueError, r"\(an int\), got 2.7"))
+case("window_left_fraction", DEC, dec_plan(window_left=2.7), raises(ValueError, r"\(an int\), got 2.7"))
+case(
+    "fast_plan_soft_cap_nan",
+    DEC,
+    _dec_fast_plan(logits_soft_cap=NAN),
+    raises(ValueError, "logits_soft_cap must be finite"),
+)
+case(
+    "fast_plan_sm_scale_neg", DEC, _dec_fast_plan(sm_scale=-1.0), raises(ValueError, "sm_scale must be finite and >= 0")
+)
+case(
+    "cached_plan_kv_len_beyond_pages",
+    DEC,
+    _dec_cached_plan_beyond_pages,
+    raises(ValueError, "request 1: kv length 33 exceeds its 2 pages of 16 tokens"),
+)
+case(
+    "rope_scale_0",
+    DEC,
+    dec_plan(pos_encoding_mode="ROPE_LLAMA", rope_scale=0.0),
+    raises(ValueError, "rope_scale must be finite and > 0"),
+)
+case(
+    "rope_theta_nan",
+    PAG,
+    pag_plan(pos_encoding_mode="ROPE_LLAMA", rope_theta=NAN),
+    raises(ValueError, "rope_theta must be finite and > 0"),
+)
+case(
+    "custom_mask_float",
+    RAG,
+    rag_plan(custom_mask=X(lambda x, env: torch.zeros(sum(q * k for q, k in zip(QO, KVL))))),
+    raises(ValueError, "custom_mask must be bool"),
+)
+case("window_left_bool", RAG, rag_plan(window_left=True), raises(ValueError, r"\(an int\), got True"))
+case("k_last_dim_strided", RAG, rag_run(k=X(lambda x, env: _strided(x.k))), raises(ValueError, "k's last dim must be"))
+case(
+    "out_last_dim_strided",
+    RAG,
+    rag_run(out=X(lambda x, env: _strided(torch.empty_like(x.q)))),
+    raises(ValueError, "out's last dim must be contiguous"),
+)
+case(
+    "indices_2d_on_device",
+    PAG,
+    pag_plan(paged_kv_indices=X(lambda x, env: _fake_cuda(x.indices.reshape(1, -1).clone()))),
+    raises(ValueError, "paged_kv_indices must be 1-D"),
+)
+case("graph_indptr_rebased_into_own_buffer", PAG, _pag_graph_indptr_into_own_buffer, ok(_indices_rebased))
+case("level0_page_beyond_cache", CAS, _cas_level0_beyond_cache, raises(ValueError, "page"))
+
+
 # =========================================================================== the test
 
 
@@ -1801,3 +1960,23 @@ def test_table_size():
     assert {c.op for c in CASES} == {DEC, RAG, PAG, CAS, BSR, VBSR, MRG}
     assert {c.expect[0] for c in CASES} == {"raises", "ok"}
     assert np.sum([c.gpu for c in CASES]) >= 10
+
+
+def test_single_functions_check_kv_and_mask_first():
+    """single_decode / single_prefill: a V of another dtype than K, and a transposed
+    ``[kv_len, qo_len]`` mask (it has the right number of entries), are errors before any
+    wrapper or workspace is made."""
+    from cute_attn import single_decode_with_kv_cache, single_prefill_with_kv_cache
+
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    k = _fake_cuda(torch.randn(9, 2, 64, generator=g).to(BF))
+    q1 = _fake_cuda(torch.randn(4, 64, generator=g).to(BF))
+    with pytest.raises(ValueError, match="k/v must share a dtype and device"):
+        single_decode_with_kv_cache(q1, k, _fake_cuda(k.to(F16)))
+    q = _fake_cuda(torch.randn(5, 4, 64, generator=g).to(BF))
+    with pytest.raises(ValueError, match="k/v must share a dtype and device"):
+        single_prefill_with_kv_cache(q, k, _fake_cuda(k.to(F16)))
+    with pytest.raises(ValueError, match=r"custom_mask must be \[qo_len, kv_len\] = \[5, 9\]"):
+        single_prefill_with_kv_cache(q, k, k, custom_mask=torch.ones(9, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="custom_mask must be bool"):
+        single_prefill_with_kv_cache(q, k, k, custom_mask=torch.zeros(5, 9))

@@ -342,7 +342,7 @@ def test_cpu_cascade_wiring(emu_cascade, causal):
     prefill = [p for f, p in emu_cascade.calls if f == "batch_prefill_sm90"]
     assert len(prefill) == 3 and len(emu_cascade.merges) == 2
     # causal reaches the last level only (the queries follow every shared prefix)
-    assert [p["causal"] for p in prefill] == [causal, False, False]  # run order: last level first
+    assert [p["causal"] for p in prefill] == [False, False, causal]  # run order: the shared levels, then the last
     assert [f for f, _ in emu_cascade.calls].index("merge_pair") < 3  # loaded by plan(), before any run()
 
 

@@ -158,16 +158,29 @@ def test_abi_and_runtime_values():
     full = _decode_abi(decode_spec("sm_90a", "f16", 64, v).pdict)
     assert [a.name for a in full[-3:]] == ["v0_bias_table", "v2_sinks", "v1_logits_soft_cap"]
     assert full[-4].name == "num_ctas"
+    import torch
+
     # constructor values, then fill(), then run()'s positional arguments in declaration order
-    vals = runtime_values(SoftCap(logits_soft_cap=30.0) + RelativePositionBias(), {}, ("TABLE",))
-    assert vals == ["TABLE", 30.0]
+    table = torch.randn(4, 32)
+    vals = runtime_values(SoftCap(logits_soft_cap=30.0) + RelativePositionBias(), {}, (table,))
+    assert vals[0] is table and vals[1:] == [30.0]
+    # runtime tensors as declared (dtype, rank, device, per-head rows), before any launch
+    with pytest.raises(TypeError, match="must be a tensor"):
+        runtime_values(RelativePositionBias(), {}, ("TABLE",))
+    with pytest.raises(ValueError, match="2-D float32"):
+        runtime_values(RelativePositionBias(), {}, (table.to(torch.bfloat16),))
+    with pytest.raises(ValueError, match="2-D float32"):
+        runtime_values(RelativePositionBias(), {}, (table[0],))
+    with pytest.raises(ValueError, match="has 3 rows, the plan's num_qo_heads is 8"):
+        runtime_values(ALiBi(alibi_slopes=torch.ones(3)), {"num_qo_heads": 8, "device": "cpu"})
+    with pytest.raises(ValueError, match="must be on meta"):
+        runtime_values(ALiBi(alibi_slopes=torch.ones(8)), {"num_qo_heads": 8, "device": torch.device("meta")})
+    assert runtime_values(ALiBi(alibi_slopes=torch.ones(9)), {"num_qo_heads": 8, "device": "cpu"})[0].shape == (9,)
     with pytest.raises(ValueError, match="bias_table"):
         runtime_values(RelativePositionBias(), {})
     with pytest.raises(ValueError, match="extra positional"):
         runtime_values(SoftCap(logits_soft_cap=1.0), {}, (1,))
     assert runtime_values(RoPE(), {}) == [1.0, 10000.0]  # scalar defaults (FlashInfer's)
-    import torch
-
     slopes = runtime_values(ALiBi(), {"num_qo_heads": 12, "device": "cpu"})[0]
     assert slopes.shape == (12,) and abs(float(slopes[0]) - 2**-1) < 1e-7  # n = 8: 2^(-8/8)
     assert torch.allclose(get_alibi_slopes(8), torch.tensor([2.0 ** (-(i + 1)) for i in range(8)]))

@@ -95,11 +95,14 @@ __all__ = [
 @dataclass(frozen=True)
 class TensorParam:
     """A runtime tensor argument: dtype one of f32/f16/bf16/i32/u8, ``ndim`` dims of dynamic
-    extent; the last dim must be contiguous (stride 1), other strides are free."""
+    extent; the last dim must be contiguous (stride 1), other strides are free.  ``rows``: a
+    key of the plan's ``info`` (``"num_qo_heads"``) the first extent must reach -- a per-head
+    table read at ``[qo_head]`` -- checked before launch with the dtype, rank and device."""
 
     name: str
     dtype: str = "f32"
     ndim: int = 1
+    rows: str = ""
 
 
 @dataclass(frozen=True)
@@ -346,6 +349,29 @@ def abi_args(v: Optional[Variant]) -> list:
     return tensors + scalars
 
 
+_TORCH_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "i32": "int32", "u8": "uint8"}
+
+
+def _check_tensor(c: Variant, p: TensorParam, val, info: dict) -> None:
+    """A runtime tensor as ``p`` declares it, on the plan's device: the kernel reads it with the
+    declared element type and rank (a table of another dtype would be read as garbage, a short
+    per-head table past its end)."""
+    where = f"variant {type(c).__name__}'s {p.name!r}"
+    if not hasattr(val, "dtype") or not hasattr(val, "dim"):
+        raise TypeError(f"{where} must be a tensor, got {type(val).__name__}")
+    want = _TORCH_DTYPES[p.dtype]
+    if str(val.dtype) != f"torch.{want}" or val.dim() != p.ndim:
+        raise ValueError(f"{where} must be a {p.ndim}-D {want} tensor, got a {val.dim()}-D {val.dtype} one")
+    dev = info.get("device")
+    if dev is not None:
+        d = getattr(dev, "type", str(dev).split(":")[0])
+        i = getattr(dev, "index", None)
+        if val.device.type != d or (i is not None and val.device.index not in (i, None)):
+            raise ValueError(f"{where} must be on {dev}, got {val.device}")
+    if p.rows and p.rows in info and (val.shape[0] if p.ndim else 0) < info[p.rows]:
+        raise ValueError(f"{where} has {val.shape[0]} rows, the plan's {p.rows} is {info[p.rows]}")
+
+
 def runtime_values(v: Optional[Variant], info: dict, positional: Sequence = ()) -> list:
     """Values for :func:`abi_args`, in its order: constructor values, then :meth:`Variant.fill`
     defaults, then ``positional`` (run()'s extra arguments, in declaration order over the
@@ -367,6 +393,7 @@ def runtime_values(v: Optional[Variant], info: dict, positional: Sequence = ()) 
                     f"(constructor keyword or run(q, kv, *args))"
                 )
             if isinstance(p, TensorParam):
+                _check_tensor(c, p, val, info)
                 tensors.append(val)
             else:
                 scalars.append(float(val) if p.dtype == "f32" else int(val))

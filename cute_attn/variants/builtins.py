@@ -76,7 +76,7 @@ class ALiBi(Variant):
     """``s + slope[qo_head] * (kv_pos - q_pos)`` (FlashInfer's ``pos_encoding_mode="ALIBI"``);
     slopes default to :func:`get_alibi_slopes` of the number of query heads."""
 
-    runtime = (TensorParam("alibi_slopes", "f32", 1),)
+    runtime = (TensorParam("alibi_slopes", "f32", 1, rows="num_qo_heads"),)
 
     def fill(self, info):
         key = (info["num_qo_heads"], str(info["device"]))
@@ -94,7 +94,7 @@ class AttentionSink(Variant):
     """A per-head sink logit (natural units, ``sinks[qo_head]``) added to every row's softmax
     denominator, as in gpt-oss and FlashInfer's ``run(..., sinks=...)``; the LSE includes it."""
 
-    runtime = (TensorParam("sinks", "f32", 1),)
+    runtime = (TensorParam("sinks", "f32", 1, rows="num_qo_heads"),)
 
     def finalize(self, ctx, m, l):
         sink = ctx.args.sinks[ctx.qo_head] * dsl.LOG2E

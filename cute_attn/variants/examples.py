@@ -13,7 +13,7 @@ from cute_attn.variants import TensorParam, Variant, dsl
 
 class RelativePositionBias(Variant):
     static = {"bucket_size": 16, "num_buckets": 32}
-    runtime = (TensorParam("bias_table", "f32", 2),)  # [num_qo_heads, num_buckets]
+    runtime = (TensorParam("bias_table", "f32", 2, rows="num_qo_heads"),)  # [num_qo_heads, num_buckets]
 
     def bias(self, ctx, scale):  # an additive logit: the prefill kernel loads it before the QK wait
         dist = ctx.q_pos - ctx.kv_pos  # >= 0 for causal/decode keys

@@ -317,10 +317,15 @@ class MultiLevelCascadeAttentionWrapper:
         if self._total_q is None:
             raise RuntimeError("run() before plan()")
         scales = {n: x for n, x in (("k_scale", k_scale), ("v_scale", v_scale)) if x is not None}
+        # the shared levels first, into their own tensors: a level's input error then raises
+        # before the caller's out / lse are written (each level checks its inputs before its launch)
+        shared = [
+            self._wrapper(i).run(q, paged_kv_cache, *args, return_lse=True, **scales)
+            for i in range(self._num_levels - 1)
+        ]
         last = self._wrapper(self._num_levels - 1)
         out, lse = last.run(q, paged_kv_cache, *args, out=out, lse=lse, return_lse=True, sinks=sinks, **scales)
-        for i in range(self._num_levels - 1):
-            o_i, s_i = self._wrapper(i).run(q, paged_kv_cache, *args, return_lse=True, **scales)
+        for o_i, s_i in shared:
             merge_state_in_place(out, lse, o_i, s_i)
         return (out, lse) if return_lse else out
 

@@ -166,10 +166,15 @@ def check_heads(num_qo_heads, num_kv_heads, head_dim, supported) -> None:
         raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
 
 
+def check_window_left(window_left) -> None:
+    """An int >= -1 (-1: no window); a float or bool would be truncated into a different window."""
+    if isinstance(window_left, bool) or not isinstance(window_left, (int, np.integer)) or window_left < -1:
+        raise ValueError(f"window_left must be >= -1 (an int), got {window_left!r}")
+
+
 def check_plan_scalars(window_left, logits_soft_cap, fixed_split_size, split_unit: str) -> None:
     """window_left, logits_soft_cap and fixed_split_size (``split_unit``: pages or kv tokens)."""
-    if window_left is None or window_left < -1:
-        raise ValueError(f"window_left must be >= -1, got {window_left}")
+    check_window_left(window_left)
     guards.check_soft_cap(logits_soft_cap)
     if fixed_split_size is not None and (not isinstance(fixed_split_size, (int, np.integer)) or fixed_split_size < 1):
         raise ValueError(f"fixed_split_size must be a positive int ({split_unit}), got {fixed_split_size!r}")
@@ -198,7 +203,12 @@ def to_device(t, buf, name: str, device) -> torch.Tensor:
     if buf is not None:
         if t.numel() > buf.numel():
             raise ValueError(f"{name} has {t.numel()} entries, its CUDA-graph buffer only {buf.numel()}")
-        buf[: t.numel()].copy_(t.reshape(-1), non_blocking=True)
+        src = t.reshape(-1)
+        if src.device == buf.device and src.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+            if src.data_ptr() == buf.data_ptr() and src.dtype == buf.dtype:
+                return buf  # the caller filled the buffer in place
+            src = src.clone()  # a view into the buffer itself (a rebased indptr's indices): no overlapping copy
+        buf[: t.numel()].copy_(src, non_blocking=True)
         return buf
     # a strided view (e.g. a column of a bigger table) is copied: the kernels read it with stride 1
     return t.to(device=device, dtype=torch.int32, non_blocking=True).reshape(-1).contiguous()
@@ -278,11 +288,20 @@ def kv_views(paged_kv_cache, kv_layout: str, same_dim: bool = True):
     if k.dim() != 4 or v.dim() != 4 or (k.shape != v.shape if same_dim else k.shape[:3] != v.shape[:3]):
         what = "equal in shape" if same_dim else "equal but for the head dim"
         raise ValueError(f"k/v caches must be 4-D and {what}, got {tuple(k.shape)} / {tuple(v.shape)}")
+    check_kv_pair(k, v, "k/v caches")
+    check_last_dim_contiguous(("the k cache", k), ("the v cache", v))
     if kv_layout == "HND":
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     else:
         check_kv_layout(kv_layout)
     return k, v
+
+
+def check_kv_pair(k, v, what: str) -> None:
+    """K and V of one cache share a dtype and a device (callers check K against the plan; a V
+    of another dtype would be read as K's)."""
+    if k.dtype != v.dtype or k.device != v.device:
+        raise ValueError(f"{what} must share a dtype and device, got {k.dtype} / {v.dtype} on {k.device} / {v.device}")
 
 
 def single_kv_nhd(q, k, v, kv_layout, q_dim, q_shape):
@@ -291,8 +310,18 @@ def single_kv_nhd(q, k, v, kv_layout, q_dim, q_shape):
         raise ValueError(
             f"q must be {q_shape} and k/v equal 3-D tensors, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
+    check_kv_pair(k, v, "k/v")
+    check_last_dim_contiguous(("q", q), ("k", k), ("v", v))
     check_kv_layout(kv_layout)
     return (k.transpose(0, 1), v.transpose(0, 1)) if kv_layout == "HND" else (k, v)
+
+
+def check_last_dim_contiguous(*named) -> None:
+    """(name, tensor) pairs: each row (the head dim) contiguous, as the kernels' 16-byte loads
+    and stores need (other strides are free)."""
+    for name, t in named:
+        if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {tuple(t.stride())}")
 
 
 def check_q(q, rows: int, hq: int, d: int, dtype, device, use_cuda_graph: bool, rows_name: str = "") -> None:
@@ -304,6 +333,7 @@ def check_q(q, rows: int, hq: int, d: int, dtype, device, use_cuda_graph: bool, 
         raise ValueError(
             f"q must be {dtype} [{want}, {hq}, {d}] on {device}, got {q.dtype} {tuple(q.shape)} on {q.device}"
         )
+    check_last_dim_contiguous(("q", q))
 
 
 def out_and_lse(q, out, lse, hq: int, d_out: Optional[int] = None):
@@ -316,6 +346,8 @@ def out_and_lse(q, out, lse, hq: int, d_out: Optional[int] = None):
         raise ValueError(
             f"out must be {q.dtype} {tuple(shape)} on {q.device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
         )
+    else:
+        check_last_dim_contiguous(("out", out))
     if lse is None:
         lse = torch.empty((q.shape[0], hq), dtype=torch.float32, device=q.device)
     elif lse.shape != (q.shape[0], hq) or lse.dtype != torch.float32 or lse.device != q.device:

@@ -18,6 +18,7 @@ import torch
 __all__ = ["compiled_single_decode", "compiled_single_prefill", "clear_single_cache", "MAX_UNPINNED_SINGLE"]
 
 from .compiled import _encode, _flat, _parse, _unflat  # noqa: F401
+from .masks import check_single_mask
 
 # ---- single-request functions -------------------------------------------------------------------
 MAX_UNPINNED_SINGLE = 8  # keyed wrappers kept that never ran under CUDA-graph capture
@@ -192,6 +193,7 @@ def _single_prefill_impl(q, k, v, sinks, custom_mask, packed_custom_mask, causal
 
     k, v = common.single_kv_nhd(q, k, v, kv_layout, 3, "[qo_len, heads, dim]")
     qo_len, kv_len, hk = q.shape[0], k.shape[0], k.shape[1]
+    check_single_mask(custom_mask, qo_len, kv_len)
     masked = custom_mask is not None or packed_custom_mask is not None
     mask_key = None
     if masked:

@@ -8,7 +8,6 @@ the paged prefill kernel).  A mixin of ``BatchDecodeWithPagedKVCacheWrapper``.""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Optional, Tuple
 
@@ -23,7 +22,7 @@ from ..families.decode import decode_spec, decode_tile
 from ..families.prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..sched import WorkspaceLayout, kv_lens_from_paged
-from ..sched.inputs import as_index_array, check_indptr, paged_lengths_valid, step_kv_lens
+from ..sched.inputs import as_index_array, check_indptr, check_lengths_fit_pages, paged_lengths_valid, step_kv_lens
 from ..variants.binding import VariantBinding
 from . import common, compat, guards
 from .decode_packing import decodes_on_prefill, kv_row_bytes
@@ -127,7 +126,7 @@ class DecodeEngineAPI:
         """vLLM's fast path (and FlashInfer's fast_decode_plan) set the run's scalars on the
         wrapper: they take effect for later runs (None: 1/sqrt(head_dim))."""
         st = self._require_plan()
-        self._set_options(st, sm=float(value) if value is not None else 1.0 / math.sqrt(st.head_dim))
+        self._set_options(st, sm=guards.launch_sm_scale(value, st.head_dim))
 
     def _set_options(self, st, window=None, cap=None, sm=None) -> None:
         """Later runs with this window / soft-cap / softmax scale: the plan's kernel (the values
@@ -167,6 +166,7 @@ class DecodeEngineAPI:
     @_window_left.setter
     def _window_left(self, value) -> None:
         st = self._require_plan()
+        common.check_window_left(value)
         self._set_options(st, window=int(value))
 
     @property
@@ -176,6 +176,7 @@ class DecodeEngineAPI:
     @_logits_soft_cap.setter
     def _logits_soft_cap(self, value) -> None:
         st = self._require_plan()
+        guards.check_soft_cap(value)
         self._set_options(st, cap=float(value or 0.0))
 
     @property
@@ -283,8 +284,10 @@ class DecodeEngineAPI:
         kv_lens = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
         if kv_lens.shape[0] != batch or (kv_lens < 0).any():
             raise ValueError(f"kv lengths must be {batch} non-negative entries, got {kv_lens.shape[0]}")
+        check_lengths_fit_pages(indptr_host, kv_lens, page_size, indices)
         fixed_split_size = compat.split_size(fixed_split_size)
-        common.check_plan_scalars(-1, None, fixed_split_size, "pages")
+        window_arg = -1 if window_left is None else window_left
+        common.check_plan_scalars(window_arg, logits_soft_cap, fixed_split_size, "pages")
         binding, var, window, cap = st.binding, st.variant, st.window_left, st.logits_soft_cap
         sm = st.sm_scale if sm_scale is None else guards.launch_sm_scale(sm_scale, st.head_dim)
         if window_left is not None:
@@ -571,7 +574,7 @@ class DecodeEngineAPI:
         ):
             raise ValueError("forward(pos_encoding_mode / rope_scale / rope_theta) must be the plan()'s")
         common.check_plan_scalars(window_left, logits_soft_cap, None, "pages")
-        sm = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(st.head_dim)
+        sm = guards.launch_sm_scale(sm_scale, st.head_dim)
         cap = float(logits_soft_cap or 0.0)
         window = int(window_left)
         if (sm, cap, window) == (st.sm_scale, st.logits_soft_cap, st.window_left):
@@ -686,9 +689,8 @@ def fast_decode_plan(
     kv_lens = kv_lens_from_paged(ip, last, int(page_size))
     self._replan_fast(
         ip, kv_lens, batch, int(num_qo_heads), int(num_kv_heads), int(head_dim), int(page_size),
-        window_left=int(window_left),
-        logits_soft_cap=float(logits_soft_cap or 0.0),  # as FlashInfer: None is off, 0.0
-        sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(int(head_dim)),
+        window_left=window_left, logits_soft_cap=logits_soft_cap or 0.0,  # as FlashInfer: None is off, 0.0
+        sm_scale=guards.launch_sm_scale(sm_scale, int(head_dim)),  # None: 1 / sqrt(head_dim), as FlashInfer
         fixed_split_size=fixed_split_size, disable_split_kv=bool(disable_split_kv),
         q_len_per_req=int(q_len_per_req), indptr=indptr, indices=indices, last_page_len=last_page_len,
     )  # fmt: skip

@@ -17,13 +17,49 @@ def pack_custom_mask(custom_mask, qo_lens, kv_lens) -> Tuple[torch.Tensor, np.nd
     ``[qo_len, kv_len]`` block after request b-1's) bit-packed per request, little bit order;
     returns (packed uint8 on the CPU, byte indptr [batch + 1])."""
     n = np.asarray(qo_lens, dtype=np.int64) * np.asarray(kv_lens, dtype=np.int64)
-    flat = custom_mask.reshape(-1).to(device="cpu", dtype=torch.bool).numpy()
+    flat = bool_mask(custom_mask).reshape(-1).numpy()
     if flat.size != n.sum():
         raise ValueError(f"custom_mask has {flat.size} entries, expected sum(qo_len * kv_len) = {int(n.sum())}")
     offs = np.concatenate([[0], np.cumsum(n)])
     packed = [np.packbits(flat[offs[b] : offs[b + 1]], bitorder="little") for b in range(n.shape[0])]
     indptr = np.concatenate([[0], np.cumsum((n + 7) // 8)]).astype(np.int64)
     return torch.from_numpy(np.concatenate(packed + [np.zeros(1, np.uint8)])), indptr
+
+
+def check_mask_type(mask, name: str = "custom_mask") -> None:
+    """A mask argument is a bool (or 0 / 1 integer) tensor: a floating one is refused -- an
+    additive mask (0 = visible, -inf = masked) cast to bool would come out inverted."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (bool), got {type(mask).__name__}")
+    if mask.is_floating_point() or mask.is_complex():
+        raise ValueError(
+            f"{name} must be bool (True: the key is visible), got {mask.dtype}; an additive mask "
+            f"converts as (mask == 0)"
+        )
+
+
+def check_single_mask(custom_mask, qo_len: int, kv_len: int) -> None:
+    """A single request's ``custom_mask``: flat, or ``[qo_len, kv_len]`` (a transposed mask has
+    the right number of entries, so its shape is what tells), of a mask type."""
+    if custom_mask is None:
+        return
+    check_mask_type(custom_mask)
+    if custom_mask.dim() != 1 and tuple(custom_mask.shape) != (qo_len, kv_len):
+        raise ValueError(
+            f"custom_mask must be [qo_len, kv_len] = [{qo_len}, {kv_len}] (or flat), got {tuple(custom_mask.shape)}"
+        )
+
+
+def bool_mask(mask, name: str = "custom_mask") -> torch.Tensor:
+    """A mask argument as a CPU bool tensor of its shape: True = the key is visible (bool, or
+    integers that are all 0 / 1: ``check_mask_type``)."""
+    check_mask_type(mask, name)
+    out = mask.detach().to("cpu")
+    if out.dtype != torch.bool:
+        if out.numel() and not bool(((out == 0) | (out == 1)).all()):
+            raise ValueError(f"{name} of {mask.dtype} must hold only 0 / 1 (or be bool)")
+        out = out.to(torch.bool)
+    return out
 
 
 def packed_mask(custom_mask, packed, qo_len, kv_lens) -> Tuple[torch.Tensor, np.ndarray]:

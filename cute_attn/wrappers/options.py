@@ -7,6 +7,7 @@ position encoding the same way (:func:`check_options`, :func:`position_encoding`
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from ..variants import base as vbase
@@ -26,13 +27,23 @@ def position_encoding(pos_encoding_mode: str, rope_scale=None, rope_theta=None) 
     """``pos_encoding_mode`` as variant components: [RoPE] (``rope_scale`` default 1,
     ``rope_theta`` default 1e4), [ALiBi] or []."""
     if pos_encoding_mode == "ROPE_LLAMA":
-        return [
-            RoPE(
-                rope_scale=1.0 if rope_scale is None else float(rope_scale),
-                rope_theta=1e4 if rope_theta is None else float(rope_theta),
-            )
-        ]
+        scale, theta = _positive("rope_scale", rope_scale, 1.0), _positive("rope_theta", rope_theta, 1e4)
+        return [RoPE(rope_scale=scale, rope_theta=theta)]
     return [ALiBi()] if pos_encoding_mode == "ALIBI" else []
+
+
+def _positive(name: str, value, default: float) -> float:
+    """A RoPE scalar: finite and > 0 (``default`` for None); 0, a negative or a NaN would rotate
+    every key and query by NaN or by meaningless angles."""
+    if value is None:
+        return default
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {v}")
+    return v
 
 
 def compose(parts: list):

@@ -537,9 +537,9 @@ class BatchPrefillWithPagedKVCacheWrapper(BatchPrefillBase):
             if start < 0:
                 raise ValueError(f"paged_kv_indptr[0] must be >= 0, got {start}")
             indptr_h = indptr_h - start
-            indices_t = indices_t.reshape(-1)[start:]
+            indices_t = indices_t[start:]
             paged_kv_indptr = torch.from_numpy(indptr_h.astype(np.int32))
-        guards.check_indices_length(indices_t.reshape(-1), int(indptr_h[-1]), "paged_kv_indices")
+        guards.check_indices_length(indices_t, int(indptr_h[-1]), "paged_kv_indices")
         host_indices = None if indices_t.is_cuda else indices_t
         kv_lens = kv_lens_from_paged(indptr_h, paged_kv_last_page_len, int(page_size), host_indices)
         st = self._plan_common(

@@ -608,6 +608,7 @@ class BatchPrefillBase(PrefillEngineAPI, common.WrapperBase):
         if self._kv_layout == "HND":
             k, v = k.transpose(0, 1), v.transpose(0, 1)
         self._check_kv(k, v, "k/v")
+        common.check_last_dim_contiguous(("k", k), ("v", v))
         if k.shape[0] < n or k.shape[1:] != (hk, d) or v.shape[1:] != (hk, dv):
             dims = f"{d}" if d == dv else f"{d} (k) / {dv} (v)"
             raise ValueError(

@@ -14,6 +14,7 @@ import torch
 from . import common, scales
 from .compiled_single import compiled_single_decode, compiled_single_prefill
 from .decode import BatchDecodeWithPagedKVCacheWrapper
+from .masks import check_single_mask
 from .prefill import BatchPrefillWithRaggedKVCacheWrapper
 
 _DECODE: dict = {}  # (device, dtype) -> wrapper
@@ -143,6 +144,7 @@ def single_prefill_with_kv_cache(
     if not q.is_cuda:
         raise ValueError(f"q must be a CUDA tensor, got one on {q.device}")
     qo_len, kv_len, hk = q.shape[0], k.shape[0], k.shape[1]
+    check_single_mask(custom_mask, qo_len, kv_len)
     sm_scale, sc = scales.for_single(sm_scale, q, hk, None, k_scale, v_scale)
     key = (q.device, q.dtype)
     w = _PREFILL.get(key)

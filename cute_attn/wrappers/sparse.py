@@ -29,6 +29,7 @@ from ..variants.builtins import ALiBi, Causal, RoPE, SlidingWindow
 from . import common
 from .common import reject_unsupported
 from .compiled import compilable_run
+from .masks import bool_mask
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 __all__ = ["BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper", "convert_bsr_mask_layout"]
@@ -187,7 +188,7 @@ class BlockSparseAttentionWrapper:
         if mask is not None and packed_mask is None:
             if tuple(mask.shape) != (nnz, R, C):
                 raise ValueError(f"mask must be [nnz, R, C] = [{nnz}, {R}, {C}], got {tuple(mask.shape)}")
-            custom = _flatten_blocks(mask.detach().to("cpu", torch.bool), ip, np.diff(rows))
+            custom = _flatten_blocks(bool_mask(mask, "mask"), ip, np.diff(rows))
         self._prefill.plan(
             torch.as_tensor(rows.astype(np.int32)),
             torch.as_tensor(ip.astype(np.int32)),
@@ -349,7 +350,7 @@ class VariableBlockSparseAttentionWrapper:
                 f"every kv head's block sizes must sum to the same lengths: rows {m_h.tolist()}, columns {n_h.tolist()}"
             )
         M, N = int(m_h[0]), int(n_h[0])
-        mask = bm.to(torch.bool).numpy()
+        mask = bool_mask(bm, "block_mask_map").numpy()
         qo_indptr = np.concatenate([[0], np.cumsum(rs.reshape(-1))]).astype(np.int32)  # requests (head, row block)
         kv_len = (mask * cs[:, None, :]).sum(-1).reshape(-1)
         if int(kv_len.sum()) >= 2**31 or hk * N >= 2**31:
