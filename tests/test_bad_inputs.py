@@ -676,8 +676,8 @@ case(
     raises(ValueError, "sinks must be"),
 )
 case("run_window_left_differs", DEC, dec_run(window_left=8), raises(ValueError, r"run\(window_left=...\) differs"))
-case("run_q_scale_nan", DEC, dec_run(q_scale=NAN), raises(ValueError, "q_scale must be a finite positive"))
-case("run_k_scale_0", DEC, dec_run(k_scale=0.0), raises(ValueError, "k_scale must be a finite positive"))
+case("run_q_scale_nan", DEC, dec_run(q_scale=NAN), raises(ValueError, "q_scale must be finite and > 0"))
+case("run_k_scale_0", DEC, dec_run(k_scale=0.0), raises(ValueError, "k_scale must be finite and > 0"))
 case("run_v_scale_tensor_of_3", DEC, dec_run(v_scale=torch.ones(3)), raises(ValueError, r"one per kv head \(\[2\]\)"))
 case("run_q_scale_per_kv_head", DEC, dec_run(q_scale=torch.ones(HK)), raises(ValueError, r"one per query head"))
 case("run_k_scale_2d", DEC, dec_run(k_scale=torch.ones(1, HK)), raises(ValueError, "k_scale must be a float"))

@@ -18,32 +18,33 @@ import torch
 UNIFORM_SCALE = 1e-30
 
 
+def finite_number(name: str, value, *, zero_ok: bool, note: str = "", kind: str = "a number") -> float:
+    """A scalar argument as a float, finite and > 0 (``zero_ok``: >= 0), else a ValueError naming
+    it (``note``: why, ``kind``: what it may be given as).  The one check of every launch
+    scalar and scale: a NaN or an infinity would come back as a NaN output."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be {kind}, got {type(value).__name__}") from None
+    if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+        raise ValueError(f"{name} must be finite and {'>=' if zero_ok else '>'} 0{note}, got {v}")
+    return v
+
+
 def launch_sm_scale(sm_scale: Optional[float], head_dim: int) -> float:
     """The softmax scale a kernel is launched with: ``1 / sqrt(head_dim)`` by default; finite
     and >= 0 (0: uniform attention), else ValueError."""
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    try:
-        v = float(sm_scale)
-    except (TypeError, ValueError):
-        raise ValueError(f"sm_scale must be a number, got {type(sm_scale).__name__}") from None
-    if not math.isfinite(v) or v < 0:
-        raise ValueError(
-            f"sm_scale must be finite and >= 0, got {v} (the kernels' running maximum assumes a non-negative scale)"
-        )
+    note = " (the kernels' running maximum assumes a non-negative scale)"
+    v = finite_number("sm_scale", sm_scale, zero_ok=True, note=note)
     return UNIFORM_SCALE if v == 0 else v
 
 
 def check_soft_cap(logits_soft_cap) -> None:
     """``logits_soft_cap``: None or 0 is off, else finite and > 0."""
-    if logits_soft_cap is None:
-        return
-    try:
-        v = float(logits_soft_cap)
-    except (TypeError, ValueError):
-        raise ValueError(f"logits_soft_cap must be a number, got {type(logits_soft_cap).__name__}") from None
-    if not math.isfinite(v) or v < 0:
-        raise ValueError(f"logits_soft_cap must be finite and >= 0 (0 or None: off), got {v}")
+    if logits_soft_cap is not None:
+        finite_number("logits_soft_cap", logits_soft_cap, zero_ok=True, note=" (0 or None: off)")
 
 
 def check_indices_length(indices: torch.Tensor, used: int, name: str) -> None:

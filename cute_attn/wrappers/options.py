@@ -7,11 +7,11 @@ position encoding the same way (:func:`check_options`, :func:`position_encoding`
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from ..variants import base as vbase
 from ..variants.builtins import ALiBi, AttentionSink, Causal, CustomMask, RoPE, SlidingWindow, SoftCap
+from . import guards
 
 POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 
@@ -35,15 +35,7 @@ def position_encoding(pos_encoding_mode: str, rope_scale=None, rope_theta=None) 
 def _positive(name: str, value, default: float) -> float:
     """A RoPE scalar: finite and > 0 (``default`` for None); 0, a negative or a NaN would rotate
     every key and query by NaN or by meaningless angles."""
-    if value is None:
-        return default
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {v}")
-    return v
+    return default if value is None else guards.finite_number(name, value, zero_ok=False)
 
 
 def compose(parts: list):

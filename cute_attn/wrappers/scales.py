@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from . import guards
+
 
 @dataclass(frozen=True)
 class Scales:
@@ -76,13 +78,7 @@ def scale_value(x, name: str) -> Optional[float]:
                 "capture forbids; pass a Python float (or a per-head tensor)"
             )
         x = x.item()
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a float or a 1-element tensor, got {type(x).__name__}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be a finite positive number, got {v}")
-    return v
+    return guards.finite_number(name, x, zero_ok=False, kind="a float or a 1-element tensor")
 
 
 def _per_head(x: torch.Tensor, name: str, heads: int, what: str, device) -> torch.Tensor:
