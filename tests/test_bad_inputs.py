@@ -1796,6 +1796,14 @@ def _dec_fast_plan(**kw):
     return build
 
 
+def _dec_fast_plan_indices(env):
+    from cute_attn import fast_decode_plan
+
+    x = _dec_inputs(env)
+    w = dec_plan()(env)
+    fast_decode_plan(w, x.indptr, x.indices[:2], x.last, x.hq, x.hk, x.d, x.ps)
+
+
 def _dec_cached_plan_beyond_pages(env):
     x = _dec_inputs(env)
     w = dec_plan()(env)
@@ -1881,6 +1889,12 @@ case(
 )
 case(
     "fast_plan_sm_scale_neg", DEC, _dec_fast_plan(sm_scale=-1.0), raises(ValueError, "sm_scale must be finite and >= 0")
+)
+case(
+    "fast_plan_indices_too_short",
+    DEC,
+    lambda env: _dec_fast_plan_indices(env),
+    raises(ValueError, r"indices has 2 entries, indptr\[-1\] needs 6"),
 )
 case(
     "cached_plan_kv_len_beyond_pages",

@@ -187,23 +187,20 @@ def step_lengths(kv_lens, batch: int) -> np.ndarray:
     return a
 
 
-def check_lengths_fit_pages(kv_indptr, kv_lens, page_size: int, indices=None) -> None:
-    """kv lengths given beside a page indptr (vLLM's ``seq_lens_cpu``, a fast re-plan): the
-    indptr non-decreasing, each length within its request's pages (a longer one would read the
-    next request's pages) and, where the page table's length is known on the host, the pages
-    within it.  ``kv_indptr``: a host array (anything else is not checked here: the first
-    plan() checked its table)."""
-    ip = _host_view(kv_indptr)
-    if ip is None or ip.ndim != 1 or ip.shape[0] != kv_lens.shape[0] + 1:
+def check_lengths_fit_pages(kv_indptr, kv_lens, page_size: int) -> None:
+    """kv lengths given beside a page indptr (vLLM's ``_cached_module.plan``: ``seq_lens_cpu``
+    and ``paged_kv_indptr_cpu``): the indptr non-decreasing and each length within its
+    request's pages (a longer one would read the next request's pages).  Host arrays only
+    (anything else is not checked here)."""
+    ip, lens = _host_view(kv_indptr), _host_view(kv_lens)
+    if ip is None or lens is None or ip.ndim != 1 or lens.shape != (ip.shape[0] - 1,):
         return
     pages = np.diff(ip.astype(np.int64))
     if pages.size and pages.min() < 0:
         raise ValueError("kv_indptr must be non-decreasing")
-    if (kv_lens > pages * page_size).any():
-        b = int(np.argmax(kv_lens > pages * page_size))
+    over = lens > pages * page_size
+    if over.any():
+        b = int(np.argmax(over))
         raise ValueError(
-            f"request {b}: kv length {int(kv_lens[b])} exceeds its {int(pages[b])} pages of {page_size} tokens"
+            f"request {b}: kv length {int(lens[b])} exceeds its {int(pages[b])} pages of {page_size} tokens"
         )
-    n = None if indices is None else indices.shape[0] if hasattr(indices, "shape") else len(indices)
-    if n is not None and ip.size and ip[-1] > n:
-        raise ValueError(f"kv_indptr[-1] = {int(ip[-1])} exceeds the {n} page ids given")

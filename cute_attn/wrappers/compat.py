@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..sched import Limits, WorkspaceLayout
-from ..sched.inputs import lengths_valid, step_lengths
+from ..sched.inputs import check_lengths_fit_pages, lengths_valid, step_lengths
 
 # decode plan()'s positional arguments after page_size, in FlashInfer 0.7.2's legacy order
 # (``_BATCH_DECODE_PLAN_LEGACY_POS_ARGS``)
@@ -183,6 +183,7 @@ class CachedModule:
             raise NotImplementedError(
                 f"head_dim_vo ({head_dim_vo}) != head_dim_qk ({head_dim_qk}) is not supported yet"
             )
+        check_lengths_fit_pages(indptr_host, kv_lens_host, int(page_size))  # kv lengths given beside the pages
         w._replan_fast(
             indptr_host,
             kv_lens_host,

@@ -22,7 +22,7 @@ from ..families.decode import decode_spec, decode_tile
 from ..families.prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
 from ..runtime.arch import arch_of_index, sm_count_of_index
 from ..sched import WorkspaceLayout, kv_lens_from_paged
-from ..sched.inputs import as_index_array, check_indptr, check_lengths_fit_pages, paged_lengths_valid, step_kv_lens
+from ..sched.inputs import as_index_array, check_indptr, paged_lengths_valid, step_kv_lens
 from ..variants.binding import VariantBinding
 from . import common, compat, guards
 from .decode_packing import decodes_on_prefill, kv_row_bytes
@@ -284,7 +284,6 @@ class DecodeEngineAPI:
         kv_lens = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
         if kv_lens.shape[0] != batch or (kv_lens < 0).any():
             raise ValueError(f"kv lengths must be {batch} non-negative entries, got {kv_lens.shape[0]}")
-        check_lengths_fit_pages(indptr_host, kv_lens, page_size, indices)
         fixed_split_size = compat.split_size(fixed_split_size)
         window_arg = -1 if window_left is None else window_left
         common.check_plan_scalars(window_arg, logits_soft_cap, fixed_split_size, "pages")
@@ -687,6 +686,8 @@ def fast_decode_plan(
     else:
         last = as_index_array("last_page_len", last_page_len, batch)
     kv_lens = kv_lens_from_paged(ip, last, int(page_size))
+    if indices is not None and int(ip[-1]) > len(indices):  # eager mode: the kernel reads them as given
+        raise ValueError(f"indices has {len(indices)} entries, indptr[-1] needs {int(ip[-1])}")
     self._replan_fast(
         ip, kv_lens, batch, int(num_qo_heads), int(num_kv_heads), int(head_dim), int(page_size),
         window_left=window_left, logits_soft_cap=logits_soft_cap or 0.0,  # as FlashInfer: None is off, 0.0
