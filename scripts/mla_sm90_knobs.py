@@ -94,7 +94,51 @@ def case(name, heads, q_len, kv_lens, ps, variants):
     torch.cuda.empty_cache()
 
 
+def check(name, heads, q_len, kv_lens, ps, variants):
+    """Correctness of each variant on a small batch: every request against the fp32 reference,
+    and bitwise against the first variant."""
+    causal = q_len > 1
+    inputs = make_inputs(kv_lens, q_len, heads, ps, gen_seed=len(kv_lens) + ps)
+    outs = {}
+    for label, patch in variants.items():
+        saved = {k: getattr(M, k) for k in patch}
+        for k, v in patch.items():
+            setattr(M, k, v)
+        try:
+            ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+            r = MlaRun(ours_mla, ws, inputs, heads, ps, causal)
+        finally:
+            for k, v in saved.items():
+                setattr(M, k, v)
+        r.out.fill_(float("nan"))
+        r.replay()
+        torch.cuda.synchronize()
+        err = reference_error(inputs, r.out, q_len, causal, requests=len(kv_lens))
+        outs[label] = r.out.clone()
+        first = next(iter(outs.values()))
+        same = torch.equal(outs[label], first)
+        st = r.wrapper._state
+        print(f"CHECK {name:<36} {label:<12} tile {st.tile} split {st.plan.has_split} rel err {err:.2e} "
+              f"{'ok' if err < REF_TOL else 'WRONG'} bitwise-equal-first {same}")  # fmt: skip
+        del r, ws
+    torch.cuda.empty_cache()
+
+
 def main():
+    if "defer_pv" in sys.argv:
+        dv = {"default": FORCE_WGMMA, "defer_pv": {**FORCE_WGMMA, **knobs(defer_pv=1)}}
+        lens = [0, 1, 5, 63, 64, 65, 127, 200, 1000, 333, 2049, 7]
+        check("h128/q2/page1/mixed", 128, 2, lens, 1, dv)
+        check("h64/q1/page16/mixed", 64, 1, lens, 16, dv)
+        check("h128/q4/page64/mixed", 128, 4, lens, 64, dv)
+        check("h16/q1/page64/long", 16, 1, [5000, 9000, 1, 130], 64, dv)
+        check("h32/q3/page16/long", 32, 3, [3000, 6001, 2, 64], 16, dv)
+        d2 = {"default": {}, "defer_pv": knobs(defer_pv=1)}
+        case("h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64, d2)
+        case("h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64, d2)
+        case("h64/bs128/kv4096/page64", 64, 1, [4096] * 128, 64, d2)
+        case("h128/q1/bs32/kv16384/page16", 128, 1, [16384] * 32, 16, d2)
+        return
     variants = {
         "default": {},
         "alpha2": planner(alpha=2, balance_tol=0.01),
