@@ -480,7 +480,7 @@ class MlaDecodeSm90:
                     cute.arch.cp_async_commit_group()
                 if nb > 0:
                     self._pv_half(acc_O, sKV, sRow, tOrV, tOcO, thr_pv, mma_pv, 1 - stage, True)
-                    warpgroup.wait_group(0)  # its stage's second part may be refilled now
+                warpgroup.wait_group(0)  # its stage's second part may be refilled now
                 if nb + 1 < n_blocks:
                     if const_expr(not self.cfg.no_loads):
                         self._issue_kv(*kv_args, blk, info.kv_end, page_size, kv_base, 1 - stage, tw, 1)
