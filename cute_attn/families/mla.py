@@ -105,6 +105,9 @@ MLA_DECODE_SM90 = register(
                 "wgmma (PTX)": r"ptx:wgmma\.mma_async",
                 "cp.async (PTX)": r"ptx:cp\.async\.c[ag]\.shared",
                 "HGMMA (SASS)": r"sass:HGMMA",
+                # ptxas serializes every wgmma of the kernel (C7515) when an accumulator may be
+                # written while one is in flight -- a wait_group inside a branch was enough
+                "wgmma async (SASS)": r"sass%HGMMA/WARPGROUP\.ARRIVE>=3",
                 "LDGSTS (SASS)": r"sass:LDGSTS",
                 "griddepcontrol.launch_dependents (PTX)": r"ptx:griddepcontrol\.launch_dependents",
             }

@@ -78,7 +78,7 @@ class MlaSm90Config:
     dtype: Any
     no_loads: bool = False  # diagnostic knob only (wrong output): no KV copies after block 0
     block_pages: bool = True  # knob (A/B): False looks up a page per token even where a page holds the block
-    defer_pv: bool = False  # knob (A/B): WG 1's P V of block j - 1 runs under WG 0's softmax of block j
+    defer_pv: bool = True  # knob (A/B): WG 1's P V of block j - 1 runs under WG 0's softmax of block j
 
     @classmethod
     def from_spec(cls, p: dict) -> MlaSm90Config:
@@ -90,7 +90,7 @@ class MlaSm90Config:
             to_dsl(p["dtype"]),
             bool(p.get("no_loads", 0)),
             bool(p.get("block_pages", 1)),
-            bool(p.get("defer_pv", 0)),
+            bool(p.get("defer_pv", 1)),
         )
 
 
