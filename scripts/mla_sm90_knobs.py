@@ -126,14 +126,18 @@ def check(name, heads, q_len, kv_lens, ps, variants):
 
 def main():
     if "defer_pv" in sys.argv:  # the default (WG 1's P V deferred) against the knob off
-        dv = {"default": FORCE_WGMMA, "defer_pv=0": {**FORCE_WGMMA, **knobs(defer_pv=0)}}
+        dv = {
+            "default": FORCE_WGMMA,
+            "defer_pv=0": {**FORCE_WGMMA, **knobs(defer_pv=0)},
+            "early_s": {**FORCE_WGMMA, **knobs(early_s=1)},
+        }
         lens = [0, 1, 5, 63, 64, 65, 127, 200, 1000, 333, 2049, 7]
         check("h128/q2/page1/mixed", 128, 2, lens, 1, dv)
         check("h64/q1/page16/mixed", 64, 1, lens, 16, dv)
         check("h128/q4/page64/mixed", 128, 4, lens, 64, dv)
         check("h16/q1/page64/long", 16, 1, [5000, 9000, 1, 130], 64, dv)
         check("h32/q3/page16/long", 32, 3, [3000, 6001, 2, 64], 16, dv)
-        d2 = {"default": {}, "defer_pv=0": knobs(defer_pv=0)}
+        d2 = {"default": {}, "defer_pv=0": knobs(defer_pv=0), "early_s": knobs(early_s=1)}
         case("h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64, d2)
         case("h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64, d2)
         case("h64/bs128/kv4096/page64", 64, 1, [4096] * 128, 64, d2)

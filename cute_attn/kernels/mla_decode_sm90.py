@@ -79,6 +79,7 @@ class MlaSm90Config:
     no_loads: bool = False  # diagnostic knob only (wrong output): no KV copies after block 0
     block_pages: bool = True  # knob (A/B): False looks up a page per token even where a page holds the block
     defer_pv: bool = True  # knob (A/B): WG 1's P V of block j - 1 runs under WG 0's softmax of block j
+    early_s: bool = False  # knob (A/B, with defer_pv): that P V issued once the scores are, not done
 
     @classmethod
     def from_spec(cls, p: dict) -> MlaSm90Config:
@@ -91,6 +92,7 @@ class MlaSm90Config:
             bool(p.get("no_loads", 0)),
             bool(p.get("block_pages", 1)),
             bool(p.get("defer_pv", 1)),
+            bool(p.get("early_s", 0)),
         )
 
 
@@ -305,8 +307,11 @@ class MlaDecodeSm90:
                     atom.set(warpgroup.Field.ACCUMULATE, k != 0)
                     cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
                 warpgroup.commit_group()
+                if const_expr(self.cfg.defer_pv and self.cfg.early_s):
+                    if nb > 0:  # WG 1's P V of block nb - 1 queued behind these scores
+                        cute.arch.barrier(barrier_id=BAR_S, number_of_threads=2 * WG)
                 warpgroup.wait_group(0)
-                if const_expr(self.cfg.defer_pv):
+                if const_expr(self.cfg.defer_pv and not self.cfg.early_s):
                     if nb > 0:  # WG 1 issues its P V of block nb - 1 now, under this block's softmax
                         cute.arch.barrier(barrier_id=BAR_S, number_of_threads=2 * WG)
 
