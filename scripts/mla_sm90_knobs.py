@@ -6,6 +6,11 @@ are timed in turns (``bench.common.interleaved``).
     python scripts/mla_sm90_knobs.py [all] [no_loads] [row_pages]   # the mla preset in the cache,
     # and the knob's spec: mla_decode_sm90:dtype=bf16,head_dim_ckv=512,head_dim_kpe=64,tile_q=64,
     # stages=2,no_loads=1 (or block_pages=0)
+    python scripts/mla_sm90_knobs.py defer_pv   # + the specs with defer_pv=1 and defer_pv=1,early_s=1
+
+``defer_pv``: five small mixed batches (lengths 0 / 1 / odd / long, page sizes 1 / 16 / 64, 16-128
+heads, 1-4 tokens, causal, split items) checked for every request against the fp32 reference and
+bitwise against the default, then four timing cases (compute-bound, two memory-bound, page 16).
 
 Cases: the compute-bound bench case -- the default against the planner splitting for balance
 (``alpha`` 2, ``balance_tol`` 0.01: no CTA left with half the work), the planner's exact cost
@@ -125,11 +130,11 @@ def check(name, heads, q_len, kv_lens, ps, variants):
 
 
 def main():
-    if "defer_pv" in sys.argv:  # the default (WG 1's P V deferred) against the knob off
+    if "defer_pv" in sys.argv:  # WG 1's P V deferred (and queued early) against the default
         dv = {
             "default": FORCE_WGMMA,
-            "defer_pv=0": {**FORCE_WGMMA, **knobs(defer_pv=0)},
-            "early_s": {**FORCE_WGMMA, **knobs(early_s=1)},
+            "defer_pv": {**FORCE_WGMMA, **knobs(defer_pv=1)},
+            "early_s": {**FORCE_WGMMA, **knobs(defer_pv=1, early_s=1)},
         }
         lens = [0, 1, 5, 63, 64, 65, 127, 200, 1000, 333, 2049, 7]
         check("h128/q2/page1/mixed", 128, 2, lens, 1, dv)
@@ -137,7 +142,7 @@ def main():
         check("h128/q4/page64/mixed", 128, 4, lens, 64, dv)
         check("h16/q1/page64/long", 16, 1, [5000, 9000, 1, 130], 64, dv)
         check("h32/q3/page16/long", 32, 3, [3000, 6001, 2, 64], 16, dv)
-        d2 = {"default": {}, "defer_pv=0": knobs(defer_pv=0), "early_s": knobs(early_s=1)}
+        d2 = {"default": {}, "defer_pv": knobs(defer_pv=1), "early_s": knobs(defer_pv=1, early_s=1)}
         case("h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64, d2)
         case("h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64, d2)
         case("h64/bs128/kv4096/page64", 64, 1, [4096] * 128, 64, d2)

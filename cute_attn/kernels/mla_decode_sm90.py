@@ -33,6 +33,11 @@ epilogue: one CTA barrier, WG 0 publishes 1 / l per row behind the named barrier
 warpgroup normalizes and stores its 256 columns (value-dtype rows + LSE by WG 0, or an fp32
 partial slot for the merge kernel).
 
+The ``defer_pv`` knob (built, not yet timed or run on a GPU: ``scripts/mla_sm90_knobs.py defer_pv``
+checks and times it) moves WG 1's P V of block j to after WG 0's scores of block j + 1 (named
+barrier S), so the tensor cores hold it through WG 0's softmax instead of idling; the row factors
+then take a slot per stage and a stage is refilled in two parts (``_loads_wg_deferred``).
+
 Causal masking (runtime ``causal``) is bottom-right aligned as in ``mla_decode.py``; scores in
 base 2 (``sm_scale * log2 e``), LSE base 2.
 """
@@ -78,7 +83,7 @@ class MlaSm90Config:
     dtype: Any
     no_loads: bool = False  # diagnostic knob only (wrong output): no KV copies after block 0
     block_pages: bool = True  # knob (A/B): False looks up a page per token even where a page holds the block
-    defer_pv: bool = True  # knob (A/B): WG 1's P V of block j - 1 runs under WG 0's softmax of block j
+    defer_pv: bool = False  # knob (A/B, untimed): WG 1's P V of block j - 1 under WG 0's softmax of block j
     early_s: bool = False  # knob (A/B, with defer_pv): that P V issued once the scores are, not done
 
     @classmethod
@@ -91,7 +96,7 @@ class MlaSm90Config:
             to_dsl(p["dtype"]),
             bool(p.get("no_loads", 0)),
             bool(p.get("block_pages", 1)),
-            bool(p.get("defer_pv", 1)),
+            bool(p.get("defer_pv", 0)),
             bool(p.get("early_s", 0)),
         )
 
