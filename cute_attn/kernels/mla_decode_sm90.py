@@ -312,13 +312,14 @@ class MlaDecodeSm90:
                     atom.set(warpgroup.Field.ACCUMULATE, k != 0)
                     cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
                 warpgroup.commit_group()
+                # defer_pv: WG 1 issues its P V of block nb - 1 now, under this block's softmax
+                # (early_s: queued behind these scores).  At block 0 too, without a P V: WG 1
+                # must not arrive on FULL for block 1 before this warpgroup has passed block 0's
                 if const_expr(self.cfg.defer_pv and self.cfg.early_s):
-                    if nb > 0:  # WG 1's P V of block nb - 1 queued behind these scores
-                        cute.arch.barrier(barrier_id=BAR_S, number_of_threads=2 * WG)
+                    cute.arch.barrier(barrier_id=BAR_S, number_of_threads=2 * WG)
                 warpgroup.wait_group(0)
                 if const_expr(self.cfg.defer_pv and not self.cfg.early_s):
-                    if nb > 0:  # WG 1 issues its P V of block nb - 1 now, under this block's softmax
-                        cute.arch.barrier(barrier_id=BAR_S, number_of_threads=2 * WG)
+                    cute.arch.barrier(barrier_id=BAR_S, number_of_threads=2 * WG)
 
                 S = wgmma_mn_view(acc_S)
                 lim_lo = row_lim[0]
@@ -490,6 +491,9 @@ class MlaDecodeSm90:
                     cute.arch.cp_async_commit_group()
                 if nb > 0:
                     self._pv_half(acc_O, sKV, sRow, tOrV, tOcO, thr_pv, mma_pv, 1 - stage, True)
+                else:  # block 0's scores: from here on, this warpgroup cannot arrive on FULL twice
+                    # before WG 0 waited once (a named barrier would complete on its arrivals alone)
+                    cute.arch.barrier(barrier_id=BAR_S, number_of_threads=2 * WG)
                 warpgroup.wait_group(0)  # its stage's second part may be refilled now
                 if nb + 1 < n_blocks:
                     if const_expr(not self.cfg.no_loads):
