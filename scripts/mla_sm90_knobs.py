@@ -61,20 +61,23 @@ FORCE_WGMMA = {"TILES": (16, 8)}  # every plan past 8 rows takes the wgmma kerne
 NO_WGMMA = {"backends_for": lambda op, arch: []}
 
 
+def patched_run(patch, inputs, heads, ps, causal):
+    """An MlaRun (its own workspace) planned with ``patch``'s attributes set on the wrapper module."""
+    saved = {k: getattr(M, k) for k in patch}
+    for k, v in patch.items():
+        setattr(M, k, v)
+    try:
+        ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")  # a workspace per wrapper
+        return MlaRun(ours_mla, ws, inputs, heads, ps, causal)
+    finally:
+        for k, v in saved.items():
+            setattr(M, k, v)
+
+
 def case(name, heads, q_len, kv_lens, ps, variants):
     causal = q_len > 1
     inputs = make_inputs(kv_lens, q_len, heads, ps)
-    runs = {}
-    for label, patch in variants.items():
-        saved = {k: getattr(M, k) for k in patch}
-        for k, v in patch.items():
-            setattr(M, k, v)
-        try:
-            ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")  # a workspace per wrapper
-            runs[label] = MlaRun(ours_mla, ws, inputs, heads, ps, causal)
-        finally:
-            for k, v in saved.items():
-                setattr(M, k, v)
+    runs = {label: patched_run(patch, inputs, heads, ps, causal) for label, patch in variants.items()}
     fns = {}
     for label, r in runs.items():
         r.replay()
@@ -106,15 +109,7 @@ def check(name, heads, q_len, kv_lens, ps, variants):
     inputs = make_inputs(kv_lens, q_len, heads, ps, gen_seed=len(kv_lens) + ps)
     outs = {}
     for label, patch in variants.items():
-        saved = {k: getattr(M, k) for k in patch}
-        for k, v in patch.items():
-            setattr(M, k, v)
-        try:
-            ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-            r = MlaRun(ours_mla, ws, inputs, heads, ps, causal)
-        finally:
-            for k, v in saved.items():
-                setattr(M, k, v)
+        r = patched_run(patch, inputs, heads, ps, causal)
         r.out.fill_(float("nan"))
         r.replay()
         torch.cuda.synchronize()
@@ -125,7 +120,7 @@ def check(name, heads, q_len, kv_lens, ps, variants):
         st = r.wrapper._state
         print(f"CHECK {name:<36} {label:<12} tile {st.tile} split {st.plan.has_split} rel err {err:.2e} "
               f"{'ok' if err < REF_TOL else 'WRONG'} bitwise-equal-first {same}")  # fmt: skip
-        del r, ws
+        del r
     torch.cuda.empty_cache()
 
 

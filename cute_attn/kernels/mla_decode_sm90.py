@@ -398,7 +398,6 @@ class MlaDecodeSm90:
         thr_pv = mma_pv.get_slice(tw)
         tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(self._v_half(sKV, 1)))
         tOcO = wgmma_mn_view(thr_pv.partition_C(cute.make_identity_tensor((TILE_Q, HALF))))
-        n_rows = cute.size(tOcO, mode=[0])
         page_size = cute.FastDivmodDivisorV2(mCkv.shape[1])
         for item in cutlass.range(item_begin, item_end, unroll=1):
             info = ItemInfo(mWork, item, group)
@@ -425,25 +424,8 @@ class MlaDecodeSm90:
                             mCkv, mKpe, mKvIndices, page_base, blk, info.kv_end, page_size, kv_base, 1 - stage, tw
                         )
                     cute.arch.cp_async_commit_group()
-                cute.arch.barrier(barrier_id=BAR_P, number_of_threads=2 * WG)
-                corr = cute.make_rmem_tensor((n_rows,), Float32)
-                for r in cutlass.range_constexpr(n_rows):
-                    corr[r] = sRow[tOcO[r, 0][0], stage]
-                self._rescale(acc_O, corr)
-                warpgroup.fence()
-                atom = cute.make_mma_atom(mma_pv.op)
-                atom.set(warpgroup.Field.ACCUMULATE, True)
-                tOsP = mma_pv.make_fragment_A(thr_pv.partition_A(self._p_tile(sKV, stage)))
-                for k in cutlass.range_constexpr(cute.size(tOsP, mode=[2])):
-                    cute.gemm(atom, acc_O, tOsP[None, None, k], tOrV[None, None, k, stage], acc_O)
-                warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            cute.arch.sync_threads()
-            cute.arch.barrier(barrier_id=BAR_P, number_of_threads=2 * WG)
-            inv = cute.make_rmem_tensor((n_rows,), Float32)
-            for r in cutlass.range_constexpr(n_rows):
-                inv[r] = sRow[tOcO[r, 0][0], 0]
-            self._store(mO, mPartO, acc_O, inv, tOcO, info, HALF)
+                self._pv_half(acc_O, sKV, sRow, tOrV, tOcO, thr_pv, mma_pv, stage, False)
+            self._finish_half(mO, mPartO, acc_O, sRow, tOcO, info)
 
     @cute.jit
     def _loads_wg_deferred(
@@ -459,7 +441,6 @@ class MlaDecodeSm90:
         thr_pv = mma_pv.get_slice(tw)
         tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(self._v_half(sKV, 1)))
         tOcO = wgmma_mn_view(thr_pv.partition_C(cute.make_identity_tensor((TILE_Q, HALF))))
-        n_rows = cute.size(tOcO, mode=[0])
         page_size = cute.FastDivmodDivisorV2(mCkv.shape[1])
         for item in cutlass.range(item_begin, item_end, unroll=1):
             info = ItemInfo(mWork, item, group)
@@ -501,13 +482,19 @@ class MlaDecodeSm90:
                     cute.arch.cp_async_commit_group()
             if n_blocks > 0:
                 self._pv_half(acc_O, sKV, sRow, tOrV, tOcO, thr_pv, mma_pv, (n_blocks - 1) % self.stages, False)
-            warpgroup.wait_group(0)
-            cute.arch.sync_threads()
-            cute.arch.barrier(barrier_id=BAR_P, number_of_threads=2 * WG)
-            inv = cute.make_rmem_tensor((n_rows,), Float32)
-            for r in cutlass.range_constexpr(n_rows):
-                inv[r] = sRow[tOcO[r, 0][0], 0]
-            self._store(mO, mPartO, acc_O, inv, tOcO, info, HALF)
+            self._finish_half(mO, mPartO, acc_O, sRow, tOcO, info)
+
+    @cute.jit
+    def _finish_half(self, mO, mPartO, acc_O, sRow, tOcO, info: ItemInfo):
+        """WG 1's item epilogue: its last P V done, the CTA barrier (every read of the row
+        factors), 1 / l from WG 0 behind P's barrier, then its 256 columns stored."""
+        warpgroup.wait_group(0)
+        cute.arch.sync_threads()
+        cute.arch.barrier(barrier_id=BAR_P, number_of_threads=2 * WG)
+        inv = cute.make_rmem_tensor((cute.size(tOcO, mode=[0]),), Float32)
+        for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+            inv[r] = sRow[tOcO[r, 0][0], 0]
+        self._store(mO, mPartO, acc_O, inv, tOcO, info, HALF)
 
     @cute.jit
     def _pv_half(self, acc_O, sKV, sRow, tOrV, tOcO, thr_pv, mma_pv, stage, after_scores: cutlass.Constexpr):
