@@ -5,7 +5,7 @@
 # logs under $OUT.
 #   usage: bash scripts/on_device.sh 'python3 -m cute_attn bench --only prefill --json $OUT/r.json'
 set -uo pipefail
-R=$(pwd)/build/run
+R=$(pwd)/${VISIT_DIR:-build/run}  # VISIT_DIR: a second pack carried beside the first
 W=/tmp/visit; mkdir -p "$W"
 tar -xJf "$R/aot.tar.xz" -C "$W"
 if [ -f "$R/flashinfer/setup.sh" ]; then
