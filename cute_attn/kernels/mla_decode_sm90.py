@@ -83,7 +83,8 @@ class MlaSm90Config:
     dtype: Any
     no_loads: bool = False  # diagnostic knob only (wrong output): no KV copies after block 0
     block_pages: bool = True  # knob (A/B): False looks up a page per token even where a page holds the block
-    defer_pv: bool = False  # knob (A/B, untimed): WG 1's P V of block j - 1 under WG 0's softmax of block j
+    defer_pv: int = 0  # knob (A/B): WG 1's P V of block j - 1 under WG 0's softmax of block j (2: the
+    # next block's first part issued before this block's second part is waited for)
     early_s: bool = False  # knob (A/B, with defer_pv): that P V issued once the scores are, not done
 
     @classmethod
@@ -96,7 +97,7 @@ class MlaSm90Config:
             to_dsl(p["dtype"]),
             bool(p.get("no_loads", 0)),
             bool(p.get("block_pages", 1)),
-            bool(p.get("defer_pv", 0)),
+            int(p.get("defer_pv", 0)),
             bool(p.get("early_s", 0)),
         )
 
@@ -460,9 +461,10 @@ class MlaDecodeSm90:
                 cute.arch.cp_async_wait_group(1)  # block nb's first part (and the item's Q)
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=BAR_FULL, number_of_threads=2 * WG)
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier_arrive(barrier_id=BAR_FULL_B, number_of_threads=2 * WG)
+                if const_expr(self.cfg.defer_pv == 1):
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier_arrive(barrier_id=BAR_FULL_B, number_of_threads=2 * WG)
                 blk = info.kv_start + (nb + 1) * BLOCK_N
                 if nb + 1 < n_blocks:
                     if nb > 0:  # WG 0 is done with block nb - 1, whose stage block nb + 1 takes
@@ -470,6 +472,13 @@ class MlaDecodeSm90:
                     if const_expr(not self.cfg.no_loads):
                         self._issue_kv(*kv_args, blk, info.kv_end, page_size, kv_base, 1 - stage, tw, 0)
                     cute.arch.cp_async_commit_group()
+                if const_expr(self.cfg.defer_pv == 2):  # the next first part issued before this wait
+                    if nb + 1 < n_blocks:
+                        cute.arch.cp_async_wait_group(1)
+                    else:
+                        cute.arch.cp_async_wait_group(0)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier_arrive(barrier_id=BAR_FULL_B, number_of_threads=2 * WG)
                 if nb > 0:
                     self._pv_half(acc_O, sKV, sRow, tOrV, tOcO, thr_pv, mma_pv, 1 - stage, True)
                 else:  # block 0's scores: from here on, this warpgroup cannot arrive on FULL twice
