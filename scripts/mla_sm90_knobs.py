@@ -8,6 +8,7 @@ are timed in turns (``bench.common.interleaved``).
     # stages=2,no_loads=1 (or block_pages=0)
     python scripts/mla_sm90_knobs.py defer_pv   # + the specs with defer_pv=1, defer_pv=2, no_loads=1
     # and defer_pv=2,no_loads=1
+    python scripts/mla_sm90_knobs.py h16        # the 16-head memory-bound decode, planner variants
 
 ``defer_pv``: five small mixed batches (lengths 0 / 1 / odd / long, page sizes 1 / 16 / 64, 16-128
 heads, 1-4 tokens, causal, split items) checked for every request against the fp32 reference and
@@ -151,6 +152,15 @@ def main():
         d3 = {k: d2[k] for k in ("default", "defer_pv", "defer_pv2")}
         case("h128/q1/bs32/kv16384/page16", 128, 1, [16384] * 32, 16, d3)
         case("h64/bs128/kv4096/page64", 64, 1, [4096] * 128, 64, d3)
+        return
+    if "h16" in sys.argv:  # the memory-bound 16-head decode: 128 items on 132 CTAs, or split finer
+        hv = {
+            "default": {},
+            "tol0.01": planner(balance_tol=0.01),
+            "alpha2_tol0.01": planner(alpha=2, balance_tol=0.01),
+        }
+        for kv in (4096, 4096, 32768):
+            case(f"h16/bs128/kv{kv}/page64", 16, 1, [kv] * 128, 64, hv)
         return
     variants = {
         "default": {},
