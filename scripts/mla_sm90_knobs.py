@@ -6,13 +6,10 @@ are timed in turns (``bench.common.interleaved``).
     python scripts/mla_sm90_knobs.py [all] [no_loads] [row_pages]   # the mla preset in the cache,
     # and the knob's spec: mla_decode_sm90:dtype=bf16,head_dim_ckv=512,head_dim_kpe=64,tile_q=64,
     # stages=2,no_loads=1 (or block_pages=0)
-    python scripts/mla_sm90_knobs.py defer_pv   # + the specs with defer_pv=1, defer_pv=2, no_loads=1
-    # and defer_pv=2,no_loads=1
     python scripts/mla_sm90_knobs.py h16        # the 16-head memory-bound decode, planner variants
-
-``defer_pv``: five small mixed batches (lengths 0 / 1 / odd / long, page sizes 1 / 16 / 64, 16-128
-heads, 1-4 tokens, causal, split items) checked for every request against the fp32 reference and
-bitwise against the default, then four timing cases (compute-bound, two memory-bound, page 16).
+    python scripts/mla_sm90_knobs.py check row_pages   # first: five small mixed batches (lengths
+    # 0 / 1 / odd / long, pages 1 / 16 / 64, 16-128 heads, 1-4 tokens, causal, split items), each
+    # variant against the fp32 reference and bitwise against the default
 
 Cases: the compute-bound bench case -- the default against the planner splitting for balance
 (``alpha`` 2, ``balance_tol`` 0.01: no CTA left with half the work), the planner's exact cost
@@ -127,32 +124,6 @@ def check(name, heads, q_len, kv_lens, ps, variants):
 
 
 def main():
-    if "defer_pv" in sys.argv:  # WG 1's P V deferred (2: the next first part issued sooner)
-        dv = {
-            "default": FORCE_WGMMA,
-            "defer_pv": {**FORCE_WGMMA, **knobs(defer_pv=1)},
-            "defer_pv2": {**FORCE_WGMMA, **knobs(defer_pv=2)},
-        }
-        lens = [0, 1, 5, 63, 64, 65, 127, 200, 1000, 333, 2049, 7]
-        check("h128/q2/page1/mixed", 128, 2, lens, 1, dv)
-        check("h64/q1/page16/mixed", 64, 1, lens, 16, dv)
-        check("h128/q4/page64/mixed", 128, 4, lens, 64, dv)
-        check("h16/q1/page64/long", 16, 1, [5000, 9000, 1, 130], 64, dv)
-        check("h32/q3/page16/long", 32, 3, [3000, 6001, 2, 64], 16, dv)
-        # no_loads (wrong output, timed): what the copies cost each schedule
-        d2 = {
-            "default": {},
-            "defer_pv": knobs(defer_pv=1),
-            "defer_pv2": knobs(defer_pv=2),
-            "no_loads": knobs(no_loads=1),
-            "defer2_no_loads": knobs(defer_pv=2, no_loads=1),
-        }
-        case("h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64, d2)
-        case("h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64, d2)
-        d3 = {k: d2[k] for k in ("default", "defer_pv", "defer_pv2")}
-        case("h128/q1/bs32/kv16384/page16", 128, 1, [16384] * 32, 16, d3)
-        case("h64/bs128/kv4096/page64", 64, 1, [4096] * 128, 64, d3)
-        return
     if "h16" in sys.argv:  # the memory-bound 16-head decode: 128 items on 132 CTAs, or split finer
         hv = {
             "default": {},
@@ -171,6 +142,14 @@ def main():
         variants["no_loads"] = knobs(no_loads=1)
     if "row_pages" in sys.argv:  # a page lookup per token where one page holds the block
         variants["row_pages"] = knobs(block_pages=0)
+    if "check" in sys.argv:  # the kernel's knobs (no_loads excepted: wrong by design) on small batches
+        cv = {k: {**FORCE_WGMMA, **v} for k, v in variants.items() if k in ("default", "row_pages")}
+        lens = [0, 1, 5, 63, 64, 65, 127, 200, 1000, 333, 2049, 7]
+        check("h128/q2/page1/mixed", 128, 2, lens, 1, cv)
+        check("h64/q1/page16/mixed", 64, 1, lens, 16, cv)
+        check("h128/q4/page64/mixed", 128, 4, lens, 64, cv)
+        check("h16/q1/page64/long", 16, 1, [5000, 9000, 1, 130], 64, cv)
+        check("h32/q3/page16/long", 32, 3, [3000, 6001, 2, 64], 16, cv)
     case("h128/q2/bs64/kv8192/page64", 128, 2, [8192] * 64, 64, variants)
     if "all" in sys.argv:
         case("h16/bs128/kv4096/page64", 16, 1, [4096] * 128, 64, {"mma.sync": {}, "wgmma": FORCE_WGMMA})

@@ -33,11 +33,6 @@ epilogue: one CTA barrier, WG 0 publishes 1 / l per row behind the named barrier
 warpgroup normalizes and stores its 256 columns (value-dtype rows + LSE by WG 0, or an fp32
 partial slot for the merge kernel).
 
-The ``defer_pv`` knob (built, not yet timed or run on a GPU: ``scripts/mla_sm90_knobs.py defer_pv``
-checks and times it) moves WG 1's P V of block j to after WG 0's scores of block j + 1 (named
-barrier S), so the tensor cores hold it through WG 0's softmax instead of idling; the row factors
-then take a slot per stage and a stage is refilled in two parts (``_loads_wg_deferred``).
-
 Causal masking (runtime ``causal``) is bottom-right aligned as in ``mla_decode.py``; scores in
 base 2 (``sm_scale * log2 e``), LSE base 2.
 """
@@ -69,10 +64,6 @@ HALF = D_CKV // 2  # output columns per warpgroup: 256
 BAR_P = 1  # named barrier: P and the row factors are in shared memory (0 is __syncthreads)
 BAR_FREE = 2  # named barrier: WG 0 is done with a block's stage (it may be reloaded)
 BAR_FULL = 3  # named barrier: the block's copies landed (WG 1 waited and fenced them)
-BAR_FULL_B = 4  # defer_pv: the block's second part landed (columns 256-575)
-BAR_S = 5  # defer_pv: WG 0's scores of a block are done (WG 1 issues its P V of the block before)
-K_SPLIT = HALF // 16  # defer_pv: the scores' k16 steps over the first part (columns 0-255)
-CHUNK_SPLIT = HALF // 64  # defer_pv: the copies' chunk columns of the first part
 LOAD_ROWS = WG // THREADS_PER_ROW  # rows WG 1 copies per pass: 16
 
 
@@ -83,9 +74,6 @@ class MlaSm90Config:
     dtype: Any
     no_loads: bool = False  # diagnostic knob only (wrong output): no KV copies after block 0
     block_pages: bool = True  # knob (A/B): False looks up a page per token even where a page holds the block
-    defer_pv: int = 0  # knob (A/B): WG 1's P V of block j - 1 under WG 0's softmax of block j (2: the
-    # next block's first part issued before this block's second part is waited for)
-    early_s: bool = False  # knob (A/B, with defer_pv): that P V issued once the scores are, not done
 
     @classmethod
     def from_spec(cls, p: dict) -> MlaSm90Config:
@@ -93,13 +81,7 @@ class MlaSm90Config:
 
         assert p["head_dim_ckv"] == D_CKV and p["head_dim_kpe"] == D_KPE, p
         assert p["tile_q"] == TILE_Q and p["stages"] == 2, p
-        return cls(
-            to_dsl(p["dtype"]),
-            bool(p.get("no_loads", 0)),
-            bool(p.get("block_pages", 1)),
-            int(p.get("defer_pv", 0)),
-            bool(p.get("early_s", 0)),
-        )
+        return cls(to_dsl(p["dtype"]), bool(p.get("no_loads", 0)), bool(p.get("block_pages", 1)))
 
 
 class MlaDecodeSm90:
@@ -158,7 +140,7 @@ class MlaDecodeSm90:
         class Smem:
             sKV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(kv_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(q_layout)], 1024]
-            sRow: cute.struct.Align[cute.struct.MemRange[Float32, TILE_Q * self.stages], 16]
+            sRow: cute.struct.Align[cute.struct.MemRange[Float32, TILE_Q], 16]
 
         if const_expr(Smem.size_in_bytes() > SMEM_MAX):
             raise ValueError(f"{Smem.size_in_bytes()} bytes of shared memory > {SMEM_MAX}")
@@ -242,7 +224,7 @@ class MlaDecodeSm90:
         st = smem.allocate(Smem)
         sKV = st.sKV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-        sRow = st.sRow.get_tensor(cute.make_layout((TILE_Q, self.stages)))
+        sRow = st.sRow.get_tensor(cute.make_layout((TILE_Q,)))
         kv_base = st.sKV.data_ptr().toint()
         q_base = st.sQ.data_ptr().toint()
 
@@ -251,11 +233,6 @@ class MlaDecodeSm90:
             self._scores_wg(
                 mO, mLse, mPartO, mPartLse, mWork, sKV, sQ, sRow, mma_qk, mma_pv_r, item_begin, item_end,
                 group, causal, scale_log2, tw,
-            )  # fmt: skip
-        elif const_expr(self.cfg.defer_pv):
-            self._loads_wg_deferred(
-                mQn, mQp, mCkv, mKpe, mKvIndptr, mKvIndices, mO, mPartO, mWork, sKV, sRow, mma_pv_s,
-                kv_base, q_base, item_begin, item_end, group, tw,
             )  # fmt: skip
         else:
             self._loads_wg(
@@ -308,19 +285,10 @@ class MlaDecodeSm90:
                 warpgroup.fence()
                 atom = cute.make_mma_atom(mma_qk.op)
                 for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                    if const_expr(self.cfg.defer_pv and k == K_SPLIT):  # the second part landed
-                        cute.arch.barrier(barrier_id=BAR_FULL_B, number_of_threads=2 * WG)
                     atom.set(warpgroup.Field.ACCUMULATE, k != 0)
                     cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
                 warpgroup.commit_group()
-                # defer_pv: WG 1 issues its P V of block nb - 1 now, under this block's softmax
-                # (early_s: queued behind these scores).  At block 0 too, without a P V: WG 1
-                # must not arrive on FULL for block 1 before this warpgroup has passed block 0's
-                if const_expr(self.cfg.defer_pv and self.cfg.early_s):
-                    cute.arch.barrier(barrier_id=BAR_S, number_of_threads=2 * WG)
                 warpgroup.wait_group(0)
-                if const_expr(self.cfg.defer_pv and not self.cfg.early_s):
-                    cute.arch.barrier(barrier_id=BAR_S, number_of_threads=2 * WG)
 
                 S = wgmma_mn_view(acc_S)
                 lim_lo = row_lim[0]
@@ -351,7 +319,7 @@ class MlaDecodeSm90:
                 cute.copy(p_copy, p_copy.retile(rP), p_copy.partition_D(self._p_tile(sKV, stage)))
                 for r in cutlass.range_constexpr(n_rows):
                     if tw % 4 == 0:
-                        sRow[tScS[r, 0][0], stage] = corr[r]  # a slot per stage: WG 1 may read the last block's
+                        sRow[tScS[r, 0][0]] = corr[r]
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=BAR_P, number_of_threads=2 * WG)
                 self._rescale(acc_O, corr)
@@ -378,7 +346,7 @@ class MlaDecodeSm90:
             cute.arch.sync_threads()
             for r in cutlass.range_constexpr(n_rows):
                 if tw % 4 == 0:
-                    sRow[tScS[r, 0][0], 0] = inv[r]
+                    sRow[tScS[r, 0][0]] = inv[r]
             cute.arch.barrier_arrive(barrier_id=BAR_P, number_of_threads=2 * WG)
             self._store(mO, mPartO, acc_O, inv, tOcO, info, 0)
             for r in cutlass.range_constexpr(n_rows):
@@ -399,6 +367,7 @@ class MlaDecodeSm90:
         thr_pv = mma_pv.get_slice(tw)
         tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(self._v_half(sKV, 1)))
         tOcO = wgmma_mn_view(thr_pv.partition_C(cute.make_identity_tensor((TILE_Q, HALF))))
+        n_rows = cute.size(tOcO, mode=[0])
         page_size = cute.FastDivmodDivisorV2(mCkv.shape[1])
         for item in cutlass.range(item_begin, item_end, unroll=1):
             info = ItemInfo(mWork, item, group)
@@ -425,104 +394,25 @@ class MlaDecodeSm90:
                             mCkv, mKpe, mKvIndices, page_base, blk, info.kv_end, page_size, kv_base, 1 - stage, tw
                         )
                     cute.arch.cp_async_commit_group()
-                self._pv_half(acc_O, sKV, sRow, tOrV, tOcO, thr_pv, mma_pv, stage, False)
-            self._finish_half(mO, mPartO, acc_O, sRow, tOcO, info)
-
-    @cute.jit
-    def _loads_wg_deferred(
-        self, mQn, mQp, mCkv, mKpe, mKvIndptr, mKvIndices, mO, mPartO, mWork, sKV, sRow, mma_pv,
-        kv_base, q_base, item_begin, item_end, group, tw,
-    ):  # fmt: skip
-        """WG 1 with its P V of block j - 1 issued when WG 0's scores of block j are done, so the
-        tensor cores hold work through WG 0's softmax.  That P V keeps stage j - 1's columns
-        256-575 (V's second half, P in the kpe columns) until then, so a stage is refilled in two
-        parts, each a ``cp.async`` group with its own barrier: columns 0-255 (read by the scores
-        and WG 0's P V) as soon as WG 0 is done with them, columns 256-575 after this P V; the
-        scores read the first part first."""
-        thr_pv = mma_pv.get_slice(tw)
-        tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(self._v_half(sKV, 1)))
-        tOcO = wgmma_mn_view(thr_pv.partition_C(cute.make_identity_tensor((TILE_Q, HALF))))
-        page_size = cute.FastDivmodDivisorV2(mCkv.shape[1])
-        for item in cutlass.range(item_begin, item_end, unroll=1):
-            info = ItemInfo(mWork, item, group)
-            n_blocks = (info.kv_end - info.kv_start + BLOCK_N - 1) // BLOCK_N
-            page_base = mKvIndptr[info.req]
-            kv_args = (mCkv, mKpe, mKvIndices, page_base)
-            acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_Q, HALF)), Float32)
-            acc_O.fill(0.0)
-            if n_blocks > 0:
-                self._issue_q(mQn, mQp, info, q_base, tw)
-                self._issue_kv(*kv_args, info.kv_start, info.kv_end, page_size, kv_base, 0, tw, 0)
-                cute.arch.cp_async_commit_group()
-                self._issue_kv(*kv_args, info.kv_start, info.kv_end, page_size, kv_base, 0, tw, 1)
-                cute.arch.cp_async_commit_group()
-            for nb in cutlass.range(n_blocks, unroll=1):
-                stage = nb % self.stages
-                cute.arch.cp_async_wait_group(1)  # block nb's first part (and the item's Q)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier_arrive(barrier_id=BAR_FULL, number_of_threads=2 * WG)
-                if const_expr(self.cfg.defer_pv == 1):
-                    cute.arch.cp_async_wait_group(0)
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.barrier_arrive(barrier_id=BAR_FULL_B, number_of_threads=2 * WG)
-                blk = info.kv_start + (nb + 1) * BLOCK_N
-                if nb + 1 < n_blocks:
-                    if nb > 0:  # WG 0 is done with block nb - 1, whose stage block nb + 1 takes
-                        cute.arch.barrier(barrier_id=BAR_FREE, number_of_threads=2 * WG)
-                    if const_expr(not self.cfg.no_loads):
-                        self._issue_kv(*kv_args, blk, info.kv_end, page_size, kv_base, 1 - stage, tw, 0)
-                    cute.arch.cp_async_commit_group()
-                if const_expr(self.cfg.defer_pv == 2):  # the next first part issued before this wait
-                    if nb + 1 < n_blocks:
-                        cute.arch.cp_async_wait_group(1)
-                    else:
-                        cute.arch.cp_async_wait_group(0)
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.barrier_arrive(barrier_id=BAR_FULL_B, number_of_threads=2 * WG)
-                if nb > 0:
-                    self._pv_half(acc_O, sKV, sRow, tOrV, tOcO, thr_pv, mma_pv, 1 - stage, True)
-                else:  # block 0's scores: from here on, this warpgroup cannot arrive on FULL twice
-                    # before WG 0 waited once (a named barrier would complete on its arrivals alone)
-                    cute.arch.barrier(barrier_id=BAR_S, number_of_threads=2 * WG)
-                warpgroup.wait_group(0)  # its stage's second part may be refilled now
-                if nb + 1 < n_blocks:
-                    if const_expr(not self.cfg.no_loads):
-                        self._issue_kv(*kv_args, blk, info.kv_end, page_size, kv_base, 1 - stage, tw, 1)
-                    cute.arch.cp_async_commit_group()
-            if n_blocks > 0:
-                self._pv_half(acc_O, sKV, sRow, tOrV, tOcO, thr_pv, mma_pv, (n_blocks - 1) % self.stages, False)
-            self._finish_half(mO, mPartO, acc_O, sRow, tOcO, info)
-
-    @cute.jit
-    def _finish_half(self, mO, mPartO, acc_O, sRow, tOcO, info: ItemInfo):
-        """WG 1's item epilogue: its last P V done, the CTA barrier (every read of the row
-        factors), 1 / l from WG 0 behind P's barrier, then its 256 columns stored."""
-        warpgroup.wait_group(0)
-        cute.arch.sync_threads()
-        cute.arch.barrier(barrier_id=BAR_P, number_of_threads=2 * WG)
-        inv = cute.make_rmem_tensor((cute.size(tOcO, mode=[0]),), Float32)
-        for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
-            inv[r] = sRow[tOcO[r, 0][0], 0]
-        self._store(mO, mPartO, acc_O, inv, tOcO, info, HALF)
-
-    @cute.jit
-    def _pv_half(self, acc_O, sKV, sRow, tOrV, tOcO, thr_pv, mma_pv, stage, after_scores: cutlass.Constexpr):
-        """WG 1's O[:, 256:512] += P V of the block in ``stage``: P's barrier, O rescaled by the
-        block's factors, then (``after_scores``) the wait for WG 0's next scores, and the GEMM."""
-        cute.arch.barrier(barrier_id=BAR_P, number_of_threads=2 * WG)
-        corr = cute.make_rmem_tensor((cute.size(tOcO, mode=[0]),), Float32)
-        for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
-            corr[r] = sRow[tOcO[r, 0][0], stage]
-        self._rescale(acc_O, corr)
-        if const_expr(after_scores):
-            cute.arch.barrier(barrier_id=BAR_S, number_of_threads=2 * WG)
-        warpgroup.fence()
-        atom = cute.make_mma_atom(mma_pv.op)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-        tOsP = mma_pv.make_fragment_A(thr_pv.partition_A(self._p_tile(sKV, stage)))
-        for k in cutlass.range_constexpr(cute.size(tOsP, mode=[2])):
-            cute.gemm(atom, acc_O, tOsP[None, None, k], tOrV[None, None, k, stage], acc_O)
-        warpgroup.commit_group()
+                cute.arch.barrier(barrier_id=BAR_P, number_of_threads=2 * WG)
+                corr = cute.make_rmem_tensor((n_rows,), Float32)
+                for r in cutlass.range_constexpr(n_rows):
+                    corr[r] = sRow[tOcO[r, 0][0]]
+                self._rescale(acc_O, corr)
+                warpgroup.fence()
+                atom = cute.make_mma_atom(mma_pv.op)
+                atom.set(warpgroup.Field.ACCUMULATE, True)
+                tOsP = mma_pv.make_fragment_A(thr_pv.partition_A(self._p_tile(sKV, stage)))
+                for k in cutlass.range_constexpr(cute.size(tOsP, mode=[2])):
+                    cute.gemm(atom, acc_O, tOsP[None, None, k], tOrV[None, None, k, stage], acc_O)
+                warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.sync_threads()
+            cute.arch.barrier(barrier_id=BAR_P, number_of_threads=2 * WG)
+            inv = cute.make_rmem_tensor((n_rows,), Float32)
+            for r in cutlass.range_constexpr(n_rows):
+                inv[r] = sRow[tOcO[r, 0][0]]
+            self._store(mO, mPartO, acc_O, inv, tOcO, info, HALF)
 
     def _p_tile(self, sKV, stage):
         """Where P of the block in ``stage`` goes: the stage's kpe columns, [64 keys, 64 columns]
@@ -557,15 +447,12 @@ class MlaDecodeSm90:
             self._copy_row(q_base, row, r, t, 0, TILE_Q)
 
     @cute.jit
-    def _issue_kv(
-        self, mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw,
-        part: cutlass.Constexpr = None,
-    ):  # fmt: skip
+    def _issue_kv(self, mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw):
         """cp.async a block's 64 latent rows into a stage (``_issue_kv_rows``); where one page
         holds the whole block (page sizes k * 64, the item starting on a block boundary), with
         one page lookup for the block instead of one per token: the per-token divisions and
         lookups were most of the loading warpgroup's integer work."""
-        args = (mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw, part)
+        args = (mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw)
         if const_expr(self.cfg.block_pages):
             if page_size.divisor % BLOCK_N == 0 and blk_start % BLOCK_N == 0:
                 self._issue_kv_block(*args)
@@ -575,10 +462,7 @@ class MlaDecodeSm90:
             self._issue_kv_rows(*args)
 
     @cute.jit
-    def _issue_kv_block(
-        self, mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw,
-        part: cutlass.Constexpr,
-    ):  # fmt: skip
+    def _issue_kv_block(self, mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw):
         """``_issue_kv_rows`` for a block inside one page: rows past kv_end re-read the last
         valid token (in the same page)."""
         t = tw % THREADS_PER_ROW
@@ -589,13 +473,10 @@ class MlaDecodeSm90:
             r = tw // THREADS_PER_ROW + i * LOAD_ROWS
             slot = slot0 + cutlass.select_(r < last, r, last)
             row = (mCkv[page, slot, None].iterator.toint(), mKpe[page, slot, None].iterator.toint())
-            self._copy_row(kv_base, row, r, t, stage, BLOCK_N, part)
+            self._copy_row(kv_base, row, r, t, stage, BLOCK_N)
 
     @cute.jit
-    def _issue_kv_rows(
-        self, mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw,
-        part: cutlass.Constexpr,
-    ):  # fmt: skip
+    def _issue_kv_rows(self, mCkv, mKpe, mKvIndices, page_base, blk_start, kv_end, page_size, kv_base, stage, tw):
         """cp.async a block's 64 latent rows into a stage: row 16 i + tw / 8 is token
         blk_start + row (past kv_end: the last valid token again, masked later), its ckv chunks
         t, t + 8, .. and kpe chunk t.  The page lookups first (all in flight together)."""
@@ -615,18 +496,14 @@ class MlaDecodeSm90:
             _, slot = divmod(p, page_size)
             page = in_cache(pages[i], num_pages)
             row = (mCkv[page, slot, None].iterator.toint(), mKpe[page, slot, None].iterator.toint())
-            self._copy_row(kv_base, row, r, t, stage, BLOCK_N, part)
+            self._copy_row(kv_base, row, r, t, stage, BLOCK_N)
 
     @staticmethod
-    def _copy_row(base, row, r, t, s, rows: int, part=None):
+    def _copy_row(base, row, r, t, s, rows: int):
         """cp.async this thread's chunks of one 576-wide row (``row``: the addresses of its 512
         latent / nope and 64 rope values) into row r of slice s of a (rows, 576, n) tile: chunks
-        t, t + 8, .. of the first part and chunk t of the second.  ``part`` 0 / 1: only the
-        chunk columns of columns 0-255 / 256-575."""
-        cols = range(D_QK // 64)
-        if part is not None:
-            cols = range(CHUNK_SPLIT) if part == 0 else range(CHUNK_SPLIT, D_QK // 64)
-        for c in cols:  # (plain Python: unrolled while the caller is traced)
+        t, t + 8, .. of the first part and chunk t of the second."""
+        for c in range(D_QK // 64):  # (plain Python: unrolled while the caller is traced)
             d = smem_off(r, c, t, s, rows) * 2
             if c < D_CKV // 64:
                 cp_async_16(base + d, row[0] + (t + 8 * c) * 16)
