@@ -31,13 +31,18 @@ ROUNDS, CALLS = int(os.environ.get("AB_ROUNDS", 3)), 20
 # variant name -> knobs over the plan's spec
 HD128 = {
     "main": {},
-    "sequential": dict(overlap_items=0),  # items one after the other, 112 keys, P not pinned
+    # O staged in the finished item's Q buffer: no sO tile, room for longer blocks (FA3: 176 keys)
+    "oq128": dict(o_in_q=1),
+    "oq144": dict(o_in_q=1, tile_n=144),
+    "oq160": dict(o_in_q=1, tile_n=160),
 }
 HD64 = {"main": {}, "overlap": dict(overlap_items=1)}
 HD256 = {
     "main": {},  # 64 keys, P pinned (PINNED)
-    "unpinned": dict(pin_p=0),
-    "pingpong": dict(pingpong=1),
+    # O staged in the Q buffer (one pass; the next item's Q loaded after the epilogue): no sO
+    # tile, room for FA3's 80 keys
+    "oq64": dict(o_in_q=1),
+    "oq80": dict(o_in_q=1, tile_n=80),
 }
 
 

@@ -73,7 +73,7 @@ from cutlass.utils import LayoutEnum
 from ..variants.base import Hooks
 from ..variants.dsl import LOG2E
 from ..variants.trace import make_entry
-from .fragments import WG, pin_fragment, wgmma_acc_as_a, wgmma_mn_view
+from .fragments import WG, wgmma_acc_as_a, wgmma_mn_view
 from .prefill_sm90_hooks import PrefillHooks
 from .prefill_sm90_io import PrefillRowIO
 from .prefill_sm90_kv8 import KV8_HEAD_DIMS, PrefillKv8, check_kv8_layouts
@@ -112,12 +112,11 @@ class PrefillConfig:
     lazy_rescale: int = 1
     head_dim_vo: int = 0  # of v and the output (0: head_dim)
     pin_p: int = -1  # 1: P converted where it is written (fragments.pin_fragment; fewer registers); -1: PINNED
-    overlap_items: int = (
-        -1
-    )  # 1: items back to back (the next one's first block with this one's last); -1: OVERLAP_TILES
+    overlap_items: int = -1  # 1: items back to back (the next one's first block with this one's last)
     kv_dtype: Any = None  # DSL fp8 type of an fp8 K / V widened in the kernel (prefill_sm90_kv8); None: dtype
     kv8_cvt: int = 0  # 1: widen to bf16 by cvt instructions (NaN kept) instead of integer ops (knob)
     kv8_pass: int = 0  # fp8 cache (1 ragged, 2 paged) dequantized once per key by the kernel (prefill_sm90_kv8_pass)
+    o_in_q: int = 0  # 1: with items back to back, O staged in the finished item's Q buffer (no sO tile; knob)
 
     @classmethod
     def from_spec(cls, p: dict) -> PrefillConfig:
@@ -147,6 +146,7 @@ class PrefillConfig:
             to_dsl(p["kv_dtype"]) if p.get("kv_dtype") else None,
             p.get("kv8_cvt", 0),
             p.get("kv8_pass", 0),
+            p.get("o_in_q", 0),
         )
 
 
@@ -285,10 +285,16 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
         # hd256: as many as the block's scores); an idea from FA4
         self.lazy_rescale = bool(cfg.lazy_rescale)
         # The output goes out through its own staging tile (coalesced 16-byte stores), so the
-        # next item's Q can be prefetched into sQ during this item's last PV and epilogue.  At
-        # hd256 only half of O's columns fit next to Q and the K/V stages: it is staged in two
-        # passes of o_cols columns.
-        self.o_cols = head_dim_vo if head_dim_vo <= 128 else head_dim_vo // 2
+        # next item's Q can be prefetched into sQ during this item's last PV and epilogue.  At hd256
+        # only half of O's columns fit next to Q and the K/V stages: two passes of o_cols columns.
+        # ``o_in_q``: O staged in the finished item's Q buffer (an fp8 cache's sO holds its staging
+        # tiles; a 16-bit kernel without sO has room for longer blocks): with items back to back
+        # the next item's Q goes into the other buffer, else it is loaded after the epilogue
+        self.o_in_q = (self.overlap and self.kv8 is not None) or bool(cfg.o_in_q)
+        assert not cfg.o_in_q or (head_dim_vo == head_dim and (self.kv8 is None or self.overlap)), "o_in_q"
+        self.own_so = not self.o_in_q or self.kv8 is not None  # an sO tile (1024-aligned: its swizzle)
+        self.o_cols = head_dim_vo if head_dim_vo <= 128 or not self.own_so else head_dim_vo // 2
+        self.q_after_o = self.o_in_q and not self.overlap  # the next Q waits for the epilogue
         can = plain and self.pingpong and smem_bytes(self, 2) <= SMEM_MAX
         assert can or not self.overlap, "overlap_items: needs two ping-pong consumers, no variant, smem for 2 Q tiles"
         assert not self.kv8_pass or (self.kv8 is not None and not paged and self.overlap and self.tile_n == 128), (
@@ -334,6 +340,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, self.o_cols), dt
         )
         sO_layout = cute.tile_to_shape(o_atom, (TQ, self.o_cols), (0, 1))
+        o_elems = cute.cosize(sO_layout) if self.own_so else 8
         sK_layout = cute.tile_to_shape(atom, (TN, D, self.stages), (0, 1, 2))
         sV_layout = sK_layout
         if const_expr(DV != D):
@@ -402,7 +409,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[dt, o_elems], 1024 if self.own_so else 16]
             # gather: K / V row addresses
             sRows: cute.struct.MemRange[cutlass.Int64, 2 * TN * ROW_RING if self.gather else 1]
 
@@ -516,7 +523,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = st.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = st.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sO = st.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner) if const_expr(self.own_so) else None
         sRows = None
         if const_expr(self.gather):
             sRows = st.sRows.get_tensor(cute.make_layout((2, self.tile_n, ROW_RING), stride=(1, 2, 2 * self.tile_n)))
@@ -640,7 +647,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
                 cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
             if const_expr(self.overlap):  # the next item's Q into the other buffer (its last reader,
                 if item + 1 < item_end:  # the item before, finished its QKs before this item's barrier)
-                    if const_expr(self.kv8 is not None):  # ... and its epilogue staged O there
+                    if const_expr(self.o_in_q):  # ... and its epilogue staged O there
                         cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
                     self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), self._q_buf(sQ, 1 - qb), g2s, wg, tw)
             rows = self._item_rows(info, tScS, n_rows, tc)
@@ -697,7 +704,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
                         self._rescale_o(acc_O, corr)
                 if const_expr(self.rescale_before_pv and H.softmax):
                     self._rescale_o(acc_O, corr)
-                if const_expr(not self.overlap):
+                if const_expr(not self.overlap and not self.q_after_o):
                     if item + 1 < item_end:  # every QK of this item is done: sQ is free
                         self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), self._q_buf(sQ, 0), g2s, wg, tw)
                 v_state = state.clone()  # V of the item's last block; K of the next item's first
@@ -729,17 +736,20 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
                             st_done.row_m[r] = row_m[r]
                             st_done.row_l[r] = row_l[r]
             else:
-                if const_expr(not self.overlap):
+                if const_expr(not self.overlap and not self.q_after_o):
                     if item + 1 < item_end:  # no KV block: this item's Q is not used at all
                         self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), self._q_buf(sQ, 0), g2s, wg, tw)
                 if const_expr(self.overlap):
                     st_done.row_m.fill(-Float32.inf)
                     st_done.row_l.fill(0.0)
                     acc_O.fill(0.0)
-            # an fp8 cache with items back to back: sO holds the fp8 staging tiles, and O goes out
-            # through this item's Q buffer (its QKs are done; the next load into it waits above)
-            o_stage = self._q_buf(sQ, qb) if const_expr(self.kv8 is not None and self.overlap) else sO
+            # o_in_q: O goes out through this item's Q buffer (the next load into it waits above)
+            o_stage = self._q_buf(sQ, qb) if const_expr(self.o_in_q) else sO
             self._epilogue(acc_O, st_done, tOcO, o_stage, gm, thr, info, tc)
+            if const_expr(self.q_after_o):
+                if item + 1 < item_end:  # the WG's reads of its staged rows are done
+                    cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
+                    self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), sQ, g2s, wg, tw)
             if const_expr(self.overlap):
                 started = 1 - last_wait
                 if started != 0:
@@ -770,10 +780,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
         o_col_off = tuple(tO0[0, c][1] - tO0[0, 0][1] for c in range(cute.size(tO0, mode=[1])))
         tc = dataclasses.replace(tc, col_off=col_off, o_col_off=o_col_off)
         return thr, thr_qk, thr_pv, tSrQ, tSrK, tOrV, tScS, tOcO, tc
-
-    def _q_buf(self, sQ, b):
-        """Q buffer ``b`` (items back to back: two; else sQ is the one)."""
-        return sQ[None, None, b] if const_expr(self.overlap) else sQ
 
     def _wg_acc(self, thr_qk, thr_pv, n_rows):
         """A consumer thread's O, P (and P as the A operand), softmax state, and the state the
@@ -863,17 +869,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
         for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
             cute.gemm(atom, acc_O, tOrP[None, None, k], tOrV[None, None, k, state.index], acc_O)
         warpgroup.commit_group()
-
-    @cute.jit
-    def _store_p(self, acc_S, rP):
-        """P = S in the value dtype.  With ``pin_p`` the conversion stays here (``pin_fragment``),
-        before the next block's QK issue, so S's fp32 registers are free for it: 128-160-key blocks
-        keep the wgmmas asynchronous.  Without it LLVM sinks the conversion behind that QK issue
-        (off the softmax's critical path, but S live twice), which fits 112 keys at hd128 and
-        measured 1.5-3 % faster there on the H200."""
-        rP.store(acc_S.load().to(self.dtype))
-        if const_expr(self.pin_p):
-            pin_fragment(rP)
 
     @cute.jit
     def _pingpong_wait(self, wg):

@@ -22,6 +22,10 @@ from .work import ItemInfo, TraceCtx, tok_head
 class PrefillRowIO:
     """Q rows in, output rows out (see the module docstring)."""
 
+    def _q_buf(self, sQ, b):
+        """Q buffer ``b`` (items back to back: two; else sQ is the one)."""
+        return sQ[None, None, b] if const_expr(self.overlap) else sQ
+
     @cute.jit
     def _load_q(self, mQ, info: ItemInfo, sQ, g2s, wg, tw):
         """cp.async this WG's 64 packed Q rows of an item into smem (GQA: packed row r is token
