@@ -31,18 +31,12 @@ ROUNDS, CALLS = int(os.environ.get("AB_ROUNDS", 3)), 20
 # variant name -> knobs over the plan's spec
 HD128 = {
     "main": {},
-    # O staged in the finished item's Q buffer: no sO tile, room for longer blocks (FA3: 176 keys)
-    "oq128": dict(o_in_q=1),
-    "oq144": dict(o_in_q=1, tile_n=144),
-    "oq160": dict(o_in_q=1, tile_n=160),
+    "mask_free_loop": dict(mask_free_loop=1),  # non-causal: the block loop without mask dispatch
 }
 HD64 = {"main": {}, "overlap": dict(overlap_items=1)}
 HD256 = {
     "main": {},  # 64 keys, P pinned (PINNED)
-    # O staged in the Q buffer (one pass; the next item's Q loaded after the epilogue): no sO
-    # tile, room for FA3's 80 keys
-    "oq64": dict(o_in_q=1),
-    "oq80": dict(o_in_q=1, tile_n=80),
+    "mask_free_loop": dict(mask_free_loop=1),
 }
 
 

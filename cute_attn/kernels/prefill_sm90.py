@@ -116,7 +116,7 @@ class PrefillConfig:
     kv_dtype: Any = None  # DSL fp8 type of an fp8 K / V widened in the kernel (prefill_sm90_kv8); None: dtype
     kv8_cvt: int = 0  # 1: widen to bf16 by cvt instructions (NaN kept) instead of integer ops (knob)
     kv8_pass: int = 0  # fp8 cache (1 ragged, 2 paged) dequantized once per key by the kernel (prefill_sm90_kv8_pass)
-    o_in_q: int = 0  # 1: with items back to back, O staged in the finished item's Q buffer (no sO tile; knob)
+    mask_free_loop: int = 0  # knob: non-causal, no window / variant mask: the block loop without mask dispatch
 
     @classmethod
     def from_spec(cls, p: dict) -> PrefillConfig:
@@ -146,7 +146,7 @@ class PrefillConfig:
             to_dsl(p["kv_dtype"]) if p.get("kv_dtype") else None,
             p.get("kv8_cvt", 0),
             p.get("kv8_pass", 0),
-            p.get("o_in_q", 0),
+            p.get("mask_free_loop", 0),
         )
 
 
@@ -287,14 +287,14 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
         # The output goes out through its own staging tile (coalesced 16-byte stores), so the
         # next item's Q can be prefetched into sQ during this item's last PV and epilogue.  At hd256
         # only half of O's columns fit next to Q and the K/V stages: two passes of o_cols columns.
-        # ``o_in_q``: O staged in the finished item's Q buffer (an fp8 cache's sO holds its staging
-        # tiles; a 16-bit kernel without sO has room for longer blocks): with items back to back
-        # the next item's Q goes into the other buffer, else it is loaded after the epilogue
-        self.o_in_q = (self.overlap and self.kv8 is not None) or bool(cfg.o_in_q)
-        assert not cfg.o_in_q or (head_dim_vo == head_dim and (self.kv8 is None or self.overlap)), "o_in_q"
-        self.own_so = not self.o_in_q or self.kv8 is not None  # an sO tile (1024-aligned: its swizzle)
-        self.o_cols = head_dim_vo if head_dim_vo <= 128 or not self.own_so else head_dim_vo // 2
-        self.q_after_o = self.o_in_q and not self.overlap  # the next Q waits for the epilogue
+        # An fp8 cache with items back to back stages O in the finished item's Q buffer instead
+        # (sO holds its fp8 tiles; the next item's Q goes into the other buffer).
+        self.o_cols = head_dim_vo if head_dim_vo <= 128 else head_dim_vo // 2
+        self.o_in_q = self.overlap and self.kv8 is not None
+        # blocks are walked from the last: without causal / window / a variant's mask only the
+        # first (the item's partial tail) can need a mask, so the loop's blocks never do
+        masks = self.causal or self.window or self.mask_all or H.bits_only
+        self.loop_unmasked = bool(cfg.mask_free_loop) and not masks
         can = plain and self.pingpong and smem_bytes(self, 2) <= SMEM_MAX
         assert can or not self.overlap, "overlap_items: needs two ping-pong consumers, no variant, smem for 2 Q tiles"
         assert not self.kv8_pass or (self.kv8 is not None and not paged and self.overlap and self.tile_n == 128), (
@@ -340,7 +340,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, self.o_cols), dt
         )
         sO_layout = cute.tile_to_shape(o_atom, (TQ, self.o_cols), (0, 1))
-        o_elems = cute.cosize(sO_layout) if self.own_so else 8
         sK_layout = cute.tile_to_shape(atom, (TN, D, self.stages), (0, 1, 2))
         sV_layout = sK_layout
         if const_expr(DV != D):
@@ -409,7 +408,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[dt, o_elems], 1024 if self.own_so else 16]
+            sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
             # gather: K / V row addresses
             sRows: cute.struct.MemRange[cutlass.Int64, 2 * TN * ROW_RING if self.gather else 1]
 
@@ -523,7 +522,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = st.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = st.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner) if const_expr(self.own_so) else None
+        sO = st.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         sRows = None
         if const_expr(self.gather):
             sRows = st.sRows.get_tensor(cute.make_layout((2, self.tile_n, ROW_RING), stride=(1, 2, 2 * self.tile_n)))
@@ -696,7 +695,10 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
                     self._pingpong_signal(wg)
                     warpgroup.wait_group(1)  # S(j) is ready; PV(j-1) may still run
                     pipe_k.consumer_release(state)
-                    self._mask_softmax(acc_S, st, rows, blk, blk_words, tc)
+                    if const_expr(self.loop_unmasked):
+                        self._softmax(acc_S, st, rows, blk, blk_words, tc, False, False)
+                    else:
+                        self._mask_softmax(acc_S, st, rows, blk, blk_words, tc)
                     warpgroup.wait_group(0)
                     pipe_v.consumer_release(v_state)
                     self._store_p(acc_S, rP)
@@ -704,7 +706,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
                         self._rescale_o(acc_O, corr)
                 if const_expr(self.rescale_before_pv and H.softmax):
                     self._rescale_o(acc_O, corr)
-                if const_expr(not self.overlap and not self.q_after_o):
+                if const_expr(not self.overlap):
                     if item + 1 < item_end:  # every QK of this item is done: sQ is free
                         self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), self._q_buf(sQ, 0), g2s, wg, tw)
                 v_state = state.clone()  # V of the item's last block; K of the next item's first
@@ -736,7 +738,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
                             st_done.row_m[r] = row_m[r]
                             st_done.row_l[r] = row_l[r]
             else:
-                if const_expr(not self.overlap and not self.q_after_o):
+                if const_expr(not self.overlap):
                     if item + 1 < item_end:  # no KV block: this item's Q is not used at all
                         self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), self._q_buf(sQ, 0), g2s, wg, tw)
                 if const_expr(self.overlap):
@@ -746,10 +748,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
             # o_in_q: O goes out through this item's Q buffer (the next load into it waits above)
             o_stage = self._q_buf(sQ, qb) if const_expr(self.o_in_q) else sO
             self._epilogue(acc_O, st_done, tOcO, o_stage, gm, thr, info, tc)
-            if const_expr(self.q_after_o):
-                if item + 1 < item_end:  # the WG's reads of its staged rows are done
-                    cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)
-                    self._load_q(mQ, ItemInfo(mWork, item + 1, group, gdiv), sQ, g2s, wg, tw)
             if const_expr(self.overlap):
                 started = 1 - last_wait
                 if started != 0:

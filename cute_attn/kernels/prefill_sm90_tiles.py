@@ -53,7 +53,7 @@ def smem_bytes(k, q_bufs: int) -> int:
         q_bufs * k.tile_q * k.head_dim,
         k.stages * k.tile_n * k.head_dim,
         k.stages * k.tile_n * k.head_dim_vo,
-        k.tile_q * k.o_cols if k.own_so else 0,  # o_in_q: O staged in a Q buffer
+        k.tile_q * k.o_cols,
     )
     rows = 2 * k.tile_n * ROW_RING * 8 if k.gather else 8
     return sum(-(-t * w // 1024) * 1024 for t in tiles) + 1024 + rows + 32 * k.stages
