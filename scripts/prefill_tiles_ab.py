@@ -31,12 +31,13 @@ ROUNDS, CALLS = int(os.environ.get("AB_ROUNDS", 3)), 20
 # variant name -> knobs over the plan's spec
 HD128 = {
     "main": {},
-    "mask_free_loop": dict(mask_free_loop=1),  # non-causal: the block loop without mask dispatch
+    "sequential": dict(overlap_items=0),  # items one after the other, 112 keys, P not pinned
 }
 HD64 = {"main": {}, "overlap": dict(overlap_items=1)}
 HD256 = {
     "main": {},  # 64 keys, P pinned (PINNED)
-    "mask_free_loop": dict(mask_free_loop=1),
+    "unpinned": dict(pin_p=0),
+    "pingpong": dict(pingpong=1),
 }
 
 

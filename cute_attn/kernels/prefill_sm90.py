@@ -116,7 +116,6 @@ class PrefillConfig:
     kv_dtype: Any = None  # DSL fp8 type of an fp8 K / V widened in the kernel (prefill_sm90_kv8); None: dtype
     kv8_cvt: int = 0  # 1: widen to bf16 by cvt instructions (NaN kept) instead of integer ops (knob)
     kv8_pass: int = 0  # fp8 cache (1 ragged, 2 paged) dequantized once per key by the kernel (prefill_sm90_kv8_pass)
-    mask_free_loop: int = 0  # knob: non-causal, no window / variant mask: the block loop without mask dispatch
 
     @classmethod
     def from_spec(cls, p: dict) -> PrefillConfig:
@@ -146,7 +145,6 @@ class PrefillConfig:
             to_dsl(p["kv_dtype"]) if p.get("kv_dtype") else None,
             p.get("kv8_cvt", 0),
             p.get("kv8_pass", 0),
-            p.get("mask_free_loop", 0),
         )
 
 
@@ -291,10 +289,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
         # (sO holds its fp8 tiles; the next item's Q goes into the other buffer).
         self.o_cols = head_dim_vo if head_dim_vo <= 128 else head_dim_vo // 2
         self.o_in_q = self.overlap and self.kv8 is not None
-        # blocks are walked from the last: without causal / window / a variant's mask only the
-        # first (the item's partial tail) can need a mask, so the loop's blocks never do
-        masks = self.causal or self.window or self.mask_all or H.bits_only
-        self.loop_unmasked = bool(cfg.mask_free_loop) and not masks
         can = plain and self.pingpong and smem_bytes(self, 2) <= SMEM_MAX
         assert can or not self.overlap, "overlap_items: needs two ping-pong consumers, no variant, smem for 2 Q tiles"
         assert not self.kv8_pass or (self.kv8 is not None and not paged and self.overlap and self.tile_n == 128), (
@@ -695,10 +689,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
                     self._pingpong_signal(wg)
                     warpgroup.wait_group(1)  # S(j) is ready; PV(j-1) may still run
                     pipe_k.consumer_release(state)
-                    if const_expr(self.loop_unmasked):
-                        self._softmax(acc_S, st, rows, blk, blk_words, tc, False, False)
-                    else:
-                        self._mask_softmax(acc_S, st, rows, blk, blk_words, tc)
+                    self._mask_softmax(acc_S, st, rows, blk, blk_words, tc)
                     warpgroup.wait_group(0)
                     pipe_v.consumer_release(v_state)
                     self._store_p(acc_S, rP)
