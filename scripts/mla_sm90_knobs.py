@@ -143,7 +143,7 @@ def main():
     if "row_pages" in sys.argv:  # a page lookup per token where one page holds the block
         variants["row_pages"] = knobs(block_pages=0)
     if "check" in sys.argv:  # the kernel's knobs (no_loads excepted: wrong by design) on small batches
-        cv = {k: {**FORCE_WGMMA, **v} for k, v in variants.items() if k in ("default", "row_pages")}
+        cv = {k: {**FORCE_WGMMA, **v} for k, v in variants.items() if k != "no_loads"}
         lens = [0, 1, 5, 63, 64, 65, 127, 200, 1000, 333, 2049, 7]
         check("h128/q2/page1/mixed", 128, 2, lens, 1, cv)
         check("h64/q1/page16/mixed", 64, 1, lens, 16, cv)

@@ -7,7 +7,7 @@
 # Then: run(command="bash scripts/on_device.sh '<commands>'", carry=["build/run"]).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cache=${1:?usage: scripts/pack_visit.sh CACHE_DIR [OVERLAY.tar.xz ...]}; shift
+cache=${1:?usage: [VISIT_DIR=... VISIT_REV=...] scripts/pack_visit.sh CACHE_DIR [OVERLAY.tar.xz ...]}; shift
 run=${VISIT_DIR:-build/run}  # VISIT_DIR: pack a second visit tree (another commit) beside the first
 mkdir -p "$run"
 rm -rf "$run/src" "$run/aot_slim" "$run"/*.tar.xz

@@ -112,7 +112,7 @@ class PrefillConfig:
     lazy_rescale: int = 1
     head_dim_vo: int = 0  # of v and the output (0: head_dim)
     pin_p: int = -1  # 1: P converted where it is written (fragments.pin_fragment; fewer registers); -1: PINNED
-    overlap_items: int = -1  # 1: items back to back (the next one's first block with this one's last)
+    overlap_items: int = -1  # 1: items back to back (next item's first block with this one's last); -1: OVERLAP_TILES
     kv_dtype: Any = None  # DSL fp8 type of an fp8 K / V widened in the kernel (prefill_sm90_kv8); None: dtype
     kv8_cvt: int = 0  # 1: widen to bf16 by cvt instructions (NaN kept) instead of integer ops (knob)
     kv8_pass: int = 0  # fp8 cache (1 ragged, 2 paged) dequantized once per key by the kernel (prefill_sm90_kv8_pass)
