@@ -32,9 +32,7 @@ ROUNDS, CALLS = int(os.environ.get("AB_ROUNDS", 3)), 20
 HD128 = {
     "main": {},
     "sequential": dict(overlap_items=0),  # items one after the other, 112 keys, P not pinned
-    "store_warps": dict(store_warps=1),  # final rows stored by the producer's warps 1-3 (32 / 232 registers)
-    "store_warps_240": dict(store_warps=1, producer_regs=24),  # the same, consumers keep 240 registers
-    "regs_232": dict(producer_regs=32),  # main with the store_warps kernel's register split
+    "store_warps": dict(store_warps=1),  # final rows stored by the producer's warps 1-3
 }
 HD64 = {"main": {}, "overlap": dict(overlap_items=1)}
 HD256 = {
