@@ -32,7 +32,6 @@ ROUNDS, CALLS = int(os.environ.get("AB_ROUNDS", 3)), 20
 HD128 = {
     "main": {},
     "sequential": dict(overlap_items=0),  # items one after the other, 112 keys, P not pinned
-    "store_warps": dict(store_warps=1),  # final rows stored by the producer's warps 1-3
 }
 HD64 = {"main": {}, "overlap": dict(overlap_items=1)}
 HD256 = {

@@ -116,7 +116,6 @@ class PrefillConfig:
     kv_dtype: Any = None  # DSL fp8 type of an fp8 K / V widened in the kernel (prefill_sm90_kv8); None: dtype
     kv8_cvt: int = 0  # 1: widen to bf16 by cvt instructions (NaN kept) instead of integer ops (knob)
     kv8_pass: int = 0  # fp8 cache (1 ragged, 2 paged) dequantized once per key by the kernel (prefill_sm90_kv8_pass)
-    store_warps: int = -1  # 1: final rows leave through the producer's warps 1-3 (prefill_sm90_io); -1: default
 
     @classmethod
     def from_spec(cls, p: dict) -> PrefillConfig:
@@ -146,7 +145,6 @@ class PrefillConfig:
             to_dsl(p["kv_dtype"]) if p.get("kv_dtype") else None,
             p.get("kv8_cvt", 0),
             p.get("kv8_pass", 0),
-            p.get("store_warps", -1),
         )
 
 
@@ -194,7 +192,6 @@ class Stages(NamedTuple):
     pipe_v8: Any = None
     pass_bars: Any = None
     pass_claim: Any = None
-    out_sync: Any = None  # store_warps: the output tile's barriers and LSE column (prefill_sm90_io)
 
 
 class WgThread(NamedTuple):
@@ -302,13 +299,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
         # serializes the CustomMask specs' wgmmas)
         pin = (plain and (head_dim, self.gather) in PINNED) or (self.mask_all and head_dim == 128)
         self.pin_p = (pin if cfg.pin_p < 0 else bool(cfg.pin_p)) or self.overlap
-        # final rows leave through the producer warpgroup's warps 1-3, which a ragged TMA producer
-        # leaves idle: the consumers only stage them (prefill_sm90_io)
-        sw_ok = self.overlap and not paged and self.kv8 is None and self.o_cols == head_dim_vo
-        self.store_warps = sw_ok and cfg.store_warps > 0
-        assert sw_ok or cfg.store_warps <= 0, "store_warps: ragged K / V by TMA, items back to back, one O pass"
-        if self.store_warps and not cfg.producer_regs:  # the copy loop spills at 24 registers
-            self.producer_regs, self.mma_regs = 32, 232
 
     # ---- host side ----------------------------------------------------------------------
     @cute.jit
@@ -416,7 +406,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
             # gather: K / V row addresses
             sRows: cute.struct.MemRange[cutlass.Int64, 2 * TN * ROW_RING if self.gather else 1]
 
-        if const_expr(Smem.size_in_bytes() + self.pass_smem_bytes() + self.store_smem_bytes() > SMEM_MAX):
+        if const_expr(Smem.size_in_bytes() + self.pass_smem_bytes() > SMEM_MAX):  # the kernel adds the pass's
             raise ValueError(
                 f"{Smem.size_in_bytes()} bytes of shared memory > {SMEM_MAX}: fewer stages or keys per block"
             )
@@ -564,12 +554,11 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
             mk_pipe, kv8 = self._kv8_pipelines(smem, st.sO, s8_layout, mma_threads)
         pipe_k = mk_pipe(st.mbar_k.data_ptr())
         pipe_v = mk_pipe(st.mbar_v.data_ptr(), self.head_dim_vo)
-        out_sync = self._store_smem(smem, tidx) if const_expr(self.store_warps) else None
         pipeline.pipeline_init_arrive(is_relaxed=True)
         pipeline.pipeline_init_wait()
 
         gm = Gmem(mQ, mK, mV, mKvIndptr, mKvIndices, mO, mLse, mWork, mWorkIndptr, mPartO, mPartLse)
-        sm = Stages(sQ, sK, sV, sO, sRows, pipe_k, pipe_v, out_sync=out_sync)
+        sm = Stages(sQ, sK, sV, sO, sRows, pipe_k, pipe_v)
         if const_expr(self.kv8 is not None):
             sm = Stages(sQ, sK, sV, sO, sRows, pipe_k, pipe_v, *kv8)
         if tidx < WG:
@@ -581,11 +570,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
                     self._pass_helpers(gm, p8, sm, tidx)
             elif const_expr(self.kv8 is not None):
                 self._produce_kv8(gm, Tma(tma_k, tK, tma_v, tV), sm, cta, warp_idx, tc)
-            elif const_expr(self.store_warps):
-                if warp_idx == 0:
-                    self._produce(gm, Tma(tma_k, tK, tma_v, tV), sm, cta, tidx, warp_idx, tc)
-                else:
-                    self._store_rows(gm, sm, cta, tidx - 32, tc)
             else:
                 self._produce(gm, Tma(tma_k, tK, tma_v, tV), sm, cta, tidx, warp_idx, tc)
         else:
@@ -638,7 +622,6 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
         # 1: this item's first block ran in the previous item's last step (without overlap a
         # trace-time 0, so that kernel traces as the plain item loop: nothing live across items)
         started = Int32(0) if const_expr(self.overlap) else 0
-        o_parity = Int32(0) if const_expr(self.store_warps) else None  # final-row tiles staged so far, mod 2
         for item in cutlass.range(item0, item_end, unroll=1):
             info = ItemInfo(mWork, item, group, gdiv)
             kv_start, kv_end = info.kv_start, info.kv_end
@@ -755,7 +738,7 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
                     acc_O.fill(0.0)
             # o_in_q: O goes out through this item's Q buffer (the next load into it waits above)
             o_stage = self._q_buf(sQ, qb) if const_expr(self.o_in_q) else sO
-            o_parity = self._epilogue(acc_O, st_done, tOcO, o_stage, gm, thr, info, tc, sm.out_sync, o_parity)
+            self._epilogue(acc_O, st_done, tOcO, o_stage, gm, thr, info, tc)
             if const_expr(self.overlap):
                 started = 1 - last_wait
                 if started != 0:
