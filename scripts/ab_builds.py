@@ -48,6 +48,11 @@ def _prefill_cases():
         ("prefill/hd128/causal/s8192/page16", [8192] * 2, True, 128, 16, 16),
         ("prefill/hd128/causal/s8192/page1", [8192] * 2, True, 128, 16, 1),
         ("prefill/hd128/causal/varlen32_lognormal2k", _lognormal_lens(), True, 128, 16, 0),
+        # GQA, ragged (kwarg _kv_heads: the kv heads): packed rows of 4, 8 and 7 heads per kv head, so
+        # a build's row addressing is checked against the first's where the group divides 8 and not
+        ("prefill/hd128/causal/gqa4_varlen", _lognormal_lens()[:12], True, 128, 32, 0, {"_kv_heads": 8}),
+        ("prefill/hd128/noncausal/gqa8_s2000", [2000, 1234, 77], False, 128, 64, 0, {"_kv_heads": 8}),
+        ("prefill/hd128/causal/gqa7_s1500", [1500, 777, 1001], True, 128, 28, 0, {"_kv_heads": 4}),
         ("prefill_mma/hd128/causal/s8192", [8192] * 2, True, 128, 16, 0, PORTABLE),
         ("prefill_mma/hd128/causal/s8192/page16", [8192] * 2, True, 128, 16, 16, PORTABLE),
     ]
@@ -107,16 +112,17 @@ def run(tag: str, out_path: str) -> None:
         outs[name] = out.float().cpu()
         del k, v, ws
     for name, lens, causal, d, h, ps, *kw in _only(_prefill_cases()):
-        kw = kw[0] if kw else {}
+        kw = dict(kw[0]) if kw else {}
+        hk = kw.pop("_kv_heads", h)
         n = sum(lens)
         q = torch.randn(n, h, d, generator=gen).to(dev, bf)
-        k = torch.randn(n, h, d, generator=gen).to(dev, bf)
-        v = torch.randn(n, h, d, generator=gen).to(dev, bf)
+        k = torch.randn(n, hk, d, generator=gen).to(dev, bf)
+        v = torch.randn(n, hk, d, generator=gen).to(dev, bf)
         ind = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
         out = torch.empty_like(q)
         if ps == 0:
             w = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=dev))
-            w.plan(ind, ind, h, h, d, causal=causal, q_data_type=bf, **kw)
+            w.plan(ind, ind, h, hk, d, causal=causal, q_data_type=bf, **kw)
             call = lambda w=w, q=q, k=k, v=v, out=out: w.run(q, k, v, out=out)
         else:
             n_pages = n // ps
