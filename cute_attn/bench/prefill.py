@@ -17,7 +17,8 @@ soft-cap over plain attention):
   page boxes), ``.../page1/in_kernel_gather`` (its cp.async gather);
 * ``prefill/hd128/causal/varlen32_lognormal2k``: 32 requests of lognormal lengths (mean ~2k,
   fixed seed), ragged, vs FlexAttention over the packed tokens with a document (block-diagonal
-  causal) mask and SDPA on padded dense tensors;
+  causal) mask and SDPA on padded dense tensors; ``prefill/hd128/causal/bimodal48`` the same for
+  a bimodal mix: 8 long prompts (4-8k tokens) among 40 short turns (64-512), shuffled;
 * ``variant/softcap/prefill/hd128/causal/s8192``: soft-cap 30 (ours and FlexAttention with a
   tanh score_mod).
 
@@ -65,6 +66,15 @@ def varlen32_lengths() -> list:
     ~2k, 232-5672 tokens), the same every run."""
     rng = random.Random(0)
     return [max(64, min(16384, int(rng.lognormvariate(7.3, 0.8)))) for _ in range(32)]
+
+
+def bimodal_lengths() -> list:
+    """The lengths of ``prefill/hd128/causal/bimodal48``: 8 long prompts (4096-8192 tokens) among 40
+    short turns (64-512), shuffled, the same every run (~60k tokens, as the lognormal batch)."""
+    rng = random.Random(1)
+    lens = [rng.randint(4096, 8192) for _ in range(8)] + [rng.randint(64, 512) for _ in range(40)]
+    rng.shuffle(lens)
+    return lens
 
 
 def _indptr(lens):
@@ -310,10 +320,16 @@ def bench_prefill(res, quick: bool) -> None:
             del ours, fi_calls, paged, fns
         del q, k, v, q4, k4, v4
 
-    # a skewed ragged batch: 32 lognormal lengths (mean ~2k), causal, hd128
-    lens = varlen32_lengths()
+    # mixed ragged batches, causal, hd128: 32 lognormal lengths (mean ~2k), and a bimodal mix of
+    # a few long prompts among many short turns
+    _mixed_case(res, fi, quick, "prefill/hd128/causal/varlen32_lognormal2k", varlen32_lengths())
+    _mixed_case(res, fi, quick, "prefill/hd128/causal/bimodal48", bimodal_lengths())
+
+
+def _mixed_case(res, fi, quick, case, lens) -> None:
+    """One mixed ragged batch (causal, hd128, H heads): ours, FlashInfer's fa3 right after it,
+    SDPA on the batch padded to its longest request, Flex with a document mask."""
     d, total = 128, sum(lens)
-    case = "prefill/hd128/causal/varlen32_lognormal2k"
     flops = _flops(lens, H, d, True)
     q = torch.randn(total, H, d, device="cuda", dtype=DT)
     k = torch.randn(total, H, d, device="cuda", dtype=DT)
@@ -350,7 +366,7 @@ def bench_prefill(res, quick: bool) -> None:
             .contiguous()
         )
     )
-    qp, kp, vp = pad(q), pad(k), pad(v)  # [32, H, lmax, d]; causal top-left = correct for valid rows
+    qp, kp, vp = pad(q), pad(k), pad(v)  # [batch, H, lmax, d]; causal top-left = correct for valid rows
     base += [("sdpa_cudnn", _sdpa("cudnn", qp, kp, vp, True)), ("sdpa_flash", _sdpa("flash", qp, kp, vp, True))]
     del qp, kp, vp
     if not quick:
