@@ -5,13 +5,15 @@ kernel (ours only), e.g. ``tile_n=128,pin_p=0``; ``kv=e4m3`` (or ``e5m2``) makes
 cache of the same values (ours: the kernel widens it at hd128, ``kernels/prefill_sm90_kv8.py``).
 
     ncu --profile-from-start off --section SpeedOfLight ... \
-        python scripts/profile_prefill.py {ours|flashinfer|portable|fa2} [causal|noncausal|varlen] [HEAD_DIM] [KNOBS]
+        python scripts/profile_prefill.py {ours|flashinfer|portable|fa2} [MODE] [HEAD_DIM] [KNOBS]
+
+MODE: causal, noncausal (default), varlen or bimodal.
 
 ``portable``: ours on the portable kernel (``prefill_backend="prefill_mma_sync"``, the planner's
 tile; knob ``tile=64`` forces the tile); ``fa2``: FlashInfer's fa2 backend (its mma.sync kernel).
 
 ``varlen``: the bench's ``prefill/hd128/causal/varlen32_lognormal2k`` batch (32 lognormal lengths,
-causal).
+causal); ``bimodal``: its ``prefill/hd128/causal/bimodal48`` (8 long prompts among 40 short turns).
 """
 
 from __future__ import annotations
@@ -23,18 +25,18 @@ import torch
 
 from cute_attn.bench import peers
 from cute_attn.bench.portable import tile_rule
-from cute_attn.bench.prefill import varlen32_lengths
+from cute_attn.bench.prefill import bimodal_lengths, varlen32_lengths
 
 
 def main():
     impl = sys.argv[1]
     mode = sys.argv[2] if len(sys.argv) > 2 else "noncausal"
-    causal = mode in ("causal", "varlen")
+    causal = mode in ("causal", "varlen", "bimodal")
     d = int(sys.argv[3]) if len(sys.argv) > 3 else 128
     knobs = dict(kv.split("=") for kv in sys.argv[4].split(",")) if len(sys.argv) > 4 and sys.argv[4] else {}
     kv = knobs.pop("kv", None)
     h = 16
-    lens = varlen32_lengths() if mode == "varlen" else [8192] * 2
+    lens = {"varlen": varlen32_lengths, "bimodal": bimodal_lengths}.get(mode, lambda: [8192] * 2)()
     ind = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(len(lens))], dtype=torch.int32)
     q = torch.randn(sum(lens), h, d, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)
