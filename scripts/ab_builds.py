@@ -48,6 +48,7 @@ def _prefill_cases():
         ("prefill/hd128/causal/s8192/page16", [8192] * 2, True, 128, 16, 16),
         ("prefill/hd128/causal/s8192/page1", [8192] * 2, True, 128, 16, 1),
         ("prefill/hd128/causal/varlen32_lognormal2k", _lognormal_lens(), True, 128, 16, 0),
+        ("prefill/hd128/causal/bimodal48", _bimodal_lens(), True, 128, 16, 0),
         # GQA, ragged (kwarg _kv_heads: the kv heads): packed rows of 4, 8 and 7 heads per kv head, so
         # a build's row addressing is checked against the first's where the group divides 8 and not
         ("prefill/hd128/causal/gqa4_varlen", _lognormal_lens()[:12], True, 128, 32, 0, {"_kv_heads": 8}),
@@ -62,6 +63,14 @@ def _lognormal_lens():
     # bench/prefill.varlen32_lengths, repeated: an older checkout on PYTHONPATH may lack it
     rng = random.Random(0)
     return [max(64, min(16384, int(rng.lognormvariate(7.3, 0.8)))) for _ in range(32)]
+
+
+def _bimodal_lens():
+    # bench/prefill.bimodal_lengths, repeated (as _lognormal_lens)
+    rng = random.Random(1)
+    lens = [rng.randint(4096, 8192) for _ in range(8)] + [rng.randint(64, 512) for _ in range(40)]
+    rng.shuffle(lens)
+    return lens
 
 
 def _only(cases):
