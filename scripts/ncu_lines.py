@@ -18,13 +18,14 @@ has more items per block, the item's own cost shows (``scripts/profile_prefill.p
 
 from __future__ import annotations
 
-import csv
 import re
 import shutil
 import subprocess
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
+
+from ncu_stalls import load, num  # the same export, read the same way (scripts/ is on the path)
 
 STALLS = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
@@ -54,28 +55,18 @@ def line_map(cubin: str) -> dict:
     return out
 
 
-def _num(x: str) -> float:
-    try:
-        return float(x.replace(",", ""))
-    except ValueError:
-        return 0.0
-
-
 def per_line(csv_path: str, lines: dict):
     """(counter name -> Counter by line, stall reason -> Counter by line) of a source-page CSV."""
-    rows = list(csv.reader(open(csv_path)))
-    i = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
-    hdr = rows[i]
-    recs = [dict(zip(hdr, r)) for r in rows[i + 1 :] if len(r) == len(hdr)]
+    hdr, recs = load(csv_path)
     base = min(int(r["Address"], 16) for r in recs)  # the export's addresses are absolute
     reasons = [h for h in hdr if h.startswith("stall_") and "(Not Issued)" not in h]
     totals, why = defaultdict(Counter), defaultdict(Counter)
     for r in recs:
         where = lines.get(int(r["Address"], 16) - base, "?")
         for key in (STALLS, EXECUTED):
-            totals[key][where] += _num(r[key])
+            totals[key][where] += num(r[key])
         for h in reasons:
-            why[h[6:]][where] += _num(r[h])
+            why[h[6:]][where] += num(r[h])
     return totals, why
 
 
