@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 
 from . import workspace as ws
-from .assign import Snake, ids, lpt_assign, ones, refine_pairs, wrap_fill
+from .assign import Snake, ids, lpt_assign, ones, refine_pairs, round_deal, wrap_fill
 from .cost import build_tiles, choose_cta_tile_q, chunk_counts, cut_schedule, min_chunk_len
 from .fast import OneTilePath
 from .inputs import as_index_array, check_lengths, indptr_lengths, kv_lens_from_paged, kv_lens_from_ragged
@@ -120,6 +120,7 @@ class Planner:
         min_kv_chunk: int = 256,
         balance_tol: float = 0.05,
         order_block: int = 64,
+        locality_tol: float = 0.02,
         keep_tol: Optional[float] = None,
         num_staging: int = 2,
         pin_memory: Optional[bool] = None,
@@ -140,6 +141,7 @@ class Planner:
         self.min_kv_chunk = min_kv_chunk
         self.balance_tol = balance_tol
         self.order_block = order_block
+        self.locality_tol = locality_tol
         self.keep_tol = balance_tol if keep_tol is None else keep_tol
         self.fast_path = fast_path
         if pin_memory is None:
@@ -283,11 +285,17 @@ class Planner:
         if self.fast_path and kv_split_size is None and one_each and self.beta > 0 and b:  # decode-like (``fast``)
             p = self._fast.plan(self, ext, hk, self.alpha * tile // h, int(page_size), rec_args)
         elif kv_split_size is None:
-            p = self._plan_balanced(ext, hk, tile, int(page_size), self.alpha * tile // h, rec_args)
+            p = None
+            if not one_each and self.locality_tol >= 0:  # several tiles per request share its K/V
+                p = self._request_rounds(req, row0, ext, kv_len, hk, self.alpha * tile // h, rec_args)
+            if p is None:
+                p = self._plan_balanced(ext, hk, tile, int(page_size), self.alpha * tile // h, rec_args)
+                if not one_each:
+                    p.work_items = locality_order(p.work_items, p.work_indptr)
         else:
             p = self._plan_invariant(ext, hk, tile, int(kv_split_size), self.alpha * tile // h, rec_args)
-        if not one_each:  # several tiles per request share its K/V: order for L2 reuse
-            p.work_items = locality_order(p.work_items, p.work_indptr)
+            if not one_each:  # several tiles per request share its K/V: order for L2 reuse
+                p.work_items = locality_order(p.work_items, p.work_indptr)
         self._stage(p, b, total_q, hq, hk)
         decode = one_each and qmax == 1 and kv_split_size is None
         # kv_len may be the caller's array (read in place): the kept plan's ranks need this step's
@@ -316,6 +324,37 @@ class Planner:
             rec[:, ws.W_QO_LEN] = qo_len[req]
             rec[:, ws.W_KV_LEN] = kv_len[req]
         return rec
+
+    def _request_rounds(self, req, row0, ext, kv_len, hk, per_item, rec_args):
+        """Whole items dealt in one global order -- requests longest first, within a request
+        head by head, a head's tiles last first -- in rounds of one item per CTA, each round's
+        items largest first to the CTAs in ascending load (``assign.round_deal``).  Every CTA
+        takes one item of each round in that order, so at any time the CTAs work on one window of
+        the order: a few heads of one request, whose tiles read the same K/V at about the same
+        time and find it in L2.  (Dealt by cost across requests, the CTAs of a mixed batch run
+        tiles of ~100 different (request, head) pairs at once: 60-80 MB of K/V in flight against
+        a 50 MB L2, and each tile re-reads its K/V from DRAM.)  None where that is not within
+        ``locality_tol`` of balance; the caller then balances by cost (``_plan_balanced``)."""
+        nc, nt = self.num_ctas, ext.shape[0]
+        n = nt * hk
+        if n < nc:
+            return None
+        cost_t = self.beta * ext + per_item
+        rank = np.empty(kv_len.shape[0], np.int64)
+        rank[np.argsort(-kv_len, kind="stable")] = np.arange(kv_len.shape[0])
+        span = int(row0.max()) + 1
+        t = np.arange(nt, dtype=np.int64).repeat(hk)
+        h = np.tile(np.arange(hk, dtype=np.int64), nt)
+        key = (rank[req[t]] * hk + h) * span + (span - 1 - row0[t])
+        g = np.argsort(key, kind="stable")  # item ids t * hk + h in the global order
+        cta, loads = round_deal(cost_t[g // hk], nc)
+        total = hk * int(cost_t.sum())
+        if int(loads.max()) * nc > (1.0 + self.locality_tol) * total:
+            return None
+        by_cta = np.argsort(cta, kind="stable")  # CTA-major, each CTA's items in the global order
+        indptr = np.zeros(nc + 1, np.int64)
+        np.cumsum(np.bincount(cta, minlength=nc), out=indptr[1:])
+        return self._unsplit(g[by_cta], indptr, loads, None, hk, nt, rec_args)
 
     def _plan_balanced(self, ext, hk, tile, page, per_item, rec_args):
         """Snake, else LPT (+ pairwise refinement), else the wrap-around split, else whole
