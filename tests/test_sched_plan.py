@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 
 from cute_attn.sched import Limits, Planner, WorkspaceLayout, kv_lens_from_paged, kv_lens_from_ragged
 from cute_attn.sched import workspace as ws
-from cute_attn.sched.assign import Snake, lpt_assign, refine_pairs, round_deal, wrap_fill
+from cute_attn.sched.assign import Snake, lpt_assign, refine_pairs, wrap_fill
 from cute_attn.sched.check import verify_plan
 from cute_attn.sched.cost import MIN_CHUNK_FLOOR, min_chunk_len
+from cute_attn.sched.locality import round_deal
 
 LIM = Limits(
     max_batch=48, max_total_q_tokens=4096, num_qo_heads=8, num_kv_heads=4, head_dim=64, max_partial_rows=1 << 18

@@ -41,7 +41,7 @@ Field order (constants ``W_*`` in ``cute_attn.sched.workspace``)::
 
 CTA c (grid = num_ctas = num_sms * ctas_per_sm, fixed) runs items ``work_indptr[c] ..
 work_indptr[c+1] - 1`` in that order (by request, kv head, last tile first: see
-``plan.locality_order``). An item computes attention of its tile's rows over
+``locality.locality_order``). An item computes attention of its tile's rows over
 its kv range (with the causal mask if ``meta[CAUSAL]``). KV_START is page-aligned except
 where a chunk was cut at a non-aligned tile end. An item with KV_START == KV_END (a tile
 that sees no key) writes o = 0, lse = -inf. Chunk boundaries lie within what the tile's last

@@ -383,21 +383,3 @@ def wrap_fill(ext, *, per_item: int, beta: int, page: int, min_chunk: int, num_c
     cta = np.searchsorted(bp, lpos, side="right")
     loads = np.bincount(cta, weights=per_item + beta * (stop - start), minlength=c).astype(np.int64)
     return item, start, stop, chunk, cta, loads, ncut
-
-
-def round_deal(cost: np.ndarray, num_ctas: int):
-    """Items in the given order, dealt in rounds of ``num_ctas``: each round's items, largest
-    first, to the CTAs in ascending load (the last round to the least loaded).  Returns (CTA of
-    each item, loads).  Within a round a lighter CTA gets a larger item, so loads stay within
-    one round's largest item of each other when rounds hold items of similar cost -- the
-    case ``Planner._request_rounds`` deals (a request's adjacent tiles); it checks the balance."""
-    n, c = cost.shape[0], num_ctas
-    cta = np.empty(n, np.int64)
-    loads = np.zeros(c, np.int64)
-    for s in range(0, n, c):
-        r = cost[s : s + c]
-        to = np.argsort(loads, kind="stable")[: r.shape[0]]
-        big = np.argsort(-r, kind="stable")
-        cta[s + big] = to
-        loads[to] += r[big]
-    return cta, loads

@@ -8,10 +8,11 @@ from typing import Optional
 import numpy as np
 
 from . import workspace as ws
-from .assign import Snake, ids, lpt_assign, ones, refine_pairs, round_deal, wrap_fill
+from .assign import Snake, ids, lpt_assign, ones, refine_pairs, wrap_fill
 from .cost import build_tiles, choose_cta_tile_q, chunk_counts, cut_schedule, min_chunk_len
 from .fast import OneTilePath
 from .inputs import as_index_array, check_lengths, indptr_lengths, kv_lens_from_paged, kv_lens_from_ragged
+from .locality import locality_order, request_rounds
 from .reuse import KeptPlan
 from .staging import Staging
 from .workspace import Limits, WorkspaceLayout
@@ -51,25 +52,6 @@ class Plan:
     @property
     def has_split(self) -> bool:
         return self.merge_tasks.shape[0] > 0
-
-
-def locality_order(w: np.ndarray, indptr: np.ndarray) -> np.ndarray:
-    """Each CTA's items re-ordered by (request, kv head, last tile first); the order within a
-    CTA does not change its load.  Assignment spreads a head's tiles over many CTAs, and in
-    dealing order every CTA works on a different head at a time: all heads' K/V in flight at
-    once (32 heads x 4 MiB for 2 x 8k tokens x 16 heads at head dim 128) thrash the 50 MB L2,
-    and every tile re-reads its KV from DRAM.  Sorted, the CTAs walk the heads roughly in step
-    (4-12 heads in flight in that example), so the tiles of a head share its K/V in L2."""
-    if w.shape[0] < 2:
-        return w
-    cta = np.repeat(np.arange(indptr.shape[0] - 1, dtype=np.int64), np.diff(indptr))
-    rs = w[:, ws.W_ROW_START].astype(np.int64)
-    pair = w[:, ws.W_REQ].astype(np.int64) * (int(w[:, ws.W_KV_HEAD].max()) + 1) + w[:, ws.W_KV_HEAD]
-    key = pair * (int(rs.max()) + 1) + (int(rs.max()) - rs)  # last tile first within a pair
-    span = int(key.max()) + 1
-    if span * (int(cta[-1]) + 1) < 2**62:  # one int64 key: a single argsort, ~4x faster than lexsort
-        return w.take(np.argsort(cta * span + key, kind="stable"), axis=0)
-    return w.take(np.lexsort((key, cta)), axis=0)
 
 
 def limit_of(loads, tol: float) -> float:
@@ -326,35 +308,13 @@ class Planner:
         return rec
 
     def _request_rounds(self, req, row0, ext, kv_len, hk, per_item, rec_args):
-        """Whole items dealt in one global order -- requests longest first, within a request
-        head by head, a head's tiles last first -- in rounds of one item per CTA, each round's
-        items largest first to the CTAs in ascending load (``assign.round_deal``).  Every CTA
-        takes one item of each round in that order, so at any time the CTAs work on one window of
-        the order: a few heads of one request, whose tiles read the same K/V at about the same
-        time and find it in L2.  (Dealt by cost across requests, the CTAs of a mixed batch run
-        tiles of ~100 different (request, head) pairs at once: 60-80 MB of K/V in flight against
-        a 50 MB L2, and each tile re-reads its K/V from DRAM.)  None where that is not within
-        ``locality_tol`` of balance; the caller then balances by cost (``_plan_balanced``)."""
-        nc, nt = self.num_ctas, ext.shape[0]
-        n = nt * hk
-        if n < nc:
+        """Whole items dealt request-major (``locality.request_rounds``), or None where that is
+        not within ``locality_tol`` of balance."""
+        dealt = request_rounds(req, row0, self.beta * ext + per_item, kv_len, hk, self.num_ctas, self.locality_tol)
+        if dealt is None:
             return None
-        cost_t = self.beta * ext + per_item
-        rank = np.empty(kv_len.shape[0], np.int64)
-        rank[np.argsort(-kv_len, kind="stable")] = np.arange(kv_len.shape[0])
-        span = int(row0.max()) + 1
-        t = np.arange(nt, dtype=np.int64).repeat(hk)
-        h = np.tile(np.arange(hk, dtype=np.int64), nt)
-        key = (rank[req[t]] * hk + h) * span + (span - 1 - row0[t])
-        g = np.argsort(key, kind="stable")  # item ids t * hk + h in the global order
-        cta, loads = round_deal(cost_t[g // hk], nc)
-        total = hk * int(cost_t.sum())
-        if int(loads.max()) * nc > (1.0 + self.locality_tol) * total:
-            return None
-        by_cta = np.argsort(cta, kind="stable")  # CTA-major, each CTA's items in the global order
-        indptr = np.zeros(nc + 1, np.int64)
-        np.cumsum(np.bincount(cta, minlength=nc), out=indptr[1:])
-        return self._unsplit(g[by_cta], indptr, loads, None, hk, nt, rec_args)
+        items, indptr, loads = dealt
+        return self._unsplit(items, indptr, loads, None, hk, ext.shape[0], rec_args)
 
     def _plan_balanced(self, ext, hk, tile, page, per_item, rec_args):
         """Snake, else LPT (+ pairwise refinement), else the wrap-around split, else whole

@@ -1,0 +1,86 @@
+"""Where a prefill plan's work runs in time: orders that let the tiles of one (request, kv head)
+read its K/V from L2.
+
+Several tiles of a request read the same K/V (a causal tile its prefix).  The 132 CTAs of a
+persistent launch each run their items back to back, so the items at the k-th place of every
+CTA run at about the same time; if they come from many (request, head) pairs, their K/V together
+outgrow the 50 MB L2 of an H100 / H200 and every tile re-reads its K/V from DRAM (Nsight Compute,
+BENCHMARKS.md session 38: 5.41 GB read where FlashInfer's fa3 reads 0.80 GB, the same batch).
+Two remedies, one per kind of plan:
+
+* ``locality_order``: after a cost-ordered assignment (``assign``), each CTA's items re-ordered by
+  (request, kv head, last tile first).  Enough where every CTA holds a similar mix of the pairs
+  (uniform batches: the CTAs then walk the heads in step);
+* ``request_rounds``: whole items dealt in one global order -- requests longest first, head by
+  head, a head's tiles last first -- in rounds of one item per CTA, each round's items largest
+  first to the CTAs in ascending load (``round_deal``).  Every CTA takes one item of each round,
+  so at any time the CTAs are on one window of the order: a few heads of one request.  Used where
+  it balances within a tolerance (mixed batches: ``scripts/plan_locality.py`` models 17-18 MB of
+  K/V in flight there against 49-79 MB dealt by cost).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from . import workspace as ws
+
+
+def locality_order(w: np.ndarray, indptr: np.ndarray) -> np.ndarray:
+    """Each CTA's items re-ordered by (request, kv head, last tile first); the order within a
+    CTA does not change its load.  Assignment spreads a head's tiles over many CTAs, and in
+    dealing order every CTA works on a different head at a time: all heads' K/V in flight at
+    once (32 heads x 4 MiB for 2 x 8k tokens x 16 heads at head dim 128) thrash the 50 MB L2,
+    and every tile re-reads its KV from DRAM.  Sorted, the CTAs walk the heads roughly in step
+    (4-12 heads in flight in that example), so the tiles of a head share its K/V in L2."""
+    if w.shape[0] < 2:
+        return w
+    cta = np.repeat(np.arange(indptr.shape[0] - 1, dtype=np.int64), np.diff(indptr))
+    rs = w[:, ws.W_ROW_START].astype(np.int64)
+    pair = w[:, ws.W_REQ].astype(np.int64) * (int(w[:, ws.W_KV_HEAD].max()) + 1) + w[:, ws.W_KV_HEAD]
+    key = pair * (int(rs.max()) + 1) + (int(rs.max()) - rs)  # last tile first within a pair
+    span = int(key.max()) + 1
+    if span * (int(cta[-1]) + 1) < 2**62:  # one int64 key: a single argsort, ~4x faster than lexsort
+        return w.take(np.argsort(cta * span + key, kind="stable"), axis=0)
+    return w.take(np.lexsort((key, cta)), axis=0)
+
+
+def request_rounds(req, row0, tile_cost, kv_len, hk: int, num_ctas: int, tol: float) -> Optional[tuple]:
+    """(items, indptr, loads) of the request-major dealing (module doc): item ids ``t * hk + h``
+    (tile t, kv head h), CTA-major with each CTA's items in the global order; None where the
+    busiest CTA is more than ``tol`` above the mean or there are fewer items than CTAs."""
+    nt = tile_cost.shape[0]
+    if nt * hk < num_ctas:
+        return None
+    rank = np.empty(kv_len.shape[0], np.int64)
+    rank[np.argsort(-kv_len, kind="stable")] = np.arange(kv_len.shape[0])
+    span = int(row0.max()) + 1
+    t = np.arange(nt, dtype=np.int64).repeat(hk)
+    h = np.tile(np.arange(hk, dtype=np.int64), nt)
+    g = np.argsort((rank[req[t]] * hk + h) * span + (span - 1 - row0[t]), kind="stable")
+    cta, loads = round_deal(tile_cost[g // hk], num_ctas)
+    if int(loads.max()) * num_ctas > (1.0 + tol) * hk * int(tile_cost.sum()):
+        return None
+    indptr = np.zeros(num_ctas + 1, np.int64)
+    np.cumsum(np.bincount(cta, minlength=num_ctas), out=indptr[1:])
+    return g[np.argsort(cta, kind="stable")], indptr, loads
+
+
+def round_deal(cost: np.ndarray, num_ctas: int):
+    """Items in the given order, dealt in rounds of ``num_ctas``: each round's items, largest
+    first, to the CTAs in ascending load (the last round to the least loaded).  Returns (CTA of
+    each item, loads).  Within a round a lighter CTA gets a larger item, so loads stay within
+    one round's largest item of each other when rounds hold items of similar cost -- the
+    case ``request_rounds`` deals (a request's adjacent tiles); it checks the balance."""
+    n, c = cost.shape[0], num_ctas
+    cta = np.empty(n, np.int64)
+    loads = np.zeros(c, np.int64)
+    for s in range(0, n, c):
+        r = cost[s : s + c]
+        to = np.argsort(loads, kind="stable")[: r.shape[0]]
+        big = np.argsort(-r, kind="stable")
+        cta[s + big] = to
+        loads[to] += r[big]
+    return cta, loads
