@@ -60,20 +60,23 @@ def request_rounds(req, row0, tile_cost, kv_len, hk: int, num_ctas: int, tol: fl
     t = np.arange(nt, dtype=np.int64).repeat(hk)
     h = np.tile(np.arange(hk, dtype=np.int64), nt)
     g = np.argsort((rank[req[t]] * hk + h) * span + (span - 1 - row0[t]), kind="stable")
-    cta, loads = round_deal(tile_cost[g // hk], num_ctas)
-    if int(loads.max()) * num_ctas > (1.0 + tol) * hk * int(tile_cost.sum()):
+    dealt = round_deal(tile_cost[g // hk], num_ctas, (1.0 + tol) * hk * int(tile_cost.sum()) / num_ctas)
+    if dealt is None:
         return None
+    cta, loads = dealt
     indptr = np.zeros(num_ctas + 1, np.int64)
     np.cumsum(np.bincount(cta, minlength=num_ctas), out=indptr[1:])
     return g[np.argsort(cta, kind="stable")], indptr, loads
 
 
-def round_deal(cost: np.ndarray, num_ctas: int):
+def round_deal(cost: np.ndarray, num_ctas: int, limit: Optional[float] = None):
     """Items in the given order, dealt in rounds of ``num_ctas``: each round's items, largest
     first, to the CTAs in ascending load (the last round to the least loaded).  Returns (CTA of
-    each item, loads).  Within a round a lighter CTA gets a larger item, so loads stay within
-    one round's largest item of each other when rounds hold items of similar cost -- the
-    case ``request_rounds`` deals (a request's adjacent tiles); it checks the balance."""
+    each item, loads), or None as soon as a CTA's load exceeds ``limit`` (loads only grow: the
+    plan() that would reject the result stops paying for it there).  Within a round a lighter
+    CTA gets a larger item, so loads stay within one round's largest item of each other when
+    rounds hold items of similar cost -- the case ``request_rounds`` deals (a request's adjacent
+    tiles)."""
     n, c = cost.shape[0], num_ctas
     cta = np.empty(n, np.int64)
     loads = np.zeros(c, np.int64)
@@ -83,4 +86,6 @@ def round_deal(cost: np.ndarray, num_ctas: int):
         big = np.argsort(-r, kind="stable")
         cta[s + big] = to
         loads[to] += r[big]
+        if limit is not None and loads[to].max() > limit:  # only the CTAs just dealt to grew
+            return None
     return cta, loads
