@@ -269,7 +269,7 @@ class Planner:
         elif kv_split_size is None:
             p = None
             if not one_each and self.locality_tol >= 0:  # several tiles per request share its K/V
-                p = self._request_rounds(req, row0, ext, kv_len, hk, self.alpha * tile // h, rec_args)
+                p = self._request_rounds(req, ext, kv_len, hk, self.alpha * tile // h, rec_args)
             if p is None:
                 p = self._plan_balanced(ext, hk, tile, int(page_size), self.alpha * tile // h, rec_args)
                 if not one_each:
@@ -307,10 +307,10 @@ class Planner:
             rec[:, ws.W_KV_LEN] = kv_len[req]
         return rec
 
-    def _request_rounds(self, req, row0, ext, kv_len, hk, per_item, rec_args):
+    def _request_rounds(self, req, ext, kv_len, hk, per_item, rec_args):
         """Whole items dealt request-major (``locality.request_rounds``), or None where that is
         not within ``locality_tol`` of balance."""
-        dealt = request_rounds(req, row0, self.beta * ext + per_item, kv_len, hk, self.num_ctas, self.locality_tol)
+        dealt = request_rounds(req, self.beta * ext + per_item, kv_len, hk, self.num_ctas, self.locality_tol)
         if dealt is None:
             return None
         items, indptr, loads = dealt
