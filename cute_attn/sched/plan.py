@@ -78,6 +78,9 @@ class Planner:
     kept decode plan may drift from its full plan's before ``replan`` plans anew (``reuse``).
     ``fast_path``: batches of one query tile per request
     (decode) go to the vectorized path of ``fast`` (False: always the general one below).
+    ``locality_tol``: batches of several tiles per request are first dealt request-major
+    (``locality.request_rounds``: few heads' K/V in flight, read from L2) and kept if the
+    busiest CTA is within this of the mean; negative: never (cost order + ``locality_order``).
 
     Per plan (``_plan_balanced``): whole items by the snake if that is within
     ``balance_tol``, else by LPT (+ pairwise refinement where CTAs hold few items) if that
