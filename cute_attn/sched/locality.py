@@ -57,6 +57,11 @@ def request_rounds(req, tile_cost, kv_len, hk: int, num_ctas: int, tol: float) -
     nt = tile_cost.shape[0]
     if nt * hk < num_ctas:
         return None
+    limit = (1.0 + tol) * hk * int(tile_cost.sum()) / num_ctas
+    # a CTA of the last round runs ceil(n / C) items: where even the cheapest would pass the
+    # limit (equal items, as non-causal uniform batches: 2 x 8k is 15.5 rounds) stop here
+    if -(-nt * hk // num_ctas) * int(tile_cost.min()) > limit:
+        return None
     g = request_major_order(req, kv_len, hk)
     cost = tile_cost[g // hk]
     # the last TAIL_ROUNDS rounds' worth, largest first: the tail is what sets the makespan (on
@@ -65,7 +70,7 @@ def request_rounds(req, tile_cost, kv_len, hk: int, num_ctas: int, tol: float) -
     tail = max(g.shape[0] - TAIL_ROUNDS * num_ctas, 0)
     last = tail + np.argsort(-cost[tail:], kind="stable")
     g[tail:], cost[tail:] = g[last], cost[last]
-    dealt = round_deal(cost, num_ctas, (1.0 + tol) * hk * int(tile_cost.sum()) / num_ctas)
+    dealt = round_deal(cost, num_ctas, limit)
     if dealt is None:
         return None
     cta, loads = dealt
