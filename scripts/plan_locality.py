@@ -1,20 +1,27 @@
 """The L2 side of a prefill plan, on the CPU: for the bench's ragged batches (16 / 16 heads, hd128,
-causal, 128-row tiles, 132 CTAs), the planner's balance and the K/V its CTAs have in flight.
+128-row tiles, 132 CTAs), a plan's balance and the K/V it reads from DRAM, modelled.
 
-Model: every CTA runs its items back to back, each taking its KV blocks plus PER_ITEM blocks
-(about what an item costs beyond its blocks, BENCHMARKS.md session 38); at 200 instants, the
-K/V bytes of the distinct (request, kv head) pairs being read (each pair up to the largest
-extent in use).  Above the L2 (50 MB on the H100 / H200) the tiles of a pair stop finding its
-K/V there: the mixed batches' DRAM reads in Nsight Compute (5.41 GB ours, 0.80 GB FlashInfer's
-fa3 on bimodal48) follow this figure (76 MB in flight).
+Model: every CTA runs its items back to back, an item taking its 128-key blocks (walked from the
+last) plus PER_ITEM blocks (about what an item costs beyond its blocks, BENCHMARKS.md session
+38); all CTAs' block reads, merged in time order, go through an LRU cache of whole blocks (K and
+V of one head, 64 KiB).  With L2_MB = 30 (of the H100's 50 MB: part of it holds Q, O and the
+other copy of lines the two partitions share) the model gives the DRAM reads Nsight Compute
+measured on an H100 (session 38; Q's 0.07-0.26 GB added): cost-ordered plans 5.59 / 2.37 / 0.26
+GB against 5.41 / 2.40 / 0.31 measured (bimodal48 / varlen32 / 2 x 8k causal), FlashInfer fa3's
+order 0.80 / 0.73 / 0.20 against 0.80 / 0.72 / 0.20.  ``fa3 order``: FlashInfer 0.7.2's
+PrefillSM90Plan as its source describes it (heads outer, requests longest first, a request's
+tiles last first, each to the least-loaded CTA).  ``in flight``: the median K/V bytes of the
+(request, head) pairs being read at one time.
 
-    python scripts/plan_locality.py [Planner keyword=value ...]   # e.g. order_block=1
+    python scripts/plan_locality.py [Planner keyword=value ...]   # e.g. locality_tol=-1
     (PYTHONPATH=. for a checkout other than the installed one)
 """
 
 from __future__ import annotations
 
+import heapq
 import sys
+from collections import OrderedDict
 
 import numpy as np
 
@@ -22,51 +29,99 @@ from cute_attn.bench.prefill import bimodal_lengths, varlen32_lengths
 from cute_attn.sched import Limits, Planner
 from cute_attn.sched import workspace as ws
 
-H, D, TILE, CTAS, PER_ITEM = 16, 128, 128, 132, 2.5
-KV_BYTES_PER_TOKEN = 2 * D * 2  # K and V rows, bf16
+H, D, TILE, CTAS, PER_ITEM, L2_MB = 16, 128, 128, 132, 2.5, 30
+BLOCK_BYTES = TILE * D * 2 * 2  # K and V of one 128-key block of one head, bf16
 
 
-def plan(lens, **kw):
+def ours(lens, causal, **kw):
+    """Our plan: per CTA, its items as (request, kv head, kv start, kv end)."""
     lim = Limits(max_batch=len(lens), max_total_q_tokens=sum(lens), num_qo_heads=H, num_kv_heads=H, head_dim=D)
     qo = np.concatenate(([0], np.cumsum(lens))).astype(np.int32)
-    pl = Planner(lim, CTAS, pin_memory=False, **kw)
-    return pl.plan(qo, np.array(lens, np.int32), causal=True, num_qo_heads=H, num_kv_heads=H, cta_tile_q=TILE)
-
-
-def in_flight(p, samples=200):
-    """Median and 90th percentile of the modelled K/V in flight (MB)."""
+    p = Planner(lim, CTAS, pin_memory=False, **kw).plan(
+        qo, np.array(lens, np.int32), causal=causal, num_qo_heads=H, num_kv_heads=H, cta_tile_q=TILE
+    )
     w, ind = np.asarray(p.work_items)[: p.num_work_items], np.asarray(p.work_indptr)
-    spans = []  # (start, end, request, head, kv end)
-    for c in range(ind.shape[0] - 1):
+    cols = [ws.W_REQ, ws.W_KV_HEAD, ws.W_KV_START, ws.W_KV_END]
+    return [[tuple(int(x) for x in r) for r in w[ind[c] : ind[c + 1]][:, cols]] for c in range(CTAS)]
+
+
+def fa3_order(lens, causal):
+    """FlashInfer's sm90 prefill plan, modelled (module doc)."""
+    heap, per = [(0.0, c) for c in range(CTAS)], [[] for _ in range(CTAS)]
+    for h in range(H):
+        for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+            n = lens[i]
+            for t in range(-(-n // TILE) - 1, -1, -1):
+                end = min(n, (t + 1) * TILE) if causal else n
+                load, c = heapq.heappop(heap)
+                heapq.heappush(heap, (load + -(-end // TILE) + PER_ITEM, c))
+                per[c].append((i, h, 0, end))
+    return per
+
+
+def _reads(per):
+    """(time, request, head, block) of every block read, in time order, and each CTA's load."""
+    ev, loads = [], []
+    for items in per:
         t = 0.0
-        for r in w[ind[c] : ind[c + 1]]:
-            d = -(-(int(r[ws.W_KV_END]) - int(r[ws.W_KV_START])) // TILE) + PER_ITEM
-            spans.append((t, t + d, int(r[ws.W_REQ]), int(r[ws.W_KV_HEAD]), int(r[ws.W_KV_END])))
-            t += d
-    s = np.array(spans)
+        for req, head, s, e in items:
+            b0, b1 = s // TILE, -(-e // TILE)
+            ev += [(t + PER_ITEM / 2 + k, req, head, b) for k, b in enumerate(range(b1 - 1, b0 - 1, -1))]
+            t += b1 - b0 + PER_ITEM
+        loads.append(t)
+    ev.sort()
+    return ev, np.array(loads)
+
+
+def dram_gb(ev, l2_mb=L2_MB) -> float:
+    """K/V bytes the block reads miss in an LRU cache of ``l2_mb``."""
+    lru, cap, miss = OrderedDict(), int(l2_mb * 1e6 // BLOCK_BYTES), 0
+    for _, req, head, b in ev:
+        key = (req, head, b)
+        if key in lru:
+            lru.move_to_end(key)
+            continue
+        miss += 1
+        lru[key] = None
+        if len(lru) > cap:
+            lru.popitem(last=False)
+    return miss * BLOCK_BYTES / 1e9
+
+
+def in_flight_mb(ev) -> float:
+    """Median over time of the K/V bytes of the (request, head) pairs read within one block."""
+    t = np.array([e[0] for e in ev])
+    pairs = [(e[1], e[2]) for e in ev]
     mb = []
-    for at in np.linspace(0.0, s[:, 1].max(), samples, endpoint=False):
-        live = s[(s[:, 0] <= at) & (s[:, 1] > at)]
-        pairs = {}
-        for _, _, req, head, end in live:
-            pairs[req, head] = max(pairs.get((req, head), 0), end)
-        mb.append(sum(pairs.values()) * KV_BYTES_PER_TOKEN / 1e6)
-    return float(np.median(mb)), float(np.percentile(mb, 90))
+    for at in np.linspace(0.0, t.max(), 100, endpoint=False):
+        lo, hi = np.searchsorted(t, at), np.searchsorted(t, at + 1.0)
+        extent = {}
+        for j in range(lo, hi):
+            extent[pairs[j]] = max(extent.get(pairs[j], 0), ev[j][3] + 1)
+        mb.append(sum(extent.values()) * BLOCK_BYTES / 1e6)
+    return float(np.median(mb))
 
 
 def main(argv) -> None:
     kw = {k: float(v) if "." in v or "tol" in k else int(v) for k, v in (a.split("=") for a in argv)}
-    for name, lens in (
-        ("bimodal48", bimodal_lengths()),
-        ("varlen32_lognormal2k", varlen32_lengths()),
-        ("s8192 x 2", [8192] * 2),
-        ("s32768 x 1", [32768]),
+    print(f"K/V read from DRAM in GB (LRU L2 of {L2_MB} MB; 25-35 MB in brackets), balance, K/V in flight (MB)")
+    for name, lens, causal in (
+        ("bimodal48", bimodal_lengths(), True),
+        ("varlen32_lognormal2k", varlen32_lengths(), True),
+        ("s8192 x 2 causal", [8192] * 2, True),
+        ("s8192 x 2 non-causal", [8192] * 2, False),
+        ("s1024 x 64 causal", [1024] * 64, True),
+        ("s32768 x 1 causal", [32768], True),
     ):
-        p = plan(lens, **kw)
-        loads = np.asarray(p.cta_cost)
-        med, p90 = in_flight(p)
-        print(f"{name:22s} items {p.num_work_items:5d}  balance {loads.max() / loads.mean():.3f}  "
-              f"K/V in flight {med:5.0f} MB (p90 {p90:.0f})")  # fmt: skip
+        once = sum(-(-n // TILE) for n in lens) * H * BLOCK_BYTES / 1e9
+        cols = []
+        for who, per in (("ours", ours(lens, causal, **kw)), ("fa3 order", fa3_order(lens, causal))):
+            ev, loads = _reads(per)
+            g = [dram_gb(ev, mb) for mb in (25, L2_MB, 35)]
+            cols.append(
+                f"{who} {g[1]:5.2f} [{g[0]:.2f}-{g[2]:.2f}] {loads.max() / loads.mean():.3f} {in_flight_mb(ev):3.0f}"
+            )
+        print(f"{name:21s} once {once:.2f} | " + " | ".join(cols))
 
 
 if __name__ == "__main__":

@@ -594,8 +594,30 @@ def test_round_deal_limit_and_request_rounds_tail():
     lens = np.array([8192, 8192])
     req, _, _, ext, _ = build_tiles(lens, lens, 1, 128, True)
     tile_cost = ext // 128 + 2
-    items, indptr, loads = request_rounds(req, tile_cost, lens, 16, 132, 1.0)
+    items, indptr, loads = request_rounds(req, tile_cost, lens, 16, 132, 1.0, 1.0)
     assert sorted(items.tolist()) == list(range(ext.shape[0] * 16))
     assert loads.sum() == 16 * tile_cost.sum() and loads.max() <= 1.01 * loads.mean()
     _, in_order = round_deal(tile_cost[request_major_order(req, lens, 16) // 16], 132)
     assert in_order.max() > 1.03 * in_order.mean()
+
+
+def test_equal_items_dealt_request_major_where_whole_items_would_be_kept():
+    """2 x 8k non-causal, 16 heads: 2048 equal items on 132 CTAs, 15.5 rounds.  No plan of whole
+    items beats 16 items on the busiest CTA (3.1 % above the mean), which ``balance_tol`` 0.05
+    accepts: the request-major dealing reaches it with two heads in flight per round, so it is
+    used although above ``locality_tol``.  At ``balance_tol`` 0.02 the planner would split
+    instead, and does (request-major does not block the split)."""
+    s, h = 8192, 16
+    qo, kv = np.array([0, s, 2 * s]), np.array([s, s])
+    lim = Limits(max_batch=2, max_total_q_tokens=2 * s, num_qo_heads=h, num_kv_heads=h, head_dim=128)
+    kw = dict(causal=False, num_qo_heads=h, num_kv_heads=h, cta_tile_q=128)
+    p = Planner(lim, 132, 1).plan(qo, kv, **kw)
+    verify_plan(p, qo, kv, h)
+    w, ind = p.work_items[: p.num_work_items], p.work_indptr
+    assert p.merge_tasks.shape[0] == 0 and int(np.diff(ind).max()) == 16
+    for k in range(15):  # the k-th item of every CTA: one round, two (request, head) pairs
+        pairs = {(w[ind[c] + k][ws.W_REQ], w[ind[c] + k][ws.W_KV_HEAD]) for c in range(132)}
+        assert len(pairs) <= 3, (k, pairs)
+    q = Planner(lim, 132, 1, balance_tol=0.02).plan(qo, kv, **kw)
+    verify_plan(q, qo, kv, h)
+    assert q.merge_tasks.shape[0] > 0 and q.cta_cost.max() < p.cta_cost.max()

@@ -50,17 +50,24 @@ def locality_order(w: np.ndarray, indptr: np.ndarray) -> np.ndarray:
     return w.take(np.lexsort((key, cta)), axis=0)
 
 
-def request_rounds(req, tile_cost, kv_len, hk: int, num_ctas: int, tol: float) -> Optional[tuple]:
+def request_rounds(req, tile_cost, kv_len, hk: int, num_ctas: int, tol: float, whole_tol: float) -> Optional[tuple]:
     """(items, indptr, loads) of the request-major dealing (module doc): item ids ``t * hk + h``
-    (tile t, kv head h), CTA-major with each CTA's items in the global order; None where the
-    busiest CTA is more than ``tol`` above the mean or there are fewer items than CTAs."""
+    (tile t, kv head h), CTA-major with each CTA's items in the global order; None where there
+    are fewer items than CTAs or the busiest CTA is more than ``tol`` above the mean -- unless
+    no plan of whole items could do better and whole items are within ``whole_tol`` (the
+    planner's ``balance_tol``: its own plan would be whole items too)."""
     nt = tile_cost.shape[0]
-    if nt * hk < num_ctas:
+    n = nt * hk
+    if n < num_ctas:
         return None
-    limit = (1.0 + tol) * hk * int(tile_cost.sum()) / num_ctas
-    # a CTA of the last round runs ceil(n / C) items: where even the cheapest would pass the
-    # limit (equal items, as non-causal uniform batches: 2 x 8k is 15.5 rounds) stop here
-    if -(-nt * hk // num_ctas) * int(tile_cost.min()) > limit:
+    mean = hk * int(tile_cost.sum()) / num_ctas
+    # a CTA runs at least ceil(n / C) items in any plan of whole items: with equal items (a
+    # non-causal uniform batch: 2 x 8k is 15.5 rounds) that, not the mean, is the best there is
+    floor = -(-n // num_ctas) * int(tile_cost.min())
+    limit = (1.0 + tol) * mean
+    if limit < floor <= (1.0 + whole_tol) * mean:
+        limit = floor
+    if floor > limit:  # even the cheapest items would pass it: stop before dealing
         return None
     g = request_major_order(req, kv_len, hk)
     cost = tile_cost[g // hk]

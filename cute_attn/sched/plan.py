@@ -312,8 +312,10 @@ class Planner:
 
     def _request_rounds(self, req, ext, kv_len, hk, per_item, rec_args):
         """Whole items dealt request-major (``locality.request_rounds``), or None where that is
-        not within ``locality_tol`` of balance."""
-        dealt = request_rounds(req, self.beta * ext + per_item, kv_len, hk, self.num_ctas, self.locality_tol)
+        not within ``locality_tol`` of balance (nor the best whole items can do, within
+        ``balance_tol``)."""
+        tile_cost = self.beta * ext + per_item
+        dealt = request_rounds(req, tile_cost, kv_len, hk, self.num_ctas, self.locality_tol, self.balance_tol)
         if dealt is None:
             return None
         items, indptr, loads = dealt
