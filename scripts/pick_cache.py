@@ -10,8 +10,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from cute_attn.runtime.cache import entry_dir, lookup
 from cute_attn.families.spec import Spec
+from cute_attn.runtime.cache import entry_dir, lookup
 
 
 def main(src: str, dst: str, arch: str, texts) -> None:

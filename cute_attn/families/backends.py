@@ -71,6 +71,12 @@ HOPPER_PORTABLE_MAX_ROWS = {"tma": 0, "gather": 16}
 # above were measured at 128 only); ``prefill_backend`` still forces it
 HOPPER_WGMMA_ONLY_HEAD_DIMS = (80, 96)
 
+# MLA's planner: every head of a request reads one latent cache, and its row tiles are near-equal
+# (tokens a key apart): the snake deals them side by side in one round (``order_block``), the
+# order its records were measured with; the request-major dealing (``sched/locality.py``) is for
+# prefill's many tiles per (request, head)
+MLA_PLANNER = {"alpha": 8, "balance_tol": 0.05, "locality_tol": -1.0}
+
 
 def portable_tiles(arch: str, head_dim: int | None = None) -> tuple:
     """The portable kernel's tiles an arch's plans may use (what it ships): all of them, and
@@ -189,7 +195,7 @@ BACKENDS = (
         (mla.HEAD_DIM_CKV,),
         dtypes.ATTENTION,
         tiles=mla.TILES,  # CTAs per SM: by tile and cache dtype, families/mla.ctas_per_sm
-        planner={"alpha": 8, "balance_tol": 0.05},
+        planner=MLA_PLANNER,
         shipped=mla.shipped_specs,
     ),  # fmt: skip
     # Hopper's wgmma MLA kernel: 64-row items (one wgmma M), for plans whose requests have more
@@ -203,7 +209,7 @@ BACKENDS = (
         (mla.HEAD_DIM_CKV,),
         dtypes.ATTENTION,
         tiles=(mla.TILE_SM90,),
-        planner={"alpha": 8, "balance_tol": 0.05},
+        planner=MLA_PLANNER,
         shipped=mla.shipped_specs_sm90,
     ),  # fmt: skip
 )

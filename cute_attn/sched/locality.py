@@ -15,9 +15,10 @@ Two remedies, one per kind of plan:
   head, a head's tiles last first -- in rounds of one item per CTA, each round's items largest
   first to the CTAs in ascending load (``round_deal``).  Every CTA takes one item of each round,
   so at any time the CTAs are on one window of the order: a few heads of one request.  The last
-  ``TAIL_ROUNDS`` rounds go by cost instead (the tail sets the makespan).  Used where it
-  balances within a tolerance (mixed batches: ``scripts/plan_locality.py`` models 17-18 MB of
-  K/V in flight there against 49-79 MB dealt by cost).
+  ``TAIL_ROUNDS`` rounds go by cost instead (the tail sets the makespan).  Used where its
+  busiest CTA is within ``Planner.locality_tol`` of the mean or of the cost-ordered plan's
+  (``scripts/plan_locality.py`` models the DRAM reads: the compulsory ones on the bench's
+  mixed batches, where the cost order reads 4-10x as much).
 """
 
 from __future__ import annotations
@@ -50,31 +51,22 @@ def locality_order(w: np.ndarray, indptr: np.ndarray) -> np.ndarray:
     return w.take(np.lexsort((key, cta)), axis=0)
 
 
-def request_rounds(req, tile_cost, kv_len, hk: int, num_ctas: int, tol: float, whole_tol: float) -> Optional[tuple]:
+def request_rounds(req, tile_cost, kv_len, hk: int, num_ctas: int, limit: float) -> Optional[tuple]:
     """(items, indptr, loads) of the request-major dealing (module doc): item ids ``t * hk + h``
     (tile t, kv head h), CTA-major with each CTA's items in the global order; None where there
-    are fewer items than CTAs or the busiest CTA is more than ``tol`` above the mean -- unless
-    no plan of whole items could do better and whole items are within ``whole_tol`` (the
-    planner's ``balance_tol``: its own plan would be whole items too)."""
+    are fewer items than CTAs or a CTA's load passes ``limit``."""
     nt = tile_cost.shape[0]
     n = nt * hk
-    if n < num_ctas:
-        return None
-    mean = hk * int(tile_cost.sum()) / num_ctas
-    # a CTA runs at least ceil(n / C) items in any plan of whole items: with equal items (a
-    # non-causal uniform batch: 2 x 8k is 15.5 rounds) that, not the mean, is the best there is
-    floor = -(-n // num_ctas) * int(tile_cost.min())
-    limit = (1.0 + tol) * mean
-    if limit < floor <= (1.0 + whole_tol) * mean:
-        limit = floor
-    if floor > limit:  # even the cheapest items would pass it: stop before dealing
+    # a CTA of the last round runs ceil(n / C) items: where even the cheapest would pass the
+    # limit (equal items, as a non-causal uniform batch: 2 x 8k is 15.5 rounds) stop here
+    if n < num_ctas or -(-n // num_ctas) * int(tile_cost.min()) > limit:
         return None
     g = request_major_order(req, kv_len, hk)
     cost = tile_cost[g // hk]
     # the last TAIL_ROUNDS rounds' worth, largest first: the tail is what sets the makespan (on
     # 2 x 8k, 15.5 rounds, 4.2 % above the mean dealt in order, 0.5 % so), and it holds the
     # shortest requests' tiles, whose K/V is small wherever they run
-    tail = max(g.shape[0] - TAIL_ROUNDS * num_ctas, 0)
+    tail = max(n - TAIL_ROUNDS * num_ctas, 0)
     last = tail + np.argsort(-cost[tail:], kind="stable")
     g[tail:], cost[tail:] = g[last], cost[last]
     dealt = round_deal(cost, num_ctas, limit)

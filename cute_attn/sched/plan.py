@@ -80,7 +80,8 @@ class Planner:
     (decode) go to the vectorized path of ``fast`` (False: always the general one below).
     ``locality_tol``: batches of several tiles per request are first dealt request-major
     (``locality.request_rounds``: few heads' K/V in flight, read from L2) and kept if the
-    busiest CTA is within this of the mean; negative: never (cost order + ``locality_order``).
+    busiest CTA is within this of the mean or no busier than the cost-ordered plan's;
+    negative: never.
 
     Per plan (``_plan_balanced``): whole items by the snake if that is within
     ``balance_tol``, else by LPT (+ pairwise refinement where CTAs hold few items) if that
@@ -269,14 +270,10 @@ class Planner:
         rec_args = (req, row0, rows, ext, one_each, qo_indptr, qo_len, kv_len, tile, group, causal)
         if self.fast_path and kv_split_size is None and one_each and self.beta > 0 and b:  # decode-like (``fast``)
             p = self._fast.plan(self, ext, hk, self.alpha * tile // h, int(page_size), rec_args)
-        elif kv_split_size is None:
-            p = None
-            if not one_each and self.locality_tol >= 0:  # several tiles per request share its K/V
-                p = self._request_rounds(req, ext, kv_len, hk, self.alpha * tile // h, rec_args)
-            if p is None:
-                p = self._plan_balanced(ext, hk, tile, int(page_size), self.alpha * tile // h, rec_args)
-                if not one_each:
-                    p.work_items = locality_order(p.work_items, p.work_indptr)
+        elif kv_split_size is None and one_each:
+            p = self._plan_balanced(ext, hk, tile, int(page_size), self.alpha * tile // h, rec_args)
+        elif kv_split_size is None:  # several tiles per request share its K/V
+            p = self._plan_local(req, ext, kv_len, hk, tile, int(page_size), self.alpha * tile // h, rec_args)
         else:
             p = self._plan_invariant(ext, hk, tile, int(kv_split_size), self.alpha * tile // h, rec_args)
             if not one_each:  # several tiles per request share its K/V: order for L2 reuse
@@ -310,16 +307,22 @@ class Planner:
             rec[:, ws.W_KV_LEN] = kv_len[req]
         return rec
 
-    def _request_rounds(self, req, ext, kv_len, hk, per_item, rec_args):
-        """Whole items dealt request-major (``locality.request_rounds``), or None where that is
-        not within ``locality_tol`` of balance (nor the best whole items can do, within
-        ``balance_tol``)."""
+    def _plan_local(self, req, ext, kv_len, hk, tile, page, per_item, rec_args):
+        """Whole items dealt request-major (``locality.request_rounds``) where the busiest CTA
+        is within ``locality_tol`` of the mean or no busier than the cost-ordered plan's (which
+        is then made too, and kept otherwise, each CTA's items in ``locality_order``)."""
         tile_cost = self.beta * ext + per_item
-        dealt = request_rounds(req, tile_cost, kv_len, hk, self.num_ctas, self.locality_tol, self.balance_tol)
-        if dealt is None:
-            return None
-        items, indptr, loads = dealt
-        return self._unsplit(items, indptr, loads, None, hk, ext.shape[0], rec_args)
+        mean = hk * int(tile_cost.sum()) / self.num_ctas
+        rr = None
+        if self.locality_tol >= 0:  # the cost-ordered plan is within balance_tol or splits
+            rr = request_rounds(req, tile_cost, kv_len, hk, self.num_ctas, (1.0 + self.balance_tol) * mean)
+            if rr is not None and int(rr[2].max()) <= (1.0 + self.locality_tol) * mean:
+                return self._unsplit(*rr, None, hk, ext.shape[0], rec_args)
+        p = self._plan_balanced(ext, hk, tile, page, per_item, rec_args)
+        if rr is not None and int(rr[2].max()) <= int(p.cta_cost.max()):
+            return self._unsplit(*rr, None, hk, ext.shape[0], rec_args)
+        p.work_items = locality_order(p.work_items, p.work_indptr)
+        return p
 
     def _plan_balanced(self, ext, hk, tile, page, per_item, rec_args):
         """Snake, else LPT (+ pairwise refinement), else the wrap-around split, else whole
