@@ -33,26 +33,26 @@ H, D, TILE, CTAS, PER_ITEM, L2_MB = 16, 128, 128, 132, 2.5, 30
 BLOCK_BYTES = TILE * D * 2 * 2  # K and V of one 128-key block of one head, bf16
 
 
-def ours(lens, causal, **kw):
+def ours(qo_lens, kv_lens, causal, **kw):
     """Our plan: per CTA, its items as (request, kv head, kv start, kv end)."""
-    lim = Limits(max_batch=len(lens), max_total_q_tokens=sum(lens), num_qo_heads=H, num_kv_heads=H, head_dim=D)
-    qo = np.concatenate(([0], np.cumsum(lens))).astype(np.int32)
+    lim = Limits(max_batch=len(qo_lens), max_total_q_tokens=sum(qo_lens), num_qo_heads=H, num_kv_heads=H, head_dim=D)
+    qo = np.concatenate(([0], np.cumsum(qo_lens))).astype(np.int32)
     p = Planner(lim, CTAS, pin_memory=False, **kw).plan(
-        qo, np.array(lens, np.int32), causal=causal, num_qo_heads=H, num_kv_heads=H, cta_tile_q=TILE
+        qo, np.array(kv_lens, np.int32), causal=causal, num_qo_heads=H, num_kv_heads=H, cta_tile_q=TILE
     )
     w, ind = np.asarray(p.work_items)[: p.num_work_items], np.asarray(p.work_indptr)
     cols = [ws.W_REQ, ws.W_KV_HEAD, ws.W_KV_START, ws.W_KV_END]
     return [[tuple(int(x) for x in r) for r in w[ind[c] : ind[c + 1]][:, cols]] for c in range(CTAS)]
 
 
-def fa3_order(lens, causal):
+def fa3_order(qo_lens, kv_lens, causal):
     """FlashInfer's sm90 prefill plan, modelled (module doc)."""
     heap, per = [(0.0, c) for c in range(CTAS)], [[] for _ in range(CTAS)]
     for h in range(H):
-        for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
-            n = lens[i]
-            for t in range(-(-n // TILE) - 1, -1, -1):
-                end = min(n, (t + 1) * TILE) if causal else n
+        for i in sorted(range(len(qo_lens)), key=lambda i: -kv_lens[i]):
+            q, n = qo_lens[i], kv_lens[i]
+            for t in range(-(-q // TILE) - 1, -1, -1):
+                end = min(n, n - q + (t + 1) * TILE) if causal else n
                 load, c = heapq.heappop(heap)
                 heapq.heappush(heap, (load + -(-end // TILE) + PER_ITEM, c))
                 per[c].append((i, h, 0, end))
@@ -105,17 +105,19 @@ def in_flight_mb(ev) -> float:
 def main(argv) -> None:
     kw = {k: float(v) if "." in v or "tol" in k else int(v) for k, v in (a.split("=") for a in argv)}
     print(f"K/V read from DRAM in GB (LRU L2 of {L2_MB} MB; 25-35 MB in brackets), balance, K/V in flight (MB)")
-    for name, lens, causal in (
-        ("bimodal48", bimodal_lengths(), True),
-        ("varlen32_lognormal2k", varlen32_lengths(), True),
-        ("s8192 x 2 causal", [8192] * 2, True),
-        ("s8192 x 2 non-causal", [8192] * 2, False),
-        ("s1024 x 64 causal", [1024] * 64, True),
-        ("s32768 x 1 causal", [32768], True),
+    chunk = ([8192], [65536])  # chunked prefill: an 8k chunk of a prompt on its 56k prefix
+    for name, (qo, kv), causal in (
+        ("bimodal48", (bimodal_lengths(),) * 2, True),
+        ("varlen32_lognormal2k", (varlen32_lengths(),) * 2, True),
+        ("s8192 x 2 causal", ([8192] * 2,) * 2, True),
+        ("s8192 x 2 non-causal", ([8192] * 2,) * 2, False),
+        ("s1024 x 64 causal", ([1024] * 64,) * 2, True),
+        ("s32768 x 1 causal", ([32768],) * 2, True),
+        ("8k chunk on 64k", chunk, True),
     ):
-        once = sum(-(-n // TILE) for n in lens) * H * BLOCK_BYTES / 1e9
+        once = sum(-(-n // TILE) for n in kv) * H * BLOCK_BYTES / 1e9
         cols = []
-        for who, per in (("ours", ours(lens, causal, **kw)), ("fa3 order", fa3_order(lens, causal))):
+        for who, per in (("ours", ours(qo, kv, causal, **kw)), ("fa3 order", fa3_order(qo, kv, causal))):
             ev, loads = _reads(per)
             g = [dram_gb(ev, mb) for mb in (25, L2_MB, 35)]
             cols.append(
