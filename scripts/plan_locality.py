@@ -59,7 +59,7 @@ def fa3_order(qo_lens, kv_lens, causal):
     return per
 
 
-def _reads(per):
+def block_reads(per):
     """(time, request, head, block) of every block read, in time order, and each CTA's load."""
     ev, loads = [], []
     for items in per:
@@ -118,7 +118,7 @@ def main(argv) -> None:
         once = sum(-(-n // TILE) for n in kv) * H * BLOCK_BYTES / 1e9
         cols = []
         for who, per in (("ours", ours(qo, kv, causal, **kw)), ("fa3 order", fa3_order(qo, kv, causal))):
-            ev, loads = _reads(per)
+            ev, loads = block_reads(per)
             g = [dram_gb(ev, mb) for mb in (25, L2_MB, 35)]
             cols.append(
                 f"{who} {g[1]:5.2f} [{g[0]:.2f}-{g[2]:.2f}] {loads.max() / loads.mean():.3f} {in_flight_mb(ev):3.0f}"
