@@ -40,8 +40,8 @@ Field order (constants ``W_*`` in ``cute_attn.sched.workspace``)::
     11 NUM_CHUNKS chunks the (tile, kv head) was cut into; 1 <=> DEST == -1
 
 CTA c (grid = num_ctas = num_sms * ctas_per_sm, fixed) runs items ``work_indptr[c] ..
-work_indptr[c+1] - 1`` in that order (by request, kv head, last tile first: see
-``locality.locality_order``). An item computes attention of its tile's rows over
+work_indptr[c+1] - 1`` in that order (prefill: the request-major dealing's global order, or
+by request, kv head, last tile first; ``locality``). An item computes attention of its tile's rows over
 its kv range (with the causal mask if ``meta[CAUSAL]``). KV_START is page-aligned except
 where a chunk was cut at a non-aligned tile end. An item with KV_START == KV_END (a tile
 that sees no key) writes o = 0, lse = -inf. Chunk boundaries lie within what the tile's last
@@ -94,6 +94,9 @@ a line and cut at the CTA boundaries (McNaughton's wrap-around rule), page-align
 piece shorter than a minimum that scales with a CTA's fair share (floor max(page, 64)
 tokens, ``cost.min_chunk_len``); kept only where it beats whole items. The busiest CTA is
 within the largest item of the mean (tested). Deterministic: same input, same bytes.
+Several tiles per request (prefill): first dealt request-major in rounds of one item per CTA
+(``locality.request_rounds``: the CTAs then read a few heads' K/V at a time, from L2), kept
+within ``locality_tol`` of the mean or a quarter of it of the plan above.
 Batch-invariant mode (``kv_split_size=S``): every tile is cut at multiples of S and
 nothing else, with a tile size that does not depend on the batch, so a request's items
 and merge order are the same whatever else is batched with it.
