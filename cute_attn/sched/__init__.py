@@ -41,8 +41,8 @@ Field order (constants ``W_*`` in ``cute_attn.sched.workspace``)::
 
 CTA c (grid = num_ctas = num_sms * ctas_per_sm, fixed) runs items ``work_indptr[c] ..
 work_indptr[c+1] - 1`` in that order (prefill: the request-major dealing's global order, or
-by request, kv head, last tile first; ``locality``). An item computes attention of its tile's rows over
-its kv range (with the causal mask if ``meta[CAUSAL]``). KV_START is page-aligned except
+by request, kv head, last tile first; ``locality``). An item computes attention of its
+tile's rows over its kv range (with the causal mask if ``meta[CAUSAL]``). KV_START is page-aligned except
 where a chunk was cut at a non-aligned tile end. An item with KV_START == KV_END (a tile
 that sees no key) writes o = 0, lse = -inf. Chunk boundaries lie within what the tile's last
 row may see, so no item is entirely masked for every row.

@@ -4,8 +4,8 @@ read its K/V from L2.
 Several tiles of a request read the same K/V (a causal tile its prefix).  The 132 CTAs of a
 persistent launch each run their items back to back, so the items at the k-th place of every
 CTA run at about the same time; if they come from many (request, head) pairs, their K/V together
-outgrow the 50 MB L2 of an H100 / H200 and every tile re-reads its K/V from DRAM (Nsight Compute,
-BENCHMARKS.md session 38: 5.41 GB read where FlashInfer's fa3 reads 0.80 GB, the same batch).
+outgrow the 50 MB L2 of an H100 / H200 and every tile re-reads its K/V from DRAM (Nsight Compute
+on a bimodal batch dealt by cost: 5.4 GB read where FlashInfer's fa3 reads 0.8 GB).
 Two remedies, one per kind of plan:
 
 * ``locality_order``: after a cost-ordered assignment (``assign``), each CTA's items re-ordered by

@@ -312,12 +312,13 @@ class Planner:
         is within ``locality_tol`` of the mean, or within a quarter of it of the cost-ordered
         plan's busiest (that plan is then made too, and kept otherwise, each CTA's items in
         ``locality_order``): what a few tenths of a percent of balance buy back is K/V read
-        from L2 instead of DRAM (an 8k chunk on a 56k prefix: 1.030 against 1.029 of the
-        mean, modelled K/V from DRAM 0.90 GB against 2.16; ``scripts/plan_locality.py``)."""
+        from L2 instead of DRAM (an 8k chunk on a 56k prefix, 16 heads: 1.033 against 1.029
+        of the mean, modelled K/V from DRAM 0.76 GB against 1.58; ``scripts/plan_locality.py``)."""
         tile_cost = self.beta * ext + per_item
         mean = hk * int(tile_cost.sum()) / self.num_ctas
         rr = None
-        if self.locality_tol >= 0:  # the cost-ordered plan is within balance_tol or splits
+        if self.locality_tol >= 0:
+            # beyond balance_tol the cost-ordered plan splits items, and would be kept anyway
             rr = request_rounds(req, tile_cost, kv_len, hk, self.num_ctas, (1.0 + self.balance_tol) * mean)
             if rr is not None and int(rr[2].max()) <= (1.0 + self.locality_tol) * mean:
                 return self._unsplit(*rr, None, hk, ext.shape[0], rec_args)
