@@ -86,11 +86,16 @@ class PrefillRowIO:
             for h in cutlass.range_constexpr(D // OC):
                 if const_expr(h > 0):
                     cute.arch.barrier(barrier_id=bar_wg, number_of_threads=WG)  # pass h-1's reads done
+                if const_expr(tc.o_stage is not None):  # one pass: the whole accumulator by stmatrix
+                    rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
+                    rO.store(acc_O.load().to(self.dtype))
+                    cute.copy(tc.o_stage, tc.o_stage.retile(rO), tc.o_stage.partition_D(sO))
                 for r in cutlass.range_constexpr(n_rows):
                     j = tOcO[r, 0][0]
-                    for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                        if const_expr(tc.o_col_off[c] // OC == h):
-                            sO[j, tOcO[0, c][1] - h * OC] = O[r, c].to(self.dtype)
+                    if const_expr(tc.o_stage is None):
+                        for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                            if const_expr(tc.o_col_off[c] // OC == h):
+                                sO[j, tOcO[0, c][1] - h * OC] = O[r, c].to(self.dtype)
                     if const_expr(h == 0):
                         if lane % 4 == 0 and j < num_rows:
                             tok, head = tok_head(info, row_start + j)

@@ -100,6 +100,7 @@ class TraceCtx:
     # coordinates are compile-time numbers): float positions cost one conversion per block
     col_off: tuple = ()
     o_col_off: tuple = ()  # the same for the columns of a thread's O accumulator
+    o_stage: Optional[Any] = None  # the thread's stmatrix slice staging its O rows in one pass, or None
     inv_sm_scale: Optional[Any] = None  # 1 / sm_scale, for biases seeded in q·k's units
     inv_cap: Optional[Any] = None  # sm_scale / cap: the soft-cap's tanh argument per raw q·k
     fixed_shift: Optional[Any] = None  # the soft-cap's fixed shift (prefill ``_fixed_shift``)
