@@ -767,8 +767,9 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
         tO0 = wgmma_mn_view(mma_pv.get_slice(0).partition_C(cute.make_identity_tensor((TQ, D))))
         col_off = tuple(tS0[0, c][1] - tS0[0, 0][1] for c in range(cute.size(tS0, mode=[1])))
         o_col_off = tuple(tO0[0, c][1] - tO0[0, 0][1] for c in range(cute.size(tO0, mode=[1])))
-        # O staged for the output by stmatrix (8 x 8 tiles of 16-bit pairs, 16 bytes a row) where
-        # it goes out in one pass: one instruction per 32 values instead of a 16-bit store each
+        # O staged for the output by stmatrix (x4: four 8 x 8 tiles, a 16-bit pair of each per
+        # thread) where it goes out in one pass: one instruction per 8 of a thread's values
+        # instead of a 16-bit store (and a permute out of the converted pair) each
         o_stage = None
         if const_expr(self.o_cols == D and self.dtype.width == 16):
             atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
