@@ -1,8 +1,9 @@
 """Where the open issues' "must show" bars stand, read from ``benchmarks/results.json``: for each
 bar the latest record of its case (a ratio of two records only when both come from one run:
-same commit and date), the device and commit it was measured on, and whether it is met.
+same commit and date), the device and commit it was measured on, and whether it is met.  Only
+records of the device the bars are stated for count (``--device``, a part of its name: H200).
 
-    python scripts/issue_bars.py [--json benchmarks/results.json] [--markdown]
+    python scripts/issue_bars.py [--json benchmarks/results.json] [--markdown] [--device H200]
 
 Ratios follow the bench's records: a peer's ``ratio`` is its time over ours (> 1: we are
 faster); ``vs_bf16`` / ``x_bf16`` compare with the bf16 run of the same turns; the portable
@@ -80,22 +81,26 @@ def _bars():
     return out
 
 
-def _latest(records, ref: Ref, run=None):
-    """The last record of ``ref`` by date (file order within a date); ``run``: (commit, date)."""
+def _latest(records, ref: Ref, run=None, device=None):
+    """The last record of ``ref`` by date (file order within a date); ``run``: (commit, date,
+    device); ``device``: a part of the device's name (None: any)."""
     hits = [r for r in records if (r["case"], r["impl"], r["metric"]) == ref]
+    if device is not None:
+        hits = [r for r in hits if device in r["device"]]
     if run is not None:
-        hits = [r for r in hits if (r["commit"], r["date"]) == run]
+        hits = [r for r in hits if (r["commit"], r["date"], r["device"]) == run]
     return max(enumerate(hits), key=lambda ir: (ir[1]["date"], ir[0]))[1] if hits else None
 
 
-def evaluate(records, bar: Bar):
-    """(value, record of the bar's ref, met) or (None, None, None) when not measured."""
-    rec = _latest(records, bar.ref)
+def evaluate(records, bar: Bar, device=None):
+    """(value, record of the bar's ref, met) or (None, None, None) when not measured (on a
+    device whose name contains ``device``, if given)."""
+    rec = _latest(records, bar.ref, device=device)
     if rec is None:
         return None, None, None
     value = rec["value"]
     if bar.over is not None:
-        den = _latest(records, bar.over, (rec["commit"], rec["date"]))
+        den = _latest(records, bar.over, (rec["commit"], rec["date"], rec["device"]))
         if den is None:
             return None, None, None
         value = value / den["value"]
@@ -108,12 +113,13 @@ def main() -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--json", default=os.path.join(here, "..", "benchmarks", "results.json"))
     ap.add_argument("--markdown", action="store_true", help="a Markdown table (BENCHMARKS.md)")
+    ap.add_argument("--device", default="H200", help="the bars' device, a part of its name")
     args = ap.parse_args()
     with open(args.json) as f:
         records = json.load(f)
     rows = []
     for bar in _bars():
-        value, rec, met = evaluate(records, bar)
+        value, rec, met = evaluate(records, bar, args.device)
         got = "not measured" if value is None else f"{value:.3f}"
         where = "" if rec is None else f"{rec['device']}, `{rec['commit']}`, {rec['date']}"
         verdict = "" if met is None else ("met" if met else "**not met**")

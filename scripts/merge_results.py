@@ -1,5 +1,6 @@
 """Merge the records of a device run's results.json into benchmarks/results.json (the latest
-record of a (case, impl, metric) replaces the older one, as ``bench --json`` does).
+record of a (case, impl, metric) on a device replaces that device's older one, as ``bench
+--json`` does; another device's records stay).
 
     python scripts/merge_results.py /path/to/run/results.json [benchmarks/results.json]
 """

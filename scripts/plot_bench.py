@@ -1,14 +1,15 @@
 """Plot our speed-up over each peer from the bench's records, one PNG per op group.
 
-    python scripts/plot_bench.py [OUT_DIR] [--json benchmarks/results.json] [--commit SHA]
+    python scripts/plot_bench.py [OUT_DIR] [--json benchmarks/results.json] [--commit SHA] [--device H200]
 
 For each group (decode, prefill, cascade, sparse, variants) it takes the commit whose run
 compared the most cases of that group with a peer (ties: the newest, by the records' date, then
 git's history order; a later run of a few cases does not hide the last full one; ``--commit``
 picks one) and plots, per case, every peer's time over ours (``flashinfer``, ``sdpa_cudnn``, ``flex``, ...:
 its ``us`` record over ``cute_attn``'s ``us`` of the same case and commit, or its ``ratio``
-record where a ``us`` is missing): > 1 = we are faster.  Writes ``OUT_DIR/bench_<group>.png``
-(default OUT_DIR: benchmarks/plots).  Needs matplotlib.
+record where a ``us`` is missing): > 1 = we are faster.  Only one device's records count
+(``--device``, a part of its name; default H200, the GPU the figures are stated for).  Writes
+``OUT_DIR/bench_<group>.png`` (default OUT_DIR: benchmarks/plots).  Needs matplotlib.
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="benchmarks/results.json", help="the bench's records")
     ap.add_argument("--commit", help="plot this commit's records (default: each group's newest)")
     ap.add_argument("--groups", nargs="+", choices=list(GROUPS), default=list(GROUPS))
+    ap.add_argument("--device", default="H200", help="plot this device's records (a part of its name)")
     a = ap.parse_args(argv)
     try:
         import matplotlib
@@ -183,6 +185,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     by_group = defaultdict(list)
     for r in records:
+        if a.device not in r.get("device", ""):
+            continue
         g = group_of(r["case"])
         if g is not None:
             by_group[g].append(r)

@@ -177,10 +177,12 @@ class Results:
         )
 
     def merge_into(self, path: str) -> None:
-        """The latest run of a (case, impl, metric) replaces the older record."""
+        """The latest run of a (case, impl, metric) on a device replaces that device's older
+        record; another device's stays (an H100 run must not erase the H200 figures the issues'
+        bars are stated for)."""
         p = Path(path)
         old = json.loads(p.read_text()) if p.exists() else []
-        key = lambda r: (r["case"], r["impl"], r["metric"])  # noqa: E731
+        key = lambda r: (r["case"], r["impl"], r["metric"], r.get("device", ""))  # noqa: E731
         new_keys = {key(r) for r in self.records}
         merged = [r for r in old if key(r) not in new_keys] + self.records
         p.parent.mkdir(parents=True, exist_ok=True)
