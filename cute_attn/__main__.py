@@ -116,7 +116,21 @@ def _cmd_compile(args) -> int:
         f"{len(rows) - len([r for r in rows if not r['ok']])}/{total} specializations ready in "
         f"{time.perf_counter() - t0:.1f} s; cache: {args.out or _cache_root()}"
     )
-    return 1 if failed or len(rows) < total else 0
+    # a kernel that compiles but lacks what its family promises (ptxas serialized its wgmmas,
+    # say) would run correct and slow: the build says so and fails
+    lacking = _lacking(rows)
+    for spec, labels in lacking:
+        print(f"LACKS {', '.join(labels)}: {spec}")
+    return 1 if failed or lacking or len(rows) < total else 0
+
+
+def _lacking(rows) -> list:
+    """(spec, [labels]) of the compiled rows whose PTX / SASS lacks a promised instruction."""
+    return [
+        (r["spec"], [k for k, v in r["instructions"].items() if v is False])
+        for r in rows
+        if r["ok"] and any(v is False for v in r["instructions"].values())
+    ]
 
 
 def _print_table(rows) -> None:

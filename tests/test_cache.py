@@ -225,6 +225,20 @@ def _published(s):
         return cache.publish(s, _fake_build(b"\x7fELF" + os.urandom(64)))
 
 
+def test_compile_cli_fails_on_a_kernel_lacking_a_promised_instruction():
+    """``python -m cute_attn compile`` exits 1 and names the kernel where the PTX / SASS lacks
+    what its family promises (a kernel whose wgmmas ptxas serialized runs correct and slow);
+    unchecked (None, no SASS tool) and failed builds are not counted as lacking."""
+    from cute_attn.__main__ import _lacking
+
+    ok = dict(ok=True, spec="a@sm_90a", instructions={"wgmma": True, "wgmma async (SASS)": True})
+    slow = dict(ok=True, spec="b@sm_90a", instructions={"wgmma": True, "wgmma async (SASS)": False})
+    unchecked = dict(ok=True, spec="c@sm_90a", instructions={"wgmma": True, "wgmma async (SASS)": None})
+    broken = dict(ok=False, spec="d@sm_90a", error="x")
+    assert _lacking([ok, slow, unchecked, broken]) == [("b@sm_90a", ["wgmma async (SASS)"])]
+    assert _lacking([ok, unchecked]) == []
+
+
 @pytest.mark.parametrize(
     "damage",
     [

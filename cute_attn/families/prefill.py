@@ -92,11 +92,12 @@ BATCH_PREFILL_SM90 = register(
         },
         known_gaps=lambda p: (
             {
-                "uniform descriptors (SASS)": "hd64, 64-row tiles, ragged causal bf16: ptxas rebuilds the P V "
-                "wgmmas' V descriptors per wgmma (R2UR); open"
+                "uniform descriptors (SASS)": "hd64, 64-row tiles, causal bf16, K / V by TMA (ragged or page "
+                "boxes): ptxas rebuilds the P V wgmmas' V descriptors per wgmma (R2UR); open"
             }
-            if (p["head_dim"], p["tile_q"], p["paged"], p["causal"], p["dtype"]) == (64, 64, False, True, "bf16")
-            and len(p) == 7
+            if (p["head_dim"], p["tile_q"], p["causal"], p["dtype"]) == (64, 64, True, "bf16")
+            and (not p["paged"] or p.get("page_box"))
+            and len(p) == 7 + ("page_box" in p)
             else {}
         ),
     )

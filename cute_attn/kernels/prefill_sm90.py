@@ -769,9 +769,12 @@ class BatchPrefillSm90(PrefillProducer, PrefillKv8, PrefillKv8Pass, PrefillSoftm
         o_col_off = tuple(tO0[0, c][1] - tO0[0, 0][1] for c in range(cute.size(tO0, mode=[1])))
         # O staged for the output by stmatrix (x4: four 8 x 8 tiles, a 16-bit pair of each per
         # thread) where it goes out in one pass: one instruction per 8 of a thread's values
-        # instead of a 16-bit store (and a permute out of the converted pair) each
+        # instead of a 16-bit store (and a permute out of the converted pair) each.  Two
+        # consumer warpgroups only: with one (256 threads) setmaxnreg is ignored, ptxas picks
+        # the register count itself and, with stmatrix's fragment live, serializes the hd128
+        # gather kernels' wgmmas
         o_stage = None
-        if const_expr(self.o_cols == D and self.dtype.width == 16):
+        if const_expr(self.num_mma_wg == 2 and self.o_cols == D and self.dtype.width == 16):
             atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
             o_stage = cute.make_tiled_copy_C(atom, mma_pv).get_slice(ct)
         tc = dataclasses.replace(tc, col_off=col_off, o_col_off=o_col_off, o_stage=o_stage)
