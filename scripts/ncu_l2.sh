@@ -9,7 +9,6 @@ set -uo pipefail
 M=lts__t_sectors.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum.per_second
 M=$M,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_hit_rate.pct,dram__bytes_read.sum
 M=$M,gpu__time_duration.sum,sm__cycles_active.avg
-M=$M,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed
 for impl in ours flashinfer; do
   for mode in noncausal causal; do
     timeout 120 ncu --clock-control none --profile-from-start off --metrics "$M" \

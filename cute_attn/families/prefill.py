@@ -78,8 +78,9 @@ def _sm90_known_gaps(p) -> dict:
     cute_attn compile`` fails on any other)."""
     plain = len(p) == 7 + ("page_box" in p)  # no variant, fp8 cache or other extra parameter
     tma = not p["paged"] or bool(p.get("page_box"))  # K / V by TMA, not the cp.async gather
+    shape = (p["head_dim"], p["tile_q"], p["causal"], p["dtype"])
     gaps = {}
-    if plain and tma and (p["head_dim"], p["tile_q"], p["causal"], p["dtype"]) == (64, 64, True, "bf16"):
+    if plain and tma and shape == (64, 64, True, "bf16"):
         gaps["uniform descriptors (SASS)"] = (
             "hd64, 64-row tiles, causal bf16, K / V by TMA (ragged or page boxes): ptxas rebuilds the "
             "P V wgmmas' V descriptors per wgmma (R2UR); open"
@@ -89,12 +90,7 @@ def _sm90_known_gaps(p) -> dict:
             "hd80, 128-row tiles, cp.async gather, bf16: at 128 keys ptxas serializes the wgmmas "
             "(registers; fp16 stays async); 112 keys compile async, as at hd96, not yet run; open"
         )
-    if p.get("variant") == "FlashSigmoid" and (p["head_dim"], p["tile_q"], p["causal"], p["dtype"]) == (
-        64,
-        128,
-        True,
-        "f16",
-    ):
+    if p.get("variant") == "FlashSigmoid" and shape == (64, 128, True, "f16"):
         gaps["uniform descriptors (SASS)"] = "hd64 FlashSigmoid, 128-row tiles, causal fp16: R2UR per P V wgmma; open"
     return gaps
 

@@ -1,10 +1,10 @@
 """The Hopper prefill consumers' row I/O (``prefill_sm90.py``): a warpgroup's Q rows in by
 ``cp.async`` (GQA addressing: packed row r is token r // group of head kv_head * group + r %
 group), and the item's normalized rows out -- final rows (value dtype + LSE) through the
-staging tile (filled by ``stmatrix`` where O leaves in one pass, head dims <= 128; else a value
-per store) as 16-byte stores, each row to its own (token, head) address, or a split item's
-fp32 partial rows straight from registers for the ⊕ merge; and the zeroing of V rows past the
-item's keys in shared memory.
+staging tile (filled by ``stmatrix`` where two consumer warpgroups hold O and it leaves in one
+pass, head dims <= 128; else a value per store) as 16-byte stores, each row to its own (token,
+head) address, or a split item's fp32 partial rows straight from registers for the ⊕ merge; and
+the zeroing of V rows past the item's keys in shared memory.
 
 A mixin of ``BatchPrefillSm90``: its methods read the kernel's configuration from ``self``,
 the item from an ``ItemInfo`` and the launch's values from a ``TraceCtx`` (``work.py``).
